@@ -1,0 +1,31 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both set themselves up.
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test test-fast lint format bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/bucketrl up
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not vllm and not browser"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check bucketrl tests bench
+
+format: setup
+	$(VENV)/bin/ruff format bucketrl tests bench
+	$(VENV)/bin/ruff check --fix .
+
+bench: setup
+	$(PY) bench/proxy_load.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

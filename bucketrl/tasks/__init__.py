@@ -1,0 +1,1 @@
+"""Built-in tiny model and toy task: real architectures, created locally, no download."""

@@ -1,0 +1,79 @@
+"""A tiny Qwen2 causal LM with a character-level tokenizer, built locally (no download).
+
+Real architecture, real tokenizer files: transformers, peft and vLLM all load the directory like any
+hub checkout. head_dim is 64 because vLLM's CPU attention kernels do not support 16.
+
+    python -m bucketrl.tasks.tiny_model /tmp/tiny-qwen2
+"""
+
+from __future__ import annotations
+
+import json
+import string
+import sys
+from pathlib import Path
+
+PAD, EOS, BOS = "<pad>", "<|endoftext|>", "<|im_start|>"
+SPECIALS = [PAD, EOS, BOS]
+# Characters the toy tasks use; one token each.
+CHARS = list(string.digits + string.ascii_lowercase + " +-*=?:.,()[]<>|#\n")
+VOCAB_SIZE = 64  # >= len(SPECIALS) + len(CHARS); the rest are unused rows
+
+
+def vocab() -> dict[str, int]:
+    tokens = SPECIALS + CHARS
+    assert len(tokens) <= VOCAB_SIZE, len(tokens)
+    return {tok: i for i, tok in enumerate(tokens)}
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token=PAD))
+    # Every character is its own token; decoding concatenates them back.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS,
+                                   unk_token=PAD)
+    fast.save_pretrained(out_dir)
+
+
+def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden_size: int = 128, layers: int = 2,
+                     intermediate_size: int = 256) -> Path:
+    """Write a randomly initialised tiny Qwen2 + tokenizer to ``out_dir`` (idempotent) and return it."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    ids = vocab()
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=hidden_size // 64,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = ids[EOS]
+    model.generation_config.pad_token_id = ids[PAD]
+    model.save_pretrained(out, safe_serialization=True)
+    build_tokenizer(out)
+    (out / "bucketrl_tiny.json").write_text(json.dumps({"seed": seed, "vocab_size": VOCAB_SIZE}))
+    return out
+
+
+if __name__ == "__main__":
+    print(build_tiny_model(sys.argv[1] if len(sys.argv) > 1 else "tiny-qwen2"))

@@ -1,0 +1,77 @@
+"""The REST contract's wire shapes (DESIGN.md section 3), one module per concept.
+
+Everything here imports with pydantic alone: no torch, no FastAPI, no Redis.
+"""
+
+from bucketrl.wire.adapters import AdapterVersionInfo
+from bucketrl.wire.checkpoints import CheckpointInfo
+from bucketrl.wire.errors import ErrorBody, ErrorDetail
+from bucketrl.wire.leases import (
+    PromptLease,
+    PromptLeaseItem,
+    PromptLeaseRequest,
+    PromptReleaseRequest,
+    VersionLease,
+    VersionLeaseRequest,
+)
+from bucketrl.wire.metrics import MetricsPush
+from bucketrl.wire.rollouts import (
+    AckRequest,
+    AckResponse,
+    ClaimRequest,
+    ClaimResponse,
+    Completion,
+    Delivery,
+    RolloutBatch,
+    RolloutGroup,
+    SubmitResponse,
+)
+from bucketrl.wire.runs import (
+    DatasetSpec,
+    LoraSpec,
+    LossSpec,
+    RewardSpec,
+    RunInfo,
+    RunSpec,
+    RunState,
+    SamplingSpec,
+)
+from bucketrl.wire.status import QueueStatus, RunStatus, TrainerStatus, VersionStatus, WorkerStatus
+from bucketrl.wire.trainer import TrainerRegistration
+
+__all__ = [
+    "AckRequest",
+    "AckResponse",
+    "AdapterVersionInfo",
+    "CheckpointInfo",
+    "ClaimRequest",
+    "ClaimResponse",
+    "Completion",
+    "DatasetSpec",
+    "Delivery",
+    "ErrorBody",
+    "ErrorDetail",
+    "LoraSpec",
+    "LossSpec",
+    "MetricsPush",
+    "PromptLease",
+    "PromptLeaseItem",
+    "PromptLeaseRequest",
+    "PromptReleaseRequest",
+    "QueueStatus",
+    "RewardSpec",
+    "RolloutBatch",
+    "RolloutGroup",
+    "RunInfo",
+    "RunSpec",
+    "RunState",
+    "RunStatus",
+    "SamplingSpec",
+    "SubmitResponse",
+    "TrainerRegistration",
+    "TrainerStatus",
+    "VersionLease",
+    "VersionLeaseRequest",
+    "VersionStatus",
+    "WorkerStatus",
+]

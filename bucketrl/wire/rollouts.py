@@ -1,0 +1,94 @@
+"""Rollout batches (generator -> proxy) and deliveries (proxy -> trainer)."""
+
+import math
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from bucketrl.wire.common import LeaseId, WireModel, WorkerId
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Completion(WireModel):
+    token_ids: list[int] = Field(..., min_length=1)
+    # logprobs[i] is the behaviour logprob of token_ids[i] (temperature applied before log-softmax).
+    logprobs: list[float] = Field(..., min_length=1)
+    # None = the reward function could not score this completion.
+    reward: float | None
+    finish_reason: FinishReason = "stop"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Completion":
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"logprobs has {len(self.logprobs)} entries but token_ids has {len(self.token_ids)}"
+            )
+        for i, lp in enumerate(self.logprobs):
+            if not math.isfinite(lp) or lp > 0.0:
+                raise ValueError(f"logprobs[{i}] = {lp!r} is not a finite value <= 0")
+        if any(t < 0 for t in self.token_ids):
+            raise ValueError("token_ids must be >= 0")
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise ValueError("reward must be finite or null")
+        return self
+
+
+class RolloutGroup(WireModel):
+    prompt_id: str = Field(..., min_length=1, max_length=200)
+    prompt_index: int = Field(..., ge=0)
+    prompt_token_ids: list[int] = Field(..., min_length=1)
+    completions: list[Completion] = Field(..., min_length=1)
+
+    @field_validator("prompt_token_ids")
+    @classmethod
+    def _non_negative(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("prompt_token_ids must be >= 0")
+        return v
+
+    def max_token_id(self) -> int:
+        return max([*self.prompt_token_ids, *(t for c in self.completions for t in c.token_ids)])
+
+
+class RolloutBatch(WireModel):
+    worker_id: WorkerId
+    lease_id: LeaseId
+    version: int = Field(..., ge=1)
+    groups: list[RolloutGroup] = Field(..., min_length=1, max_length=4096)
+
+
+class SubmitResponse(WireModel):
+    batch_id: str
+    accepted_groups: int
+    # True when the Idempotency-Key was seen before: nothing new was enqueued.
+    duplicate: bool = False
+
+
+class ClaimRequest(WireModel):
+    consumer: WorkerId
+    max_groups: int = Field(8, ge=1, le=4096)
+    wait_s: float = Field(0.0, ge=0.0, le=300.0)
+
+
+class Delivery(WireModel):
+    delivery_id: str
+    version: int
+    groups: list[RolloutGroup]
+    worker_id: str = ""
+    batch_id: str = ""
+    # How many times this delivery was handed out (1 = first delivery).
+    attempt: int = 1
+
+
+class ClaimResponse(WireModel):
+    deliveries: list[Delivery]
+    dropped_stale: int = 0
+
+
+class AckRequest(WireModel):
+    delivery_ids: list[str] = Field(..., max_length=100_000)
+
+
+class AckResponse(WireModel):
+    acked: int

@@ -1,0 +1,105 @@
+"""Run spec: what a run trains, shared by every worker through the proxy.
+
+``base_model``, ``lora``, ``group_size``, ``vocab_size`` and ``dataset`` are immutable once the run
+exists (see :data:`IMMUTABLE_FIELDS`); the rest can be changed by a later ``PUT /v1/runs/{run}``.
+"""
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from bucketrl.wire.common import StrictWireModel, WireModel
+
+IMMUTABLE_FIELDS: tuple[str, ...] = ("base_model", "lora", "group_size", "vocab_size", "dataset")
+
+
+class LoraSpec(StrictWireModel):
+    r: int = Field(8, ge=1, le=512)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # "all-linear" is peft's shorthand for every linear layer except the output head.
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
+class SamplingSpec(StrictWireModel):
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=1_000_000)
+    max_new_tokens: int = Field(64, ge=1, le=65_536)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return v
+
+
+class RewardSpec(StrictWireModel):
+    # A registry name (math, exact, regex, toy) or a user function as "module:function".
+    name: str = Field(..., min_length=1, max_length=200)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class DatasetSpec(StrictWireModel):
+    # "toy:<name>" for a built-in task, a JSONL path/URI, or a Hugging Face datasets name.
+    uri: str = Field(..., min_length=1, max_length=1000)
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    # Number of prompts in one pass; the proxy's prompt cursor wraps passes with it.
+    size: int = Field(..., ge=1)
+    split: str = "train"
+
+
+class LossSpec(StrictWireModel):
+    objective: Literal["ppo_clip", "decoupled"] = "ppo_clip"
+    epsilon_low: float = Field(0.2, ge=0.0, le=1.0)
+    epsilon_high: float = Field(0.28, ge=0.0, le=10.0)
+    # Truncation cap C of the decoupled objective's importance weight min(pi_prox/pi_behav, C).
+    is_cap: float = Field(2.0, gt=0.0)
+    aggregation: Literal["token", "sequence"] = "token"
+    scale_rewards: Literal["group", "none"] = "group"
+    filter_zero_variance: bool = False
+    kl_coef: float = Field(0.0, ge=0.0)
+
+
+class RunSpec(StrictWireModel):
+    base_model: str = Field(..., min_length=1, max_length=500)
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    group_size: int = Field(8, ge=2, le=1024)
+    max_staleness: int = Field(4, ge=0, le=64)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    reward: RewardSpec
+    dataset: DatasetSpec
+    vocab_size: int = Field(..., ge=2, le=10_000_000)
+    queue_capacity_groups: int = Field(256, ge=1, le=1_000_000)
+    # Groups the trainer consumes per optimizer step; the proxy paces prompt leases with it.
+    groups_per_step: int = Field(8, ge=1, le=100_000)
+    loss: LossSpec = Field(default_factory=LossSpec)
+
+    @model_validator(mode="after")
+    def _queue_holds_a_step(self) -> "RunSpec":
+        if self.queue_capacity_groups < self.groups_per_step:
+            raise ValueError(
+                f"queue_capacity_groups ({self.queue_capacity_groups}) must be >= groups_per_step "
+                f"({self.groups_per_step}) or the trainer can never fill a step"
+            )
+        return self
+
+    def immutable_diff(self, other: "RunSpec") -> list[str]:
+        """Names of immutable fields whose values differ between two specs."""
+        return [f for f in IMMUTABLE_FIELDS if getattr(self, f) != getattr(other, f)]
+
+
+class RunState(WireModel):
+    latest_version: int = 0
+    trainer_epoch: int = 0
+    trainer_step: int = 0
+    created_at: float
+    updated_at: float
+
+
+class RunInfo(WireModel):
+    run: str
+    spec: RunSpec
+    state: RunState

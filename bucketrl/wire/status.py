@@ -1,0 +1,50 @@
+"""The run status a viewer reads (``GET /v1/runs/{run}/status``)."""
+
+from typing import Any
+
+from pydantic import Field
+
+from bucketrl.wire.common import WireModel
+
+
+class VersionStatus(WireModel):
+    version: int
+    leases: int
+    published_at: float
+
+
+class QueueStatus(WireModel):
+    groups: int
+    capacity: int
+    pending: int = 0
+    accepted_total: int = 0
+    acked_total: int = 0
+    dropped_stale_total: int = 0
+    rejected_stale_total: int = 0
+    backpressure_total: int = 0
+
+
+class WorkerStatus(WireModel):
+    worker_id: str
+    role: str
+    loaded_versions: list[int] = Field(default_factory=list)
+    last_seen_s: float
+
+
+class TrainerStatus(WireModel):
+    epoch: int
+    step: int
+
+
+class RunStatus(WireModel):
+    run: str
+    latest_version: int
+    versions: list[VersionStatus]
+    queue: QueueStatus
+    prompts_inflight: int
+    workers: list[WorkerStatus]
+    trainer: TrainerStatus
+    # Latest value of each metric per worker: {worker_id: {name: value}} plus "_step".
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    gc_versions_total: int = 0
+    prompt_cursor: int = 0

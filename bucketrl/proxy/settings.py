@@ -1,0 +1,31 @@
+"""Proxy settings (``BUCKETRL_*`` environment variables). Built in ``create_app``, never at import."""
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ProxySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BUCKETRL_", extra="ignore")
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for coordination state.")
+    bucket_url: str = Field("file:///tmp/bucketrl-bucket", description="file:///abs/dir or s3://bucket/prefix.")
+    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, R2, Ceph...).")
+    tokens: str = Field("", description="Comma-separated role:token pairs (admin, trainer, generator, viewer).")
+    tokens_file: str | None = Field(None, description="File with one role:token pair a line.")
+    host: str = Field("127.0.0.1", description="Bind address of `bucketrl proxy`.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of `bucketrl proxy`.")
+    allow_anonymous: bool = Field(
+        False, description="Run without tokens. Refused unless bound to loopback (embedded mode)."
+    )
+    max_adapter_bytes: int = Field(512 * 1024 * 1024, ge=1, description="Upper bound of an adapter tar.")
+    max_checkpoint_bytes: int = Field(4 * 1024**3, ge=1, description="Upper bound of a checkpoint tar.")
+    max_json_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Upper bound of a JSON/msgpack body.")
+    redelivery_timeout_s: float = Field(
+        600.0, gt=0, description="Unacked deliveries are handed out again after this long."
+    )
+    gc_interval_s: float = Field(5.0, gt=0, description="How often the version garbage collector runs.")
+    worker_ttl_s: float = Field(120.0, gt=0, description="Workers silent this long leave the status.")
+    rebuild_on_start: bool = Field(
+        True, description="Rebuild runs, versions and checkpoints from bucket manifests if Redis lost them."
+    )
+    log_level: str = Field("info", description="uvicorn log level.")

@@ -1,0 +1,1 @@
+"""bucketrl up."""

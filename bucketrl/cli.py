@@ -3,8 +3,9 @@ libraries (torch, vLLM, FastAPI) are imported only inside the command, so ``--he
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="Asynchronous GRPO with LoRA through a bucket and a REST proxy.")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="Asynchronous GRPO with LoRA through a bucket and a REST proxy."
+)
 
 
 def _register() -> None:

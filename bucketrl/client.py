@@ -52,16 +52,25 @@ TAR = "application/x-tar"
 class ProxyClient:
     """Typed client for one run on one proxy."""
 
-    def __init__(self, base_url: str, run: str, token: str = "", *, timeout_s: float = 30.0,
-                 retries: int = 5, backoff_s: float = 0.2, transport: httpx.BaseTransport | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        run: str,
+        token: str = "",
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 5,
+        backoff_s: float = 0.2,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.run = run
         self.retries = retries
         self.backoff_s = backoff_s
         self.epoch: int | None = None
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s,
-                                  transport=transport)
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
+        )
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -83,8 +92,9 @@ class ProxyClient:
             out["X-Trainer-Epoch"] = str(self.epoch)
         return out
 
-    def _request(self, method: str, url: str, *, retry: bool = True, extra_timeout_s: float = 0.0,
-                 **kw: Any) -> httpx.Response:
+    def _request(
+        self, method: str, url: str, *, retry: bool = True, extra_timeout_s: float = 0.0, **kw: Any
+    ) -> httpx.Response:
         """Send one request; translate error bodies into bucketrl errors; retry transient failures."""
         attempts = self.retries + 1 if retry else 1
         if extra_timeout_s:
@@ -127,9 +137,13 @@ class ProxyClient:
         return self._json("GET", self._path(), RunInfo)
 
     def register_trainer(self, worker_id: str) -> TrainerRegistration:
-        reg = self._json("POST", self._path("/trainer"), TrainerRegistration,
-                         content=json.dumps({"worker_id": worker_id}),
-                         headers={"Content-Type": "application/json"})
+        reg = self._json(
+            "POST",
+            self._path("/trainer"),
+            TrainerRegistration,
+            content=json.dumps({"worker_id": worker_id}),
+            headers={"Content-Type": "application/json"},
+        )
         self.epoch = reg.epoch
         return reg
 
@@ -137,13 +151,15 @@ class ProxyClient:
 
     def publish_adapter(self, version: int, tar_bytes: bytes) -> AdapterVersionInfo:
         headers = self._fence({"Content-Type": TAR, "X-Content-SHA256": hashlib.sha256(tar_bytes).hexdigest()})
-        return self._json("PUT", self._path(f"/adapters/{version}"), AdapterVersionInfo,
-                          content=tar_bytes, headers=headers)
+        return self._json(
+            "PUT", self._path(f"/adapters/{version}"), AdapterVersionInfo, content=tar_bytes, headers=headers
+        )
 
     def wait_for_version(self, after: int, wait_s: float = 30.0) -> AdapterVersionInfo | None:
         """Long-poll for a version newer than ``after``; None when nothing newer appeared in time."""
-        resp = self._request("GET", self._path("/adapters/latest"), params={"after": after, "wait_s": wait_s},
-                             extra_timeout_s=wait_s)
+        resp = self._request(
+            "GET", self._path("/adapters/latest"), params={"after": after, "wait_s": wait_s}, extra_timeout_s=wait_s
+        )
         if resp.status_code == 204:
             return None
         return AdapterVersionInfo.model_validate(resp.json())
@@ -160,34 +176,51 @@ class ProxyClient:
     # -- leases -------------------------------------------------------------------------------------
 
     def lease_version(self, worker_id: str, version: int | None = None, ttl_s: float = 60.0) -> VersionLease:
-        return self._json("POST", self._path("/leases"), VersionLease,
-                          VersionLeaseRequest(worker_id=worker_id, version=version, ttl_s=ttl_s))
+        return self._json(
+            "POST",
+            self._path("/leases"),
+            VersionLease,
+            VersionLeaseRequest(worker_id=worker_id, version=version, ttl_s=ttl_s),
+        )
 
     def renew_lease(self, lease_id: str, ttl_s: float = 60.0) -> VersionLease:
-        return self._json("POST", self._path(f"/leases/{lease_id}/renew"), VersionLease,
-                          content=json.dumps({"ttl_s": ttl_s}), headers={"Content-Type": "application/json"})
+        return self._json(
+            "POST",
+            self._path(f"/leases/{lease_id}/renew"),
+            VersionLease,
+            content=json.dumps({"ttl_s": ttl_s}),
+            headers={"Content-Type": "application/json"},
+        )
 
     def release_lease(self, lease_id: str) -> None:
         self._request("DELETE", self._path(f"/leases/{lease_id}"))
 
     def lease_prompts(self, worker_id: str, n: int, ttl_s: float = 300.0) -> PromptLease:
         """Raises ``Backpressure`` (with ``retry_after``) when the pipeline already holds enough work."""
-        return self._json("POST", self._path("/prompts/lease"), PromptLease,
-                          PromptLeaseRequest(worker_id=worker_id, n=n, ttl_s=ttl_s))
+        return self._json(
+            "POST", self._path("/prompts/lease"), PromptLease, PromptLeaseRequest(worker_id=worker_id, n=n, ttl_s=ttl_s)
+        )
 
     def renew_prompts(self, worker_id: str, prompt_ids: list[str], ttl_s: float = 300.0) -> PromptLease:
-        return self._json("POST", self._path("/prompts/renew"), PromptLease,
-                          PromptReleaseRequest(worker_id=worker_id, prompt_ids=prompt_ids, ttl_s=ttl_s))
+        return self._json(
+            "POST",
+            self._path("/prompts/renew"),
+            PromptLease,
+            PromptReleaseRequest(worker_id=worker_id, prompt_ids=prompt_ids, ttl_s=ttl_s),
+        )
 
     def release_prompts(self, worker_id: str, prompt_ids: list[str]) -> None:
         body = PromptReleaseRequest(worker_id=worker_id, prompt_ids=prompt_ids)
-        self._request("POST", self._path("/prompts/release"), content=body.model_dump_json(),
-                      headers={"Content-Type": "application/json"})
+        self._request(
+            "POST",
+            self._path("/prompts/release"),
+            content=body.model_dump_json(),
+            headers={"Content-Type": "application/json"},
+        )
 
     # -- rollouts -----------------------------------------------------------------------------------
 
-    def submit_rollouts(self, batch: RolloutBatch, idempotency_key: str, *, use_msgpack: bool = True
-                        ) -> SubmitResponse:
+    def submit_rollouts(self, batch: RolloutBatch, idempotency_key: str, *, use_msgpack: bool = True) -> SubmitResponse:
         """Submit complete groups. Raises ``Backpressure`` (429), ``Stale`` (409) or ``Invalid`` (422).
 
         Retrying with the same ``idempotency_key`` after a lost answer is always safe.
@@ -198,24 +231,38 @@ class ProxyClient:
         else:
             content = batch.model_dump_json().encode()
             ctype = "application/json"
-        return self._json("POST", self._path("/rollouts"), SubmitResponse, content=content,
-                          headers={"Content-Type": ctype, "Idempotency-Key": idempotency_key})
+        return self._json(
+            "POST",
+            self._path("/rollouts"),
+            SubmitResponse,
+            content=content,
+            headers={"Content-Type": ctype, "Idempotency-Key": idempotency_key},
+        )
 
     def claim(self, consumer: str, max_groups: int, wait_s: float = 0.0) -> ClaimResponse:
-        return self._json("POST", self._path("/rollouts/claim"), ClaimResponse,
-                          ClaimRequest(consumer=consumer, max_groups=max_groups, wait_s=wait_s),
-                          headers=self._fence(), extra_timeout_s=wait_s)
+        return self._json(
+            "POST",
+            self._path("/rollouts/claim"),
+            ClaimResponse,
+            ClaimRequest(consumer=consumer, max_groups=max_groups, wait_s=wait_s),
+            headers=self._fence(),
+            extra_timeout_s=wait_s,
+        )
 
     def ack(self, delivery_ids: list[str]) -> int:
-        return self._json("POST", self._path("/rollouts/ack"), AckResponse,
-                          AckRequest(delivery_ids=delivery_ids), headers=self._fence()).acked
+        return self._json(
+            "POST",
+            self._path("/rollouts/ack"),
+            AckResponse,
+            AckRequest(delivery_ids=delivery_ids),
+            headers=self._fence(),
+        ).acked
 
     # -- checkpoints --------------------------------------------------------------------------------
 
     def put_checkpoint(self, step: int, tar_bytes: bytes) -> CheckpointInfo:
         headers = self._fence({"Content-Type": TAR, "X-Content-SHA256": hashlib.sha256(tar_bytes).hexdigest()})
-        return self._json("PUT", self._path(f"/checkpoints/{step}"), CheckpointInfo,
-                          content=tar_bytes, headers=headers)
+        return self._json("PUT", self._path(f"/checkpoints/{step}"), CheckpointInfo, content=tar_bytes, headers=headers)
 
     def latest_checkpoint(self) -> CheckpointInfo | None:
         try:
@@ -233,8 +280,9 @@ class ProxyClient:
     # -- observability ------------------------------------------------------------------------------
 
     def push_metrics(self, push: MetricsPush) -> None:
-        self._request("POST", self._path("/metrics"), content=push.model_dump_json(),
-                      headers={"Content-Type": "application/json"})
+        self._request(
+            "POST", self._path("/metrics"), content=push.model_dump_json(), headers={"Content-Type": "application/json"}
+        )
 
     def status(self) -> RunStatus:
         return self._json("GET", self._path("/status"), RunStatus)

@@ -27,8 +27,9 @@ class BucketRLError(Exception):
     code: ClassVar[str] = "internal"
     default_retryable: ClassVar[bool] = False
 
-    def __init__(self, message: str, *, retryable: bool | None = None, retry_after: float | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, retryable: bool | None = None, retry_after: float | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.retryable = self.default_retryable if retryable is None else retryable
@@ -97,12 +98,30 @@ class Unavailable(BucketRLError):
 
 _BY_CODE: dict[str, type[BucketRLError]] = {
     cls.code: cls
-    for cls in (Unauthorized, Forbidden, NotFound, Conflict, Fenced, Stale, Gone, PayloadTooLarge,
-                Invalid, Backpressure, Unavailable)
+    for cls in (
+        Unauthorized,
+        Forbidden,
+        NotFound,
+        Conflict,
+        Fenced,
+        Stale,
+        Gone,
+        PayloadTooLarge,
+        Invalid,
+        Backpressure,
+        Unavailable,
+    )
 }
 _BY_STATUS: dict[int, type[BucketRLError]] = {
-    401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 410: Gone, 413: PayloadTooLarge,
-    422: Invalid, 429: Backpressure, 503: Unavailable,
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    410: Gone,
+    413: PayloadTooLarge,
+    422: Invalid,
+    429: Backpressure,
+    503: Unavailable,
 }
 
 
@@ -116,7 +135,6 @@ def from_wire(status: int, body: Any, retry_after: float | None = None) -> Bucke
     else:
         code, message, retryable = "", f"HTTP {status}: {str(body)[:200]}", status >= 500
     cls = _BY_CODE.get(code) or _BY_STATUS.get(status) or BucketRLError
-    err = cls(message or cls.code, retryable=retryable or status >= 500, retry_after=retry_after,
-              code=code or None)
+    err = cls(message or cls.code, retryable=retryable or status >= 500, retry_after=retry_after, code=code or None)
     err.status = status  # type: ignore[misc]
     return err

@@ -13,8 +13,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def process_logits(logits: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0
-                   ) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
     """Scale by temperature, then mask tokens outside top-k / top-p with -inf (last dim = vocab)."""
     import torch
 
@@ -32,8 +31,9 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = -1, to
     return scaled
 
 
-def sampled_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0,
-                           top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+def sampled_token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
+) -> torch.Tensor:
     """log p(token) under the processed distribution. logits [..., V], token_ids [...] -> [...]."""
     import torch
 

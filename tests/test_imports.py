@@ -16,7 +16,8 @@ def test_core_imports_without_torch() -> None:
 
 
 def test_cli_help_is_fast_and_lists_commands() -> None:
-    out = subprocess.run([sys.executable, "-m", "bucketrl.cli", "--help"], capture_output=True, text=True,
-                         check=True, timeout=30).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "bucketrl.cli", "--help"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
     for cmd in ("proxy", "trainer", "generator", "up", "status"):
         assert cmd in out

@@ -16,13 +16,14 @@ from pathlib import Path
 PAD, EOS, BOS = "<pad>", "<|endoftext|>", "<|im_start|>"
 SPECIALS = [PAD, EOS, BOS]
 # Characters the toy tasks use; one token each.
-CHARS = list(string.digits + string.ascii_lowercase + " +-*=?:.,()[]<>|#\n")
+CHARS = list(string.digits + string.ascii_lowercase + " +-*=?:.,()[]<>|#\n!/_;'\"%")
 VOCAB_SIZE = 64  # >= len(SPECIALS) + len(CHARS); the rest are unused rows
 
 
 def vocab() -> dict[str, int]:
     tokens = SPECIALS + CHARS
-    assert len(tokens) <= VOCAB_SIZE, len(tokens)
+    # Exactly VOCAB_SIZE: an embedding row without a token would be sampled but undecodable.
+    assert len(tokens) == VOCAB_SIZE, len(tokens)
     return {tok: i for i, tok in enumerate(tokens)}
 
 
@@ -34,13 +35,13 @@ def build_tokenizer(out_dir: Path) -> None:
     # Every character is its own token; decoding concatenates them back.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS,
-                                   unk_token=PAD)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, unk_token=PAD)
     fast.save_pretrained(out_dir)
 
 
-def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden_size: int = 128, layers: int = 2,
-                     intermediate_size: int = 256) -> Path:
+def build_tiny_model(
+    out_dir: str | Path, *, seed: int = 0, hidden_size: int = 128, layers: int = 2, intermediate_size: int = 256
+) -> Path:
     """Write a randomly initialised tiny Qwen2 + tokenizer to ``out_dir`` (idempotent) and return it."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM

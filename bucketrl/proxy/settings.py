@@ -29,3 +29,6 @@ class ProxySettings(BaseSettings):
         True, description="Rebuild runs, versions and checkpoints from bucket manifests if Redis lost them."
     )
     log_level: str = Field("info", description="uvicorn log level.")
+    redis_timeout_s: float = Field(5.0, gt=0, description="Redis connect/read timeout; a dead Redis answers 503.")
+    publish_lock_s: float = Field(30.0, gt=0, description="Lease of the per-version write lock (refreshed while held).")
+    max_wait_s: float = Field(300.0, gt=0, description="Upper bound of a long-poll's wait_s.")

@@ -1,0 +1,138 @@
+"""The proxy app: ``create_app(settings)`` builds a FastAPI app whose lifespan owns every resource.
+
+Run it with ``bucketrl proxy --host 0.0.0.0 --port 8000`` (see ``cli.py``) or, for a test, mount it on
+httpx's ``ASGITransport`` inside ``LifespanManager``-style startup (``tests/proxy/conftest.py``).
+
+Lifespan, in order:
+1. Redis client (``redis.asyncio``, bytes responses) and the bucket store (``open_store``).
+2. The version notifier: one pub/sub subscription fanning announcements out to long-polls.
+3. Rebuild from the bucket when Redis lost its runs (``rebuild_on_start``; see ``rebuild.py``). If Redis
+   is down at start the proxy still starts (``/readyz`` says 503) and the maintenance loop retries.
+4. The maintenance loop (``gc.py``): every ``gc_interval_s`` expire leases, collect old versions, and
+   rebuild again if Redis was wiped while the proxy ran.
+
+Nothing is created at import time, so several apps can live in one process (tests do that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
+
+from bucketrl.proxy import body, errors
+from bucketrl.proxy.auth import TokenAuth
+from bucketrl.proxy.context import ProxyContext
+from bucketrl.proxy.settings import ProxySettings
+from bucketrl.proxy.telemetry import Telemetry
+
+log = logging.getLogger("bucketrl.proxy")
+
+API_DESCRIPTION = (
+    "Control plane of bucketrl: run specs, trainer fencing, adapter versions and leases, prompt leases, "
+    'the rollout queue, checkpoints and metrics. Errors are `{"error": {code, message, retryable}}`.'
+)
+
+
+class LatencyMiddleware:
+    """Pure-ASGI request timer: one histogram observation per request, labelled by route TEMPLATE."""
+
+    def __init__(self, app: Any, telemetry: Telemetry) -> None:
+        self.app = app
+        self.telemetry = telemetry
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [500]
+
+        async def send_wrapper(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.telemetry.request_latency.labels(scope["method"], route, str(status[0])).observe(
+                time.perf_counter() - start
+            )
+
+
+async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Telemetry) -> ProxyContext:
+    import redis.asyncio as aioredis
+
+    from bucketrl.storage import open_store
+
+    store = open_store(settings.bucket_url, s3_endpoint_url=settings.s3_endpoint_url)
+    redis = aioredis.Redis.from_url(
+        settings.redis_url,
+        decode_responses=False,
+        socket_connect_timeout=settings.redis_timeout_s,
+        socket_timeout=settings.redis_timeout_s,
+        health_check_interval=30,
+    )
+    return ProxyContext(settings=settings, redis=redis, store=store, telemetry=telemetry, auth=auth)
+
+
+def create_app(settings: ProxySettings | None = None) -> FastAPI:
+    """A new proxy app. Raises ValueError for a configuration it refuses (tokens, anonymous off-loopback)."""
+    from bucketrl.proxy import gc, rebuild
+    from bucketrl.proxy.notify import VersionNotifier
+    from bucketrl.proxy.routes import all_routers
+
+    settings = settings or ProxySettings()
+    auth = TokenAuth.from_settings(settings.tokens, settings.tokens_file, settings.allow_anonymous, settings.host)
+    telemetry = Telemetry()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ctx = await _build_context(settings, auth, telemetry)
+        app.state.ctx = ctx
+        ctx.notifier = VersionNotifier(ctx.redis)
+        ctx.notifier.start()
+        if settings.rebuild_on_start:
+            await rebuild.rebuild_if_wiped(ctx)
+        maintenance = asyncio.create_task(gc.maintenance_loop(ctx), name="bucketrl-maintenance")
+        try:
+            yield
+        finally:
+            maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await maintenance
+            await ctx.notifier.stop()
+            await ctx.redis.aclose()
+
+    app = FastAPI(title="bucketrl proxy", version="1", description=API_DESCRIPTION, lifespan=lifespan)
+    errors.install(app)
+    for router in all_routers():
+        app.include_router(router)
+    app.add_middleware(LatencyMiddleware, telemetry=telemetry)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the models of bodies read through ``body.decoded`` (JSON or msgpack)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    if body.DOCUMENTED_BODIES:
+        _, defs = models_json_schema(
+            [(m, "validation") for m in body.DOCUMENTED_BODIES.values()], ref_template="#/components/schemas/{model}"
+        )
+        for name, definition in defs.get("$defs", {}).items():
+            components.setdefault(name, definition)
+    app.openapi_schema = schema
+    return schema

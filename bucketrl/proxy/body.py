@@ -1,0 +1,125 @@
+"""Request bodies: size limits enforced before a body is read whole, JSON/msgpack decoding into models.
+
+Two entry points:
+
+- :func:`decoded` — a dependency factory for small structured bodies. ``Content-Type:
+  application/json`` (the default) or ``application/msgpack``; anything over the limit is 413 (refused
+  from ``Content-Length`` before reading, or as soon as the streamed bytes pass the limit); malformed
+  bytes or a schema violation is 422 whose message names the field (``body.groups.0.completions.1...``).
+  Use it with :func:`openapi_body` so the OpenAPI schema documents the body::
+
+      @router.post("/x", openapi_extra=body.openapi_body(RolloutBatch))
+      async def submit(batch: Annotated[RolloutBatch, Depends(body.decoded(RolloutBatch))]): ...
+
+- :func:`stream_limited` — an async iterator over a raw body (tars) with the same 413 rule, for routes
+  that spool to disk instead of holding the body in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
+
+import msgpack
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from bucketrl import errors
+from bucketrl.proxy.errors import describe_validation
+
+M = TypeVar("M", bound=BaseModel)
+
+JSON_TYPES = ("application/json", "")
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+# Models documented as request bodies via openapi_body; app.py adds their schemas to the components.
+DOCUMENTED_BODIES: dict[str, type[BaseModel]] = {}
+
+
+def check_content_length(request: Request, limit: int, what: str) -> int | None:
+    """413 right away when the declared length is over ``limit``; the declared length (or None)."""
+    raw = request.headers.get("content-length")
+    if raw is None:
+        return None
+    try:
+        declared = int(raw)
+    except ValueError:
+        raise errors.Invalid(f"Content-Length {raw[:20]!r} is not an integer") from None
+    if declared < 0:
+        raise errors.Invalid("Content-Length must be >= 0")
+    if declared > limit:
+        raise errors.PayloadTooLarge(f"{what} of {declared} bytes exceeds the limit of {limit} bytes")
+    return declared
+
+
+async def stream_limited(request: Request, limit: int, what: str = "body") -> AsyncIterator[bytes]:
+    """Yield the body's chunks; 413 as soon as more than ``limit`` bytes arrived (or were declared)."""
+    check_content_length(request, limit, what)
+    seen = 0
+    async for chunk in request.stream():
+        if not chunk:
+            continue
+        seen += len(chunk)
+        if seen > limit:
+            raise errors.PayloadTooLarge(f"{what} exceeds the limit of {limit} bytes")
+        yield chunk
+
+
+async def read_limited(request: Request, limit: int, what: str = "body") -> bytes:
+    parts = [chunk async for chunk in stream_limited(request, limit, what)]
+    return b"".join(parts)
+
+
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+def decode_model(model: type[M], raw: bytes, ctype: str) -> M:
+    """Bytes -> model, or :class:`errors.Invalid` naming the field (``body.<path>``)."""
+    if not raw:
+        raise errors.Invalid(f"body: empty; expected a {model.__name__} as JSON or msgpack")
+    try:
+        if ctype in MSGPACK_TYPES:
+            try:
+                obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+            except Exception as exc:  # msgpack raises several unrelated types for garbage
+                raise errors.Invalid(f"body: not valid msgpack ({type(exc).__name__}: {str(exc)[:120]})") from None
+            return model.model_validate(obj)
+        if ctype in JSON_TYPES:
+            return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise errors.Invalid(describe_validation([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()])) from None
+    raise errors.Invalid(f"Content-Type {ctype!r} is not supported: send application/json or application/msgpack")
+
+
+def decoded(model: type[M], limit_setting: str = "max_json_bytes") -> Callable[[Request], Coroutine[Any, Any, M]]:
+    """Dependency: the request body decoded into ``model`` (limit = ``ctx.settings.<limit_setting>``)."""
+
+    async def dependency(request: Request) -> M:
+        limit = int(getattr(request.app.state.ctx.settings, limit_setting))
+        raw = await read_limited(request, limit, f"{model.__name__} body")
+        return decode_model(model, raw, media_type(request))
+
+    dependency.__name__ = f"decode_{model.__name__}"
+    return dependency
+
+
+def openapi_body(model: type[BaseModel], *, msgpack_too: bool = True) -> dict[str, Any]:
+    """``openapi_extra`` documenting a :func:`decoded` body (JSON, and msgpack when accepted)."""
+    DOCUMENTED_BODIES[model.__name__] = model
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    content: dict[str, Any] = {"application/json": {"schema": ref}}
+    if msgpack_too:
+        content["application/msgpack"] = {"schema": ref}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def openapi_tar_body(description: str) -> dict[str, Any]:
+    """``openapi_extra`` for a raw tar upload with its ``X-Content-SHA256`` header."""
+    return {
+        "requestBody": {
+            "required": True,
+            "description": description,
+            "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    }

@@ -1,0 +1,34 @@
+"""The per-app context every route reaches through ``CtxDep``: settings, Redis, the bucket, telemetry.
+
+One ``ProxyContext`` is built by the app's lifespan (``bucketrl.proxy.app.create_app``) and stored on
+``app.state.ctx``; nothing here is a module-level singleton, so several apps (tests, replicas in one
+process) never share state except through Redis and the bucket, exactly like separate replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+    from bucketrl.proxy.auth import TokenAuth
+    from bucketrl.proxy.notify import VersionNotifier
+    from bucketrl.proxy.settings import ProxySettings
+    from bucketrl.proxy.telemetry import Telemetry
+    from bucketrl.storage.base import BucketStore
+
+
+@dataclass
+class ProxyContext:
+    settings: ProxySettings
+    # decode_responses=False: values are bytes; decode where a str is meant.
+    redis: aioredis.Redis
+    store: BucketStore
+    telemetry: Telemetry
+    auth: TokenAuth
+    # Fans Redis pub/sub version announcements out to waiting long-polls (one subscription per app).
+    notifier: VersionNotifier | None = None
+    # Extra per-app objects other areas hang on the context (e.g. P3's queue helpers), by name.
+    extras: dict[str, object] = field(default_factory=dict)

@@ -1,0 +1,23 @@
+"""Every router of the proxy, in mount order. Each module under ``routes/`` exposes ``router: APIRouter``.
+
+Owners: runs, adapters, leases, checkpoints, observe, health (P2); prompts, rollouts (P3); ui (U,
+optional: mounted only when ``bucketrl/proxy/routes/ui.py`` exists).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from fastapi import APIRouter
+
+CORE = ("health", "runs", "adapters", "leases", "checkpoints", "observe", "prompts", "rollouts")
+OPTIONAL = ("ui",)
+
+
+def all_routers() -> list[APIRouter]:
+    modules = [importlib.import_module(f"{__name__}.{name}") for name in CORE]
+    for name in OPTIONAL:
+        if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            modules.append(importlib.import_module(f"{__name__}.{name}"))
+    return [m.router for m in modules]

@@ -1,0 +1,5 @@
+"""Being written (P2)."""
+
+from fastapi import APIRouter
+
+router = APIRouter()

@@ -1,0 +1,122 @@
+"""Runs: the spec (JSON), the run state hash and the trainer fencing epoch.
+
+Keys (``bucketrl.proxy.keys``): ``brl:runs`` (set of run ids), ``brl:{run}:spec`` (RunSpec JSON),
+``brl:{run}:state`` (hash: latest_version, trainer_epoch, trainer_step, created_at, updated_at).
+
+``put_spec`` is a WATCH/MULTI compare-and-set, so two trainers creating the same run concurrently
+agree on one spec and the loser of a conflicting immutable field gets 409.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis import exceptions as redis_exc
+
+from bucketrl import errors
+from bucketrl.proxy import keys
+from bucketrl.wire import RunSpec, RunState
+
+# Called after a trainer registered a new epoch: hook(ctx, run, epoch). The rollout queue (P3) appends
+# one that makes every pending (claimed, unacked) delivery immediately re-claimable.
+TrainerRegisteredHook = Callable[[Any, str, int], Awaitable[None]]
+TRAINER_REGISTERED_HOOKS: list[TrainerRegisteredHook] = []
+
+
+def _int(v: bytes | None) -> int:
+    return int(v) if v else 0
+
+
+async def list_runs(r: Any) -> list[str]:
+    return sorted(m.decode() for m in await r.smembers(keys.RUNS_SET))
+
+
+async def get_spec(r: Any, run: str) -> RunSpec | None:
+    raw = await r.get(keys.run_key(run, keys.SPEC))
+    return None if raw is None else RunSpec.model_validate_json(raw)
+
+
+async def get_state(r: Any, run: str) -> RunState:
+    h = await r.hgetall(keys.run_key(run, keys.STATE))
+    now = time.time()
+    return RunState(
+        latest_version=_int(h.get(b"latest_version")),
+        trainer_epoch=_int(h.get(b"trainer_epoch")),
+        trainer_step=_int(h.get(b"trainer_step")),
+        created_at=float(h.get(b"created_at") or now),
+        updated_at=float(h.get(b"updated_at") or now),
+    )
+
+
+async def latest_version(r: Any, run: str) -> int:
+    return _int(await r.hget(keys.run_key(run, keys.STATE), "latest_version"))
+
+
+async def trainer_epoch(r: Any, run: str) -> int:
+    return _int(await r.hget(keys.run_key(run, keys.STATE), "trainer_epoch"))
+
+
+def check_epoch(run: str, given: int, current: int) -> None:
+    if given < current:
+        raise errors.Fenced(
+            f"run {run!r}: trainer epoch {given} is fenced by epoch {current} (a newer trainer registered)"
+        )
+    if given > current:
+        raise errors.Fenced(f"run {run!r}: trainer epoch {given} was never issued (current is {current})")
+
+
+async def put_spec(r: Any, run: str, spec: RunSpec) -> tuple[bool, bool]:
+    """Create or confirm ``run``; returns ``(created, changed)``. 409 if an immutable field differs."""
+    spec_key, state_key = keys.run_key(run, keys.SPEC), keys.run_key(run, keys.STATE)
+    body = spec.model_dump_json()
+    async with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                await pipe.watch(spec_key)
+                raw = await pipe.get(spec_key)
+                now = time.time()
+                if raw is None:
+                    pipe.multi()
+                    pipe.set(spec_key, body)
+                    pipe.hsetnx(state_key, "latest_version", 0)
+                    pipe.hsetnx(state_key, "trainer_epoch", 0)
+                    pipe.hsetnx(state_key, "trainer_step", 0)
+                    pipe.hsetnx(state_key, "created_at", now)
+                    pipe.hset(state_key, "updated_at", now)
+                    pipe.sadd(keys.RUNS_SET, run)
+                    await pipe.execute()
+                    return True, False
+                current = RunSpec.model_validate_json(raw)
+                diff = current.immutable_diff(spec)
+                if diff:
+                    raise errors.Conflict(
+                        f"run {run!r} exists with different immutable field(s) {', '.join(diff)}; "
+                        "create a new run id to change them",
+                        code="immutable_field",
+                    )
+                if current == spec:
+                    await pipe.reset()
+                    return False, False
+                pipe.multi()
+                pipe.set(spec_key, body)
+                pipe.hset(state_key, "updated_at", now)
+                await pipe.execute()
+                return False, True
+            except redis_exc.WatchError:
+                continue
+
+
+async def register_trainer(r: Any, run: str) -> int:
+    """A new, strictly larger epoch. Every trainer write with a smaller one is fenced from now on."""
+    state_key = keys.run_key(run, keys.STATE)
+    pipe = r.pipeline(transaction=True)
+    pipe.hincrby(state_key, "trainer_epoch", 1)
+    pipe.hset(state_key, "updated_at", time.time())
+    epoch, _ = await pipe.execute()
+    return int(epoch)
+
+
+async def set_trainer_step(r: Any, run: str, step: int) -> None:
+    await r.hset(keys.run_key(run, keys.STATE), "trainer_step", step)

@@ -1,0 +1,90 @@
+"""Prometheus metrics of one proxy app, on a per-app ``CollectorRegistry`` (served at ``GET /metrics``).
+
+Who updates what:
+- ``request_latency`` — the HTTP middleware in ``app.py``, labelled by route TEMPLATE (never the raw path,
+  so run ids and versions do not explode cardinality).
+- ``backpressure_rejections`` — the error-handler table (``errors.py``) counts every 429 it answers, so
+  route code must NOT count them again.
+- ``latest_version``, ``live_leases`` — refreshed from Redis at scrape time (``refresh``), so every replica
+  reports the shared truth rather than what it happened to serve.
+- ``gc_versions`` — the garbage collector (``gc.py``).
+- ``queue_depth``, ``stale_drops``, ``stale_rejections``, ``accepted_groups`` — the rollout queue (P3's
+  ``state/queue.py``); scrape-time refreshers may be appended to ``Telemetry.scrape_hooks``.
+
+Metric names carry the ``bucketrl_`` prefix; per-run series are labelled ``run``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from bucketrl.proxy.context import ProxyContext
+
+# Latency buckets from 1 ms to 60 s: the API is mostly sub-10 ms, long-polls sit near their wait_s.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+ScrapeHook = Callable[["ProxyContext"], Awaitable[None]]
+
+
+class Telemetry:
+    """All metrics of one app. Build one per app; never share a registry between apps."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.request_latency = Histogram(
+            "bucketrl_http_request_duration_seconds",
+            "HTTP request latency by route template, method and status.",
+            ["method", "route", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "bucketrl_queue_depth_groups", "Rollout groups queued (not yet acked).", ["run"], registry=r
+        )
+        self.live_leases = Gauge(
+            "bucketrl_version_leases_live", "Live version leases per adapter version.", ["run", "version"], registry=r
+        )
+        self.latest_version = Gauge("bucketrl_latest_version", "Latest published adapter version.", ["run"], registry=r)
+        self.published_versions = Counter(
+            "bucketrl_versions_published", "Adapter versions published through this replica.", ["run"], registry=r
+        )
+        self.gc_versions = Counter(
+            "bucketrl_gc_versions", "Adapter versions garbage-collected by this replica.", ["run"], registry=r
+        )
+        self.stale_drops = Counter(
+            "bucketrl_stale_dropped_groups", "Groups dropped as too stale at claim time.", ["run"], registry=r
+        )
+        self.stale_rejections = Counter(
+            "bucketrl_stale_rejected_groups", "Groups refused as too stale at submit (409).", ["run"], registry=r
+        )
+        self.accepted_groups = Counter(
+            "bucketrl_accepted_groups", "Rollout groups accepted (202).", ["run"], registry=r
+        )
+        self.backpressure_rejections = Counter(
+            "bucketrl_backpressure_rejections", "Requests answered 429 (pipeline full).", ["route"], registry=r
+        )
+        self.fenced_writes = Counter(
+            "bucketrl_fenced_writes", "Trainer writes refused because their epoch was old.", ["run"], registry=r
+        )
+        self.scrape_hooks: list[ScrapeHook] = []
+
+    async def refresh(self, ctx: ProxyContext) -> None:
+        """Reset the Redis-derived gauges to the shared truth (called by ``GET /metrics``)."""
+        from bucketrl.proxy.state import leases, runs
+
+        self.live_leases.clear()
+        for run in await runs.list_runs(ctx.redis):
+            latest = await runs.latest_version(ctx.redis, run)
+            self.latest_version.labels(run=run).set(latest)
+            for version, count in (await leases.live_counts(ctx.redis, run)).items():
+                self.live_leases.labels(run=run, version=str(version)).set(count)
+        for hook in self.scrape_hooks:
+            await hook(ctx)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,171 @@
+"""Claimed rollout groups -> right-padded tensors, split into micro-batches that fit a token budget.
+
+One :class:`Sample` per trainable completion (``prompt + completion``). A :class:`MicroBatch` holds
+
+    input_ids      [B, L]  prompt + completion, right-padded with ``pad_id``
+    attention_mask [B, L]  1 on real tokens
+    completion_ids [B, T]  the sampled tokens, T = longest completion in the micro-batch
+    logit_index    [B, T]  which of the last K logits predicts completion token t (see ``logits_to_keep``)
+    mask           [B, T]  1 on tokens the loss counts: not padding and not after the first EOS
+    behaviour      [B, T]  the generators' behaviour logprobs
+    advantages     [B]
+
+Right padding keeps position ids equal to ``arange`` for every real token (the generators never saw any
+padding), and causal attention means padding cannot influence them. ``logits_to_keep = K`` asks the model
+for the last K positions only, enough to cover every completion (K = L - shortest prompt + 1), so the
+vocabulary projection is never computed over prompts.
+
+Micro-batches are filled greedily from the longest sample down, keeping ``B * L <= token_budget``; a sample
+longer than the budget gets a micro-batch of its own. The order is deterministic (length, then position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+
+from bucketrl.wire.rollouts import RolloutGroup
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    advantage: float
+    # The policy version that generated it and the generator that did.
+    version: int
+    worker_id: str
+    # Completion tokens the loss counts: up to and including the first EOS.
+    n_valid: int
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    logit_index: torch.Tensor
+    logits_to_keep: int
+    mask: torch.Tensor
+    behaviour: torch.Tensor
+    advantages: torch.Tensor
+    versions: list[int]
+    worker_ids: list[str]
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        tensors = ("input_ids", "attention_mask", "completion_ids", "logit_index", "mask", "behaviour", "advantages")
+        for name in tensors:
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+
+def valid_length(token_ids: list[int], eos_token_ids: Collection[int]) -> int:
+    """Tokens up to and including the first EOS (all of them when there is none)."""
+    for i, tok in enumerate(token_ids):
+        if tok in eos_token_ids:
+            return i + 1
+    return len(token_ids)
+
+
+def group_samples(
+    group: RolloutGroup,
+    advantages: list[float],
+    trainable: list[bool],
+    *,
+    version: int,
+    worker_id: str,
+    eos_token_ids: Collection[int],
+) -> list[Sample]:
+    """The trainable completions of one group as samples (unscorable / filtered ones are left out)."""
+    if len(advantages) != len(group.completions) or len(trainable) != len(group.completions):
+        raise ValueError("one advantage and one trainable flag per completion")
+    out: list[Sample] = []
+    for comp, adv, keep in zip(group.completions, advantages, trainable, strict=True):
+        if not keep:
+            continue
+        out.append(
+            Sample(
+                prompt_ids=list(group.prompt_token_ids),
+                completion_ids=list(comp.token_ids),
+                behaviour_logprobs=list(comp.logprobs),
+                advantage=float(adv),
+                version=version,
+                worker_id=worker_id,
+                n_valid=valid_length(comp.token_ids, eos_token_ids),
+            )
+        )
+    return out
+
+
+def collate(samples: list[Sample], pad_id: int) -> MicroBatch:
+    """Right-pad a list of samples into one micro-batch."""
+    if not samples:
+        raise ValueError("cannot collate an empty micro-batch")
+    b = len(samples)
+    seq_len = max(s.length for s in samples)
+    comp_len = max(len(s.completion_ids) for s in samples)
+    keep = seq_len - min(len(s.prompt_ids) for s in samples) + 1
+    input_ids = torch.full((b, seq_len), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, seq_len), dtype=torch.long)
+    completion = torch.full((b, comp_len), pad_id, dtype=torch.long)
+    logit_index = torch.zeros((b, comp_len), dtype=torch.long)
+    mask = torch.zeros((b, comp_len), dtype=torch.float32)
+    behaviour = torch.zeros((b, comp_len), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[i, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+        attention[i, : p + c] = 1
+        completion[i, :c] = torch.tensor(s.completion_ids)
+        # Token t of the completion sits at position p + t and is predicted by position p + t - 1, which is
+        # row (p + t - 1) - (seq_len - keep) of the kept logits. Padded columns point at row 0 (masked).
+        logit_index[i, :c] = torch.arange(c) + (p - 1 - (seq_len - keep))
+        mask[i, : s.n_valid] = 1.0
+        behaviour[i, :c] = torch.tensor(s.behaviour_logprobs)
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        completion_ids=completion,
+        logit_index=logit_index,
+        logits_to_keep=keep,
+        mask=mask,
+        behaviour=behaviour,
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        versions=[s.version for s in samples],
+        worker_ids=[s.worker_id for s in samples],
+    )
+
+
+def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices of samples per micro-batch so that ``len(batch) * max_length <= token_budget``."""
+    if token_budget < 1:
+        raise ValueError("token_budget must be >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    plans: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        # Sorted longest first: the first sample of a micro-batch sets its padded length.
+        if current and (len(current) + 1) * lengths[current[0]] > token_budget:
+            plans.append(current)
+            current = []
+        current.append(i)
+    if current:
+        plans.append(current)
+    return plans
+
+
+def make_micro_batches(samples: list[Sample], token_budget: int, pad_id: int) -> list[MicroBatch]:
+    return [
+        collate([samples[i] for i in plan], pad_id)
+        for plan in plan_micro_batches([s.length for s in samples], token_budget)
+    ]

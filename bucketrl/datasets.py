@@ -1,0 +1,193 @@
+"""Datasets: the prompts (and reference answers) of a run, loaded the same way by trainer and generators.
+
+``load_examples(spec, client)`` understands four kinds of ``dataset.uri``:
+
+    toy:<task>            the built-in toy task (bucketrl.tasks.toy), ``dataset.size`` examples
+    /path/data.jsonl      a JSONL file (also file:///path/data.jsonl), one JSON object a line
+    bucket:<name>         a JSONL file the trainer uploaded to the run (``PUT /v1/runs/{run}/dataset``),
+                          downloaded through the proxy; ``bucket:dataset.jsonl`` is that file
+    <hf name>             a Hugging Face ``datasets`` name, only if it is already in the local cache
+                          (no download: HF_DATASETS_OFFLINE is forced)
+
+Fields come from ``dataset.prompt_field`` / ``dataset.answer_field`` (an answer is optional; numbers
+become strings). A row without a prompt is an error naming the line. The prompt cursor on the proxy
+hands out indices ``0..size-1``, so an example's ``index`` is its position in the file.
+
+:func:`describe_dataset` builds a :class:`DatasetSpec` with ``size`` counted (the trainer uses it when it
+creates a run). :func:`prompt_token_ids` turns a prompt into token ids, through the tokenizer's chat
+template when it has one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bucketrl import errors
+from bucketrl.wire import DatasetSpec
+
+if TYPE_CHECKING:
+    from bucketrl.client import ProxyClient
+
+
+@dataclass(frozen=True)
+class Example:
+    index: int
+    prompt: str
+    answer: str | None
+
+
+def _as_answer(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool | int | float):
+        return str(value)
+    return json.dumps(value, sort_keys=True)
+
+
+def _rows_to_examples(rows: list[dict[str, Any]], spec: DatasetSpec, where: str) -> list[Example]:
+    out: list[Example] = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise errors.Invalid(f"{where}: row {i + 1} is not a JSON object")
+        prompt = row.get(spec.prompt_field)
+        if not isinstance(prompt, str) or not prompt:
+            raise errors.Invalid(f"{where}: row {i + 1} has no non-empty string field {spec.prompt_field!r}")
+        out.append(Example(index=i, prompt=prompt, answer=_as_answer(row.get(spec.answer_field))))
+    return out
+
+
+def parse_jsonl(data: bytes | str, spec: DatasetSpec, where: str) -> list[Example]:
+    """Parse JSONL text; blank lines are skipped; a bad line is an ``Invalid`` naming its line number."""
+    text = data.decode("utf-8", errors="strict") if isinstance(data, bytes) else data
+    rows: list[dict[str, Any]] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise errors.Invalid(f"{where}: line {lineno} is not JSON: {exc.msg}") from exc
+    return _rows_to_examples(rows, spec, where)
+
+
+def _toy(spec: DatasetSpec) -> list[Example]:
+    task = spec.uri.removeprefix("toy:")
+    try:
+        from bucketrl.tasks.toy import toy_examples
+    except ImportError as exc:
+        raise errors.Invalid(f"dataset {spec.uri!r} needs bucketrl.tasks.toy: {exc}") from exc
+    try:
+        rows = toy_examples(task or "", spec.size)
+    except (KeyError, ValueError) as exc:
+        raise errors.Invalid(f"dataset {spec.uri!r}: {exc}") from exc
+    fields = spec.model_copy(update={"prompt_field": "prompt", "answer_field": "answer"})
+    return _rows_to_examples(rows, fields, spec.uri)
+
+
+def _local_path(uri: str) -> Path | None:
+    if uri.startswith("file://"):
+        return Path(uri.removeprefix("file://"))
+    if uri.endswith((".jsonl", ".json")) or uri.startswith(("/", "./", "../")):
+        return Path(uri)
+    return None
+
+
+def _bucket(spec: DatasetSpec, client: ProxyClient | None) -> list[Example]:
+    name = spec.uri.removeprefix("bucket:")
+    if name != "dataset.jsonl":
+        raise errors.Invalid(f"dataset {spec.uri!r}: the run's bucket holds one dataset, 'bucket:dataset.jsonl'")
+    if client is None:
+        raise errors.Invalid(f"dataset {spec.uri!r} is downloaded through the proxy: pass a ProxyClient")
+    download = getattr(client, "download_dataset", None)
+    if download is None:
+        raise errors.Invalid("this bucketrl client cannot download datasets (ProxyClient.download_dataset missing)")
+    return parse_jsonl(download(), spec, spec.uri)
+
+
+def _huggingface(spec: DatasetSpec) -> list[Example]:
+    os.environ["HF_DATASETS_OFFLINE"] = "1"  # cache only: a worker never downloads at run time
+    try:
+        import datasets
+    except ImportError as exc:
+        raise errors.Invalid(
+            f"dataset {spec.uri!r} is not 'toy:<task>', a .jsonl path or 'bucket:dataset.jsonl'; as a Hugging Face "
+            "datasets name it needs the `datasets` package, which is not installed"
+        ) from exc
+    datasets.config.HF_DATASETS_OFFLINE = True  # in case it was imported before the variable was set
+    try:
+        ds = datasets.load_dataset(spec.uri, split=spec.split)
+    except Exception as exc:  # datasets raises many types for "not cached"
+        raise errors.Invalid(
+            f"dataset {spec.uri!r} (split {spec.split!r}) is not in the local Hugging Face cache and downloads are "
+            f"disabled: {exc}"
+        ) from exc
+    return _rows_to_examples([dict(r) for r in ds], spec, spec.uri)
+
+
+def load_examples(spec: DatasetSpec, client: ProxyClient | None = None) -> list[Example]:
+    """The run's examples in index order (see the module docstring for the URI kinds).
+
+    Toy tasks produce exactly ``spec.size`` examples; files are returned whole (the caller checks the size).
+    """
+    uri = spec.uri
+    if uri.startswith("toy:"):
+        return _toy(spec)
+    if uri.startswith("bucket:"):
+        return _bucket(spec, client)
+    path = _local_path(uri)
+    if path is not None:
+        if not path.is_file():
+            raise errors.Invalid(f"dataset file {str(path)!r} does not exist")
+        return parse_jsonl(path.read_bytes(), spec, str(path))
+    return _huggingface(spec)
+
+
+def examples_for_run(spec: DatasetSpec, client: ProxyClient | None = None) -> list[Example]:
+    """Exactly ``spec.size`` examples, or ``Invalid`` when the source holds fewer than the run was created with."""
+    examples = load_examples(spec, client)
+    if len(examples) < spec.size:
+        raise errors.Invalid(
+            f"dataset {spec.uri!r} has {len(examples)} examples but the run spec says dataset.size={spec.size}"
+        )
+    return examples[: spec.size]
+
+
+def describe_dataset(
+    uri: str,
+    *,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    split: str = "train",
+    toy_size: int = 256,
+    client: ProxyClient | None = None,
+) -> DatasetSpec:
+    """A :class:`DatasetSpec` for ``uri`` with ``size`` = its number of examples (``toy_size`` for toy tasks)."""
+    probe = DatasetSpec(uri=uri, prompt_field=prompt_field, answer_field=answer_field, split=split, size=toy_size)
+    size = toy_size if uri.startswith("toy:") else len(load_examples(probe, client))
+    if size < 1:
+        raise errors.Invalid(f"dataset {uri!r} is empty")
+    return probe.model_copy(update={"size": size})
+
+
+def prompt_token_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of ``prompt`` as the policy sees it: the chat template (user turn + generation prompt) when the
+    tokenizer has one, the plain text otherwise. Never empty."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        ids = list(ids)
+    else:
+        ids = list(tokenizer.encode(prompt, add_special_tokens=True))
+    if not ids:
+        fallback = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        ids = [int(fallback if fallback is not None else 0)]
+    return [int(t) for t in ids]

@@ -1,0 +1,169 @@
+"""The transformers engine: peft with several adapters resident by name, batched sampling with a KV cache.
+
+The CPU default of the embedded demo and the reference implementation of the behaviour logprob: every
+token is sampled from the processed distribution of :mod:`bucketrl.logprobs` and its logprob is computed
+by :func:`bucketrl.logprobs.sampled_token_logprobs` from the very logits it was sampled from.
+
+One ``generate`` call prefills each distinct prompt once, then repeats its KV cache G times
+(``DynamicCache.batch_repeat_interleave``), so a group shares its prefix by construction, as with
+vLLM's ``n=G``. Finished rows leave the batch so the decode cost follows the live sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bucketrl import errors
+from bucketrl.generator.engines.base import Sample
+
+if TYPE_CHECKING:
+    from bucketrl.generator.settings import GeneratorSettings
+    from bucketrl.wire import RunSpec, SamplingSpec
+
+log = logging.getLogger(__name__)
+
+
+class TransformersEngine:
+    name = "transformers"
+
+    def __init__(self, model_path: str, *, settings: GeneratorSettings, spec: RunSpec) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self._torch = torch
+        device = settings.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = settings.dtype
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else "bfloat16"
+        self.device = torch.device(device)
+        try:
+            base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        except OSError as exc:
+            raise errors.Invalid(
+                f"cannot load base model {model_path!r}: {exc}. Set BUCKETRL_MODEL_PATH to a local copy."
+            ) from exc
+        self._base = base.to(self.device).eval()
+        self._model: Any = None  # a PeftModel once the first adapter is loaded
+        self._adapters: dict[str, int] = {}
+        cfg = base.config
+        model_len = getattr(cfg, "max_position_embeddings", None)
+        self.max_model_len = min(settings.max_model_len, model_len) if model_len else settings.max_model_len
+        eos = base.generation_config.eos_token_id if base.generation_config else None
+        eos = cfg.eos_token_id if eos is None else eos
+        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.pad_id: int = cfg.pad_token_id if cfg.pad_token_id is not None else next(iter(self.eos_ids), 0)
+        seed = settings.seed if settings.seed is not None else random.SystemRandom().randrange(2**63)
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+
+    # -- adapters -----------------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, version: int, path: str | Path) -> None:
+        if name in self._adapters:
+            return  # a name means one set of weights: loading it again would change nothing
+        from peft import PeftModel
+
+        if self._model is None:
+            self._model = PeftModel.from_pretrained(self._base, str(path), adapter_name=name, is_trainable=False)
+            self._model.eval()
+        else:
+            self._model.load_adapter(str(path), adapter_name=name, is_trainable=False)
+        self._adapters[name] = version
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            return
+        if len(self._adapters) == 1:
+            # peft cannot delete its last adapter; dropping the wrapper restores the bare base model.
+            self._model = self._model.unload() and None
+            self._base.eval()
+        else:
+            if self._model.active_adapter == name:
+                self._model.set_adapter(next(a for a in self._adapters if a != name))
+            self._model.delete_adapter(name)
+        del self._adapters[name]
+
+    def loaded_adapters(self) -> list[str]:
+        return list(self._adapters)
+
+    # -- sampling -----------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], *, adapter: str, n: int, sampling: SamplingSpec) -> list[list[Sample]]:
+        if adapter not in self._adapters:
+            raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._adapters)})")
+        if not prompts:
+            return []
+        self._model.set_adapter(adapter)
+        with self._torch.inference_mode():
+            return self._sample(prompts, n, sampling)
+
+    def _sample(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[Sample]]:
+        torch = self._torch
+        from bucketrl.logprobs import process_logits, sampled_token_logprobs
+
+        dev = self.device
+        b = len(prompts)
+        width = max(len(p) for p in prompts)
+        max_new = min(sampling.max_new_tokens, self.max_model_len - width)
+        if max_new < 1:
+            raise errors.Invalid(f"prompt of {width} tokens leaves no room under max_model_len={self.max_model_len}")
+        # Left padding: every prompt ends at the same column, so one decode step serves all rows.
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long, device=dev)
+        mask = torch.zeros((b, width), dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=dev)
+            mask[i, width - len(p) :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self._model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        cache = out.past_key_values
+        # Prefill once per prompt, then one row per completion: [b, ...] -> [b*n, ...].
+        cache.batch_repeat_interleave(n)
+        logits = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
+        mask = mask.repeat_interleave(n, dim=0)
+        next_pos = pos[:, -1:].repeat_interleave(n, dim=0) + 1
+
+        rows = b * n
+        live = torch.arange(rows, device=dev)  # which output row each batch row is
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logps: list[list[float]] = [[] for _ in range(rows)]
+        reasons: list[str] = ["length"] * rows
+        eos = torch.tensor(sorted(self.eos_ids) or [-1], device=dev)
+        t, k, p = sampling.temperature, sampling.top_k, sampling.top_p
+        for step in range(max_new):
+            probs = torch.softmax(process_logits(logits, t, k, p), dim=-1)
+            tok = torch.multinomial(probs, 1, generator=self._gen).squeeze(-1)
+            lp = sampled_token_logprobs(logits, tok, t, k, p)
+            for row, tid, val in zip(live.tolist(), tok.tolist(), lp.tolist(), strict=True):
+                tokens[row].append(tid)
+                logps[row].append(val)
+            done = torch.isin(tok, eos)
+            for row in live[done].tolist():
+                reasons[row] = "stop"
+            keep = ~done
+            if step + 1 == max_new or not bool(keep.any()):
+                break
+            if not bool(keep.all()):
+                idx = keep.nonzero().squeeze(-1)
+                cache.batch_select_indices(idx)
+                live, tok, mask, next_pos = live[idx], tok[idx], mask[idx], next_pos[idx]
+            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=dev)], dim=-1)
+            out = self._model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            next_pos = next_pos + 1
+        samples = [Sample(tokens[r], logps[r], reasons[r]) for r in range(rows)]  # type: ignore[arg-type]
+        return [samples[i * n : (i + 1) * n] for i in range(b)]
+
+    def close(self) -> None:
+        self._model = None
+        self._adapters.clear()

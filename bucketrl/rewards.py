@@ -1,0 +1,394 @@
+"""Reward functions and the process pool that scores completions with a per-call deadline.
+
+A reward function has one signature::
+
+    fn(completion: str, answer: str | None, *, prompt: str, **kwargs) -> float | None
+
+``kwargs`` are the run spec's ``reward.kwargs``. ``None`` means "cannot score this one". Names the
+run spec may use (``reward.name``):
+
+    math             final answer from the last \\boxed{...} (else the last number) vs the reference:
+                     exact rational comparison, then math_verify for symbolic forms. kwargs: rel_tol
+    exact            completion == answer. kwargs: strip=True, case_sensitive=True
+    regex            kwargs pattern=...: 1 if it matches (and, when it has a group and an answer is
+                     given, group 1 == answer); without pattern the answer is the pattern (fullmatch).
+                     kwargs: pattern, ignore_case
+    toy              the built-in toy task's graded reward (bucketrl.tasks.toy.toy_reward)
+    module:function  any importable function with the signature above
+
+:class:`RewardPool` runs the function in separate processes: one that raises, returns garbage or runs
+past ``timeout_s`` yields ``None`` for that completion (counted), and a hung or crashed process is
+replaced. The caller never sees an exception from a reward.
+
+    pool = RewardPool(RewardSpec(name="math"), workers=2, timeout_s=10)
+    pool.score([RewardItem("... \\boxed{42}", "42", "What is 6*7?")])   # -> [1.0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import logging
+import math
+import multiprocessing as mp
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from bucketrl import errors
+from bucketrl.wire import RewardSpec
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[..., Any]
+
+# -- built-in rewards -------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None if absent or unclosed."""
+    best: str | None = None
+    for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            best = text[m.end() : i - 1]
+    return best
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The last boxed expression, else the last number in ``text``."""
+    boxed = extract_boxed(text)
+    if boxed is not None and boxed.strip():
+        return boxed.strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].strip() if numbers else None
+
+
+def _to_fraction(s: str) -> Fraction | None:
+    s = s.strip().strip("$").strip().rstrip(".").replace(",", "").replace(" ", "")
+    s = re.sub(r"^\\(?:text|mathrm)\{(.*)\}$", r"\1", s)
+    m = re.fullmatch(r"\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", s)
+    if m:
+        s = f"{m.group(1)}/{m.group(2)}"
+    if len(s) > 100:  # Fraction of a huge literal is slow and never a real answer
+        return None
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _normalise(s: str) -> str:
+    s = s.strip().strip("$").strip().rstrip(".")
+    return re.sub(r"\s+|\\!|\\,|\\left|\\right", "", s)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def math_reward(completion: str, answer: str | None, *, prompt: str = "", rel_tol: float = 1e-6) -> float | None:
+    """1.0 when the completion's final answer equals the reference, else 0.0; None without a reference."""
+    if answer is None or not str(answer).strip():
+        return None
+    pred = extract_final_answer(completion)
+    if pred is None:
+        return 0.0
+    ref = str(answer)
+    ref_boxed = extract_boxed(ref)
+    ref = ref_boxed if ref_boxed is not None else ref
+    a, b = _to_fraction(pred), _to_fraction(ref)
+    if a is not None and b is not None:
+        return 1.0 if abs(a - b) <= rel_tol * max(1, abs(b)) else 0.0
+    if _normalise(pred) == _normalise(ref):
+        return 1.0
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return 0.0
+    # math_verify's timeouts use SIGALRM, which only the main thread may arm.
+    timeout = 5 if _in_main_thread() else None
+    gold = parse(f"${ref}$", parsing_timeout=timeout)
+    target = parse(f"\\boxed{{{pred}}}", parsing_timeout=timeout)
+    if not gold or not target:
+        return 0.0
+    return 1.0 if verify(gold, target, timeout_seconds=timeout) else 0.0
+
+
+def exact_reward(
+    completion: str, answer: str | None, *, prompt: str = "", strip: bool = True, case_sensitive: bool = True
+) -> float | None:
+    """1.0 when the completion equals the answer."""
+    if answer is None:
+        return None
+    a, b = (completion.strip(), str(answer).strip()) if strip else (completion, str(answer))
+    if not case_sensitive:
+        a, b = a.casefold(), b.casefold()
+    return 1.0 if a == b else 0.0
+
+
+def regex_reward(
+    completion: str, answer: str | None, *, prompt: str = "", pattern: str | None = None, ignore_case: bool = False
+) -> float | None:
+    """See the module docstring for the rules."""
+    flags = re.IGNORECASE if ignore_case else 0
+    if pattern is None:
+        if answer is None:
+            return None
+        return 1.0 if re.fullmatch(str(answer), completion.strip(), flags) else 0.0
+    m = re.search(pattern, completion, flags)
+    if m is None:
+        return 0.0
+    if answer is not None and m.re.groups:
+        return 1.0 if (m.group(1) or "").strip() == str(answer).strip() else 0.0
+    return 1.0
+
+
+def _toy_reward(completion: str, answer: str | None, *, prompt: str = "", **kwargs: Any) -> float | None:
+    from bucketrl.tasks.toy import toy_reward
+
+    return toy_reward(completion, answer, prompt=prompt, **kwargs)
+
+
+BUILTIN: dict[str, RewardFn] = {
+    "math": math_reward,
+    "exact": exact_reward,
+    "regex": regex_reward,
+    "toy": _toy_reward,
+}
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """The function a run's ``reward.name`` means; ``Invalid`` with the reason when there is none."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" not in name:
+        raise errors.Invalid(f"reward.name {name!r} is not one of {sorted(BUILTIN)} and not 'module:function'")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or the module raising at import time
+        raise errors.Invalid(f"reward.name {name!r}: cannot import {module_name!r}: {exc!r}") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise errors.Invalid(f"reward.name {name!r}: {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def validate_reward(spec: RewardSpec) -> RewardFn:
+    """Resolve the function and check that it accepts ``reward.kwargs`` (and the regex compiles)."""
+    fn = resolve_reward(spec.name)
+    target = _toy_target() if fn is _toy_reward else fn
+    if target is not None:
+        params = inspect.signature(target).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            unknown = sorted(set(spec.kwargs) - set(params))
+            if unknown:
+                raise errors.Invalid(f"reward {spec.name!r} does not accept reward.kwargs {unknown}")
+    if fn is regex_reward and spec.kwargs.get("pattern") is not None:
+        try:
+            re.compile(str(spec.kwargs["pattern"]))
+        except re.error as exc:
+            raise errors.Invalid(f"reward.kwargs.pattern is not a valid regex: {exc}") from exc
+    return fn
+
+
+def _toy_target() -> RewardFn | None:
+    try:
+        from bucketrl.tasks.toy import toy_reward
+    except ImportError as exc:
+        raise errors.Invalid(f"reward 'toy' needs bucketrl.tasks.toy: {exc}") from exc
+    return toy_reward
+
+
+def coerce_reward(value: Any) -> float | None:
+    """A reward function's result as a finite float, or None (bool counts as 0/1; anything else is None)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float) or type(value).__name__ in ("float32", "float64", "int64"):
+        f = float(value)
+        return f if math.isfinite(f) else None
+    return None
+
+
+# -- the pool ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RewardItem:
+    completion: str
+    answer: str | None
+    prompt: str
+
+
+def _worker_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
+    """Scoring process: resolve once, then answer (job, completion, answer, prompt) with (job, ok, value)."""
+    fn = resolve_reward(name)
+    if fn is math_reward:
+        import math_verify  # noqa: F401  (sympy takes seconds to import: not inside the first deadline)
+    conn.send(("ready", True, None))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        job, completion, answer, prompt = msg
+        try:
+            value = coerce_reward(fn(completion, answer, prompt=prompt, **kwargs))
+            conn.send((job, True, value))
+        except BaseException as exc:  # a reward's failure must never take the process down
+            conn.send((job, False, f"{type(exc).__name__}: {exc}"[:500]))
+
+
+class _Proc:
+    """One scoring process and its pipe; ``job`` is the item it is scoring, ``deadline`` when to give up."""
+
+    def __init__(self, ctx: Any, name: str, kwargs: dict[str, Any], start_timeout_s: float) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, name, kwargs), daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.job: int | None = None
+        self.deadline = time.monotonic() + start_timeout_s
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+class RewardPool:
+    """Score completions in ``workers`` processes, each call bounded by ``timeout_s``.
+
+    ``score`` may be called from any one thread at a time (it holds a lock). Counters:
+    ``unscorable_total`` (every None), ``timeouts_total``, ``errors_total``, ``crashes_total``.
+    """
+
+    def __init__(
+        self, spec: RewardSpec, *, workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 120.0
+    ) -> None:
+        validate_reward(spec)  # a clear error now, not "unscorable" for every completion later
+        self.spec = spec
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.unscorable_total = 0
+        self.timeouts_total = 0
+        self.errors_total = 0
+        self.crashes_total = 0
+        self._ctx = mp.get_context("spawn")  # never fork a process that holds an engine and threads
+        self._lock = threading.Lock()
+        self._closed = False
+        self._procs = [self._spawn() for _ in range(workers)]
+
+    def _spawn(self) -> _Proc:
+        return _Proc(self._ctx, self.spec.name, dict(self.spec.kwargs), self.start_timeout_s)
+
+    def score(self, items: list[RewardItem]) -> list[float | None]:
+        """One reward per item, in order; None where the function raised, hung, crashed or returned garbage."""
+        if not items:
+            return []
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardPool is closed")
+            results = self._score(items)
+        self.unscorable_total += sum(r is None for r in results)
+        return results
+
+    def _score(self, items: list[RewardItem]) -> list[float | None]:
+        from multiprocessing.connection import wait
+
+        results: list[float | None] = [None] * len(items)
+        todo = list(range(len(items)))[::-1]
+        failed_starts = 0
+        while todo or any(p.job is not None for p in self._procs):
+            for p in self._procs:
+                if p.ready and p.job is None and todo:
+                    job = todo.pop()
+                    it = items[job]
+                    try:
+                        p.conn.send((job, it.completion, it.answer, it.prompt))
+                    except (OSError, ValueError):
+                        todo.append(job)
+                        self._replace(p, crashed=True)
+                        continue
+                    p.job, p.deadline = job, time.monotonic() + self.timeout_s
+            # Wait for a result, a process becoming ready, or the nearest deadline.
+            watched = [p for p in self._procs if p.job is not None or not p.ready]
+            if not watched:
+                continue
+            timeout = max(0.0, min(p.deadline for p in watched) - time.monotonic())
+            by_conn = {p.conn: p for p in watched}
+            for conn in wait(list(by_conn), timeout=timeout):
+                p = by_conn[conn]
+                try:
+                    tag, ok, value = conn.recv()
+                except (EOFError, OSError):
+                    job = p.job
+                    if job is None:
+                        failed_starts += 1
+                    self._replace(p, crashed=True)  # its item stays None
+                    continue
+                if tag == "ready":
+                    p.ready = True
+                    continue
+                p.job = None
+                if ok:
+                    results[tag] = value
+                else:
+                    self.errors_total += 1
+                    log.warning("reward %s raised: %s", self.spec.name, value)
+            now = time.monotonic()
+            for p in list(self._procs):
+                if p.deadline > now or (p.ready and p.job is None):
+                    continue
+                if p.job is not None:
+                    self.timeouts_total += 1
+                    log.warning("reward %s exceeded %.1fs; replacing its process", self.spec.name, self.timeout_s)
+                else:
+                    failed_starts += 1
+                    log.error("reward process did not start within %.0fs", self.start_timeout_s)
+                self._replace(p, crashed=False)
+            if failed_starts > 2 * len(self._procs):
+                log.error("reward processes keep failing to start; leaving %d items unscorable", len(todo))
+                break
+        return results
+
+    def _replace(self, p: _Proc, *, crashed: bool) -> None:
+        if crashed:
+            self.crashes_total += 1
+        p.kill()
+        self._procs[self._procs.index(p)] = self._spawn()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for p in self._procs:
+                with contextlib.suppress(OSError, ValueError):
+                    p.conn.send(None)
+            for p in self._procs:
+                p.proc.join(2)
+                p.kill()
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

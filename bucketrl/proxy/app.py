@@ -101,7 +101,10 @@ def create_app(settings: ProxySettings | None = None) -> FastAPI:
         app.state.ctx = ctx
         ctx.notifier = VersionNotifier(ctx.redis)
         ctx.notifier.start()
-        if settings.rebuild_on_start:
+        if settings.rebuild_forced:
+            restored = await rebuild.rebuild_all(ctx)
+            log.warning("--rebuild: restored %d run(s) from the bucket: %s", len(restored), ", ".join(restored))
+        elif settings.rebuild_on_start:
             await rebuild.rebuild_if_wiped(ctx)
         maintenance = asyncio.create_task(gc.maintenance_loop(ctx), name="bucketrl-maintenance")
         try:

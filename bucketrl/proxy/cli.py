@@ -1,8 +1,51 @@
-"""`bucketrl proxy` (placeholder until the proxy service lands)."""
+"""``bucketrl proxy``: serve the proxy with uvicorn.
+
+    BUCKETRL_REDIS_URL=redis://127.0.0.1:6379/0 BUCKETRL_BUCKET_URL=file:///var/lib/bucketrl \\
+    BUCKETRL_TOKENS="trainer:t,generator:g,viewer:v" bucketrl proxy --host 0.0.0.0 --port 8000
+
+Every setting is a ``BUCKETRL_*`` environment variable (``bucketrl/proxy/settings.py``); ``--host``,
+``--port`` and ``--log-level`` override theirs. ``--rebuild`` restores runs, versions and checkpoint
+pointers from the bucket's manifests into Redis before serving (after a Redis loss). FastAPI, uvicorn
+and Redis are imported inside the command so ``bucketrl --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
 
 import typer
 
 
-def proxy_command() -> None:
-    """Not implemented yet."""
-    raise typer.Exit(code=2)
+def proxy_command(
+    host: Annotated[str | None, typer.Option(help="Bind address (BUCKETRL_HOST; default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (BUCKETRL_PORT; default 8000).")] = None,
+    rebuild: Annotated[
+        bool, typer.Option("--rebuild", help="Restore Redis state from the bucket manifests before serving.")
+    ] = False,
+    log_level: Annotated[str | None, typer.Option(help="uvicorn log level (BUCKETRL_LOG_LEVEL).")] = None,
+) -> None:
+    """Run the proxy: the REST control plane over Redis and the bucket."""
+    import logging
+
+    import uvicorn
+
+    from bucketrl.proxy.app import create_app
+    from bucketrl.proxy.settings import ProxySettings
+
+    overrides: dict[str, object] = {}
+    if host is not None:
+        overrides["host"] = host
+    if port is not None:
+        overrides["port"] = port
+    if log_level is not None:
+        overrides["log_level"] = log_level
+    if rebuild:
+        overrides["rebuild_forced"] = True
+    settings = ProxySettings(**overrides)  # type: ignore[arg-type]
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = create_app(settings)
+    except ValueError as exc:
+        typer.echo(f"bucketrl proxy: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)

@@ -1,11 +1,73 @@
-"""Maintenance loop (being written by P2)."""
+"""The maintenance loop: version garbage collection (DESIGN invariant 1) and wiped-Redis detection.
+
+Every ``gc_interval_s`` (``BUCKETRL_GC_INTERVAL_S``), for each run:
+1. ``leases.mark_collectable`` (one Lua script) drops expired leases and marks ``deleting`` every
+   version older than ``latest − max_staleness`` that no live lease holds;
+2. the files of every version marked ``deleting`` (this pass's and any a crashed replica left) are
+   deleted from the bucket, manifest first;
+3. the version becomes ``gone`` (GET answers 410) and ``gc_versions`` counts it.
+Several replicas may run this loop at once: marking is atomic, deleting is idempotent.
+
+Run one pass by hand: ``await gc.collect_run(ctx, run, spec)`` (tests do).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
+
+from redis import exceptions as redis_exc
+
+from bucketrl import errors
+from bucketrl.proxy import keys
+from bucketrl.proxy.state import leases, runs
+from bucketrl.proxy.state.versions import GONE, adapter_prefix
+from bucketrl.storage import dirs
+from bucketrl.wire import RunSpec
+
+log = logging.getLogger("bucketrl.proxy.gc")
+
+
+async def collect_run(ctx: Any, run: str, spec: RunSpec) -> list[int]:
+    """One GC pass over ``run``; returns the versions whose files were deleted."""
+    r = ctx.redis
+    await leases.mark_collectable(r, run, spec.max_staleness)
+    deleting = sorted(int(v) for v in await r.smembers(keys.run_key(run, keys.GC_DELETING)))
+    done: list[int] = []
+    for version in deleting:
+        await asyncio.to_thread(dirs.delete_dir, ctx.store, adapter_prefix(run, version))
+        await r.hset(keys.run_key(run, keys.VERSION_INFO.format(n=version)), "state", GONE)
+        if await r.srem(keys.run_key(run, keys.GC_DELETING), version):
+            # Another replica may have finished the same version first: count it once.
+            await r.hincrby(keys.run_key(run, keys.COUNTERS), "gc_versions", 1)
+            ctx.telemetry.gc_versions.labels(run=run).inc()
+            done.append(version)
+            log.info("run %s: garbage-collected adapter v%d", run, version)
+    return done
+
+
+async def collect_all(ctx: Any) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for run in await runs.list_runs(ctx.redis):
+        spec = await runs.get_spec(ctx.redis, run)
+        if spec is not None:
+            out[run] = await collect_run(ctx, run, spec)
+    return out
 
 
 async def maintenance_loop(ctx: Any) -> None:
+    from bucketrl.proxy import rebuild
+
     while True:
         await asyncio.sleep(ctx.settings.gc_interval_s)
+        try:
+            if ctx.settings.rebuild_on_start:
+                await rebuild.rebuild_if_wiped(ctx)
+            await collect_all(ctx)
+        except asyncio.CancelledError:
+            raise
+        except (redis_exc.RedisError, errors.Unavailable) as exc:
+            log.warning("maintenance pass skipped: %r", exc)
+        except Exception:
+            log.exception("maintenance pass failed")

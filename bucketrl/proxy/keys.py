@@ -27,3 +27,13 @@ IDEMPOTENCY = "idem"  # hash Idempotency-Key -> batch_id
 COUNTERS = "counters"  # hash of monotonically increasing counters
 WORKERS = "workers"  # hash worker_id -> JSON {role, loaded_versions, last_seen, metrics}
 METRICS_STREAM = "metrics:stream"  # capped stream of pushed metrics for the dashboard
+
+# Added by the proxy core (P2):
+VERSION_INFO = "version:{n}"  # hash: sha256, bytes, published_at, epoch, state (live | deleting | gone)
+VERSION_LEASES = "vleases:{n}"  # zset lease_id -> expires_at, the live leases of one version (GC checks it)
+LEASE_INFO = "lease:{id}"  # hash: version, worker_id, expires_at
+GC_DELETING = "gc:deleting"  # set of versions marked 'deleting' whose bucket files may still exist
+GC_HOLD = "gc:hold"  # present (with a TTL) after a rebuild: no GC until generators re-leased
+CHECKPOINT_INFO = "ckpt:{step}"  # hash: sha256, bytes, created_at, epoch
+WRITE_LOCK = "lock:{name}"  # owner token of an in-flight bundle write (adapter version or checkpoint step)
+WORKER_METRICS = "wmetrics:{worker}"  # hash metric name -> latest value of one worker

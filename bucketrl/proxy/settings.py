@@ -32,3 +32,9 @@ class ProxySettings(BaseSettings):
     redis_timeout_s: float = Field(5.0, gt=0, description="Redis connect/read timeout; a dead Redis answers 503.")
     publish_lock_s: float = Field(30.0, gt=0, description="Lease of the per-version write lock (refreshed while held).")
     max_wait_s: float = Field(300.0, gt=0, description="Upper bound of a long-poll's wait_s.")
+    rebuild_gc_grace_s: float = Field(
+        300.0, ge=0, description="After a rebuild, no version is garbage-collected for this long (leases died)."
+    )
+    rebuild_forced: bool = Field(
+        False, description="Rebuild every run from the bucket at start (what `bucketrl proxy --rebuild` sets)."
+    )

@@ -1,5 +1,109 @@
-"""Being written (P2)."""
+"""Adapter versions: publish (trainer, fenced), long-poll for the latest, download the bytes."""
 
-from fastapi import APIRouter
+from __future__ import annotations
 
-router = APIRouter()
+import asyncio
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from bucketrl import errors
+from bucketrl.proxy import body
+from bucketrl.proxy.deps import CtxDep, EpochDep, GeneratorRole, RunDep, TrainerRole, ViewerRole
+from bucketrl.proxy.errors import responses
+from bucketrl.proxy.state import runs, versions
+from bucketrl.storage import dirs
+from bucketrl.wire import AdapterVersionInfo
+
+router = APIRouter(prefix="/v1/runs/{run}/adapters", tags=["adapters"])
+
+TAR = "application/x-tar"
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+
+VersionPath = Annotated[int, Path(ge=1, le=2**53, description="Adapter version (1, 2, 3, ...).")]
+Sha256Header = Annotated[str, Header(alias="X-Content-SHA256", description="sha256 (hex) of the request body.")]
+
+
+def check_sha_header(value: str) -> str:
+    sha = value.strip().lower()
+    if not _SHA.match(sha):
+        raise errors.Invalid(f"header X-Content-SHA256 must be 64 hex digits, got {value[:80]!r}")
+    return sha
+
+
+@router.get(
+    "/latest",
+    response_model=AdapterVersionInfo,
+    summary="Long-poll: the latest version as soon as one newer than `after` exists; 204 after `wait_s`.",
+    description="Woken by Redis pub/sub the moment a version commits (milliseconds), not by polling.",
+    responses={
+        204: {"description": "Nothing newer than `after` within `wait_s`."},
+        **responses(401, 403, 404, 422, 503),
+    },
+)
+async def latest(
+    ctx: CtxDep,
+    _: ViewerRole,
+    ref: RunDep,
+    after: Annotated[int, Query(ge=0, description="Answer only with a version > after.")] = 0,
+    wait_s: Annotated[float, Query(ge=0.0, le=3600.0, description="How long to wait for one.")] = 0.0,
+) -> Response | AdapterVersionInfo:
+    info = await versions.wait_newer(ctx, ref.run, after, min(wait_s, ctx.settings.max_wait_s))
+    if info is None:
+        return Response(status_code=204)
+    return info
+
+
+@router.put(
+    "/{version}",
+    response_model=AdapterVersionInfo,
+    summary="Publish version N = latest+1 (epoch-fenced; sha256-checked; atomic).",
+    description=(
+        "Body: the adapter directory as an uncompressed tar (the PEFT files). The proxy stores the exact tar and the "
+        "extracted files under `runs/{run}/adapters/v{N}/`, manifest last, then commits the version in Redis "
+        "atomically with the epoch check. Re-sending the committed bytes of the latest version answers 200 (a "
+        "retried PUT). 409 `version_conflict` unless N = latest+1; 409 `fenced` for an old epoch."
+    ),
+    responses=responses(401, 403, 404, 409, 413, 422, 503),
+    openapi_extra=body.openapi_tar_body("The adapter directory as an uncompressed tar."),
+)
+async def publish(
+    ctx: CtxDep,
+    _: TrainerRole,
+    ref: RunDep,
+    version: VersionPath,
+    epoch: EpochDep,
+    sha256: Sha256Header,
+    request: Request,
+) -> AdapterVersionInfo:
+    sha = check_sha_header(sha256)
+    body.check_content_length(request, ctx.settings.max_adapter_bytes, "adapter tar")
+    existing = await versions.get_record(ctx.redis, ref.run, version)
+    if existing is not None and existing.get("sha256") == sha and existing.get("epoch") == str(epoch):
+        return versions.to_info(version, existing)  # a retried PUT whose first answer was lost
+    latest_now = await runs.latest_version(ctx.redis, ref.run)
+    if version != latest_now + 1:  # fail before reading the body; the commit re-checks atomically
+        raise errors.Conflict(
+            f"run {ref.run!r}: can only publish version {latest_now + 1} (latest is {latest_now}), not {version}",
+            code="version_conflict",
+        )
+    chunks = body.stream_limited(request, ctx.settings.max_adapter_bytes, "adapter tar")
+    return await versions.publish(ctx, ref.run, version, epoch, sha, chunks)
+
+
+@router.get(
+    "/{version}",
+    summary="The adapter tar of a version (streamed; `X-Content-SHA256` header). 410 once garbage-collected.",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {TAR: {"schema": {"type": "string", "format": "binary"}}}, "description": "The tar."},
+        **responses(401, 403, 404, 410, 422, 503),
+    },
+)
+async def download(ctx: CtxDep, _: GeneratorRole, ref: RunDep, version: VersionPath) -> StreamingResponse:
+    rec = await versions.live_record(ctx.redis, ref.run, version)
+    chunks = await asyncio.to_thread(dirs.iter_bundle, ctx.store, versions.adapter_prefix(ref.run, version))
+    headers = {"X-Content-SHA256": rec["sha256"], "Content-Length": rec["bytes"]}
+    return StreamingResponse(chunks, media_type=TAR, headers=headers)

@@ -1,5 +1,102 @@
-"""Being written (P2)."""
+"""Runs: create/confirm a spec, read it, register a trainer (the fencing epoch)."""
 
-from fastapi import APIRouter
+from __future__ import annotations
 
-router = APIRouter()
+import asyncio
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Response
+
+from bucketrl.proxy import body
+from bucketrl.proxy.deps import AnyRole, CtxDep, RunDep, RunId, TrainerRole
+from bucketrl.proxy.errors import responses
+from bucketrl.proxy.state import checkpoints, runs
+from bucketrl.storage import dirs
+from bucketrl.wire import RunInfo, RunSpec, TrainerRegistration
+from bucketrl.wire.trainer import TrainerRegisterRequest
+
+log = logging.getLogger("bucketrl.proxy.runs")
+
+router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+
+def run_json_key(run: str) -> str:
+    return f"runs/{run}/run.json"
+
+
+@router.put(
+    "/{run}",
+    response_model=RunInfo,
+    status_code=200,
+    summary="Create (201) or confirm (200) a run spec; a changed immutable field is 409.",
+    description=(
+        "Same spec again: 200 and nothing changes. A change to a mutable field (max_staleness, sampling, reward, "
+        "queue_capacity_groups, groups_per_step, loss) is applied and answered 200. base_model, lora, group_size, "
+        "vocab_size and dataset are immutable: 409 `immutable_field`. The spec is also written to the bucket as "
+        "`runs/{run}/run.json` (what a rebuild restores from)."
+    ),
+    responses={201: {"model": RunInfo, "description": "Run created."}, **responses(401, 403, 409, 413, 422, 503)},
+    openapi_extra=body.openapi_body(RunSpec),
+)
+async def put_run(
+    ctx: CtxDep,
+    run: RunId,
+    _: TrainerRole,
+    spec: Annotated[RunSpec, Depends(body.decoded(RunSpec))],
+    response: Response,
+) -> RunInfo:
+    if await runs.get_spec(ctx.redis, run) is None:
+        # Redis may have lost a run the bucket still has: restore it (versions, checkpoints) before
+        # deciding, so "create" can never restart version numbering over published adapters.
+        from bucketrl.proxy import rebuild
+
+        await rebuild.rebuild_run_if_in_bucket(ctx, run)
+    created, changed = await runs.put_spec(ctx.redis, run, spec)
+    if created or changed or not await asyncio.to_thread(ctx.store.exists, run_json_key(run)):
+        stored = await runs.get_spec(ctx.redis, run)
+        await asyncio.to_thread(dirs.put_json, ctx.store, run_json_key(run), stored or spec)
+    if created:
+        response.status_code = 201
+        log.info("run %s created", run)
+    return RunInfo(
+        run=run, spec=(await runs.get_spec(ctx.redis, run)) or spec, state=await runs.get_state(ctx.redis, run)
+    )
+
+
+@router.get(
+    "/{run}",
+    response_model=RunInfo,
+    summary="The run's spec and state (latest version, trainer epoch and step).",
+    responses=responses(401, 404, 422, 503),
+)
+async def get_run(ctx: CtxDep, _: AnyRole, ref: RunDep) -> RunInfo:
+    return RunInfo(run=ref.run, spec=ref.spec, state=await runs.get_state(ctx.redis, ref.run))
+
+
+@router.post(
+    "/{run}/trainer",
+    response_model=TrainerRegistration,
+    summary="Register a trainer: a new, larger fencing epoch. Older epochs are fenced from now on.",
+    description=(
+        "Every later trainer write carries `X-Trainer-Epoch: <epoch>`; a write with an older epoch gets 409 `fenced`. "
+        "Registration also makes every claimed-but-unacked rollout delivery immediately re-claimable."
+    ),
+    responses=responses(401, 403, 404, 413, 422, 503),
+    openapi_extra=body.openapi_body(TrainerRegisterRequest, msgpack_too=False),
+)
+async def register_trainer(
+    ctx: CtxDep,
+    _: TrainerRole,
+    ref: RunDep,
+    req: Annotated[TrainerRegisterRequest, Depends(body.decoded(TrainerRegisterRequest))],
+) -> TrainerRegistration:
+    epoch = await runs.register_trainer(ctx.redis, ref.run)
+    log.info("run %s: trainer %s registered with epoch %d", ref.run, req.worker_id, epoch)
+    for hook in runs.TRAINER_REGISTERED_HOOKS:
+        await hook(ctx, ref.run, epoch)
+    return TrainerRegistration(
+        epoch=epoch,
+        latest_version=await runs.latest_version(ctx.redis, ref.run),
+        latest_checkpoint_step=await checkpoints.latest_step(ctx.redis, ref.run),
+    )

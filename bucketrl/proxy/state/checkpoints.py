@@ -1,0 +1,129 @@
+"""Checkpoints: epoch-fenced atomic writes under ``runs/{run}/checkpoints/step-{k}/`` and their index.
+
+Redis per run: ``checkpoints`` (zset step -> step) and ``ckpt:{k}`` (hash sha256, bytes, created_at,
+epoch). The protocol is the adapters' (``versions.py``): spool + hash, take the step's write lock with
+the epoch check, commit the tar (manifest last), then ONE Lua script re-checks lock and epoch and
+records the step. A fenced trainer's files are removed and it gets 409 ``fenced``.
+
+Writing a step that already exists: the same bytes again is a no-op (a retried PUT); different bytes
+from the current epoch replace it (a resumed trainer redoing a step of a dead timeline) — the index
+entry is dropped before the files change, so ``latest`` never points at a half-written step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from bucketrl import errors
+from bucketrl.proxy import keys
+from bucketrl.proxy.state.locks import WriteLock
+from bucketrl.proxy.state.lua import Lua
+from bucketrl.storage import dirs
+from bucketrl.wire import CheckpointInfo
+
+# KEYS: state, lock, ckpt:k, checkpoints. ARGV: epoch, step, owner, sha256, bytes.
+_COMMIT = Lua("""
+if redis.call('GET', KEYS[2]) ~= ARGV[3] then return {'lost', '0'} end
+local cur = tonumber(redis.call('HGET', KEYS[1], 'trainer_epoch') or '0')
+if tonumber(ARGV[1]) ~= cur then return {'fenced', tostring(cur)} end
+local t = redis.call('TIME')
+local now = string.format('%d.%06d', t[1], t[2])
+redis.call('HSET', KEYS[3], 'sha256', ARGV[4], 'bytes', ARGV[5], 'created_at', now, 'epoch', ARGV[1])
+redis.call('ZADD', KEYS[4], tonumber(ARGV[2]), ARGV[2])
+redis.call('HSET', KEYS[1], 'trainer_step', ARGV[2], 'updated_at', now)
+redis.call('DEL', KEYS[2])
+return {'ok', now}
+""")
+
+
+def checkpoint_prefix(run: str, step: int) -> str:
+    return f"runs/{run}/checkpoints/step-{step}"
+
+
+def _info_key(run: str, step: int) -> str:
+    return keys.run_key(run, keys.CHECKPOINT_INFO.format(step=step))
+
+
+async def get_info(r: Any, run: str, step: int) -> CheckpointInfo | None:
+    h = await r.hgetall(_info_key(run, step))
+    if not h:
+        return None
+    return CheckpointInfo(
+        step=step,
+        sha256=h[b"sha256"].decode(),
+        bytes=int(h[b"bytes"]),
+        created_at=float(h[b"created_at"]),
+        epoch=int(h.get(b"epoch") or 0),
+    )
+
+
+async def latest_step(r: Any, run: str) -> int | None:
+    top = await r.zrevrange(keys.run_key(run, keys.CHECKPOINTS), 0, 0)
+    return int(top[0]) if top else None
+
+
+async def latest(r: Any, run: str) -> CheckpointInfo | None:
+    step = await latest_step(r, run)
+    return None if step is None else await get_info(r, run, step)
+
+
+async def put(
+    ctx: Any, run: str, step: int, epoch: int, expected_sha256: str, chunks: AsyncIterator[bytes]
+) -> CheckpointInfo:
+    s = ctx.settings
+    spooled = await dirs.spool_body(chunks, s.max_checkpoint_bytes)
+    with spooled:
+        if spooled.sha256 != expected_sha256:
+            raise errors.Invalid(
+                f"body sha256 {spooled.sha256} does not match X-Content-SHA256 {expected_sha256}; nothing was written",
+                code="sha256_mismatch",
+            )
+        existing = await get_info(ctx.redis, run, step)
+        if existing is not None and existing.sha256 == spooled.sha256:
+            return existing
+        lock = WriteLock(ctx.redis, run, f"step-{step}", epoch, ttl_s=s.publish_lock_s)
+        await lock.acquire()
+        prefix = checkpoint_prefix(run, step)
+        keep_files = False
+        try:
+            if existing is not None:
+                # Un-index first: `latest` must never name a step whose files are being replaced.
+                pipe = ctx.redis.pipeline(transaction=True)
+                pipe.zrem(keys.run_key(run, keys.CHECKPOINTS), step)
+                pipe.delete(_info_key(run, step))
+                await pipe.execute()
+            await asyncio.to_thread(_write_bundle, ctx.store, prefix, spooled, expected_sha256, run, step, epoch)
+            keep_files = True
+            status, detail = await _COMMIT(
+                ctx.redis,
+                [keys.run_key(run, keys.STATE), lock.key, _info_key(run, step), keys.run_key(run, keys.CHECKPOINTS)],
+                [epoch, step, lock.owner, spooled.sha256, spooled.size],
+            )
+            status, detail = status.decode(), detail.decode()
+            keep_files = status == "ok"
+            if status == "ok":
+                return CheckpointInfo(
+                    step=step, sha256=spooled.sha256, bytes=spooled.size, created_at=float(detail), epoch=epoch
+                )
+            if status == "fenced":
+                ctx.telemetry.fenced_writes.labels(run=run).inc()
+                raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} was fenced by epoch {detail} during the write")
+            raise errors.Conflict(
+                f"run {run!r}: lost the write lock of checkpoint step {step}; retry",
+                retryable=True,
+                code="write_in_progress",
+            )
+        finally:
+            if not keep_files:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(dirs.delete_dir, ctx.store, prefix)
+            await lock.release()
+
+
+def _write_bundle(store: Any, prefix: str, spooled: dirs.Spooled, sha256: str, run: str, step: int, epoch: int) -> None:
+    if dirs.read_manifest(store, prefix) is not None:
+        dirs.delete_dir(store, prefix)  # unindexed leftovers (crash, fenced attempt, replaced step); we hold the lock
+    dirs.commit_tar(store, prefix, spooled, sha256, {"run": run, "step": step, "epoch": epoch})

@@ -1,0 +1,188 @@
+"""Adapter versions: publish (fenced, dense, atomic), look up, and wait for a newer one.
+
+Redis per run: ``state.latest_version``; ``versions`` (zset version -> version) of versions whose files
+exist; ``version:{N}`` (hash sha256, bytes, published_at, epoch, state). ``state`` is ``live`` (leasable,
+downloadable), ``deleting`` (GC decided, files going) or ``gone``. A version hash never disappears while
+Redis lives, so an old number answers 410, not 404.
+
+Publishing version N (invariant 2: dense, monotonic, never by a fenced trainer):
+1. the body is spooled to a temp file and hashed (never held whole in memory);
+2. the write lock of ``v{N}`` is taken in Lua together with ``epoch == current`` and ``N == latest+1``;
+3. the tar is committed under ``runs/{run}/adapters/v{N}/`` (manifest last; leftovers of a crashed or
+   fenced attempt are cleared first: under the lock with N > latest, nobody can be reading them);
+4. ONE Lua script re-checks lock ownership, the epoch and ``N == latest+1``, records the version, bumps
+   ``latest_version`` and PUBLISHes N. A trainer registering between 2 and 4 fences the commit: the
+   files are deleted and the caller gets 409 ``fenced``. So no fenced trainer ever publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from bucketrl import errors
+from bucketrl.proxy import keys
+from bucketrl.proxy.state.locks import WriteLock
+from bucketrl.proxy.state.lua import Lua
+from bucketrl.storage import dirs
+from bucketrl.wire import AdapterVersionInfo
+
+log = logging.getLogger("bucketrl.proxy.versions")
+
+LIVE, DELETING, GONE = "live", "deleting", "gone"
+
+# KEYS: state, lock, version:N, versions, channel. ARGV: epoch, N, owner, sha256, bytes.
+_COMMIT = Lua("""
+if redis.call('GET', KEYS[2]) ~= ARGV[3] then return {'lost', '0'} end
+local cur = tonumber(redis.call('HGET', KEYS[1], 'trainer_epoch') or '0')
+if tonumber(ARGV[1]) ~= cur then return {'fenced', tostring(cur)} end
+local latest = tonumber(redis.call('HGET', KEYS[1], 'latest_version') or '0')
+local n = tonumber(ARGV[2])
+if n ~= latest + 1 then return {'conflict', tostring(latest)} end
+local t = redis.call('TIME')
+local now = string.format('%d.%06d', t[1], t[2])
+redis.call('HSET', KEYS[3], 'sha256', ARGV[4], 'bytes', ARGV[5], 'published_at', now, 'epoch', ARGV[1],
+  'state', 'live')
+redis.call('ZADD', KEYS[4], n, n)
+redis.call('HSET', KEYS[1], 'latest_version', n, 'updated_at', now)
+redis.call('DEL', KEYS[2])
+redis.call('PUBLISH', KEYS[5], n)
+return {'ok', now}
+""")
+
+
+def adapter_prefix(run: str, version: int) -> str:
+    return f"runs/{run}/adapters/v{version}"
+
+
+def _info_key(run: str, version: int) -> str:
+    return keys.run_key(run, keys.VERSION_INFO.format(n=version))
+
+
+def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in h.items()}
+
+
+async def get_record(r: Any, run: str, version: int) -> dict[str, str] | None:
+    h = await r.hgetall(_info_key(run, version))
+    return _decode(h) if h else None
+
+
+def to_info(version: int, rec: dict[str, str]) -> AdapterVersionInfo:
+    return AdapterVersionInfo(
+        version=version, sha256=rec["sha256"], bytes=int(rec["bytes"]), published_at=float(rec["published_at"])
+    )
+
+
+async def live_record(r: Any, run: str, version: int) -> dict[str, str]:
+    """The record of a downloadable version: 404 if never published, 410 if garbage-collected."""
+    rec = await get_record(r, run, version)
+    if rec is None:
+        from bucketrl.proxy.state.runs import latest_version
+
+        latest = await latest_version(r, run)
+        if version > latest:
+            raise errors.NotFound(f"run {run!r} has no version {version} (latest is {latest})", code="unknown_version")
+        raise errors.Gone(f"run {run!r}: version {version} was garbage-collected", code="version_gone")
+    if rec.get("state") != LIVE:
+        raise errors.Gone(f"run {run!r}: version {version} was garbage-collected", code="version_gone")
+    return rec
+
+
+async def latest_info(r: Any, run: str) -> AdapterVersionInfo | None:
+    from bucketrl.proxy.state.runs import latest_version
+
+    latest = await latest_version(r, run)
+    if latest == 0:
+        return None
+    rec = await get_record(r, run, latest)
+    return None if rec is None else to_info(latest, rec)
+
+
+async def wait_newer(ctx: Any, run: str, after: int, wait_s: float) -> AdapterVersionInfo | None:
+    """The latest version if it is newer than ``after``, waiting up to ``wait_s`` for one (pub/sub woken)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    with ctx.notifier.waiter(run) as event:  # registered BEFORE the first read: no lost wake-up
+        while True:
+            event.clear()
+            info = await latest_info(ctx.redis, run)
+            if info is not None and info.version > after:
+                return info
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), remaining)
+
+
+async def publish(
+    ctx: Any, run: str, version: int, epoch: int, expected_sha256: str, chunks: AsyncIterator[bytes]
+) -> AdapterVersionInfo:
+    """Publish ``version`` from a tar body stream; see the module docstring for the protocol."""
+    s = ctx.settings
+    spooled = await dirs.spool_body(chunks, s.max_adapter_bytes)
+    with spooled:
+        if spooled.sha256 != expected_sha256:
+            raise errors.Invalid(
+                f"body sha256 {spooled.sha256} does not match X-Content-SHA256 {expected_sha256}; nothing was written",
+                code="sha256_mismatch",
+            )
+        lock = WriteLock(ctx.redis, run, f"v{version}", epoch, ttl_s=s.publish_lock_s, expected_next=version)
+        await lock.acquire()
+        prefix = adapter_prefix(run, version)
+        # Set while the commit's outcome is unknown (a Redis error mid-script): then the files must stay,
+        # since Redis may have recorded the version; a retry finds it (idempotent) or clears the leftovers.
+        keep_files = False
+        try:
+            await asyncio.to_thread(_write_bundle, ctx.store, prefix, spooled, expected_sha256, run, version, epoch)
+            keep_files = True
+            status, detail = await _COMMIT(
+                ctx.redis,
+                [
+                    keys.run_key(run, keys.STATE),
+                    lock.key,
+                    _info_key(run, version),
+                    keys.run_key(run, keys.VERSIONS),
+                    keys.run_key(run, keys.VERSION_CHANNEL),
+                ],
+                [epoch, version, lock.owner, spooled.sha256, spooled.size],
+            )
+            status, detail = status.decode(), detail.decode()
+            keep_files = status == "ok"
+            if status == "ok":
+                ctx.telemetry.published_versions.labels(run=run).inc()
+                return AdapterVersionInfo(
+                    version=version, sha256=spooled.sha256, bytes=spooled.size, published_at=float(detail)
+                )
+            if status == "fenced":
+                ctx.telemetry.fenced_writes.labels(run=run).inc()
+                raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} was fenced by epoch {detail} during publish")
+            if status == "conflict":
+                raise errors.Conflict(
+                    f"run {run!r}: version {version} is not latest+1 (latest is {detail})", code="version_conflict"
+                )
+            raise errors.Conflict(
+                f"run {run!r}: lost the write lock of v{version} (Redis restarted?); retry",
+                retryable=True,
+                code="write_in_progress",
+            )
+        finally:
+            if not keep_files:
+                # Nobody can have seen these files (Redis never recorded them): remove them.
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(dirs.delete_dir, ctx.store, prefix)
+            await lock.release()
+
+
+def _write_bundle(
+    store: Any, prefix: str, spooled: dirs.Spooled, sha256: str, run: str, version: int, epoch: int
+) -> None:
+    if dirs.read_manifest(store, prefix) is not None:
+        # A crashed or fenced attempt committed files Redis never recorded; we hold the lock and N > latest.
+        log.warning("clearing unrecorded leftovers at %s before publishing", prefix)
+        dirs.delete_dir(store, prefix)
+    dirs.commit_tar(store, prefix, spooled, sha256, {"run": run, "version": version, "epoch": epoch})

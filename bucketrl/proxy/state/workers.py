@@ -1,0 +1,72 @@
+"""Workers' metrics pushes (which double as heartbeats) and what the status shows of them.
+
+Redis per run: ``workers`` (hash worker_id -> JSON {role, loaded_versions, last_seen, step}),
+``wmetrics:{worker}`` (hash metric -> latest value) and ``metrics:stream`` (capped stream of every push,
+newest last, for the dashboard's time series).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from bucketrl.proxy import keys
+from bucketrl.wire import MetricsPush, WorkerStatus
+
+STREAM_MAXLEN = 20_000
+
+
+async def record_push(r: Any, run: str, role: str, push: MetricsPush) -> None:
+    workers_key = keys.run_key(run, keys.WORKERS)
+    now = time.time()
+    loaded = push.loaded_versions
+    if loaded is None:
+        prev = await r.hget(workers_key, push.worker_id)
+        loaded = json.loads(prev).get("loaded_versions", []) if prev else []
+    entry = {"role": role, "loaded_versions": sorted(set(loaded)), "last_seen": now, "step": push.step}
+    pipe = r.pipeline(transaction=True)
+    pipe.hset(workers_key, push.worker_id, json.dumps(entry))
+    if push.metrics:
+        pipe.hset(keys.run_key(run, keys.WORKER_METRICS.format(worker=push.worker_id)), mapping=push.metrics)
+    record = {"worker_id": push.worker_id, "role": role, "ts": now, "step": push.step, "metrics": push.metrics}
+    pipe.xadd(
+        keys.run_key(run, keys.METRICS_STREAM), {"json": json.dumps(record)}, maxlen=STREAM_MAXLEN, approximate=True
+    )
+    if role == "trainer" and push.step is not None:
+        pipe.hset(keys.run_key(run, keys.STATE), "trainer_step", push.step)
+    await pipe.execute()
+
+
+async def live_workers(r: Any, run: str, ttl_s: float) -> tuple[list[WorkerStatus], dict[str, dict[str, float]]]:
+    """Workers heard from within ``ttl_s`` and their latest metrics (``{worker: {name: value, "_step": k}}``)."""
+    now = time.time()
+    raw = await r.hgetall(keys.run_key(run, keys.WORKERS))
+    workers: list[WorkerStatus] = []
+    steps: dict[str, Any] = {}
+    for wid_b, blob in raw.items():
+        wid, entry = wid_b.decode(), json.loads(blob)
+        age = now - float(entry["last_seen"])
+        if age > ttl_s:
+            continue
+        workers.append(
+            WorkerStatus(worker_id=wid, role=entry["role"], loaded_versions=entry["loaded_versions"], last_seen_s=age)
+        )
+        steps[wid] = entry.get("step")
+    workers.sort(key=lambda w: (w.role, w.worker_id))
+    pipe = r.pipeline(transaction=False)
+    for w in workers:
+        pipe.hgetall(keys.run_key(run, keys.WORKER_METRICS.format(worker=w.worker_id)))
+    metrics: dict[str, dict[str, float]] = {}
+    for w, h in zip(workers, await pipe.execute(), strict=True):
+        values = {k.decode(): float(v) for k, v in h.items()}
+        if steps.get(w.worker_id) is not None:
+            values["_step"] = steps[w.worker_id]
+        metrics[w.worker_id] = values
+    return workers, metrics
+
+
+async def recent_pushes(r: Any, run: str, count: int = 200) -> list[dict[str, Any]]:
+    """The last ``count`` pushes, oldest first."""
+    entries = await r.xrevrange(keys.run_key(run, keys.METRICS_STREAM), count=count)
+    return [json.loads(fields[b"json"]) for _, fields in reversed(entries)]

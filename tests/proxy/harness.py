@@ -1,0 +1,145 @@
+"""A real proxy for tests: ``create_app`` served by uvicorn on a free loopback port in a thread.
+
+Real HTTP, real Redis, a real bucket; the sync :class:`bucketrl.client.ProxyClient` and any httpx client
+talk to it like a worker would. ``call`` runs a coroutine on the server's own event loop (to poke the
+context: a GC pass, a look at Redis) without touching its Redis connections from another loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import tarfile
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import httpx
+import uvicorn
+
+from bucketrl.client import ProxyClient
+from bucketrl.proxy.app import create_app
+from bucketrl.proxy.context import ProxyContext
+from bucketrl.proxy.settings import ProxySettings
+from bucketrl.wire import RunSpec
+from tests.support.services import free_port
+
+T = TypeVar("T")
+
+TOKENS = {"admin": "tok-admin", "trainer": "tok-trainer", "generator": "tok-gen", "viewer": "tok-viewer"}
+TOKENS_ENV = ",".join(f"{role}:{tok}" for role, tok in TOKENS.items())
+
+
+def make_spec(**kw: Any) -> RunSpec:
+    base: dict[str, Any] = {
+        "base_model": "tiny-qwen2",
+        "reward": {"name": "toy"},
+        "dataset": {"uri": "toy:add", "size": 64},
+        "vocab_size": 64,
+        "group_size": 2,
+        "max_staleness": 1,
+        "groups_per_step": 2,
+        "queue_capacity_groups": 32,
+    }
+    base.update(kw)
+    return RunSpec.model_validate(base)
+
+
+def make_tar(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in sorted(files.items()):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def adapter_tar(version: int, size: int = 256) -> bytes:
+    weights = hashlib.sha256(f"v{version}".encode()).digest() * (size // 32 + 1)
+    return make_tar({"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": weights[:size]})
+
+
+class ProxyHarness:
+    def __init__(self, redis_url: str, bucket_url: str, **settings: Any) -> None:
+        self.port = free_port()
+        base = {
+            "redis_url": redis_url,
+            "bucket_url": bucket_url,
+            "tokens": TOKENS_ENV,
+            "host": "127.0.0.1",
+            "port": self.port,
+            "gc_interval_s": 3600.0,  # tests run GC passes explicitly unless they ask for the loop
+            "redis_timeout_s": 1.0,
+        }
+        base.update(settings)
+        self.settings = ProxySettings(**base)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server: uvicorn.Server | None = None
+        self.thread: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> ProxyHarness:
+        self.app = create_app(self.settings)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        ready = threading.Event()
+
+        def serve() -> None:
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+            self.loop.call_soon(ready.set)
+            self.loop.run_until_complete(self.server.serve())  # type: ignore[union-attr]
+            self.loop.close()
+
+        self.thread = threading.Thread(target=serve, daemon=True, name=f"proxy-{self.port}")
+        self.thread.start()
+        ready.wait(10)
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("proxy did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(15)
+        self.server = self.thread = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    # -- access ---------------------------------------------------------------------------------------
+    @property
+    def ctx(self) -> ProxyContext:
+        return self.app.state.ctx
+
+    def call(self, fn: Callable[[ProxyContext], Awaitable[T]], timeout: float = 30.0) -> T:
+        """Run ``fn(ctx)`` on the server's event loop and return its result."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(fn(self.ctx), self.loop).result(timeout)  # type: ignore[arg-type]
+
+    def client(self, run: str, role: str = "admin", **kw: Any) -> ProxyClient:
+        kw.setdefault("retries", 0)
+        return ProxyClient(self.url, run, TOKENS[role], **kw)
+
+    def http(self, role: str | None = "admin", **kw: Any) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {TOKENS[role]}"} if role else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=kw.pop("timeout", 30.0), **kw)
+
+
+@contextmanager
+def running(redis_url: str, bucket_url: str, **settings: Any) -> Iterator[ProxyHarness]:
+    h = ProxyHarness(redis_url, bucket_url, **settings).start()
+    try:
+        yield h
+    finally:
+        h.stop()

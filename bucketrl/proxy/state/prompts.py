@@ -1,0 +1,430 @@
+"""Prompt leases: a persisted cursor over the dataset, reissue-first redelivery, admission control.
+
+What a generator sees
+---------------------
+``POST /v1/runs/{run}/prompts/lease {"worker_id", "n", "ttl_s"}`` hands out up to ``n`` prompts as
+``prompt_id = "{pass}-{index}"`` (``index`` in ``0..dataset.size-1``; ``pass`` counts trips over the
+dataset). A prompt is *completed* when a rollout group for it is accepted (202, see ``state/queue.py``).
+A lease that expires or is released before completion puts the prompt back on the *reissue list*, and
+reissues are handed out before any never-issued position (DESIGN invariant 5: no prompt is skipped, and a
+completed one is never issued again within its pass).
+
+Admission control (the pacing rule)
+-----------------------------------
+The trainer eats ``groups_per_step`` groups per optimizer step and, at most, publishes one version per
+step, so a group generated now at version v is trained ``W / groups_per_step`` steps later, where W is
+the work already ahead of it: groups queued (not yet claimed) plus prompts leased and still being
+generated (each becomes one group). For that group to be trained within ``max_staleness`` versions::
+
+    W = queued_groups + inflight_prompts  <=  limit = min(queue_capacity_groups,
+                                                          groups_per_step * max(1, max_staleness))
+
+So a lease is granted only while ``W < limit`` (partially: ``min(n, limit - W)`` prompts), and answered
+429 + ``Retry-After`` otherwise: generation is paced at the trainer's speed instead of piling up groups
+that would be dropped as stale at claim. Claimed-but-unacked groups do NOT count: the trainer acks only
+after a checkpoint (TEAM.md ack protocol) and they are already being trained.
+
+Redis state (all changes in single Lua scripts, so concurrent proxies cannot interleave)
+---------------------------------------------------------------------------------------
+``brl:{run}:prompts:cursor``    next never-issued global position g (pass = g // size, index = g % size)
+``brl:{run}:prompts:inflight``  zset prompt_id -> lease expiry (unix s)
+``brl:{run}:prompts:owner``     hash prompt_id -> worker_id holding the lease
+``brl:{run}:prompts:reissue``   list of prompt ids to issue again (expired / released), issued first
+``brl:{run}:prompts:open``      set of issued, not yet completed prompt ids (inflight ∪ reissue ∪ expired)
+``brl:{run}:prompts:meta``      hash seq (bumped on every change), persisted_seq, persisted_reserved
+
+Persistence (a Redis wipe must not restart the dataset)
+-------------------------------------------------------
+``runs/{run}/prompts.json`` holds ``cursor``, ``reserved`` (a high-water mark >= every position handed out
+so far), the ``open`` prompts and the live leases. A lease that moves the cursor past the persisted
+``reserved`` mark rewrites the snapshot (reserving ``RESERVE_AHEAD`` more positions) BEFORE it answers, so
+one bucket write covers many leases. The ack path persists before it deletes a fully acked batch object
+(which was the only other record of its prompts' completion). A rebuild (``restore``) therefore sets the
+cursor to ``reserved``, treats ``open`` plus every position in ``[cursor, reserved)`` as to-be-reissued, and
+drops from that the prompts of batches still in the bucket (they completed): nothing skipped, and at worst
+a prompt completed after the last snapshot whose batch is still queued is not repeated either.
+
+Runbook: ``redis-cli ZRANGE brl:{run}:prompts:inflight 0 -1 WITHSCORES`` lists leases;
+``LRANGE brl:{run}:prompts:reissue 0 -1`` what will be reissued next; ``GET brl:{run}:prompts:cursor``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bucketrl import errors
+from bucketrl.proxy import keys
+from bucketrl.proxy.state.lua import Lua
+from bucketrl.storage.base import BucketStore
+from bucketrl.wire import PromptLease, PromptLeaseItem, RunSpec
+
+# The Redis consumer group of the rollout stream (shared with state/queue.py, which builds on this module).
+STREAM_GROUP = "trainer"
+# How many positions past the cursor one snapshot write reserves (bounds bucket writes to 1 per this many).
+RESERVE_AHEAD = 256
+PROMPT_ID_RE = re.compile(r"^(0|[1-9][0-9]{0,11})-(0|[1-9][0-9]{0,11})$")
+# Retry-After (s) of a prompt lease refused by admission control: about one trainer step.
+RETRY_AFTER_S = 1.0
+_LOCK_TTL_MS = 30_000
+_LOCK_WAIT_S = 15.0
+
+
+@dataclass(frozen=True)
+class PromptKeys:
+    cursor: str
+    inflight: str
+    owner: str
+    reissue: str
+    open: str
+    meta: str
+    lock: str
+    stream: str
+    counters: str
+
+    @classmethod
+    def of(cls, run: str) -> PromptKeys:
+        k = keys.run_key
+        return cls(
+            cursor=k(run, keys.PROMPT_CURSOR),
+            inflight=k(run, keys.PROMPT_INFLIGHT),
+            owner=k(run, "prompts:owner"),
+            reissue=k(run, keys.PROMPT_REISSUE),
+            open=k(run, "prompts:open"),
+            meta=k(run, "prompts:meta"),
+            lock=k(run, "prompts:persist-lock"),
+            stream=k(run, keys.QUEUE_STREAM),
+            counters=k(run, keys.COUNTERS),
+        )
+
+
+def snapshot_key(run: str) -> str:
+    return f"runs/{run}/prompts.json"
+
+
+def admission_limit(spec: RunSpec) -> int:
+    """Most queued groups + in-flight prompts the pipeline may hold (see the module docstring)."""
+    return max(1, min(spec.queue_capacity_groups, spec.groups_per_step * max(1, spec.max_staleness)))
+
+
+def parse_prompt_id(prompt_id: str) -> tuple[int, int] | None:
+    """``"3-17"`` -> ``(3, 17)`` (pass, index); None when malformed."""
+    m = PROMPT_ID_RE.match(prompt_id)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def prompt_item(prompt_id: str) -> PromptLeaseItem:
+    parsed = parse_prompt_id(prompt_id)
+    assert parsed is not None, prompt_id
+    return PromptLeaseItem(prompt_id=prompt_id, index=parsed[1], pass_=parsed[0])
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+# Queued (never claimed) groups = stream length - pending entries; acked and dropped entries are XDELed.
+QUEUED_LUA = """
+local function queued_groups(stream, group)
+  if redis.call('EXISTS', stream) == 0 then return 0 end
+  return redis.call('XLEN', stream) - redis.call('XPENDING', stream, group)[1]
+end
+"""
+
+_LEASE = Lua(
+    QUEUED_LUA
+    + """
+-- KEYS: cursor inflight owner reissue open meta stream counters
+-- ARGV: now n expires_at worker size limit group
+local now, n, exp, worker = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local size, limit, group = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
+-- 1. expired leases go back on the reissue list (unless their group arrived meanwhile)
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. now, 'LIMIT', 0, 10000)
+for _, pid in ipairs(expired) do
+  redis.call('ZREM', KEYS[2], pid)
+  redis.call('HDEL', KEYS[3], pid)
+  if redis.call('SISMEMBER', KEYS[5], pid) == 1 then redis.call('RPUSH', KEYS[4], pid) end
+end
+-- 2. admission control
+local inflight = redis.call('ZCARD', KEYS[2])
+local queued = queued_groups(KEYS[7], group)
+local room = limit - inflight - queued
+if room <= 0 then
+  redis.call('HINCRBY', KEYS[8], 'backpressure_total', 1)
+  redis.call('HINCRBY', KEYS[8], 'prompts_backpressure_total', 1)
+  return {0, inflight, queued}
+end
+local grant = math.min(n, room)
+local out = {}
+-- 3. reissues first (skip ones completed or leased again meanwhile)
+while #out < grant do
+  local pid = redis.call('LPOP', KEYS[4])
+  if not pid then break end
+  if redis.call('SISMEMBER', KEYS[5], pid) == 1 and not redis.call('ZSCORE', KEYS[2], pid) then
+    table.insert(out, pid)
+  end
+end
+-- 4. then never-issued positions from the cursor
+local cursor = tonumber(redis.call('GET', KEYS[1]) or '0')
+local fresh = 0
+while #out < grant do
+  local pid = string.format('%d-%d', math.floor(cursor / size), cursor % size)
+  redis.call('SADD', KEYS[5], pid)
+  table.insert(out, pid)
+  cursor = cursor + 1
+  fresh = fresh + 1
+end
+if fresh > 0 then redis.call('SET', KEYS[1], cursor) end
+for _, pid in ipairs(out) do
+  redis.call('ZADD', KEYS[2], exp, pid)
+  redis.call('HSET', KEYS[3], pid, worker)
+end
+local seq = redis.call('HINCRBY', KEYS[6], 'seq', 1)
+local reserved = tonumber(redis.call('HGET', KEYS[6], 'persisted_reserved') or '0')
+local result = {1, seq, cursor, reserved}
+for _, pid in ipairs(out) do table.insert(result, pid) end
+return result
+"""
+)
+
+_RENEW = Lua(
+    """
+-- KEYS: inflight owner ; ARGV: expires_at worker pid...
+local out = {}
+for i = 3, #ARGV do
+  local pid = ARGV[i]
+  if redis.call('HGET', KEYS[2], pid) == ARGV[2] and redis.call('ZSCORE', KEYS[1], pid) then
+    redis.call('ZADD', KEYS[1], ARGV[1], pid)
+    table.insert(out, pid)
+  end
+end
+return out
+"""
+)
+
+_RELEASE = Lua(
+    """
+-- KEYS: inflight owner reissue open meta ; ARGV: worker pid...
+local n = 0
+for i = 2, #ARGV do
+  local pid = ARGV[i]
+  if redis.call('HGET', KEYS[2], pid) == ARGV[1] and redis.call('ZREM', KEYS[1], pid) == 1 then
+    redis.call('HDEL', KEYS[2], pid)
+    -- released prompts go to the FRONT: a graceful shutdown hands its work on first
+    if redis.call('SISMEMBER', KEYS[4], pid) == 1 then redis.call('LPUSH', KEYS[3], pid) end
+    n = n + 1
+  end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[5], 'seq', 1) end
+return n
+"""
+)
+
+_SNAPSHOT = Lua(
+    """
+-- KEYS: cursor inflight owner open meta
+local cursor = tonumber(redis.call('GET', KEYS[1]) or '0')
+local seq = tonumber(redis.call('HGET', KEYS[5], 'seq') or '0')
+local reserved = tonumber(redis.call('HGET', KEYS[5], 'persisted_reserved') or '0')
+local open = redis.call('SMEMBERS', KEYS[4])
+local leased = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+local owners = {}
+for i = 1, #leased, 2 do table.insert(owners, redis.call('HGET', KEYS[3], leased[i]) or '') end
+return {cursor, seq, reserved, open, leased, owners}
+"""
+)
+
+_MARK_PERSISTED = Lua(
+    """
+-- KEYS: meta lock ; ARGV: reserved seq token   (monotonic max; only while holding the lock)
+if redis.call('GET', KEYS[2]) ~= ARGV[3] then return 0 end
+local r = tonumber(redis.call('HGET', KEYS[1], 'persisted_reserved') or '0')
+if tonumber(ARGV[1]) > r then redis.call('HSET', KEYS[1], 'persisted_reserved', ARGV[1]) end
+local s = tonumber(redis.call('HGET', KEYS[1], 'persisted_seq') or '0')
+if tonumber(ARGV[2]) > s then redis.call('HSET', KEYS[1], 'persisted_seq', ARGV[2]) end
+return 1
+"""
+)
+
+_UNLOCK = Lua(
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+)
+
+
+async def lease(
+    r: Any, store: BucketStore, run: str, spec: RunSpec, worker_id: str, n: int, ttl_s: float
+) -> PromptLease:
+    """Lease up to ``n`` prompts (fewer when admission control allows fewer). 429 when none may be."""
+    k = PromptKeys.of(run)
+    now = time.time()
+    expires_at = now + ttl_s
+    limit = admission_limit(spec)
+    res = await _LEASE(
+        r,
+        [k.cursor, k.inflight, k.owner, k.reissue, k.open, k.meta, k.stream, k.counters],
+        [repr(now), n, repr(expires_at), worker_id, spec.dataset.size, limit, STREAM_GROUP],
+    )
+    if int(res[0]) == 0:
+        inflight, queued = int(res[1]), int(res[2])
+        raise errors.Backpressure(
+            f"run {run!r}: the pipeline holds {queued} queued groups + {inflight} in-flight prompts, at the "
+            f"admission limit {limit} = min(queue_capacity_groups, groups_per_step * max(1, max_staleness)); "
+            "more would be trained too stale. Retry after the trainer consumed a step.",
+            retry_after=RETRY_AFTER_S,
+        )
+    seq, cursor, reserved = int(res[1]), int(res[2]), int(res[3])
+    pids = [_s(p) for p in res[4:]]
+    if cursor > reserved:
+        # Positions past the persisted high-water mark are about to leave: record them first.
+        await persist(r, store, run, spec, min_reserved=cursor, min_seq=seq)
+    return PromptLease(prompts=[prompt_item(p) for p in pids], expires_at=expires_at)
+
+
+async def renew(r: Any, run: str, worker_id: str, prompt_ids: list[str], ttl_s: float) -> PromptLease:
+    """Extend the leases this worker still holds; the answer lists those renewed. 410 if none was."""
+    k = PromptKeys.of(run)
+    expires_at = time.time() + ttl_s
+    renewed = [_s(p) for p in await _RENEW(r, [k.inflight, k.owner], [repr(expires_at), worker_id, *prompt_ids])]
+    if prompt_ids and not renewed:
+        raise errors.Gone(
+            f"run {run!r}: worker {worker_id!r} holds none of these prompt leases any more "
+            "(expired and reissued, completed, or never leased by it)"
+        )
+    return PromptLease(prompts=[prompt_item(p) for p in renewed], expires_at=expires_at)
+
+
+async def release(r: Any, run: str, worker_id: str, prompt_ids: list[str]) -> int:
+    """Give prompts back (issued again first); returns how many this worker held."""
+    k = PromptKeys.of(run)
+    return int(await _RELEASE(r, [k.inflight, k.owner, k.reissue, k.open, k.meta], [worker_id, *prompt_ids]))
+
+
+async def cursor(r: Any, run: str) -> int:
+    raw = await r.get(PromptKeys.of(run).cursor)
+    return int(raw) if raw else 0
+
+
+async def prompts_inflight(r: Any, run: str, now: float | None = None) -> int:
+    """Prompts under a live lease (for ``RunStatus.prompts_inflight``)."""
+    now = time.time() if now is None else now
+    return int(await r.zcount(PromptKeys.of(run).inflight, f"({now!r}", "+inf"))
+
+
+def validate_prompt_ids(prompt_ids: list[str], field: str = "prompt_ids") -> None:
+    for i, pid in enumerate(prompt_ids):
+        if parse_prompt_id(pid) is None:
+            raise errors.Invalid(f"{field}[{i}]: {pid[:60]!r} is not a prompt id of the form '<pass>-<index>'")
+
+
+# -- persistence ------------------------------------------------------------------------------------
+
+
+async def persist(
+    r: Any, store: BucketStore, run: str, spec: RunSpec, *, min_reserved: int = 0, min_seq: int = 0
+) -> None:
+    """Make ``runs/{run}/prompts.json`` cover at least cursor ``min_reserved`` and state ``min_seq``.
+
+    One writer at a time per run (a Redis lock), and the written snapshot is read under the lock, so a
+    slow writer can never overwrite a newer snapshot with an older one.
+    """
+    k = PromptKeys.of(run)
+    token = secrets.token_hex(8)
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while True:
+        meta = await r.hmget(k.meta, "persisted_reserved", "persisted_seq")
+        if int(meta[0] or 0) >= min_reserved and int(meta[1] or 0) >= min_seq:
+            return
+        if await r.set(k.lock, token, nx=True, px=_LOCK_TTL_MS):
+            break
+        if time.monotonic() > deadline:
+            raise errors.Unavailable(f"run {run!r}: timed out waiting to persist the prompt cursor")
+        await asyncio.sleep(0.005)
+    try:
+        cur, seq, reserved, open_ids, leased, owners = await _SNAPSHOT(
+            r, [k.cursor, k.inflight, k.owner, k.open, k.meta], []
+        )
+        cur, seq = int(cur), int(seq)
+        new_reserved = max(int(reserved), cur + max(RESERVE_AHEAD, admission_limit(spec)))
+        leases = {_s(leased[i]): [float(leased[i + 1]), _s(owners[i // 2])] for i in range(0, len(leased), 2)}
+        snapshot = {
+            "format": 1,
+            "run": run,
+            "dataset_size": spec.dataset.size,
+            "cursor": cur,
+            "reserved": new_reserved,
+            "seq": seq,
+            "open": sorted((_s(p) for p in open_ids), key=_position_key(spec.dataset.size)),
+            "leases": leases,
+            "written_at": time.time(),
+        }
+        body = json.dumps(snapshot, separators=(",", ":")).encode()
+        await asyncio.to_thread(store.put_bytes, snapshot_key(run), body)
+        await _MARK_PERSISTED(r, [k.meta, k.lock], [new_reserved, seq, token])
+    finally:
+        await _UNLOCK(r, [k.lock], [token])
+
+
+def _position_key(size: int) -> Callable[[str], int]:
+    def key(pid: str) -> int:
+        parsed = parse_prompt_id(pid)
+        return parsed[0] * size + parsed[1] if parsed else -1
+
+    return key
+
+
+async def has_state(r: Any, run: str) -> bool:
+    """True when Redis still holds this run's prompt state (nothing to restore)."""
+    k = PromptKeys.of(run)
+    return bool(await r.exists(k.cursor, k.meta))
+
+
+async def restore(r: Any, store: BucketStore, run: str, spec: RunSpec, completed: set[str]) -> int:
+    """Rebuild the prompt state from ``prompts.json`` after Redis lost it; returns the restored cursor.
+
+    ``completed``: prompt ids of rollout batches still in the bucket (accepted, so completed). Every other
+    prompt that may have been handed out and is not known complete is issued again, in dataset order.
+    """
+    k = PromptKeys.of(run)
+    try:
+        raw = await asyncio.to_thread(store.get_bytes, snapshot_key(run))
+    except errors.NotFound:
+        return 0
+    snap = json.loads(raw)
+    size = spec.dataset.size
+    if int(snap.get("dataset_size", size)) != size:
+        raise errors.Conflict(f"run {run!r}: prompts.json was written for dataset size {snap['dataset_size']}")
+    snap_cursor, reserved = int(snap["cursor"]), int(snap["reserved"])
+    open_ids = [p for p in snap.get("open", []) if parse_prompt_id(p) is not None]
+    # Positions handed out after the snapshot was written, at most up to the reserved mark.
+    open_ids += [f"{pos // size}-{pos % size}" for pos in range(snap_cursor, reserved)]
+    now = time.time()
+    leases = {p: v for p, v in snap.get("leases", {}).items() if float(v[0]) > now}
+    pipe = r.pipeline(transaction=True)
+    pipe.delete(k.inflight, k.owner, k.reissue, k.open)
+    pipe.set(k.cursor, reserved)
+    pipe.hset(
+        k.meta,
+        mapping={"seq": int(snap.get("seq", 0)) + 1, "persisted_seq": 0, "persisted_reserved": reserved},
+    )
+    seen: set[str] = set()
+    for pid in open_ids:
+        if pid in completed or pid in seen:
+            continue
+        seen.add(pid)
+        pipe.sadd(k.open, pid)
+        if pid in leases:
+            pipe.zadd(k.inflight, {pid: float(leases[pid][0])})
+            pipe.hset(k.owner, pid, str(leases[pid][1]))
+        else:
+            pipe.rpush(k.reissue, pid)
+    await pipe.execute()
+    return reserved

@@ -1,0 +1,750 @@
+"""The rollout queue: batches in the bucket, pointers in a Redis Stream, exact accounting (invariant 4).
+
+Life of a group
+---------------
+1. ``submit``: a generator posts a batch of complete groups with an ``Idempotency-Key``. It is validated
+   (422 naming the field; 409 ``stale`` when ``version < latest - max_staleness``; 429 when the queue is
+   full), then written WHOLE to the bucket as ``runs/{run}/rollouts/{batch_id}`` (msgpack) and only then
+   made visible in Redis by one Lua script: one stream entry per group ``{d: "{batch_id}:{g}", v, w}``, the
+   batch's remaining-group count, ``accepted_total``, the completion of its prompts and the idempotency
+   record. ``batch_id`` is a hash of (worker_id, Idempotency-Key): a retry after a lost answer or a 503
+   rewrites the same object and finds the idempotency record (``duplicate: true``, nothing enqueued).
+2. ``claim`` (trainer, epoch-fenced): one Lua script hands out, oldest first, (a) pending entries idle
+   for ``redelivery_timeout_s`` (``XAUTOCLAIM``), then (b) new ones (``XREADGROUP``). A group whose version
+   is below ``latest - max_staleness`` at that moment is dropped (``XACK`` + ``XDEL``) and counted in
+   ``dropped_stale_total``: never silently. The long-poll waits with ``XREAD BLOCK`` from the stream's last
+   id, so a submit wakes a waiting trainer at once. Each delivery carries one group and the stable
+   ``delivery_id = "{batch_id}:{g}"`` (stable across a Redis rebuild, so a checkpoint's ids stay valid).
+   When a new trainer epoch registers, every pending delivery becomes re-claimable at once
+   (their idle time is pushed past the timeout; ``on_trainer_registered`` and the first claim of an epoch).
+3. ``ack`` (trainer, epoch-fenced, idempotent): ``XACK`` + ``XDEL``; ``acked_total`` counts first acks only.
+   When every group of a batch is acked or dropped, the prompt snapshot is persisted (see
+   ``state/prompts.py``) and the batch object deleted, so a rebuild cannot enqueue it again; a partly
+   settled batch gets a ``{batch_id}.done`` marker listing its settled groups.
+
+Accounting (invariant 4), all in the run's ``counters`` hash and updated inside the same scripts::
+
+    accepted_total == acked_total + dropped_stale_total + lost_total + XLEN(stream)
+    XLEN(stream)   == queued (never claimed) + pending (claimed, unacked)
+
+``lost_total`` stays 0 unless a batch object vanished from the bucket behind the proxy's back (logged).
+After a Redis wipe the counters restart with the rebuild, which counts every re-enqueued group as accepted.
+
+Redis keys (``brl:{run}:`` prefix): ``queue:stream`` (+ group ``trainer``), ``queue:entry`` (delivery id ->
+stream id), ``queue:attempts`` (delivery id -> deliveries so far), ``queue:remaining`` (batch -> unsettled
+groups), ``queue:settled`` (batch -> "g,g," settled so far), ``queue:meta`` (epoch seen by the queue),
+``idem:{batch_id}`` (JSON SubmitResponse, TTL ``IDEMPOTENCY_TTL_S``), ``counters``.
+
+Status helpers for ``GET /status`` (P2's route calls them): :func:`queue_status`,
+:func:`bucketrl.proxy.state.prompts.prompts_inflight`, :func:`bucketrl.proxy.state.prompts.cursor`.
+
+Runbook: ``redis-cli XINFO GROUPS brl:{run}:queue:stream`` (pending, lag), ``HGETALL brl:{run}:counters``;
+``bucketrl proxy --rebuild`` re-enqueues every batch object left in ``runs/{run}/rollouts/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+from redis import exceptions as redis_exc
+
+from bucketrl import errors
+from bucketrl.proxy import keys
+from bucketrl.proxy.state import prompts
+from bucketrl.proxy.state.lua import Lua
+from bucketrl.storage.base import BucketStore
+from bucketrl.wire import Delivery, QueueStatus, RolloutBatch, RolloutGroup, RunSpec, SubmitResponse
+
+log = logging.getLogger("bucketrl.proxy.queue")
+
+GROUP = prompts.STREAM_GROUP
+IDEMPOTENCY_TTL_S = 7 * 86_400
+IDEMPOTENCY_KEY_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # visible ASCII, like an HTTP token
+DELIVERY_ID_RE = re.compile(r"^b[0-9a-f]{32}:(0|[1-9][0-9]{0,5})$")
+# Retry-After (s) of a submit refused because the queue is at capacity.
+RETRY_AFTER_S = 1.0
+# A claim long-poll re-evaluates redeliveries at least this often while it blocks on new entries.
+WAIT_SLICE_S = 1.0
+COUNTER_FIELDS = (
+    "accepted_total",
+    "acked_total",
+    "dropped_stale_total",
+    "rejected_stale_total",
+    "backpressure_total",
+    "lost_total",
+)
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    stream: str
+    state: str
+    counters: str
+    entry: str
+    attempts: str
+    remaining: str
+    settled: str
+    meta: str
+    p: prompts.PromptKeys = field(repr=False)
+
+    @classmethod
+    def of(cls, run: str) -> QueueKeys:
+        k = keys.run_key
+        return cls(
+            stream=k(run, keys.QUEUE_STREAM),
+            state=k(run, keys.STATE),
+            counters=k(run, keys.COUNTERS),
+            entry=k(run, "queue:entry"),
+            attempts=k(run, "queue:attempts"),
+            remaining=k(run, "queue:remaining"),
+            settled=k(run, "queue:settled"),
+            meta=k(run, "queue:meta"),
+            p=prompts.PromptKeys.of(run),
+        )
+
+    def idem(self, run: str, batch_id: str) -> str:
+        return keys.run_key(run, f"{keys.IDEMPOTENCY}:{batch_id}")
+
+
+def batch_key(run: str, batch_id: str) -> str:
+    return f"runs/{run}/rollouts/{batch_id}"
+
+
+def marker_key(run: str, batch_id: str) -> str:
+    return f"runs/{run}/rollouts/{batch_id}.done"
+
+
+def batch_id_for(worker_id: str, idempotency_key: str) -> str:
+    """Deterministic: the same (worker, key) always names the same bucket object."""
+    return "b" + hashlib.sha256(f"{worker_id}\0{idempotency_key}".encode()).hexdigest()[:32]
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+# -- Lua -----------------------------------------------------------------------------------------------
+
+_COMMON = (
+    prompts.QUEUED_LUA
+    + """
+local function ensure_group(stream, group)
+  if redis.call('EXISTS', stream) == 0 then
+    redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
+  end
+end
+local function last_id(stream)
+  local info = redis.call('XINFO', 'STREAM', stream)
+  for i = 1, #info, 2 do if info[i] == 'last-generated-id' then return info[i + 1] end end
+  return '0-0'
+end
+-- a settled group (acked, dropped or lost): count its batch down; report finished / partly settled batches
+local function settle(remaining, settled, d, finished, touched)
+  local b, g = string.match(d, '^(.+):(%d+)$')
+  local rem = redis.call('HINCRBY', remaining, b, -1)
+  if rem <= 0 then
+    redis.call('HDEL', remaining, b)
+    redis.call('HDEL', settled, b)
+    table.insert(finished, b)
+    touched[b] = nil
+  else
+    redis.call('HSET', settled, b, (redis.call('HGET', settled, b) or '') .. g .. ',')
+    touched[b] = true
+  end
+end
+local function partial_list(settled, touched)
+  local out = {}
+  for b, _ in pairs(touched) do
+    table.insert(out, b)
+    table.insert(out, redis.call('HGET', settled, b) or '')
+  end
+  return out
+end
+-- every pending entry becomes re-claimable now (idle pushed past the timeout; delivery count unchanged)
+local function release_pending(stream, group, consumer, idle_ms)
+  local start = '-'
+  while true do
+    local p = redis.call('XPENDING', stream, group, start, '+', 500)
+    if #p == 0 then break end
+    local args = {stream, group, consumer, 0}
+    for _, e in ipairs(p) do table.insert(args, e[1]) end
+    table.insert(args, 'IDLE')
+    table.insert(args, idle_ms + 1)
+    table.insert(args, 'JUSTID')
+    redis.call('XCLAIM', unpack(args))
+    if #p < 500 then break end
+    start = '(' .. p[#p][1]
+  end
+end
+"""
+)
+
+_PRECHECK = Lua(
+    prompts.QUEUED_LUA
+    + """
+-- KEYS: idem state cursor stream ; ARGV: group
+return {redis.call('GET', KEYS[1]) or '', tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0'),
+        tonumber(redis.call('GET', KEYS[3]) or '0'), queued_groups(KEYS[4], ARGV[1])}
+"""
+)
+
+_ENQUEUE = Lua(
+    _COMMON
+    + """
+-- KEYS: idem state stream counters entry remaining p_open p_inflight p_owner p_meta
+-- ARGV: batch_id group version max_staleness capacity worker idem_ttl idem_value n_groups pid...
+local batch, group, version = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local ms, cap, worker, n = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[9])
+local existing = redis.call('GET', KEYS[1])
+if existing then return {'duplicate', existing} end
+local latest = tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0')
+if version > latest then return {'newer', latest} end
+if version < latest - ms then
+  redis.call('HINCRBY', KEYS[4], 'rejected_stale_total', n)
+  return {'stale', latest}
+end
+ensure_group(KEYS[3], group)
+local q = queued_groups(KEYS[3], group)
+if q + n > cap then
+  redis.call('HINCRBY', KEYS[4], 'backpressure_total', 1)
+  redis.call('HINCRBY', KEYS[4], 'submit_backpressure_total', 1)
+  return {'full', q}
+end
+for g = 0, n - 1 do
+  local d = batch .. ':' .. g
+  local id = redis.call('XADD', KEYS[3], '*', 'd', d, 'v', version, 'w', worker)
+  redis.call('HSET', KEYS[5], d, id)
+end
+redis.call('HSET', KEYS[6], batch, n)
+redis.call('HINCRBY', KEYS[4], 'accepted_total', n)
+local completed, repeated = 0, 0
+for i = 10, #ARGV do
+  local pid = ARGV[i]
+  if redis.call('SREM', KEYS[7], pid) == 1 then
+    redis.call('ZREM', KEYS[8], pid)
+    redis.call('HDEL', KEYS[9], pid)
+    completed = completed + 1
+  else
+    repeated = repeated + 1
+  end
+end
+redis.call('HINCRBY', KEYS[10], 'seq', 1)
+redis.call('HINCRBY', KEYS[4], 'prompts_completed_total', completed)
+if repeated > 0 then redis.call('HINCRBY', KEYS[4], 'prompts_repeated_total', repeated) end
+redis.call('SET', KEYS[1], ARGV[8], 'EX', ARGV[7])
+return {'ok', completed, repeated}
+"""
+)
+
+_CLAIM = Lua(
+    _COMMON
+    + """
+-- KEYS: stream state counters entry remaining attempts settled meta
+-- ARGV: group consumer n epoch idle_ms max_staleness
+local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
+local n, epoch, idle_ms, ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local cur = tonumber(redis.call('HGET', KEYS[2], 'trainer_epoch') or '0')
+if epoch ~= cur then return {'fenced', cur} end
+ensure_group(stream, group)
+if epoch > tonumber(redis.call('HGET', KEYS[8], 'epoch') or '0') then
+  release_pending(stream, group, consumer, idle_ms)
+  redis.call('HSET', KEYS[8], 'epoch', epoch)
+end
+local min_version = tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0') - ms
+local out, finished, touched = {}, {}, {}
+local dropped = 0
+local function take(entries)
+  for _, e in ipairs(entries) do
+    if type(e) == 'table' and type(e[2]) == 'table' then
+      local id, f, d, v, w = e[1], e[2], '', '0', ''
+      for i = 1, #f, 2 do
+        if f[i] == 'd' then d = f[i + 1] elseif f[i] == 'v' then v = f[i + 1] elseif f[i] == 'w' then w = f[i + 1] end
+      end
+      if tonumber(v) < min_version then
+        redis.call('XACK', stream, group, id)
+        redis.call('XDEL', stream, id)
+        redis.call('HDEL', KEYS[4], d)
+        redis.call('HDEL', KEYS[6], d)
+        dropped = dropped + 1
+        settle(KEYS[5], KEYS[7], d, finished, touched)
+      else
+        table.insert(out, {id, d, v, w, redis.call('HINCRBY', KEYS[6], d, 1)})
+      end
+    end
+  end
+end
+for _ = 1, 1000 do
+  local before = #out + dropped
+  if #out >= n then break end
+  take(redis.call('XAUTOCLAIM', stream, group, consumer, idle_ms, '0-0', 'COUNT', n - #out)[2])
+  if #out < n then
+    local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n - #out, 'STREAMS', stream, '>')
+    if got then take(got[1][2]) end
+  end
+  if #out + dropped == before then break end
+end
+if dropped > 0 then redis.call('HINCRBY', KEYS[3], 'dropped_stale_total', dropped) end
+return {'ok', dropped, last_id(stream), out, finished, partial_list(KEYS[7], touched)}
+"""
+)
+
+_ACK = Lua(
+    _COMMON
+    + """
+-- KEYS: stream state counters entry remaining attempts settled p_meta
+-- ARGV: group epoch counter delivery_id...   (epoch 0 = unfenced internal use)
+local stream, group, epoch = KEYS[1], ARGV[1], tonumber(ARGV[2])
+if epoch > 0 then
+  local cur = tonumber(redis.call('HGET', KEYS[2], 'trainer_epoch') or '0')
+  if epoch ~= cur then return {'fenced', cur} end
+end
+local n, finished, touched = 0, {}, {}
+for i = 4, #ARGV do
+  local d = ARGV[i]
+  local id = redis.call('HGET', KEYS[4], d)
+  if id then
+    redis.call('XACK', stream, group, id)
+    redis.call('XDEL', stream, id)
+    redis.call('HDEL', KEYS[4], d)
+    redis.call('HDEL', KEYS[6], d)
+    n = n + 1
+    settle(KEYS[5], KEYS[7], d, finished, touched)
+  end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[3], ARGV[3], n) end
+return {'ok', n, tonumber(redis.call('HGET', KEYS[8], 'seq') or '0'), finished, partial_list(KEYS[7], touched)}
+"""
+)
+
+_RELEASE_PENDING = Lua(
+    _COMMON
+    + """
+-- KEYS: stream meta ; ARGV: group epoch idle_ms   (a new trainer epoch registered)
+ensure_group(KEYS[1], ARGV[1])
+if tonumber(ARGV[2]) > tonumber(redis.call('HGET', KEYS[2], 'epoch') or '0') then
+  release_pending(KEYS[1], ARGV[1], 'epoch-' .. ARGV[2], tonumber(ARGV[3]))
+  redis.call('HSET', KEYS[2], 'epoch', ARGV[2])
+  return 1
+end
+return 0
+"""
+)
+
+_REQUEUE = Lua(
+    _COMMON
+    + """
+-- KEYS: stream ; ARGV: group idle_ms stream_id...   (claimed, but the bucket read failed: hand out again)
+ensure_group(KEYS[1], ARGV[1])
+local args = {KEYS[1], ARGV[1], 'requeue', 0}
+for i = 3, #ARGV do table.insert(args, ARGV[i]) end
+table.insert(args, 'IDLE')
+table.insert(args, tonumber(ARGV[2]) + 1)
+table.insert(args, 'JUSTID')
+return #redis.call('XCLAIM', unpack(args))
+"""
+)
+
+
+# -- submit --------------------------------------------------------------------------------------------
+
+
+def validate_batch(batch: RolloutBatch, spec: RunSpec, cursor: int) -> None:
+    """Semantic checks the schema cannot make (422 naming the field). ``cursor``: prompts issued so far."""
+    g_size, vocab, size = spec.group_size, spec.vocab_size, spec.dataset.size
+    if len(batch.groups) > spec.queue_capacity_groups:
+        raise errors.Invalid(
+            f"groups: {len(batch.groups)} groups can never fit the queue (queue_capacity_groups "
+            f"{spec.queue_capacity_groups}); submit smaller batches"
+        )
+    seen: set[str] = set()
+    for i, group in enumerate(batch.groups):
+        where = f"groups[{i}]"
+        if len(group.completions) != g_size:
+            raise errors.Invalid(
+                f"{where}.completions: {len(group.completions)} completions, the run's group_size is {g_size}"
+            )
+        parsed = prompts.parse_prompt_id(group.prompt_id)
+        if parsed is None:
+            raise errors.Invalid(f"{where}.prompt_id: {group.prompt_id[:60]!r} is not of the form '<pass>-<index>'")
+        pass_, index = parsed
+        if index != group.prompt_index:
+            raise errors.Invalid(
+                f"{where}.prompt_index: {group.prompt_index} != the index {index} of {group.prompt_id!r}"
+            )
+        if index >= size:
+            raise errors.Invalid(f"{where}.prompt_id: index {index} is outside the dataset (size {size})")
+        if pass_ * size + index >= cursor:
+            raise errors.Invalid(f"{where}.prompt_id: {group.prompt_id!r} was never leased (lease prompts first)")
+        if group.prompt_id in seen:
+            raise errors.Invalid(f"{where}.prompt_id: {group.prompt_id!r} appears twice in this batch")
+        seen.add(group.prompt_id)
+        if max(group.prompt_token_ids) >= vocab:
+            j = next(j for j, t in enumerate(group.prompt_token_ids) if t >= vocab)
+            raise errors.Invalid(
+                f"{where}.prompt_token_ids[{j}]: token id {group.prompt_token_ids[j]} >= vocab_size {vocab}"
+            )
+        for c, comp in enumerate(group.completions):
+            if max(comp.token_ids) >= vocab:
+                j = next(j for j, t in enumerate(comp.token_ids) if t >= vocab)
+                raise errors.Invalid(
+                    f"{where}.completions[{c}].token_ids[{j}]: token id {comp.token_ids[j]} >= vocab_size {vocab}"
+                )
+
+
+def validate_idempotency_key(key: str | None) -> str:
+    if key is None or key == "":
+        raise errors.Invalid("header Idempotency-Key: required (a unique id per batch; reuse it when retrying)")
+    if not IDEMPOTENCY_KEY_RE.match(key):
+        raise errors.Invalid("header Idempotency-Key: must be 1..200 visible ASCII characters")
+    return key
+
+
+def _stale(run: str, version: int, latest: int, spec: RunSpec) -> errors.Stale:
+    return errors.Stale(
+        f"run {run!r}: version {version} is older than latest {latest} - max_staleness {spec.max_staleness}; "
+        "lease the latest version and generate again",
+    )
+
+
+def _full(run: str, queued: int, n: int, spec: RunSpec) -> errors.Backpressure:
+    return errors.Backpressure(
+        f"run {run!r}: the queue holds {queued} groups; {n} more would pass queue_capacity_groups "
+        f"{spec.queue_capacity_groups}. Retry after the trainer claimed some.",
+        retry_after=RETRY_AFTER_S,
+    )
+
+
+async def submit(
+    r: Any, store: BucketStore, run: str, spec: RunSpec, batch: RolloutBatch, idempotency_key: str | None
+) -> SubmitResponse:
+    """Validate, write the batch to the bucket, then enqueue its groups atomically (see module docstring)."""
+    key = validate_idempotency_key(idempotency_key)
+    k = QueueKeys.of(run)
+    batch_id = batch_id_for(batch.worker_id, key)
+    idem_key = k.idem(run, batch_id)
+    seen, latest, cursor, queued = await _PRECHECK(r, [idem_key, k.state, k.p.cursor, k.stream], [GROUP])
+    if seen:
+        return SubmitResponse.model_validate_json(seen).model_copy(update={"duplicate": True})
+    latest, n = int(latest), len(batch.groups)
+    validate_batch(batch, spec, int(cursor))
+    if batch.version > latest:
+        raise errors.Invalid(f"version: {batch.version} is newer than the latest published version {latest}")
+    if batch.version < latest - spec.max_staleness:
+        await r.hincrby(k.counters, "rejected_stale_total", n)
+        raise _stale(run, batch.version, latest, spec)
+    if int(queued) + n > spec.queue_capacity_groups:
+        pipe = r.pipeline(transaction=False)
+        pipe.hincrby(k.counters, "backpressure_total", 1)
+        pipe.hincrby(k.counters, "submit_backpressure_total", 1)
+        await pipe.execute()
+        raise _full(run, int(queued), n, spec)
+
+    accepted_at = time.time()
+    obj = {
+        "format": 1,
+        "batch_id": batch_id,
+        "run": run,
+        "accepted_at": accepted_at,
+        **batch.model_dump(mode="json"),
+    }
+    await asyncio.to_thread(store.put_bytes, batch_key(run, batch_id), msgpack.packb(obj, use_bin_type=True))
+    answer = SubmitResponse(batch_id=batch_id, accepted_groups=n)
+    res = await _ENQUEUE(
+        r,
+        [k_ for k_ in (idem_key, k.state, k.stream, k.counters, k.entry, k.remaining)]
+        + [k.p.open, k.p.inflight, k.p.owner, k.p.meta],
+        [
+            batch_id,
+            GROUP,
+            batch.version,
+            spec.max_staleness,
+            spec.queue_capacity_groups,
+            batch.worker_id,
+            IDEMPOTENCY_TTL_S,
+            answer.model_dump_json(),
+            n,
+            *(g.prompt_id for g in batch.groups),
+        ],
+    )
+    status = _s(res[0])
+    if status == "ok":
+        return answer
+    if status == "duplicate":  # a concurrent retry with the same key won; it wrote the same object
+        return SubmitResponse.model_validate_json(res[1]).model_copy(update={"duplicate": True})
+    # Refused after the write (latest moved or the queue filled meanwhile): the object must not stay.
+    await asyncio.to_thread(store.delete, [batch_key(run, batch_id)])
+    if status == "stale":
+        raise _stale(run, batch.version, int(res[1]), spec)
+    if status == "full":
+        raise _full(run, int(res[1]), n, spec)
+    raise errors.Invalid(f"version: {batch.version} is newer than the latest published version {int(res[1])}")
+
+
+# -- claim ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClaimOutcome:
+    deliveries: list[Delivery]
+    dropped: int = 0
+    lost: int = 0
+
+
+async def claim(
+    r: Any,
+    store: BucketStore,
+    run: str,
+    spec: RunSpec,
+    *,
+    epoch: int,
+    consumer: str,
+    max_groups: int,
+    wait_s: float,
+    redelivery_timeout_s: float,
+) -> ClaimOutcome:
+    """Up to ``max_groups`` deliveries; waits up to ``wait_s`` for the first one (long-poll)."""
+    k = QueueKeys.of(run)
+    deadline = time.monotonic() + wait_s
+    idle_ms = max(1, int(redelivery_timeout_s * 1000))
+    total = ClaimOutcome([])
+    while True:
+        res = await _CLAIM(
+            r,
+            [k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled, k.meta],
+            [GROUP, consumer, max_groups, epoch, idle_ms, spec.max_staleness],
+        )
+        if _s(res[0]) == "fenced":
+            raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
+        dropped, last, entries = int(res[1]), _s(res[2]), res[3]
+        total.dropped += dropped
+        await _settle_objects(r, store, run, spec, [_s(b) for b in res[4]], res[5], seq=None)
+        if entries:
+            got = await _deliveries(r, store, run, spec, entries, idle_ms)
+            total.deliveries.extend(got.deliveries)
+            total.lost += got.lost
+            if total.deliveries:
+                return total
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return total
+        # Block until an entry newer than the stream's last id exists (a submit), or a slice passes
+        # (pending deliveries may have timed out meanwhile).
+        await r.xread({k.stream: last}, count=1, block=max(1, int(min(remaining, WAIT_SLICE_S) * 1000)))
+
+
+async def _deliveries(
+    r: Any, store: BucketStore, run: str, spec: RunSpec, entries: list[Any], idle_ms: int
+) -> ClaimOutcome:
+    """Turn claimed stream entries into deliveries by reading their batch objects from the bucket."""
+    parsed = [(_s(e[0]), _s(e[1]), int(e[2]), _s(e[3]), int(e[4])) for e in entries]
+    batch_ids = sorted({d.rsplit(":", 1)[0] for _, d, _, _, _ in parsed})
+    try:
+        loaded = await asyncio.gather(*(asyncio.to_thread(_load_batch, store, run, b) for b in batch_ids))
+    except BaseException:
+        # Claimed in Redis but not handed out: make them re-claimable now instead of after the timeout.
+        await _REQUEUE(r, [QueueKeys.of(run).stream], [GROUP, idle_ms, *(sid for sid, *_ in parsed)])
+        raise
+    batches = dict(zip(batch_ids, loaded, strict=True))
+    out = ClaimOutcome([])
+    lost: list[str] = []
+    for _sid, d, version, worker, attempt in parsed:
+        b, g = d.rsplit(":", 1)
+        obj = batches[b]
+        if obj is None or int(g) >= len(obj["groups"]):
+            lost.append(d)
+            continue
+        out.deliveries.append(
+            Delivery(
+                delivery_id=d,
+                version=version,
+                groups=[RolloutGroup.model_validate(obj["groups"][int(g)])],
+                worker_id=worker,
+                batch_id=b,
+                attempt=attempt,
+            )
+        )
+    if lost:
+        log.error(
+            "run %r: %d claimed groups have no batch object in the bucket; counted as lost: %s",
+            run,
+            len(lost),
+            lost[:5],
+        )
+        out.lost = await _settle(r, store, run, spec, lost, epoch=0, counter="lost_total")
+    return out
+
+
+def _load_batch(store: BucketStore, run: str, batch_id: str) -> dict[str, Any] | None:
+    try:
+        return msgpack.unpackb(store.get_bytes(batch_key(run, batch_id)), raw=False)
+    except errors.NotFound:
+        return None
+
+
+# -- ack -----------------------------------------------------------------------------------------------
+
+
+def validate_delivery_ids(ids: list[str]) -> None:
+    for i, d in enumerate(ids):
+        if not DELIVERY_ID_RE.match(d):
+            raise errors.Invalid(f"delivery_ids[{i}]: {d[:80]!r} is not a delivery id from a claim")
+
+
+async def ack(r: Any, store: BucketStore, run: str, spec: RunSpec, *, epoch: int, delivery_ids: list[str]) -> int:
+    """Acknowledge deliveries (trained). Idempotent: returns how many were acked by THIS call."""
+    validate_delivery_ids(delivery_ids)
+    if not delivery_ids:
+        return 0
+    return await _settle(r, store, run, spec, list(dict.fromkeys(delivery_ids)), epoch=epoch, counter="acked_total")
+
+
+async def _settle(
+    r: Any, store: BucketStore, run: str, spec: RunSpec, ids: list[str], *, epoch: int, counter: str
+) -> int:
+    k = QueueKeys.of(run)
+    res = await _ACK(
+        r,
+        [k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled, k.p.meta],
+        [GROUP, epoch, counter, *ids],
+    )
+    if _s(res[0]) == "fenced":
+        raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
+    await _settle_objects(r, store, run, spec, [_s(b) for b in res[3]], res[4], seq=int(res[2]))
+    return int(res[1])
+
+
+async def _settle_objects(
+    r: Any, store: BucketStore, run: str, spec: RunSpec, finished: list[str], partial: list[Any], seq: int | None
+) -> None:
+    """Delete fully settled batch objects (after persisting prompts); mark partly settled ones."""
+    if finished:
+        if seq is None:
+            seq = int(await r.hget(prompts.PromptKeys.of(run).meta, "seq") or 0)
+        # The batch object was the last record that its prompts completed: persist them first.
+        await prompts.persist(r, store, run, spec, min_seq=seq)
+        doomed = [key for b in finished for key in (batch_key(run, b), marker_key(run, b))]
+        await asyncio.to_thread(store.delete, doomed)
+    for i in range(0, len(partial), 2):
+        b, done = _s(partial[i]), _s(partial[i + 1])
+        indices = sorted({int(x) for x in done.split(",") if x})
+        body = json.dumps({"batch_id": b, "settled": indices}).encode()
+        await asyncio.to_thread(store.put_bytes, marker_key(run, b), body)
+
+
+# -- trainer epochs, status, rebuild -------------------------------------------------------------------
+
+
+async def on_trainer_registered(r: Any, run: str, epoch: int, redelivery_timeout_s: float) -> bool:
+    """A new trainer epoch: every pending (claimed, unacked) delivery becomes re-claimable now."""
+    k = QueueKeys.of(run)
+    idle_ms = max(1, int(redelivery_timeout_s * 1000))
+    return bool(await _RELEASE_PENDING(r, [k.stream, k.meta], [GROUP, epoch, idle_ms]))
+
+
+async def queue_status(r: Any, run: str, spec: RunSpec) -> QueueStatus:
+    """The queue part of ``GET /v1/runs/{run}/status``: depth, pending, and the invariant-4 counters.
+
+    ``groups`` = queued, not yet claimed; ``pending`` = claimed, not yet acked.
+    """
+    k = QueueKeys.of(run)
+    pipe = r.pipeline(transaction=True)
+    pipe.exists(k.stream)
+    pipe.xlen(k.stream)
+    pipe.hmget(k.counters, *COUNTER_FIELDS)
+    exists, length, counts = await pipe.execute()
+    pending = 0
+    if exists:
+        pending = int((await r.xpending(k.stream, GROUP))["pending"])
+    c = {f: int(v or 0) for f, v in zip(COUNTER_FIELDS, counts, strict=True)}
+    return QueueStatus(
+        groups=int(length) - pending,
+        capacity=spec.queue_capacity_groups,
+        pending=pending,
+        accepted_total=c["accepted_total"],
+        acked_total=c["acked_total"],
+        dropped_stale_total=c["dropped_stale_total"],
+        rejected_stale_total=c["rejected_stale_total"],
+        backpressure_total=c["backpressure_total"],
+    )
+
+
+async def counters(r: Any, run: str) -> dict[str, int]:
+    raw = await r.hgetall(QueueKeys.of(run).counters)
+    return {_s(f): int(v) for f, v in raw.items()}
+
+
+async def rebuild(r: Any, store: BucketStore, run: str, spec: RunSpec) -> dict[str, int]:
+    """After Redis lost the run: re-enqueue every batch object still in the bucket, restore prompts.
+
+    Skipped (returns zeros) while Redis still holds the run's queue. Re-enqueued groups are counted as
+    accepted, so invariant 4's accounting holds again from here on.
+    """
+    k = QueueKeys.of(run)
+    out = {"batches": 0, "groups": 0, "prompt_cursor": 0}
+    if await r.exists(k.stream):
+        return out
+    listed = await asyncio.to_thread(store.list_keys, f"runs/{run}/rollouts/")
+    names = sorted({key.rsplit("/", 1)[1] for key in listed})
+    batch_ids = [n for n in names if not n.endswith(".done")]
+    loaded: list[tuple[float, str, dict[str, Any], set[int]]] = []
+    for b in batch_ids:
+        obj = await asyncio.to_thread(_load_batch, store, run, b)
+        if obj is None:
+            continue
+        settled: set[int] = set()
+        if f"{b}.done" in names:
+            try:
+                marker = json.loads(await asyncio.to_thread(store.get_bytes, marker_key(run, b)))
+                settled = {int(x) for x in marker.get("settled", [])}
+            except errors.NotFound:
+                pass
+        loaded.append((float(obj.get("accepted_at", 0.0)), b, obj, settled))
+    loaded.sort()
+    completed: set[str] = set()
+    # Explicit stream ids (accept order), so the delivery-id map is written in the same transaction.
+    base_ms = int(time.time() * 1000)
+    seq = 0
+    async with r.pipeline(transaction=True) as pipe:
+        try:
+            await pipe.watch(k.stream)
+            if await pipe.exists(k.stream):
+                return out  # another replica rebuilt meanwhile
+            pipe.multi()
+            pipe.xgroup_create(k.stream, GROUP, id="0", mkstream=True)
+            entry_map: dict[str, str] = {}
+            for _, b, obj, settled in loaded:
+                groups = obj.get("groups", [])
+                completed.update(str(g.get("prompt_id")) for g in groups)
+                live = [g for g in range(len(groups)) if g not in settled]
+                if not live:
+                    continue
+                for g in live:
+                    d, sid = f"{b}:{g}", f"{base_ms}-{seq}"
+                    seq += 1
+                    pipe.xadd(k.stream, {"d": d, "v": int(obj["version"]), "w": str(obj.get("worker_id", ""))}, id=sid)
+                    entry_map[d] = sid
+                pipe.hset(k.remaining, b, len(live))
+                if settled:
+                    pipe.hset(k.settled, b, "".join(f"{g}," for g in sorted(settled)))
+                answer = SubmitResponse(batch_id=b, accepted_groups=len(groups))
+                pipe.set(k.idem(run, b), answer.model_dump_json(), ex=IDEMPOTENCY_TTL_S)
+                pipe.hincrby(k.counters, "accepted_total", len(live))
+                out["batches"] += 1
+                out["groups"] += len(live)
+            if entry_map:
+                pipe.hset(k.entry, mapping=entry_map)
+            await pipe.execute()
+        except redis_exc.WatchError:
+            return {"batches": 0, "groups": 0, "prompt_cursor": 0}
+    if not await prompts.has_state(r, run):
+        out["prompt_cursor"] = await prompts.restore(r, store, run, spec, completed)
+    log.info("run %r: rebuilt the rollout queue: %s", run, out)
+    return out

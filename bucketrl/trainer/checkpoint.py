@@ -1,0 +1,133 @@
+"""Trainer checkpoints: everything needed for the next step to equal the uninterrupted run's.
+
+A checkpoint is a directory packed as a tar (``PUT /v1/runs/{run}/checkpoints/{step}``):
+
+    state.json                       step, policy_version, consumed delivery ids, counters, epoch, run
+    adapter/adapter_config.json      the LoRA weights (fp32 safetensors: bit-exact)
+    adapter/adapter_model.safetensors
+    optimizer.pt                     AdamW state_dict (moments, step counts)
+    rng.pt                           python, numpy, torch (CPU and every CUDA device) RNG states
+
+The LR schedule has no state beyond ``step`` (see :mod:`bucketrl.trainer.learner`).
+
+``consumed_delivery_ids`` are the rollout deliveries trained on since the previous checkpoint. The worker
+acknowledges them only AFTER this checkpoint is stored, and a resumed trainer acknowledges them again
+(idempotent) before it claims anything (DESIGN invariant 4): a crash between the two can never train a
+group twice against the same checkpointed state, and unacknowledged deliveries come back to be trained
+on from exactly the state that has not seen them.
+
+    tar = pack_checkpoint(learner, TrainerState(step=..., policy_version=..., ...))
+    state = restore_checkpoint(learner, tar)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bucketrl.tarball import pack_dir, unpack
+from bucketrl.trainer.learner import Learner
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class TrainerState:
+    step: int
+    policy_version: int
+    consumed_delivery_ids: list[str] = field(default_factory=list)
+    # Monotonic counters that must survive restarts (e.g. ``sample/dropped_stale_total``).
+    counters: dict[str, float] = field(default_factory=dict)
+    epoch: int = 0
+    run: str = ""
+    # What the weights belong to: a checkpoint of another model or LoRA shape is refused on restore.
+    base_model: str = ""
+    lora: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+    format_version: int = FORMAT_VERSION
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {
+            "name": str(np_state[0]),
+            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state(
+        (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_checkpoint_dir(learner: Learner, state: TrainerState, directory: str | Path) -> Path:
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    state.step = learner.step
+    state.base_model = learner.spec.base_model
+    state.lora = learner.spec.lora.model_dump(mode="json")
+    state.created_at = state.created_at or time.time()
+    learner.policy.save_adapter(out / "adapter")
+    torch.save(learner.optimizer.state_dict(), out / "optimizer.pt")
+    torch.save(rng_state(), out / "rng.pt")
+    (out / "state.json").write_text(json.dumps(asdict(state), indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def pack_checkpoint(learner: Learner, state: TrainerState) -> bytes:
+    with tempfile.TemporaryDirectory(prefix="bucketrl-ckpt-") as tmp:
+        return pack_dir(write_checkpoint_dir(learner, state, tmp))
+
+
+def read_state(directory: str | Path) -> TrainerState:
+    data = json.loads((Path(directory) / "state.json").read_text())
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint format {data.get('format_version')!r} is not {FORMAT_VERSION}")
+    known = set(TrainerState.__dataclass_fields__)
+    return TrainerState(**{k: v for k, v in data.items() if k in known})
+
+
+def restore_checkpoint_dir(learner: Learner, directory: str | Path) -> TrainerState:
+    """Load weights, optimizer, RNG and step into ``learner``; return the saved trainer state."""
+    root = Path(directory)
+    state = read_state(root)
+    want_lora = learner.spec.lora.model_dump(mode="json")
+    if state.base_model != learner.spec.base_model or state.lora != want_lora:
+        raise ValueError(
+            f"checkpoint was written for base_model={state.base_model!r} lora={state.lora}, "
+            f"not {learner.spec.base_model!r} {want_lora}"
+        )
+    learner.policy.load_adapter(root / "adapter")
+    learner.optimizer.load_state_dict(torch.load(root / "optimizer.pt", map_location="cpu", weights_only=True))
+    set_rng_state(torch.load(root / "rng.pt", map_location="cpu", weights_only=True))
+    learner.step = state.step
+    return state
+
+
+def restore_checkpoint(learner: Learner, tar_bytes: bytes) -> TrainerState:
+    with tempfile.TemporaryDirectory(prefix="bucketrl-ckpt-") as tmp:
+        unpack(tar_bytes, tmp)
+        return restore_checkpoint_dir(learner, tmp)

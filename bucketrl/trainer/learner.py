@@ -1,0 +1,205 @@
+"""One GRPO optimizer step over claimed groups, with no I/O: what the worker and the benchmark both run.
+
+    learner = Learner(run_spec, settings)
+    stats = learner.train_step([StepGroup(group, version=3, worker_id="gen-a"), ...], policy_version=4)
+
+A step: advantages per group -> samples -> micro-batches under ``micro_token_budget`` -> for each, forward
+(current policy; the reference pass with the adapter disabled when ``kl_coef > 0``), loss normalised by the
+step's totals, backward (gradients accumulate) -> clip the global norm -> AdamW at ``lr * lr_factor(step)``.
+
+The proximal logprobs of the decoupled objective are the detached logprobs of this very forward: the
+weights have not moved yet, so they are the trainer's logprobs "at the start of the step" for free.
+
+The LR schedule is a pure function of the step number (:meth:`TrainerSettings.lr_factor`), so the
+scheduler's state is the step itself and a resumed run cannot drift from the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bucketrl.trainer.advantages import group_advantages
+from bucketrl.trainer.batching import Sample, group_samples, make_micro_batches
+from bucketrl.trainer.loss import LossBatch, LossOutput, finalize_stats, grpo_loss
+from bucketrl.trainer.model import PolicyModel
+from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.wire.rollouts import RolloutGroup
+from bucketrl.wire.runs import RunSpec
+
+log = logging.getLogger("bucketrl.trainer")
+
+MISMATCH_PREFIX = "mismatch/logprob_abs_diff/"
+# Metric names are limited to 128 characters on the wire.
+_MAX_WORKER_IN_NAME = 128 - len(MISMATCH_PREFIX)
+
+
+@dataclass(frozen=True)
+class StepGroup:
+    """A claimed group and where it came from (its delivery's version and generator)."""
+
+    group: RolloutGroup
+    version: int
+    worker_id: str = ""
+
+
+class Learner:
+    """The policy, its AdamW optimizer and the step counter."""
+
+    def __init__(self, spec: RunSpec, settings: TrainerSettings) -> None:
+        self.spec = spec
+        self.settings = settings
+        self.policy = PolicyModel(
+            spec,
+            device=settings.device,
+            dtype=settings.dtype,
+            seed=settings.seed,
+            gradient_checkpointing=settings.gradient_checkpointing,
+        )
+        self.params = list(self.policy.trainable_parameters())
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=settings.lr,
+            betas=(settings.adam_beta1, settings.adam_beta2),
+            eps=settings.adam_eps,
+            weight_decay=settings.weight_decay,
+        )
+        self.step = 0
+
+    def lr_for(self, step: int) -> float:
+        return self.settings.lr * self.settings.lr_factor(step)
+
+    # -- one step --------------------------------------------------------------------------------------
+
+    def build_samples(self, groups: list[StepGroup]) -> tuple[list[Sample], dict[str, float]]:
+        """Advantages and trainable samples of a step, plus the reward/staleness-free group stats."""
+        loss = self.spec.loss
+        samples: list[Sample] = []
+        zero_var = unscorable = 0
+        means: list[float] = []
+        stds: list[float] = []
+        for item in groups:
+            rewards = [c.reward for c in item.group.completions]
+            adv = group_advantages(
+                rewards, scale_rewards=loss.scale_rewards, filter_zero_variance=loss.filter_zero_variance
+            )
+            zero_var += int(adv.zero_variance)
+            unscorable += adv.unscorable
+            if adv.reward_mean is not None:
+                means.append(adv.reward_mean)
+                stds.append(adv.reward_std or 0.0)
+            samples += group_samples(
+                item.group,
+                adv.advantages,
+                adv.trainable,
+                version=item.version,
+                worker_id=item.worker_id,
+                eos_token_ids=self.policy.eos_token_ids,
+            )
+        stats = {
+            "sample/groups": float(len(groups)),
+            "sample/zero_variance_groups": float(zero_var),
+            "sample/unscorable": float(unscorable),
+        }
+        if means:
+            # Like TRL: the mean reward, and the mean of the per-group stds.
+            stats["reward"] = sum(means) / len(means)
+            stats["reward_std"] = sum(stds) / len(stds)
+        return samples, stats
+
+    def train_step(self, groups: list[StepGroup], *, policy_version: int) -> dict[str, float]:
+        """One optimizer step; ``policy_version`` is the published version equal to the current weights."""
+        t0 = time.perf_counter()
+        samples, stats = self.build_samples(groups)
+        if groups:
+            staleness = [policy_version - g.version for g in groups]
+            stats["sample/staleness_mean"] = sum(staleness) / len(staleness)
+            stats["sample/staleness_max"] = float(max(staleness))
+        lr = self.lr_for(self.step)
+        stats["train/lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        if samples:
+            stats.update(self._accumulate(samples, policy_version))
+            stats.update(self._apply(lr, stats.get("train/loss", math.nan)))
+        else:
+            # Nothing trainable (all groups filtered or unscorable): the step still counts, weights stay put.
+            stats.update({"train/loss": 0.0, "train/grad_norm": 0.0, "train/tokens": 0.0, "train/sequences": 0.0})
+        self.step += 1
+        stats["perf/fwd_bwd_s"] = time.perf_counter() - t0
+        return stats
+
+    def _accumulate(self, samples: list[Sample], policy_version: int) -> dict[str, float]:
+        spec = self.spec.loss
+        micro = make_micro_batches(samples, self.settings.micro_token_budget, self.policy.pad_id)
+        tokens = float(sum(float(mb.mask.sum()) for mb in micro))
+        outputs: list[LossOutput] = []
+        total_loss = 0.0
+        mismatch: dict[str, list[float]] = {}  # worker -> [abs diff sum, tokens]
+        for mb in micro:
+            mb.to(self.policy.device)
+            lp, entropy = self.policy.token_logprobs(mb, with_entropy=True)
+            ref = self.policy.reference_logprobs(mb) if spec.kl_coef > 0 else None
+            batch = LossBatch(
+                logprobs=lp,
+                behaviour_logprobs=mb.behaviour,
+                advantages=mb.advantages,
+                mask=mb.mask,
+                proximal_logprobs=lp.detach(),
+                ref_logprobs=ref,
+                entropy=entropy,
+            )
+            out = grpo_loss(batch, spec, token_normalizer=tokens, sequence_normalizer=float(len(samples)))
+            out.loss.backward()
+            total_loss += float(out.loss.detach())
+            outputs.append(out)
+            _add_mismatch(mismatch, lp.detach(), mb.behaviour, mb.mask, mb.versions, mb.worker_ids, policy_version)
+        stats = finalize_stats(outputs)
+        stats["train/loss"] = total_loss
+        stats["train/tokens"] = tokens
+        stats["train/sequences"] = float(len(samples))
+        stats["train/micro_batches"] = float(len(micro))
+        for worker, (diff, n) in sorted(mismatch.items()):
+            if n > 0:
+                stats[MISMATCH_PREFIX + (worker or "unknown")[:_MAX_WORKER_IN_NAME]] = diff / n
+        return stats
+
+    def _apply(self, lr: float, loss: float) -> dict[str, float]:
+        max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if not (math.isfinite(grad_norm) and math.isfinite(loss)):
+            # A non-finite gradient would destroy the adapter; skip the update, keep the step count.
+            log.warning("step %d: loss %r, grad norm %r are not finite; update skipped", self.step, loss, grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"train/grad_norm": 0.0, "train/skipped": 1.0, "train/loss": 0.0}
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return {"train/grad_norm": grad_norm}
+
+
+def _add_mismatch(
+    acc: dict[str, list[float]],
+    lp: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    versions: list[int],
+    workers: list[str],
+    policy_version: int,
+) -> None:
+    """Per generator: |trainer - behaviour| logprob over tokens generated at the trainer's current weights.
+
+    Only samples whose version equals ``policy_version`` count: only there are the weights identical, so
+    any gap is a numerical or delivery problem (DESIGN invariant 6), not policy change.
+    """
+    diff = ((lp.float() - behaviour.float()).abs() * mask).sum(-1)
+    counts = mask.sum(-1)
+    for i, (version, worker) in enumerate(zip(versions, workers, strict=True)):
+        if version != policy_version:
+            continue
+        slot = acc.setdefault(worker, [0.0, 0.0])
+        slot[0] += float(diff[i])
+        slot[1] += float(counts[i])

@@ -1,0 +1,203 @@
+"""The policy: a transformers base model wrapped in a peft LoRA adapter built from the run's ``LoraSpec``.
+
+Only the LoRA parameters train. Logprobs of sampled tokens go through
+:func:`bucketrl.logprobs.sampled_token_logprobs` with the run's temperature / top-k / top-p, exactly as the
+generators compute behaviour logprobs (DESIGN invariant 6), so at identical weights ``ratio`` is 1.
+The reference pass for the KL term runs the same model with the adapter disabled (no second model).
+
+The adapter is saved as ``adapter_model.safetensors`` + ``adapter_config.json`` (what ``PeftModel.from_pretrained``
+and vLLM's ``LoRARequest`` load), with ``target_modules`` written as a sorted list of module-name suffixes so the
+same weights always give the same bytes (and the same sha256).
+
+    policy = PolicyModel(run_spec, device="cpu", dtype="float32", seed=0)
+    lp, entropy = policy.token_logprobs(micro_batch, with_entropy=True)   # [B, T] each
+    tar = policy.adapter_tar()                                              # PUT /adapters/{N}
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from bucketrl.tarball import pack_dir
+from bucketrl.trainer.batching import MicroBatch
+from bucketrl.wire.runs import RunSpec
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# Trainer logprobs below this are clamped: a sampled token that the trainer's top-k/top-p would exclude
+# (a tie at the boundary) gets a tiny but finite probability instead of -inf (which poisons KL and stats).
+LOGPROB_FLOOR = -1e4
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def all_linear_targets(model: torch.nn.Module) -> list[str]:
+    """Suffixes of every ``nn.Linear`` except the output head: peft's ``all-linear``, spelled out."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, mod in model.named_modules()
+        if isinstance(mod, torch.nn.Linear) and mod is not head and name
+    }
+    if not names:
+        raise ValueError("the base model has no linear layers for LoRA to target")
+    return sorted(names)
+
+
+def eos_token_ids(model: torch.nn.Module) -> set[int]:
+    """Every id that ends a completion: the generation config's and the model config's."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class PolicyModel:
+    """Base model + one trainable LoRA adapter (named ``default``)."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        seed: int = 0,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+        self.spec = spec
+        self.device = resolve_device(device)
+        base = AutoModelForCausalLM.from_pretrained(spec.base_model, dtype=DTYPES[dtype])
+        vocab = base.get_output_embeddings().weight.shape[0]
+        if vocab < spec.vocab_size:
+            raise ValueError(f"run spec vocab_size {spec.vocab_size} exceeds the model's output vocabulary {vocab}")
+        self.eos_token_ids = eos_token_ids(base)
+        pad = getattr(base.config, "pad_token_id", None)
+        self.pad_id = int(pad) if isinstance(pad, int) else (min(self.eos_token_ids) if self.eos_token_ids else 0)
+        targets = spec.lora.target_modules
+        if targets == "all-linear":
+            targets = all_linear_targets(base)
+        if gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base.enable_input_require_grads()
+        config = LoraConfig(
+            r=spec.lora.r,
+            lora_alpha=spec.lora.alpha,
+            lora_dropout=spec.lora.dropout,
+            target_modules=list(targets),
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=spec.base_model,
+        )
+        # LoRA A is initialised randomly (B = 0, so the initial adapter is the identity): seed it.
+        torch.manual_seed(seed)
+        self.model = get_peft_model(base, config).to(self.device)
+        self.model.train()
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        if not names or any("lora_" not in n for n in names):
+            raise RuntimeError(f"expected only LoRA parameters to train, got {names[:5]}")
+
+    # -- parameters ----------------------------------------------------------------------------------
+
+    def trainable_parameters(self) -> Iterator[torch.nn.Parameter]:
+        return (p for p in self.model.parameters() if p.requires_grad)
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+
+    # -- forward passes ------------------------------------------------------------------------------
+
+    def _logits(self, mb: MicroBatch) -> torch.Tensor:
+        out = self.model(
+            input_ids=mb.input_ids.to(self.device),
+            attention_mask=mb.attention_mask.to(self.device),
+            logits_to_keep=mb.logits_to_keep,
+            use_cache=False,
+        )
+        logits = out.logits  # [B, K, V]
+        index = mb.logit_index.to(self.device).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        return logits.gather(1, index)  # [B, T, V]: row t predicts completion token t
+
+    def token_logprobs(self, mb: MicroBatch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log pi_theta of each completion token (with grad) and, optionally, the per-token entropy."""
+        from bucketrl.logprobs import process_logits, sampled_token_logprobs
+
+        sampling = self.spec.sampling
+        logits = self._logits(mb)
+        lp = sampled_token_logprobs(
+            logits, mb.completion_ids.to(self.device), sampling.temperature, sampling.top_k, sampling.top_p
+        )
+        lp = lp.clamp(min=LOGPROB_FLOOR)
+        mask = mb.mask.to(self.device)
+        lp = torch.where(mask > 0, lp, torch.zeros_like(lp))
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                logp = torch.log_softmax(
+                    process_logits(logits.detach(), sampling.temperature, sampling.top_k, sampling.top_p), dim=-1
+                )
+                p = logp.exp()
+                entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+        return lp, entropy
+
+    @torch.no_grad()
+    def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """Logprobs under the base model: the same forward with the adapter disabled."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self.model.disable_adapter():
+                lp, _ = self.token_logprobs(mb)
+        finally:
+            self.model.train(was_training)
+        return lp.detach()
+
+    # -- adapter files -------------------------------------------------------------------------------
+
+    def save_adapter(self, directory: str | Path) -> Path:
+        """Write exactly ``adapter_config.json`` + ``adapter_model.safetensors`` into ``directory``."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out, safe_serialization=True)
+        (out / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the adapter
+        cfg_path = out / "adapter_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        if isinstance(cfg.get("target_modules"), list):
+            cfg["target_modules"] = sorted(cfg["target_modules"])
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        return out
+
+    def adapter_tar(self) -> bytes:
+        """The adapter directory as the deterministic tar the proxy stores (``PUT /adapters/{N}``)."""
+        with tempfile.TemporaryDirectory(prefix="bucketrl-adapter-") as tmp:
+            return pack_dir(self.save_adapter(tmp))
+
+    def load_adapter(self, directory: str | Path) -> None:
+        """Load adapter weights saved by :meth:`save_adapter` into the trainable adapter (in place)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(directory) / "adapter_model.safetensors"))
+        result = set_peft_model_state_dict(self.model, state)
+        unexpected = getattr(result, "unexpected_keys", None)
+        if unexpected:
+            raise ValueError(f"adapter has keys this model does not: {unexpected[:5]}")

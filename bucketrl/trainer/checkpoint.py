@@ -2,7 +2,7 @@
 
 A checkpoint is a directory packed as a tar (``PUT /v1/runs/{run}/checkpoints/{step}``):
 
-    state.json                       step, policy_version, consumed delivery ids, counters, epoch, run
+    state.json                       step, policy version (+ its step), consumed delivery ids, counters, epoch
     adapter/adapter_config.json      the LoRA weights (fp32 safetensors: bit-exact)
     adapter/adapter_model.safetensors
     optimizer.pt                     AdamW state_dict (moments, step counts)
@@ -42,7 +42,10 @@ FORMAT_VERSION = 1
 @dataclass
 class TrainerState:
     step: int
+    # The newest version published from this lineage, and the step whose weights it holds
+    # (== step when the checkpointed weights are exactly that version).
     policy_version: int
+    policy_step: int = -1
     consumed_delivery_ids: list[str] = field(default_factory=list)
     # Monotonic counters that must survive restarts (e.g. ``sample/dropped_stale_total``).
     counters: dict[str, float] = field(default_factory=dict)

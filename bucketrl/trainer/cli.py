@@ -1,8 +1,60 @@
-"""`bucketrl trainer` (placeholder until the trainer service lands)."""
+"""``bucketrl trainer``: run the GRPO trainer for one run (see ``bucketrl/trainer/worker.py``).
+
+    BUCKETRL_PROXY_URL=http://127.0.0.1:8000 BUCKETRL_TOKEN=t BUCKETRL_RUN=demo \\
+    bucketrl trainer --run-spec run.json --max-steps 200
+
+Every setting is a ``BUCKETRL_*`` environment variable (``bucketrl/trainer/settings.py``, each field
+documented); the options below override theirs. Exit codes: 0 done or stopped by SIGTERM (checkpointed),
+1 proxy/runtime error, 2 bad configuration, 3 fenced by a newer trainer. torch, transformers and peft are
+imported only inside the command, so ``bucketrl --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
 
 import typer
 
 
-def trainer_command() -> None:
-    """Not implemented yet."""
-    raise typer.Exit(code=2)
+def trainer_command(
+    run: Annotated[str | None, typer.Option(help="Run id (BUCKETRL_RUN).")] = None,
+    proxy_url: Annotated[str | None, typer.Option(help="Proxy base URL (BUCKETRL_PROXY_URL).")] = None,
+    run_spec: Annotated[
+        str | None, typer.Option(help="Run spec: JSON file path or inline JSON (BUCKETRL_RUN_SPEC).")
+    ] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps of the run (BUCKETRL_MAX_STEPS).")] = None,
+    sync_every: Annotated[int | None, typer.Option(help="Publish every N steps (BUCKETRL_SYNC_EVERY).")] = None,
+    checkpoint_every: Annotated[
+        int | None, typer.Option(help="Checkpoint every N steps (BUCKETRL_CHECKPOINT_EVERY).")
+    ] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate (BUCKETRL_LR).")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N (BUCKETRL_DEVICE).")] = None,
+) -> None:
+    """Train: claim rollouts from the proxy, step GRPO on LoRA, publish adapters, checkpoint."""
+    from pydantic import ValidationError
+
+    from bucketrl.trainer.settings import TrainerSettings
+
+    overrides = {
+        k: v
+        for k, v in {
+            "run": run,
+            "proxy_url": proxy_url,
+            "run_spec": run_spec,
+            "max_steps": max_steps,
+            "sync_every": sync_every,
+            "checkpoint_every": checkpoint_every,
+            "lr": lr,
+            "device": device,
+        }.items()
+        if v is not None
+    }
+    try:
+        settings = TrainerSettings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        typer.echo(f"bucketrl trainer: bad settings:\n{exc}", err=True)
+        raise typer.Exit(code=2) from exc
+
+    from bucketrl.trainer.worker import main
+
+    raise typer.Exit(code=main(settings))

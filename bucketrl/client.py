@@ -43,6 +43,7 @@ from bucketrl.wire import (
     VersionLease,
     VersionLeaseRequest,
 )
+from bucketrl.wire.datasets import DatasetInfo
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -217,6 +218,22 @@ class ProxyClient:
             content=body.model_dump_json(),
             headers={"Content-Type": "application/json"},
         )
+
+    # -- dataset (dataset.uri = "bucket:dataset.jsonl") -------------------------------------------------
+
+    def upload_dataset(self, data: bytes) -> DatasetInfo:
+        """Upload the run's JSONL dataset (trainer; once: the same bytes again are fine, others ``Conflict``)."""
+        return self._json(
+            "PUT", self._path("/dataset"), DatasetInfo, content=data, headers={"Content-Type": "application/x-ndjson"}
+        )
+
+    def download_dataset(self) -> bytes:
+        """The run's JSONL dataset; its sha256 is checked against the proxy's header (``Invalid`` if not)."""
+        resp = self._request("GET", self._path("/dataset"))
+        want = resp.headers.get("X-Content-SHA256")
+        if want and want != hashlib.sha256(resp.content).hexdigest():
+            raise errors.Invalid("dataset: sha256 mismatch", retryable=True)
+        return resp.content
 
     # -- rollouts -----------------------------------------------------------------------------------
 

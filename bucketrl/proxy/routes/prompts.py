@@ -1,5 +1,88 @@
-"""Placeholder (P3 fills this module)."""
+"""Prompt leases over HTTP (generators); the run's dataset routes are mounted here too.
 
-from fastapi import APIRouter
+``POST /v1/runs/{run}/prompts/lease``    lease up to n prompts; 429 + Retry-After under admission control
+``POST /v1/runs/{run}/prompts/renew``    extend the caller's leases (the answer lists those renewed; 410 if none)
+``POST /v1/runs/{run}/prompts/release``  give prompts back (issued again first); 204
+``PUT/GET /v1/runs/{run}/dataset``       see ``routes/dataset.py``
 
+The rules (reissue first, pacing, persistence of the cursor) are in ``bucketrl.proxy.state.prompts``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Response
+
+from bucketrl.proxy import body
+from bucketrl.proxy.deps import CtxDep, GeneratorRole, RunDep
+from bucketrl.proxy.errors import responses
+from bucketrl.proxy.routes import dataset
+from bucketrl.proxy.state import prompts
+from bucketrl.wire import PromptLease, PromptLeaseRequest, PromptReleaseRequest
+
+_prompts = APIRouter(prefix="/v1/runs/{run}/prompts", tags=["prompts"])
+
+
+@_prompts.post(
+    "/lease",
+    response_model=PromptLease,
+    summary="Lease up to n prompts (fewer when admission control allows fewer); reissued prompts come first.",
+    description=(
+        "`prompt_id` = `{pass}-{index}`. Admission control: granted only while queued groups + prompts in flight < "
+        "min(queue_capacity_groups, groups_per_step * max(1, max_staleness)), so generation is paced to what the "
+        "trainer can use within max_staleness; otherwise 429 `backpressure` with Retry-After. A prompt completes when "
+        "a group for it is accepted; an expired or released lease is issued again before any new prompt."
+    ),
+    responses=responses(401, 403, 404, 413, 422, 429, 503),
+    openapi_extra=body.openapi_body(PromptLeaseRequest),
+)
+async def lease(
+    ctx: CtxDep,
+    _: GeneratorRole,
+    ref: RunDep,
+    req: Annotated[PromptLeaseRequest, Depends(body.decoded(PromptLeaseRequest))],
+) -> PromptLease:
+    return await prompts.lease(ctx.redis, ctx.store, ref.run, ref.spec, req.worker_id, req.n, req.ttl_s)
+
+
+@_prompts.post(
+    "/renew",
+    response_model=PromptLease,
+    summary="Extend the caller's prompt leases by ttl_s; the answer lists the ones renewed (410 if none was).",
+    responses=responses(401, 403, 404, 410, 413, 422, 503),
+    openapi_extra=body.openapi_body(PromptReleaseRequest),
+)
+async def renew(
+    ctx: CtxDep,
+    _: GeneratorRole,
+    ref: RunDep,
+    req: Annotated[PromptReleaseRequest, Depends(body.decoded(PromptReleaseRequest))],
+) -> PromptLease:
+    prompts.validate_prompt_ids(req.prompt_ids)
+    return await prompts.renew(ctx.redis, ref.run, req.worker_id, req.prompt_ids, req.ttl_s)
+
+
+@_prompts.post(
+    "/release",
+    status_code=204,
+    summary="Give prompt leases back before they expire (graceful shutdown); they are issued again first.",
+    responses={204: {"description": "Released (ids the caller did not hold are ignored)."}}
+    | responses(401, 403, 404, 413, 422, 503),
+    openapi_extra=body.openapi_body(PromptReleaseRequest),
+)
+async def release(
+    ctx: CtxDep,
+    _: GeneratorRole,
+    ref: RunDep,
+    req: Annotated[PromptReleaseRequest, Depends(body.decoded(PromptReleaseRequest))],
+) -> Response:
+    prompts.validate_prompt_ids(req.prompt_ids)
+    await prompts.release(ctx.redis, ref.run, req.worker_id, req.prompt_ids)
+    return Response(status_code=204)
+
+
+# routes/__init__.py lists one module per area; the dataset routes ride along with the prompts they feed.
 router = APIRouter()
+router.include_router(_prompts)
+router.include_router(dataset.router)

@@ -1,5 +1,176 @@
-"""Placeholder (P3 fills this module)."""
+"""The rollout queue over HTTP: generators submit group batches, the trainer claims and acks them.
 
-from fastapi import APIRouter
+``POST /v1/runs/{run}/rollouts``        generator  submit (JSON or msgpack, ``Idempotency-Key``) -> 202
+``POST /v1/runs/{run}/rollouts/claim``  trainer    claim up to ``max_groups`` (long-poll ``wait_s``), fenced
+``POST /v1/runs/{run}/rollouts/ack``    trainer    acknowledge delivery ids (idempotent), fenced
 
-router = APIRouter()
+The logic and its invariants live in ``bucketrl.proxy.state.queue``. This module also plugs the queue
+into the proxy core's hooks (once, at import, which ``routes.all_routers`` does in ``create_app``):
+status (``state.status.STATUS_HOOKS``), rebuild after a Redis wipe (``rebuild.REBUILD_HOOKS``), trainer
+registration (``state.runs.TRAINER_REGISTERED_HOOKS``: pending deliveries become re-claimable), and a
+scrape-time refresh of the queue-depth gauge (``Telemetry.scrape_hooks``, added per app on first use).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header
+
+from bucketrl import errors
+from bucketrl.proxy import body
+from bucketrl.proxy.deps import CtxDep, EpochDep, GeneratorRole, RunDep, TrainerRole
+from bucketrl.proxy.errors import responses
+from bucketrl.proxy.state import prompts, queue
+from bucketrl.wire import AckRequest, AckResponse, ClaimRequest, ClaimResponse, RolloutBatch, RunSpec, SubmitResponse
+
+
+async def _scrape_queue_depth(ctx: Any) -> None:
+    from bucketrl.proxy.state import runs
+
+    for run in await runs.list_runs(ctx.redis):
+        spec = await runs.get_spec(ctx.redis, run)
+        if spec is not None:
+            st = await queue.queue_status(ctx.redis, run, spec)
+            ctx.telemetry.queue_depth.labels(run=run).set(st.groups + st.pending)
+
+
+def _install_scrape_hook(ctx: CtxDep) -> None:
+    # Telemetry is per app; the first queue request on an app adds the refresher (idempotent).
+    if _scrape_queue_depth not in ctx.telemetry.scrape_hooks:
+        ctx.telemetry.scrape_hooks.append(_scrape_queue_depth)
+
+
+router = APIRouter(prefix="/v1/runs/{run}/rollouts", tags=["rollouts"], dependencies=[Depends(_install_scrape_hook)])
+
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        description="Unique per batch (1..200 visible ASCII). A retry with the same key is a no-op that answers "
+        "the first batch_id with duplicate=true.",
+    ),
+]
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=SubmitResponse,
+    summary="Submit a batch of complete groups (JSON or msgpack); Idempotency-Key required.",
+    description=(
+        "Validated (422 naming the field: token ids < vocab_size, logprobs finite and <= 0 and one per token, "
+        "exactly group_size completions per group, prompt ids that were leased, version <= latest, the version "
+        "lease's version), then written to the bucket, then enqueued atomically. 409 `stale` when version < latest - "
+        "max_staleness; 429 + Retry-After when the queue is at queue_capacity_groups. Accepting a group completes "
+        "its prompt."
+    ),
+    responses=responses(401, 403, 404, 409, 413, 422, 429, 503),
+    openapi_extra=body.openapi_body(RolloutBatch),
+)
+async def submit(
+    ctx: CtxDep,
+    _: GeneratorRole,
+    ref: RunDep,
+    batch: Annotated[RolloutBatch, Depends(body.decoded(RolloutBatch))],
+    idempotency_key: IdempotencyKey = None,
+) -> SubmitResponse:
+    try:
+        out = await queue.submit(ctx.redis, ctx.store, ref.run, ref.spec, batch, idempotency_key)
+    except errors.Stale:
+        ctx.telemetry.stale_rejections.labels(run=ref.run).inc(len(batch.groups))
+        raise
+    if not out.duplicate:
+        ctx.telemetry.accepted_groups.labels(run=ref.run).inc(out.accepted_groups)
+    return out
+
+
+@router.post(
+    "/claim",
+    response_model=ClaimResponse,
+    summary="Claim up to max_groups groups (long-poll wait_s); stale groups are dropped and counted.",
+    description=(
+        "Redeliveries (claimed but unacked for redelivery_timeout_s, or claimed under an older trainer epoch) come "
+        "first, then new groups, oldest first. Each delivery holds one group and a stable delivery_id to ack. A group "
+        "whose version < latest - max_staleness is dropped (`dropped_stale` in the answer and in the run's counters). "
+        "Epoch-fenced: X-Trainer-Epoch must be the current epoch (409 `fenced`)."
+    ),
+    responses=responses(401, 403, 404, 409, 413, 422, 503),
+    openapi_extra=body.openapi_body(ClaimRequest),
+)
+async def claim(
+    ctx: CtxDep,
+    _: TrainerRole,
+    ref: RunDep,
+    epoch: EpochDep,
+    req: Annotated[ClaimRequest, Depends(body.decoded(ClaimRequest))],
+) -> ClaimResponse:
+    out = await queue.claim(
+        ctx.redis,
+        ctx.store,
+        ref.run,
+        ref.spec,
+        epoch=epoch,
+        consumer=req.consumer,
+        max_groups=req.max_groups,
+        wait_s=min(req.wait_s, ctx.settings.max_wait_s),
+        redelivery_timeout_s=ctx.settings.redelivery_timeout_s,
+    )
+    if out.dropped:
+        ctx.telemetry.stale_drops.labels(run=ref.run).inc(out.dropped)
+    return ClaimResponse(deliveries=out.deliveries, dropped_stale=out.dropped)
+
+
+@router.post(
+    "/ack",
+    response_model=AckResponse,
+    summary="Acknowledge delivery ids (trained); idempotent. `acked` counts the ids acked by this call.",
+    description=(
+        "Unknown or already acked ids count 0. When every group of a batch is settled, its bucket object is "
+        "deleted (a rebuild cannot enqueue it again). Epoch-fenced (409 `fenced`)."
+    ),
+    responses=responses(401, 403, 404, 409, 413, 422, 503),
+    openapi_extra=body.openapi_body(AckRequest),
+)
+async def ack(
+    ctx: CtxDep,
+    _: TrainerRole,
+    ref: RunDep,
+    epoch: EpochDep,
+    req: Annotated[AckRequest, Depends(body.decoded(AckRequest))],
+) -> AckResponse:
+    n = await queue.ack(ctx.redis, ctx.store, ref.run, ref.spec, epoch=epoch, delivery_ids=req.delivery_ids)
+    return AckResponse(acked=n)
+
+
+# -- hooks into the proxy core ---------------------------------------------------------------------------
+
+
+async def status_hook(ctx: Any, run: str, spec: RunSpec, out: dict[str, Any]) -> None:
+    out["queue"] = (await queue.queue_status(ctx.redis, run, spec)).model_dump()
+    out["prompts_inflight"] = await prompts.prompts_inflight(ctx.redis, run)
+    out["prompt_cursor"] = await prompts.cursor(ctx.redis, run)
+
+
+async def rebuild_hook(ctx: Any, run: str, spec: RunSpec) -> None:
+    await queue.rebuild(ctx.redis, ctx.store, run, spec)
+
+
+async def trainer_registered_hook(ctx: Any, run: str, epoch: int) -> None:
+    await queue.on_trainer_registered(ctx.redis, run, epoch, ctx.settings.redelivery_timeout_s)
+
+
+def _install_hooks() -> None:
+    from bucketrl.proxy import rebuild
+    from bucketrl.proxy.state import runs, status
+
+    for hooks, hook in (
+        (status.STATUS_HOOKS, status_hook),
+        (rebuild.REBUILD_HOOKS, rebuild_hook),
+        (runs.TRAINER_REGISTERED_HOOKS, trainer_registered_hook),
+    ):
+        if hook not in hooks:
+            hooks.append(hook)  # type: ignore[arg-type]
+
+
+_install_hooks()

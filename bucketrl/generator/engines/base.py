@@ -15,6 +15,7 @@ Engines are not thread-safe: the worker calls every method from one thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -30,6 +31,7 @@ FinishReason = Literal["stop", "length", "abort"]
 # vLLM treats temperature below 1e-5 as greedy and then returns un-tempered logprobs; far above that,
 # 1/T blows the logits up so that fp32 log-softmax loses the digits the trainer's ratio needs.
 MIN_TEMPERATURE = 0.05
+VLLM_MAX_TEMPERATURE = 2.0
 # vLLM's supported LoRA ranks (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -65,8 +67,21 @@ class Engine(Protocol):
         """Names currently resident."""
         ...
 
-    def generate(self, prompts: list[list[int]], *, adapter: str, n: int, sampling: SamplingSpec) -> list[list[Sample]]:
-        """Sample ``n`` completions for each prompt (one request with n=G per prompt); result[i] has n samples."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        adapter: str,
+        n: int,
+        sampling: SamplingSpec,
+        while_running: Callable[[], None] | None = None,
+    ) -> list[list[Sample]]:
+        """Sample ``n`` completions for each prompt (one request with n=G per prompt); result[i] has n samples.
+
+        ``while_running`` is called once the requests are queued: vLLM samples them meanwhile (its engine core
+        runs in another process), so the worker loads the next adapter version there without pausing the
+        current one; the transformers engine calls it just before sampling.
+        """
         ...
 
     def close(self) -> None:
@@ -74,8 +89,9 @@ class Engine(Protocol):
         ...
 
 
-def check_reproducible(sampling: SamplingSpec, vocab_size: int) -> None:
-    """Refuse sampling settings whose behaviour logprobs the trainer cannot recompute (``Invalid``)."""
+def check_reproducible(sampling: SamplingSpec, vocab_size: int, engine: str = "transformers") -> None:
+    """Refuse sampling settings whose behaviour logprobs the trainer cannot recompute, or the engine cannot
+    sample (``Invalid``, naming the run spec field to change)."""
     if sampling.temperature < MIN_TEMPERATURE:
         raise errors.Invalid(
             f"sampling.temperature={sampling.temperature} is below {MIN_TEMPERATURE}: vLLM samples greedily there and "
@@ -84,6 +100,11 @@ def check_reproducible(sampling: SamplingSpec, vocab_size: int) -> None:
     if sampling.top_k > vocab_size:
         raise errors.Invalid(
             f"sampling.top_k={sampling.top_k} exceeds vocab_size={vocab_size}; use -1 to disable top-k."
+        )
+    if engine == "vllm" and sampling.temperature > VLLM_MAX_TEMPERATURE:
+        raise errors.Invalid(
+            f"sampling.temperature={sampling.temperature}: vLLM samples only up to {VLLM_MAX_TEMPERATURE}; lower it "
+            "or run the generator with BUCKETRL_ENGINE=transformers."
         )
 
 
@@ -102,7 +123,7 @@ def adapter_name(run: str, version: int) -> str:
 
 def make_engine(settings: GeneratorSettings, spec: RunSpec) -> Engine:
     """Build the engine ``settings.engine`` names for the run's base model (``settings.model_path`` wins)."""
-    check_reproducible(spec.sampling, spec.vocab_size)
+    check_reproducible(spec.sampling, spec.vocab_size, settings.engine)
     model = settings.model_path or spec.base_model
     if settings.engine == "vllm":
         from bucketrl.generator.engines.vllm_engine import VLLMEngine

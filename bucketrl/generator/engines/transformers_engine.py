@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,9 +93,19 @@ class TransformersEngine:
 
     # -- sampling -----------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], *, adapter: str, n: int, sampling: SamplingSpec) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        adapter: str,
+        n: int,
+        sampling: SamplingSpec,
+        while_running: Callable[[], None] | None = None,
+    ) -> list[list[Sample]]:
         if adapter not in self._adapters:
             raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._adapters)})")
+        if while_running is not None:
+            while_running()  # nothing runs concurrently here; keep the contract's order
         if not prompts:
             return []
         self._model.set_adapter(adapter)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,11 +112,21 @@ class VLLMEngine:
 
     # -- sampling -----------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], *, adapter: str, n: int, sampling: SamplingSpec) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        adapter: str,
+        n: int,
+        sampling: SamplingSpec,
+        while_running: Callable[[], None] | None = None,
+    ) -> list[list[Sample]]:
         req = self._requests.get(adapter)
         if req is None:
             raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._requests)})")
         if not prompts:
+            if while_running is not None:
+                while_running()
             return []
         longest = max(len(p) for p in prompts)
         max_tokens = min(sampling.max_new_tokens, self.max_model_len - longest)
@@ -129,8 +140,19 @@ class VLLMEngine:
             max_tokens=max_tokens,
             logprobs=0,  # only the sampled token's logprob
         )
-        outs = self._llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=req, use_tqdm=False)
-        return [[self._sample(c) for c in out.outputs] for out in outs]
+        # enqueue + wait instead of generate(): the engine core samples in its own process while
+        # ``while_running`` (e.g. loading the next adapter) runs here.
+        ids = self._llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, lora_request=req, use_tqdm=False)
+        try:
+            if while_running is not None:
+                while_running()
+        finally:
+            outs = self._llm.wait_for_completion(use_tqdm=False)
+        by_id = {o.request_id: o for o in outs}
+        ordered = [by_id[i] for i in ids] if all(i in by_id for i in ids) else outs
+        if len(ordered) != len(prompts):
+            raise errors.BucketRLError(f"vLLM returned {len(ordered)} outputs for {len(prompts)} prompts")
+        return [[self._sample(c) for c in out.outputs] for out in ordered]
 
     @staticmethod
     def _sample(c: Any) -> Sample:

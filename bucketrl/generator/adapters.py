@@ -1,0 +1,179 @@
+"""Adapter versions on one generator: download + verify + unpack, and the book of which versions are
+leased, loaded, and used by work in flight.
+
+Rules (issue 3, DESIGN invariants 1 and 3):
+
+- A version is sampled from under the name ``{run}-v{N}`` and only while this worker holds a version
+  lease on it (the lease id travels with every rollout batch).
+- A newer version is loaded while older ones stay resident for the batches still in flight.
+- A version's lease is released once it is neither the current version nor used by work in flight.
+- A version leaves the engine only when no work in flight uses it AND it is older than the staleness
+  window (``latest - max_staleness``), or when the engine needs its slot for a newer version.
+
+The :class:`VersionBook` only decides; the worker performs the engine and HTTP calls it returns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from bucketrl import errors
+from bucketrl.client import ProxyClient
+from bucketrl.tarball import unpack
+
+
+def fetch_adapter(client: ProxyClient, version: int, cache_root: Path, expected_sha256: str | None = None) -> Path:
+    """Download version ``version``'s tar, check its sha256, unpack it under ``cache_root/v{N}`` atomically.
+
+    A directory already there with the same verified sha256 is reused. ``Invalid`` on a bad or unsafe tar.
+    """
+    final = cache_root / f"v{version}"
+    marker = final / ".sha256"
+    if expected_sha256 and marker.is_file() and marker.read_text().strip() == expected_sha256:
+        return final
+    data = client.download_adapter(version)  # checks the proxy's X-Content-SHA256 header
+    got = hashlib.sha256(data).hexdigest()
+    if expected_sha256 and got != expected_sha256:
+        raise errors.Invalid(f"adapter v{version}: sha256 {got} != published {expected_sha256}", retryable=True)
+    tmp = cache_root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
+    try:
+        try:
+            names = unpack(data, tmp)
+        except (ValueError, OSError) as exc:  # tarfile.ReadError is an OSError... and a ValueError subclass here
+            raise errors.Invalid(f"adapter v{version}: not a usable tar: {exc}") from exc
+        if "adapter_config.json" not in names:
+            raise errors.Invalid(f"adapter v{version}: the tar has no adapter_config.json (files: {sorted(names)[:8]})")
+        (tmp / ".sha256").write_text(got)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+@dataclass
+class VersionSlot:
+    version: int
+    name: str
+    lease_id: str
+    path: Path
+    fetch_s: float
+    loaded: bool = False
+    inflight: int = 0  # batches sampled with this version and not yet settled (submitted, dropped, released)
+
+
+class VersionBook:
+    """Thread-safe record of this worker's versions. The adapter syncer adds, the main loop loads and
+    retires, the submitter settles batches."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self._lock = threading.Lock()
+        self._slots: dict[int, VersionSlot] = {}
+        self.newest_known = 0  # the newest version the proxy announced
+
+    def name(self, version: int) -> str:
+        from bucketrl.generator.engines.base import adapter_name
+
+        return adapter_name(self.run, version)
+
+    def add(self, version: int, lease_id: str, path: Path, fetch_s: float) -> list[VersionSlot]:
+        """Record a fetched version; returns fetched-but-unloaded older versions it supersedes (to release)."""
+        with self._lock:
+            self._slots[version] = VersionSlot(version, self.name(version), lease_id, path, fetch_s)
+            self.newest_known = max(self.newest_known, version)
+            superseded = [s for s in self._slots.values() if not s.loaded and s.version < version]
+            for s in superseded:
+                del self._slots[s.version]
+            return superseded
+
+    def pending(self) -> VersionSlot | None:
+        """The newest fetched version not loaded yet, if it is newer than the current one."""
+        with self._lock:
+            cur = self._current_locked()
+            cands = [s for s in self._slots.values() if not s.loaded and (cur is None or s.version > cur.version)]
+            return max(cands, key=lambda s: s.version) if cands else None
+
+    def mark_loaded(self, version: int) -> None:
+        with self._lock:
+            self._slots[version].loaded = True
+
+    def drop(self, version: int) -> VersionSlot | None:
+        with self._lock:
+            return self._slots.pop(version, None)
+
+    def _current_locked(self) -> VersionSlot | None:
+        loaded = [s for s in self._slots.values() if s.loaded]
+        return max(loaded, key=lambda s: s.version) if loaded else None
+
+    def current(self) -> VersionSlot | None:
+        """The newest loaded version: what new prompts are sampled with."""
+        with self._lock:
+            return self._current_locked()
+
+    def begin(self, version: int) -> VersionSlot:
+        with self._lock:
+            slot = self._slots[version]
+            slot.inflight += 1
+            return slot
+
+    def end(self, version: int) -> None:
+        with self._lock:
+            slot = self._slots.get(version)
+            if slot is not None:
+                slot.inflight = max(0, slot.inflight - 1)
+
+    def loaded_versions(self) -> list[int]:
+        with self._lock:
+            return sorted(s.version for s in self._slots.values() if s.loaded)
+
+    def leases(self) -> dict[int, str]:
+        """Leases to keep renewing: every version still on the book."""
+        with self._lock:
+            return {s.version: s.lease_id for s in self._slots.values() if s.lease_id}
+
+    def set_lease(self, version: int, lease_id: str) -> None:
+        with self._lock:
+            if version in self._slots:
+                self._slots[version].lease_id = lease_id
+
+    def retire(self, max_staleness: int, capacity: int, reserve: int = 0) -> list[VersionSlot]:
+        """Loaded versions to unload now (and forget, releasing their lease).
+
+        Unused (no work in flight) and not current, and either older than the staleness window or needed
+        to keep ``loaded + reserve <= capacity`` (oldest first).
+        """
+        with self._lock:
+            cur = self._current_locked()
+            idle = sorted(
+                (s for s in self._slots.values() if s.loaded and s.inflight == 0 and s is not cur),
+                key=lambda s: s.version,
+            )
+            floor = self.newest_known - max_staleness
+            out = [s for s in idle if s.version < floor]
+            loaded = sum(s.loaded for s in self._slots.values()) - len(out)
+            for s in idle:
+                if loaded + reserve <= capacity:
+                    break
+                if s not in out:
+                    out.append(s)
+                    loaded -= 1
+            for s in out:
+                del self._slots[s.version]
+            return out
+
+    def idle_leases(self) -> list[VersionSlot]:
+        """Loaded, not current, no work in flight, lease still held: the lease can go (the weights stay)."""
+        with self._lock:
+            cur = self._current_locked()
+            out = [s for s in self._slots.values() if s.loaded and s.inflight == 0 and s is not cur and s.lease_id]
+            for s in out:
+                s.lease_id = ""
+            return out

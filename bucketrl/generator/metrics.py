@@ -1,0 +1,88 @@
+"""The generator's metrics: thread-safe counters, turned into one flat push every ``metrics_interval_s``.
+
+Names follow TRL's AsyncGRPOTrainer where one exists (TEAM.md):
+
+    rollout/generated_tok_s      completion tokens sampled per second of wall time since the last push
+    rollout/backpressure_s       seconds spent waiting on 429 Retry-After (prompt leases and submits) since
+                                 the last push
+    rollout/inflight             groups being generated, scored or submitted right now
+    reward                       mean reward of the completions submitted since the last push (scored ones)
+    rollout/unscorable_total     completions whose reward raised, hung or returned garbage (cumulative)
+    sync/adapter_load_s          download + verify + engine load time of the latest adapter version
+    sync/adapter_version         that version
+    policy/version               the version new prompts are sampled with
+    rollout/groups_submitted_total, rollout/dropped_stale_total, rollout/rejected_groups_total,
+    rollout/released_prompts_total, rollout/truncated_prompts_total, rollout/tokens_total (cumulative)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class GeneratorMetrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._window_start = time.monotonic()
+        self._window_tokens = 0
+        self._window_backpressure_s = 0.0
+        self._window_reward_sum = 0.0
+        self._window_reward_n = 0
+        self.inflight_groups = 0
+        self.totals: dict[str, float] = {
+            "rollout/groups_submitted_total": 0,
+            "rollout/dropped_stale_total": 0,
+            "rollout/rejected_groups_total": 0,
+            "rollout/released_prompts_total": 0,
+            "rollout/truncated_prompts_total": 0,
+            "rollout/unscorable_total": 0,
+            "rollout/tokens_total": 0,
+        }
+        self.gauges: dict[str, float] = {}
+
+    def add(self, name: str, value: float = 1.0) -> None:
+        with self._lock:
+            self.totals[name] = self.totals.get(name, 0.0) + value
+
+    def set(self, name: str, value: float) -> None:
+        with self._lock:
+            self.gauges[name] = value
+
+    def inflight(self, delta: int) -> None:
+        with self._lock:
+            self.inflight_groups += delta
+
+    def generated(self, tokens: int) -> None:
+        with self._lock:
+            self._window_tokens += tokens
+            self.totals["rollout/tokens_total"] += tokens
+
+    def backpressure(self, seconds: float) -> None:
+        with self._lock:
+            self._window_backpressure_s += seconds
+
+    def rewards(self, values: list[float | None]) -> None:
+        scored = [v for v in values if v is not None]
+        with self._lock:
+            self._window_reward_sum += sum(scored)
+            self._window_reward_n += len(scored)
+
+    def snapshot(self) -> dict[str, float]:
+        """The flat map to push; starts a new window for the windowed values."""
+        with self._lock:
+            now = time.monotonic()
+            elapsed = max(now - self._window_start, 1e-6)
+            out = dict(self.totals)
+            out.update(self.gauges)
+            out["rollout/generated_tok_s"] = self._window_tokens / elapsed
+            out["rollout/backpressure_s"] = self._window_backpressure_s
+            out["rollout/inflight"] = float(self.inflight_groups)
+            if self._window_reward_n:
+                out["reward"] = self._window_reward_sum / self._window_reward_n
+            self._window_start = now
+            self._window_tokens = 0
+            self._window_backpressure_s = 0.0
+            self._window_reward_sum = 0.0
+            self._window_reward_n = 0
+            return out

@@ -1,0 +1,270 @@
+"""The submitter thread: score each generated batch, then hand it to the proxy exactly once.
+
+The engine thread puts :class:`GeneratedBatch` objects on a bounded queue (so a proxy that pushes back
+also pauses sampling); this thread, per batch:
+
+1. decodes the completions and scores them in the :class:`bucketrl.rewards.RewardPool` (a reward that
+   raises or hangs gives ``None``: unscorable, counted);
+2. submits ``RolloutBatch`` with ONE idempotency key for all its attempts:
+   - 202: the prompts are complete;
+   - 429: waits ``Retry-After`` (accounted as ``rollout/backpressure_s``) and sends the same batch again;
+   - network errors / 503: retries with backoff, same batch, same key (a lost 202 comes back as a duplicate);
+   - 409 stale: dropped and counted (``rollout/dropped_stale_total``), its prompts released for reissue;
+   - any other refusal (422...): logged, counted (``rollout/rejected_groups_total``), prompts released;
+3. settles the batch in the version book (the version's lease and weights may then be retired).
+
+``abandon`` (set by a shutdown that ran out of time) makes it release instead of waiting any longer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bucketrl import errors
+from bucketrl.client import ProxyClient
+from bucketrl.datasets import Example
+from bucketrl.generator.adapters import VersionBook
+from bucketrl.generator.engines.base import Sample
+from bucketrl.generator.metrics import GeneratorMetrics
+from bucketrl.rewards import RewardItem, RewardPool
+from bucketrl.wire import Completion, PromptLeaseItem, RolloutBatch, RolloutGroup
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass
+class GeneratedBatch:
+    version: int
+    lease_id: str
+    prompts: list[PromptLeaseItem]
+    examples: list[Example]
+    prompt_token_ids: list[list[int]]
+    samples: list[list[Sample]]
+    idempotency_key: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+class PromptLedger:
+    """Prompt ids this worker holds a lease on (renewed by the keeper, released at shutdown)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, PromptLeaseItem] = {}
+
+    def add(self, items: list[PromptLeaseItem]) -> None:
+        with self._lock:
+            self._held.update({p.prompt_id: p for p in items})
+
+    def remove(self, ids: list[str]) -> None:
+        with self._lock:
+            for i in ids:
+                self._held.pop(i, None)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._held)
+
+
+def well_formed(samples: list[Sample]) -> bool:
+    """Every completion non-empty with one finite logprob per token (what the proxy will insist on)."""
+    return all(
+        s.token_ids and len(s.logprobs) == len(s.token_ids) and all(math.isfinite(lp) for lp in s.logprobs)
+        for s in samples
+    )
+
+
+class Submitter:
+    def __init__(
+        self,
+        *,
+        client: ProxyClient,
+        worker_id: str,
+        pool: RewardPool,
+        decode: Callable[[list[int]], str],
+        book: VersionBook,
+        ledger: PromptLedger,
+        metrics: GeneratorMetrics,
+        use_msgpack: bool,
+        max_batches: int,
+    ) -> None:
+        self.client = client
+        self.worker_id = worker_id
+        self.pool = pool
+        self.decode = decode
+        self.book = book
+        self.ledger = ledger
+        self.metrics = metrics
+        self.use_msgpack = use_msgpack
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=max_batches)
+        self.abandon = threading.Event()
+        self.groups_submitted = 0
+        self._unscorable_seen = 0
+        self._thread = threading.Thread(target=self._run, name="submitter", daemon=True)
+
+    # -- called from the engine thread -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, batch: GeneratedBatch, stop: threading.Event, grace_s: float) -> bool:
+        """Queue a batch, waiting while the queue is full. Once ``stop`` is set the wait is bounded by
+        ``grace_s``; a batch that still does not fit is released (False)."""
+        stopped_at: float | None = None
+        while not self.abandon.is_set():
+            try:
+                self.queue.put(batch, timeout=0.2)
+                return True
+            except queue.Full:
+                if stop.is_set():
+                    stopped_at = stopped_at or time.monotonic()
+                    if time.monotonic() - stopped_at > grace_s:
+                        break
+        self.release(batch, "shutdown")
+        return False
+
+    def close(self, timeout_s: float) -> bool:
+        """Finish the queued batches within ``timeout_s``; then abandon the rest (released). True if all finished."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.queue.put(_STOP, timeout=max(0.05, deadline - time.monotonic()))
+                break
+            except queue.Full:
+                if time.monotonic() >= deadline:
+                    break
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        finished = not self._thread.is_alive()
+        if not finished:
+            self.abandon.set()
+            self._thread.join(self.pool.timeout_s + 30.0)
+        # Anything still queued (abandoned before it was picked up) goes back to the proxy.
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                self.release(item, "shutdown")
+        return finished
+
+    # -- the thread ------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is _STOP:
+                return
+            try:
+                if self.abandon.is_set():
+                    self.release(item, "shutdown")
+                else:
+                    self._handle(item)
+            except Exception:  # never let one batch kill the thread: release it and carry on
+                log.exception("submitting a batch failed; releasing its prompts")
+                self.release(item, "error")
+
+    def _handle(self, b: GeneratedBatch) -> None:
+        items = [
+            RewardItem(self.decode(s.token_ids), ex.answer, ex.prompt)
+            for ex, group in zip(b.examples, b.samples, strict=True)
+            for s in group
+        ]
+        before = self.pool.unscorable_total
+        rewards = self.pool.score(items, cancel=self.abandon)
+        if self.abandon.is_set():
+            self.release(b, "shutdown")
+            return
+        self.metrics.add("rollout/unscorable_total", self.pool.unscorable_total - before)
+        groups: list[RolloutGroup] = []
+        bad: list[PromptLeaseItem] = []
+        it = iter(rewards)
+        for p, ids, group in zip(b.prompts, b.prompt_token_ids, b.samples, strict=True):
+            group_rewards = [next(it) for _ in group]
+            if not well_formed(group):
+                bad.append(p)
+                continue
+            completions = [
+                Completion(
+                    token_ids=s.token_ids,
+                    logprobs=[min(lp, 0.0) for lp in s.logprobs],  # fp rounding can give +1e-8
+                    reward=r,
+                    finish_reason=s.finish_reason,
+                )
+                for s, r in zip(group, group_rewards, strict=True)
+            ]
+            groups.append(
+                RolloutGroup(prompt_id=p.prompt_id, prompt_index=p.index, prompt_token_ids=ids, completions=completions)
+            )
+        if bad:
+            log.error("%d group(s) had malformed samples; releasing their prompts", len(bad))
+            self.metrics.add("rollout/rejected_groups_total", len(bad))
+            self.release_prompts([p.prompt_id for p in bad])
+        if not groups:
+            self.book.end(b.version)
+            return
+        batch = RolloutBatch(worker_id=self.worker_id, lease_id=b.lease_id, version=b.version, groups=groups)
+        ids = [g.prompt_id for g in groups]
+        outcome = self._submit(batch, b.idempotency_key)
+        if outcome == "accepted":
+            self.ledger.remove(ids)
+            self.groups_submitted += len(groups)
+            self.metrics.add("rollout/groups_submitted_total", len(groups))
+            self.metrics.rewards([c.reward for g in groups for c in g.completions])
+        else:
+            self.release_prompts(ids)
+        self.metrics.inflight(-len(b.prompts))
+        self.book.end(b.version)
+
+    def _submit(self, batch: RolloutBatch, key: str) -> str:
+        """Submit until accepted or refused; the same key on every attempt. Returns the outcome."""
+        backoff = 0.5
+        n = len(batch.groups)
+        while True:
+            try:
+                self.client.submit_rollouts(batch, key, use_msgpack=self.use_msgpack)
+                return "accepted"
+            except errors.Backpressure as exc:
+                wait = min(max(exc.retry_after or 1.0, 0.05), 30.0)
+                t0 = time.monotonic()
+                self.abandon.wait(wait)
+                self.metrics.backpressure(time.monotonic() - t0)
+            except errors.Stale as exc:
+                log.info("batch of v%d is stale (%s): dropped", batch.version, exc.message)
+                self.metrics.add("rollout/dropped_stale_total", n)
+                return "stale"
+            except errors.Unavailable as exc:
+                log.warning("proxy unavailable while submitting (%s); retrying with the same key", exc.message)
+                self.abandon.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+            except errors.BucketRLError as exc:
+                log.error("batch of v%d refused (%s %s): %s", batch.version, exc.status, exc.code, exc.message)
+                self.metrics.add("rollout/rejected_groups_total", n)
+                return "rejected"
+            if self.abandon.is_set():
+                return "abandoned"
+
+    def release(self, b: GeneratedBatch, why: str) -> None:
+        log.info("releasing %d prompt(s) of a v%d batch (%s)", len(b.prompts), b.version, why)
+        self.release_prompts([p.prompt_id for p in b.prompts])
+        self.metrics.inflight(-len(b.prompts))
+        self.book.end(b.version)
+
+    def release_prompts(self, ids: list[str]) -> None:
+        if not ids:
+            return
+        self.ledger.remove(ids)  # stop renewing them either way
+        try:
+            self.client.release_prompts(self.worker_id, ids)
+            self.metrics.add("rollout/released_prompts_total", len(ids))
+        except errors.BucketRLError as exc:
+            # Not fatal: the lease simply expires and the proxy issues the prompts again.
+            log.warning("could not release %d prompt(s): %s", len(ids), exc)

@@ -1,0 +1,434 @@
+"""The generator worker loop (issue 3): stateless rollout production against the proxy's REST API.
+
+    BUCKETRL_PROXY_URL=http://127.0.0.1:8000 BUCKETRL_TOKEN=tok BUCKETRL_RUN=demo bucketrl generator
+
+Threads (the engine is only ever touched by the main thread):
+
+- main ("engine"): load the newest fetched adapter under ``{run}-v{N}``; lease prompts (429 -> wait
+  Retry-After); sample G completions per prompt in ONE engine request each (``n=G``), several prompts
+  per call; hand the batch to the submitter; retire versions nobody uses any more.
+- ``adapter-sync``: long-polls ``/adapters/latest?after=N``; for a new version: lease it, download,
+  verify sha256, unpack; the main thread loads it (on vLLM while the previous batch is still sampling).
+- ``submitter`` (:mod:`bucketrl.generator.submit`): score, submit with an idempotency key, settle.
+- ``keeper``: renews version and prompt leases, pushes metrics + ``loaded_versions`` (the heartbeat).
+
+Stopping: SIGTERM/SIGINT (or ``request_stop``) -> no new leases; the batch being sampled finishes; queued
+batches get ``shutdown_timeout_s`` to be submitted, after which their prompts are released; every lease
+still held is released; exit 0. A SIGKILLed worker loses nothing: its prompt leases expire on the proxy
+and the prompts are issued again.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bucketrl import errors
+from bucketrl.client import ProxyClient
+from bucketrl.datasets import Example, examples_for_run, prompt_token_ids
+from bucketrl.generator.adapters import VersionBook, VersionSlot, fetch_adapter
+from bucketrl.generator.engines.base import Engine, check_reproducible, make_engine
+from bucketrl.generator.metrics import GeneratorMetrics
+from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
+from bucketrl.rewards import RewardPool
+from bucketrl.wire import MetricsPush, PromptLeaseItem, RunSpec
+
+log = logging.getLogger(__name__)
+
+
+class GeneratorWorker:
+    """One generator process. ``run()`` blocks until stopped (or ``max_groups`` submitted) and returns 0."""
+
+    def __init__(
+        self, settings: GeneratorSettings, *, client: ProxyClient | None = None, engine: Engine | None = None
+    ) -> None:
+        self.settings = settings
+        self.worker_id = settings.resolved_worker_id("generator")
+        self.client = client or ProxyClient(
+            settings.proxy_url, settings.run, settings.token, timeout_s=settings.http_timeout_s
+        )
+        self.engine = engine
+        self.stop_event = threading.Event()
+        self.metrics = GeneratorMetrics()
+        self.book = VersionBook(settings.run)
+        self.ledger = PromptLedger()
+        self.spec: RunSpec | None = None
+        self.examples: list[Example] = []
+        self._prompt_cache: dict[int, list[int]] = {}
+        self._tokenizer: Any = None
+        self._pool: RewardPool | None = None
+        self.submitter: Submitter | None = None
+        self._threads: list[threading.Thread] = []
+        self._cache_dir: Path | None = None
+        self._own_cache_dir = False
+        self._version_ready = threading.Event()
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def request_stop(self, *_: object) -> None:
+        if not self.stop_event.is_set():
+            log.info("stop requested: no new leases; finishing what is in flight")
+        self.stop_event.set()
+        self._version_ready.set()
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+
+    def run(self) -> int:
+        try:
+            if not self._setup():
+                return 0
+            self._loop()
+        finally:
+            self._shutdown()
+        return 0
+
+    def _setup(self) -> bool:
+        """Everything before the loop. False if stopped while waiting for the run to exist."""
+        s = self.settings
+        spec = self._wait_for_run()
+        if spec is None:
+            return False
+        self.spec = spec
+        model = s.model_path or spec.base_model
+        if s.max_model_len <= spec.sampling.max_new_tokens:
+            raise errors.Invalid(
+                f"BUCKETRL_MAX_MODEL_LEN={s.max_model_len} leaves no room for a prompt before "
+                f"sampling.max_new_tokens={spec.sampling.max_new_tokens}"
+            )
+        self.examples = examples_for_run(spec.dataset, self.client)
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(model)
+        # The engine first: vLLM forks its engine core, which must happen before this process has threads.
+        if self.engine is None:
+            self.engine = make_engine(s, spec)
+        self._pool = RewardPool(spec.reward, workers=s.reward_workers, timeout_s=s.reward_timeout_s)
+        if s.adapter_cache_dir:
+            self._cache_dir = Path(s.adapter_cache_dir) / s.run
+            self._cache_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self._cache_dir = Path(tempfile.mkdtemp(prefix=f"bucketrl-{s.run}-adapters-"))
+            self._own_cache_dir = True
+        self.submitter = Submitter(
+            client=self.client,
+            worker_id=self.worker_id,
+            pool=self._pool,
+            decode=lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True),
+            book=self.book,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            use_msgpack=s.use_msgpack,
+            max_batches=s.submit_queue_batches,
+        )
+        self.submitter.start()
+        for target, name in ((self._sync_adapters, "adapter-sync"), (self._keep, "keeper")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info(
+            "generator %s: run %s, engine %s, G=%d, %d prompts/request, dataset %s (%d prompts)",
+            self.worker_id,
+            s.run,
+            s.engine,
+            spec.group_size,
+            s.prompts_per_request,
+            spec.dataset.uri,
+            len(self.examples),
+        )
+        return True
+
+    def _wait_for_run(self) -> RunSpec | None:
+        delay = 0.5
+        while not self.stop_event.is_set():
+            try:
+                return self.client.get_run().spec
+            except (errors.NotFound, errors.Unavailable) as exc:
+                log.info("waiting for run %s on %s: %s", self.settings.run, self.settings.proxy_url, exc.message)
+            self.stop_event.wait(delay)
+            delay = min(delay * 2, 10.0)
+        return None
+
+    # -- the engine loop (main thread) ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        assert self.spec is not None and self.engine is not None and self.submitter is not None
+        s = self.settings
+        while not self.stop_event.is_set():
+            self._load_pending()
+            self._retire()
+            slot = self.book.current()
+            if slot is None:
+                self._version_ready.wait(1.0)
+                self._version_ready.clear()
+                continue
+            n = s.prompts_per_request
+            if s.max_groups is not None:
+                budget = s.max_groups - self.submitter.groups_submitted - self.metrics.inflight_groups
+                if budget <= 0:
+                    if self.metrics.inflight_groups == 0:
+                        log.info("submitted %d groups (max_groups): stopping", self.submitter.groups_submitted)
+                        break
+                    self.stop_event.wait(0.1)
+                    continue
+                n = min(n, budget)
+            prompts = self._lease_prompts(n)
+            if not prompts:
+                continue
+            self._sample_and_hand_over(slot, prompts)
+
+    def _lease_prompts(self, n: int) -> list[PromptLeaseItem]:
+        assert self.submitter is not None
+        s = self.settings
+        try:
+            lease = self.client.lease_prompts(self.worker_id, n, ttl_s=s.prompt_lease_ttl_s)
+        except errors.Backpressure as exc:
+            wait = min(max(exc.retry_after or 1.0, 0.05), 30.0)
+            t0 = time.monotonic()
+            self.stop_event.wait(wait)
+            self.metrics.backpressure(time.monotonic() - t0)
+            return []
+        except errors.Unavailable as exc:
+            log.warning("cannot lease prompts: %s", exc.message)
+            self.stop_event.wait(1.0)
+            return []
+        except errors.NotFound as exc:  # the run was deleted or the proxy lost it; keep polling politely
+            log.warning("cannot lease prompts: %s", exc.message)
+            self.stop_event.wait(2.0)
+            return []
+        self.ledger.add(lease.prompts)
+        bad = [p for p in lease.prompts if p.index >= len(self.examples)]
+        if bad:
+            log.error("prompt indices beyond the dataset's %d examples; releasing them", len(self.examples))
+            self.submitter.release_prompts([p.prompt_id for p in bad])
+        return [p for p in lease.prompts if p.index < len(self.examples)]
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        ids = self._prompt_cache.get(index)
+        if ids is None:
+            ids = prompt_token_ids(self._tokenizer, self.examples[index].prompt)
+            room = self.engine.max_model_len - self.spec.sampling.max_new_tokens  # type: ignore[union-attr]
+            if len(ids) > room:
+                # Keep the end of the prompt (where the question is) so the completion always fits.
+                ids = ids[-room:]
+                self.metrics.add("rollout/truncated_prompts_total")
+            self._prompt_cache[index] = ids
+        return ids
+
+    def _sample_and_hand_over(self, slot: VersionSlot, prompts: list[PromptLeaseItem]) -> None:
+        assert self.spec is not None and self.engine is not None and self.submitter is not None
+        spec = self.spec
+        ids = [self._prompt_ids(p.index) for p in prompts]
+        self.book.begin(slot.version)
+        self.metrics.inflight(len(prompts))
+        batch = GeneratedBatch(
+            version=slot.version,
+            lease_id=slot.lease_id,
+            prompts=prompts,
+            examples=[self.examples[p.index] for p in prompts],
+            prompt_token_ids=ids,
+            samples=[],
+        )
+        try:
+            batch.samples = self.engine.generate(
+                ids, adapter=slot.name, n=spec.group_size, sampling=spec.sampling, while_running=self._load_pending
+            )
+        except Exception:
+            log.exception("engine failed on %d prompts; releasing them", len(prompts))
+            self.submitter.release(batch, "engine error")
+            self.stop_event.wait(1.0)
+            return
+        self.metrics.generated(sum(len(smp.token_ids) for g in batch.samples for smp in g))
+        self.submitter.put(batch, self.stop_event, self.settings.shutdown_timeout_s)
+
+    # -- adapter versions -----------------------------------------------------------------------------
+
+    def _load_pending(self) -> None:
+        """Load the newest fetched version into the engine (older versions stay resident)."""
+        assert self.engine is not None and self.spec is not None
+        slot = self.book.pending()
+        if slot is None:
+            return
+        capacity = getattr(self.engine, "max_loras", None)
+        if capacity is not None and len(self.engine.loaded_adapters()) >= capacity:
+            return  # _retire makes room between engine calls
+        t0 = time.monotonic()
+        try:
+            self.engine.load_adapter(slot.name, slot.version, slot.path)
+        except Exception as exc:
+            log.error("adapter v%d could not be loaded (%s); staying on the current version", slot.version, exc)
+            self.book.drop(slot.version)
+            self._release_version_lease(slot.lease_id)
+            return
+        self.book.mark_loaded(slot.version)
+        load_s = slot.fetch_s + (time.monotonic() - t0)
+        self.metrics.set("sync/adapter_load_s", load_s)
+        self.metrics.set("sync/adapter_version", slot.version)
+        self.metrics.set("policy/version", slot.version)
+        log.info("loaded %s in %.2fs (resident: %s)", slot.name, load_s, self.book.loaded_versions())
+
+    def _retire(self) -> None:
+        """Unload versions nobody uses that left the staleness window (or whose slot the next version needs);
+        release the leases of versions no longer sampled from."""
+        assert self.engine is not None and self.spec is not None
+        capacity = getattr(self.engine, "max_loras", None) or (self.spec.max_staleness + 2)
+        reserve = 1 if self.book.pending() is not None else 0
+        for slot in self.book.retire(self.spec.max_staleness, capacity, reserve):
+            self.engine.unload_adapter(slot.name)
+            self._release_version_lease(slot.lease_id)
+            if self._own_cache_dir:
+                shutil.rmtree(slot.path, ignore_errors=True)
+            log.info("unloaded %s", slot.name)
+        for slot in self.book.idle_leases():
+            self._release_version_lease(slot.lease_id)
+
+    def _release_version_lease(self, lease_id: str) -> None:
+        if not lease_id:
+            return
+        try:
+            self.client.release_lease(lease_id)
+        except errors.BucketRLError as exc:  # expired already (410) or proxy away: it will expire anyway
+            log.debug("release of lease %s: %s", lease_id, exc)
+
+    def _sync_adapters(self) -> None:
+        """Thread: long-poll for new versions; lease, fetch and verify each; the main thread loads it."""
+        delay = 0.5
+        while not self.stop_event.is_set():
+            try:
+                info = self.client.wait_for_version(self.book.newest_known, wait_s=self.settings.version_wait_s)
+                if info is not None and not self.stop_event.is_set():
+                    self._fetch_version(info.version, info.sha256)
+                delay = 0.5
+            except errors.BucketRLError as exc:
+                log.warning("adapter sync: %s %s", exc.code, exc.message)
+                self.stop_event.wait(delay)
+                delay = min(delay * 2, 10.0)
+            except Exception:
+                log.exception("adapter sync failed")
+                self.stop_event.wait(delay)
+                delay = min(delay * 2, 10.0)
+
+    def _fetch_version(self, announced: int, sha256: str) -> None:
+        assert self._cache_dir is not None
+        s = self.settings
+        self._refresh_spec()
+        t0 = time.monotonic()
+        # Lease "the latest" rather than the announced number: never Gone, and maybe one newer already.
+        lease = self.client.lease_version(self.worker_id, None, ttl_s=s.version_lease_ttl_s)
+        try:
+            expected = sha256 if lease.version == announced else None
+            path = fetch_adapter(self.client, lease.version, self._cache_dir, expected)
+        except errors.Invalid as exc:
+            self._release_version_lease(lease.lease_id)
+            if exc.retryable:  # a corrupted transfer: try again
+                raise
+            log.error("adapter v%d is unusable, skipping it: %s", lease.version, exc.message)
+            self.book.newest_known = max(self.book.newest_known, lease.version)
+            return
+        except BaseException:
+            self._release_version_lease(lease.lease_id)
+            raise
+        for old in self.book.add(lease.version, lease.lease_id, path, time.monotonic() - t0):
+            self._release_version_lease(old.lease_id)  # fetched but never loaded: superseded
+        self._version_ready.set()
+
+    def _refresh_spec(self) -> None:
+        """Mutable run fields (sampling, max_staleness) may change between versions; pick them up."""
+        try:
+            spec = self.client.get_run().spec
+            check_reproducible(spec.sampling, spec.vocab_size, self.settings.engine)
+        except errors.BucketRLError as exc:
+            log.warning("keeping the current run spec: %s", exc.message)
+            return
+        if self.spec is not None and spec.sampling.max_new_tokens != self.spec.sampling.max_new_tokens:
+            self._prompt_cache = {}
+        self.spec = spec
+
+    # -- keeper ----------------------------------------------------------------------------------------
+
+    def _keep(self) -> None:
+        """Thread: renew leases at a third of their TTL and push metrics (the heartbeat)."""
+        s = self.settings
+        period = min(s.metrics_interval_s, s.version_lease_ttl_s / 3, s.prompt_lease_ttl_s / 3)
+        last_push = 0.0
+        while not self.stop_event.wait(period):
+            self._renew_leases()
+            if time.monotonic() - last_push >= s.metrics_interval_s:
+                self.push_metrics()
+                last_push = time.monotonic()
+
+    def _renew_leases(self) -> None:
+        s = self.settings
+        for version, lease_id in self.book.leases().items():
+            try:
+                self.client.renew_lease(lease_id, ttl_s=s.version_lease_ttl_s)
+            except errors.Gone:
+                try:  # expired (a long stall): lease the same version again if it still exists
+                    fresh = self.client.lease_version(self.worker_id, version, s.version_lease_ttl_s)
+                    self.book.set_lease(version, fresh.lease_id)
+                except errors.BucketRLError as exc:
+                    log.warning("version %d lease lost: %s", version, exc.message)
+            except errors.BucketRLError as exc:
+                log.warning("renewing version %d lease: %s", version, exc.message)
+        ids = self.ledger.ids()
+        if ids:
+            try:
+                renewed = self.client.renew_prompts(self.worker_id, ids, ttl_s=s.prompt_lease_ttl_s)
+                lost = set(ids) - {p.prompt_id for p in renewed.prompts}
+                if lost:
+                    log.warning("%d prompt lease(s) had expired; the proxy may issue them again", len(lost))
+            except errors.Gone:
+                log.warning("all %d prompt leases had expired", len(ids))
+            except errors.BucketRLError as exc:
+                log.warning("renewing prompt leases: %s", exc.message)
+
+    def push_metrics(self) -> None:
+        push = MetricsPush(
+            worker_id=self.worker_id, metrics=self.metrics.snapshot(), loaded_versions=self.book.loaded_versions()
+        )
+        try:
+            self.client.push_metrics(push)
+        except errors.BucketRLError as exc:
+            log.warning("metrics push failed: %s", exc.message)
+
+    # -- shutdown --------------------------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        s = self.settings
+        self.stop_event.set()
+        self._version_ready.set()
+        if self.submitter is not None and not self.submitter.close(s.shutdown_timeout_s):
+            log.warning("shutdown: in-flight batches not submitted in %.0fs were released", s.shutdown_timeout_s)
+        leftover = self.ledger.ids()
+        if leftover:
+            try:
+                self.client.release_prompts(self.worker_id, leftover)
+                self.metrics.add("rollout/released_prompts_total", len(leftover))
+            except errors.BucketRLError as exc:
+                log.warning("shutdown: could not release %d prompts (they will expire): %s", len(leftover), exc)
+            self.ledger.remove(leftover)
+        for lease_id in self.book.leases().values():
+            self._release_version_lease(lease_id)
+        if self.spec is not None:
+            self.push_metrics()
+        for t in self._threads:
+            t.join(timeout=1.0)  # the long-poll thread may be mid-request; it is a daemon
+        if self._pool is not None:
+            self._pool.close()
+        if self.engine is not None:
+            try:
+                self.engine.close()
+            except Exception:
+                log.exception("engine close failed")
+        if self._own_cache_dir and self._cache_dir is not None:
+            shutil.rmtree(self._cache_dir, ignore_errors=True)
+        self.client.close()
+        log.info("generator %s stopped", self.worker_id)

@@ -1,0 +1,68 @@
+{{/* The trainer pod, shared by the Job and the StatefulSet form (trainer.kind). */}}
+{{- define "bucketrl.trainerPod" -}}
+{{- $t := .Values.trainer -}}
+metadata:
+  labels:
+    {{- include "bucketrl.labels" (dict "ctx" $ "component" "trainer") | nindent 4 }}
+  annotations:
+    {{- if not .Values.run.existingConfigMap }}
+    checksum/run-spec: {{ toJson .Values.run.spec | sha256sum }}
+    {{- end }}
+    {{- with $t.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  automountServiceAccountToken: false
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- include "bucketrl.podSecurityContext" . | nindent 2 }}
+  restartPolicy: {{ ternary "Never" "Always" (eq $t.kind "Job") }}
+  # SIGTERM -> finish the step, checkpoint, exit 0; the next pod resumes from that checkpoint.
+  terminationGracePeriodSeconds: {{ $t.terminationGracePeriodSeconds }}
+  containers:
+    - name: trainer
+      image: {{ include "bucketrl.image" (dict "ctx" $ "image" $t.image) }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      args: ["trainer"]
+      env:
+        {{- include "bucketrl.workerEnv" (dict "ctx" $ "role" "trainer") | nindent 8 }}
+        - name: BUCKETRL_RUN_SPEC
+          value: /etc/bucketrl/run/run-spec.json
+        - name: BUCKETRL_WORK_DIR
+          value: /cache/work
+        - name: BUCKETRL_DEVICE
+          value: {{ ternary "cuda" "cpu" $t.gpu.enabled | quote }}
+        {{- range $k, $v := $t.env }}
+        - name: {{ $k }}
+          value: {{ $v | toString | quote }}
+        {{- end }}
+      {{- include "bucketrl.containerSecurityContext" . | nindent 6 }}
+      {{- include "bucketrl.resources" (dict "resources" $t.resources "gpu" $t.gpu) | nindent 6 }}
+      volumeMounts:
+        - {name: run-spec, mountPath: /etc/bucketrl/run, readOnly: true}
+        - {name: cache, mountPath: /cache}
+        - {name: tmp, mountPath: /tmp}
+  volumes:
+    - name: run-spec
+      configMap:
+        name: {{ include "bucketrl.runSpecConfigMap" . }}
+        items: [{key: run-spec.json, path: run-spec.json}]
+    - name: cache
+      emptyDir: {sizeLimit: {{ $t.cache.sizeLimit }}}
+    - name: tmp
+      emptyDir: {sizeLimit: 10Gi}
+  {{- with $t.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $t.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $t.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}

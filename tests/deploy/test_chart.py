@@ -1,0 +1,414 @@
+"""The Helm chart (``k8s/helm/bucketrl``), linted and rendered offline, every manifest schema-validated.
+
+    .venv/bin/python -m pytest -q tests/deploy/test_chart.py
+
+``helm-python-sdk`` embeds Helm's Go SDK (``libhelm_c.so``), so ``helm lint --strict`` and ``helm template`` run
+here without a ``helm`` binary or a cluster. Each rendered object is validated with ``kubernetes-validate``
+(strict: unknown fields are errors) against the oldest Kubernetes the chart supports and the newest schemas the
+package ships, then checked for what the chart promises: probes, non-root, read-only root filesystems,
+resources, secret and config references that resolve, ports that agree with the proxy's settings, and tokens
+that the proxy accepts for each worker's role.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.support import (
+    CHART,
+    build_settings,
+    expand_k8s_env,
+    lint_chart,
+    manifests,
+    pod_spec,
+    render_chart,
+    secret_data,
+)
+
+KUBE_VERSIONS = ("1.29", kubernetes_validate.latest_version())
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}  # no schema in kubernetes-validate: checked below
+
+COMBOS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "external-redis": {
+        "redis": {"enabled": False, "external": {"url": "rediss://:s3cr3t@redis.cache.internal:6380/2"}},
+    },
+    "gpu-hpa": {
+        "generator": {
+            "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 16},
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+            "gpu": {"count": 2},
+            "env": {"BUCKETRL_PROMPTS_PER_REQUEST": 32},
+        },
+        "proxy": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}, "authorization": True}},
+    },
+    "existing-secrets": {
+        "secrets": {"tokens": {"existingSecret": "team-tokens"}, "s3": {"existingSecret": "team-s3"}},
+        "redis": {"enabled": False, "external": {"existingSecret": "team-redis", "existingSecretKey": "url"}},
+        "run": {"existingConfigMap": "team-run-spec"},
+    },
+    "remote-generators": {
+        "proxy": {"enabled": False},
+        "trainer": {"enabled": False},
+        "redis": {"enabled": False},
+        "proxyUrl": "https://bucketrl.example.org/",
+        "secrets": {"tokens": {"existingSecret": "generator-token"}},
+    },
+    "cpu-statefulset-keys": {
+        "trainer": {"kind": "StatefulSet", "gpu": {"enabled": False}, "tolerations": []},
+        "generator": {"engine": "transformers", "gpu": {"enabled": False}, "tolerations": []},
+        "secrets": {"s3": {"accessKeyId": "minio-user", "secretAccessKey": "minio-secret-key"}},
+        "proxy": {"s3EndpointUrl": "http://minio.minio:9000", "port": 9090, "service": {"port": 80}},
+        "redis": {"auth": {"enabled": False}, "persistence": {"enabled": False}},
+    },
+}
+# Objects the default install must produce (kind, component).
+EXPECTED_DEFAULT: set[tuple[str, str]] = {
+    ("Deployment", "proxy"),
+    ("Service", "proxy"),
+    ("PodDisruptionBudget", "proxy"),
+    ("ServiceAccount", "proxy"),
+    ("StatefulSet", "redis"),
+    ("Service", "redis"),
+    ("Job", "trainer"),
+    ("ConfigMap", "trainer"),
+    ("Deployment", "generator"),
+    ("Secret", "tokens"),
+    ("Secret", "redis"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(COMBOS))
+def combo(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    name = request.param
+    return name, COMBOS[name], manifests(render_chart(COMBOS[name]))
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str, component: str | None = None) -> list[dict[str, Any]]:
+    return [
+        d
+        for d in docs
+        if d["kind"] == kind
+        and (component is None or d["metadata"]["labels"].get("app.kubernetes.io/component") == component)
+    ]
+
+
+def one(docs: list[dict[str, Any]], kind: str, component: str) -> dict[str, Any]:
+    (found,) = by_kind(docs, kind, component)
+    return found
+
+
+def merged_values(overrides: dict[str, Any]) -> dict[str, Any]:
+    import helm_python as helm
+
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.merge_values(overrides)
+
+
+class Refs:
+    """Resolves secret/configMap references against the rendered objects, or the configured existing ones."""
+
+    def __init__(self, docs: list[dict[str, Any]], values: dict[str, Any]) -> None:
+        self.rendered = {(d["kind"], d["metadata"]["name"]): d for d in docs if d["kind"] in ("Secret", "ConfigMap")}
+        secrets = values["secrets"]
+        self.external = {
+            ("Secret", secrets["tokens"]["existingSecret"]),
+            ("Secret", secrets["s3"]["existingSecret"]),
+            ("Secret", values["redis"]["external"]["existingSecret"]),
+            ("ConfigMap", values["run"]["existingConfigMap"]),
+        }
+        # What an existing tokens Secret holds under the configured key names: a consistent stand-in, so the
+        # proxy's auth can check that each worker reads its own role's key.
+        keys = secrets["tokens"]["keys"]
+        roles = ("admin", "trainer", "generator", "viewer")
+        self.existing_tokens = {keys.get(r, r): f"existing-{r}-token" for r in roles}
+        self.existing_tokens[keys["file"]] = "\n".join(f"{r}:existing-{r}-token" for r in roles)
+        self.tokens_secret = secrets["tokens"]["existingSecret"]
+
+    def __call__(self, kind: str, name: str, key: str) -> str:
+        if (kind, name) in self.rendered:
+            doc = self.rendered[(kind, name)]
+            data = secret_data(doc) if kind == "Secret" else doc["data"]
+            assert key in data, f"{kind} {name} has no key {key!r} (has {sorted(data)})"
+            return data[key]
+        assert (kind, name) in self.external, f"{kind} {name} is neither rendered nor a configured existing one"
+        if (kind, name) == ("Secret", self.tokens_secret):
+            assert key in self.existing_tokens, f"tokens Secret key {key!r} is not one of secrets.tokens.keys"
+            return self.existing_tokens[key]
+        return f"<{name}/{key}>"
+
+
+def test_chart_lints_strictly_clean_for_every_combination() -> None:
+    for name, values in COMBOS.items():
+        report = lint_chart(values)
+        problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+        assert not problems, f"{name}: {problems}"
+
+
+def test_every_manifest_validates_against_the_kubernetes_schemas(combo) -> None:
+    name, _, docs = combo
+    assert docs, name
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) in CRDS:
+            continue
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_service_monitor_is_well_formed_when_enabled(combo) -> None:
+    _, values, docs = combo
+    monitors = by_kind(docs, "ServiceMonitor")
+    assert bool(monitors) == bool(values.get("proxy", {}).get("serviceMonitor", {}).get("enabled"))
+    for sm in monitors:
+        service = one(docs, "Service", "proxy")
+        assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        (endpoint,) = sm["spec"]["endpoints"]
+        assert endpoint["port"] == service["spec"]["ports"][0]["name"] and endpoint["path"] == "/metrics"
+        assert sm["metadata"]["labels"]["release"] == "kps"
+        refs = Refs(docs, merged_values(values))
+        creds = endpoint["authorization"]["credentials"]
+        assert refs("Secret", creds["name"], creds["key"])
+
+
+def test_default_install_has_every_component() -> None:
+    docs = manifests(render_chart({}))
+    found = {(d["kind"], d["metadata"]["labels"]["app.kubernetes.io/component"]) for d in docs}
+    assert found >= EXPECTED_DEFAULT, EXPECTED_DEFAULT - found
+    assert one(docs, "Deployment", "proxy")["spec"]["replicas"] == 2
+
+
+def test_pods_are_non_root_read_only_and_bounded(combo) -> None:
+    name, _, docs = combo
+    for doc in docs:
+        spec = pod_spec(doc)
+        if spec is None:
+            continue
+        where = f"{name}: {doc['kind']} {doc['metadata']['name']}"
+        assert spec["securityContext"]["runAsNonRoot"] is True, where
+        assert spec["securityContext"]["runAsUser"] >= 999, where
+        assert spec.get("automountServiceAccountToken") is False, where
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+            res = c["resources"]
+            assert {"cpu", "memory"} <= set(res["requests"]), where
+            assert "memory" in res["limits"], where
+            # A read-only root needs every writable path mounted: /tmp at least.
+            assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"]) or c["name"] == "redis", where
+            for item in c.get("env") or []:
+                if any(w in item["name"] for w in ("TOKEN", "SECRET", "PASSWORD", "KEY")) and "value" in item:
+                    assert "$(" in str(item["value"]) or item["name"] == "BUCKETRL_TOKENS_FILE", (
+                        f"{where}: {item['name']} is given in plain text, not from a Secret"
+                    )
+
+
+def test_every_secret_and_config_reference_resolves(combo) -> None:
+    _, values, docs = combo
+    refs = Refs(docs, merged_values(values))
+    for doc in docs:
+        spec = pod_spec(doc)
+        if spec is None:
+            continue
+        for c in spec["containers"]:
+            expand_k8s_env(c, refs)
+        for vol in spec.get("volumes") or []:
+            if "secret" in vol:
+                for item in vol["secret"].get("items") or []:
+                    refs("Secret", vol["secret"]["secretName"], item["key"])
+            if "configMap" in vol:
+                for item in vol["configMap"].get("items") or []:
+                    refs("ConfigMap", vol["configMap"]["name"], item["key"])
+
+
+def test_services_select_pods_on_named_ports(combo) -> None:
+    _, _, docs = combo
+    pods = [(d, pod_spec(d)) for d in docs if pod_spec(d) is not None]
+    for svc in by_kind(docs, "Service"):
+        selector = svc["spec"]["selector"]
+        matches = [(d, s) for d, s in pods if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert matches, f"Service {svc['metadata']['name']} selects no pod"
+        names = {p["name"] for _, s in matches for c in s["containers"] for p in c.get("ports") or []}
+        for port in svc["spec"].get("ports") or []:
+            assert port["targetPort"] in names, f"Service {svc['metadata']['name']}: no container port {port}"
+    for pdb in by_kind(docs, "PodDisruptionBudget"):
+        proxy = one(docs, "Deployment", "proxy")
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= proxy["spec"]["template"]["metadata"]["labels"].items()
+        assert pdb["spec"]["minAvailable"] < proxy["spec"]["replicas"], "a PDB that blocks every drain"
+
+
+def test_proxy_probes_ports_and_settings_agree(combo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    name, values, docs = combo
+    deployments = by_kind(docs, "Deployment", "proxy")
+    if not deployments:
+        assert values.get("proxy", {}).get("enabled") is False
+        return
+    (proxy,) = deployments
+    spec = pod_spec(proxy)
+    (c,) = spec["containers"]
+    args = c["args"]
+    assert args[0] == "proxy" and args[args.index("--host") + 1] == "0.0.0.0"
+    port = int(args[args.index("--port") + 1])
+    (http,) = c["ports"]
+    assert http["containerPort"] == port and http["name"] == "http"
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+
+    refs = Refs(docs, merged_values(values))
+    env = expand_k8s_env(c, refs)
+    # Materialise the mounted tokens file so the proxy's own settings and auth code read what the pod reads.
+    (tokens_mount,) = [m for m in c["volumeMounts"] if m["name"] == "tokens"]
+    (tokens_vol,) = [v for v in spec["volumes"] if v["name"] == "tokens"]
+    (item,) = tokens_vol["secret"]["items"]
+    assert env["BUCKETRL_TOKENS_FILE"] == f"{tokens_mount['mountPath']}/{item['path']}"
+    local_tokens = tmp_path / "tokens"
+    local_tokens.write_text(refs("Secret", tokens_vol["secret"]["secretName"], item["key"]))
+    env["BUCKETRL_TOKENS_FILE"] = str(local_tokens)
+
+    from bucketrl.proxy.auth import TokenAuth
+    from bucketrl.proxy.settings import ProxySettings
+    from tests.deploy.support import env_names
+
+    known = env_names(ProxySettings)
+    unknown = [k for k in env if k.startswith("BUCKETRL_") and k not in known]
+    assert not unknown, f"{name}: the proxy has no settings {unknown}"
+    settings = build_settings(ProxySettings, {k: v for k, v in env.items() if k.startswith("BUCKETRL_")}, monkeypatch)
+    assert settings.port == port
+    assert settings.redis_url.startswith(("redis://", "rediss://", "<"))
+    assert "$(" not in settings.redis_url, "an env var referenced before it is defined is not expanded"
+    assert settings.bucket_url.startswith("s3://")
+    auth = TokenAuth.from_settings(settings.tokens, settings.tokens_file, settings.allow_anonymous, "0.0.0.0")
+
+    # Every worker in the release is pointed at this proxy's Service, with a token it accepts for its role.
+    service = one(docs, "Service", "proxy")
+    (svc_port,) = service["spec"]["ports"]
+    for role in ("trainer", "generator"):
+        pods = [
+            d
+            for d in docs
+            if pod_spec(d) is not None and d["metadata"]["labels"]["app.kubernetes.io/component"] == role
+        ]
+        for doc in pods:
+            (wc,) = pod_spec(doc)["containers"]
+            wenv = expand_k8s_env(wc, refs)
+            assert wenv["BUCKETRL_PROXY_URL"] == f"http://{service['metadata']['name']}:{svc_port['port']}"
+            assert auth.authenticate(f"Bearer {wenv['BUCKETRL_TOKEN']}").role == role
+    viewer = refs(
+        "Secret", tokens_vol["secret"]["secretName"], merged_values(values)["secrets"]["tokens"]["keys"]["viewer"]
+    )
+    assert auth.authenticate(f"Bearer {viewer}").role == "viewer"
+
+
+def test_redis_is_bundled_with_persistence_or_external(combo) -> None:
+    _, values, docs = combo
+    merged = merged_values(values)
+    statefulsets = by_kind(docs, "StatefulSet", "redis")
+    if not merged["proxy"]["enabled"] or not merged["redis"]["enabled"]:
+        assert not statefulsets
+        if merged["proxy"]["enabled"]:
+            refs = Refs(docs, merged)
+            (c,) = pod_spec(one(docs, "Deployment", "proxy"))["containers"]
+            url = expand_k8s_env(c, refs)["BUCKETRL_REDIS_URL"]
+            assert url in (merged["redis"]["external"]["url"], "<team-redis/url>")
+        return
+    (redis,) = statefulsets
+    (c,) = pod_spec(redis)["containers"]
+    assert c["args"][c["args"].index("--appendonly") + 1] == "yes"
+    assert c["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+    if merged["redis"]["persistence"]["enabled"]:
+        (claim,) = redis["spec"]["volumeClaimTemplates"]
+        assert claim["spec"]["resources"]["requests"]["storage"] == merged["redis"]["persistence"]["size"]
+    if merged["redis"]["auth"]["enabled"]:
+        assert "--requirepass" in c["args"]
+        assert {e["name"] for e in c["env"]} >= {"REDIS_PASSWORD", "REDISCLI_AUTH"}
+
+
+def test_generators_gpu_placement_and_autoscaling(combo) -> None:
+    name, values, docs = combo
+    merged = merged_values(values)
+    generator = one(docs, "Deployment", "generator")
+    spec = pod_spec(generator)
+    (c,) = spec["containers"]
+    if merged["proxyUrl"]:
+        # Generators elsewhere: nothing but them in this release, pointed at the remote proxy.
+        env = expand_k8s_env(c, Refs(docs, merged))
+        assert env["BUCKETRL_PROXY_URL"] == merged["proxyUrl"].rstrip("/"), name
+        if not merged["proxy"]["enabled"]:
+            assert {d["kind"] for d in docs} == {"Deployment"}, name
+    gpu = merged["generator"]["gpu"]
+    limits = c["resources"]["limits"]
+    if gpu["enabled"]:
+        assert limits[gpu["resourceName"]] == gpu["count"]
+        assert any(m["mountPath"] == "/dev/shm" for m in c["volumeMounts"])
+    else:
+        assert "nvidia.com/gpu" not in limits
+    assert spec.get("nodeSelector", {}) == merged["generator"]["nodeSelector"]
+    assert spec.get("tolerations", []) == merged["generator"]["tolerations"]
+    hpas = by_kind(docs, "HorizontalPodAutoscaler", "generator")
+    auto = merged["generator"]["autoscaling"]
+    if not auto["enabled"]:
+        assert not hpas and generator["spec"]["replicas"] == merged["generator"]["replicaCount"]
+        return
+    (hpa,) = hpas
+    assert "replicas" not in generator["spec"], "the HPA owns the replica count"
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", generator["metadata"]["name"])
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["external"]["metric"]["name"] == auto["metric"]["name"]
+    assert metric["external"]["metric"]["selector"]["matchLabels"] == {"run": merged["run"]["id"]}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (auto["minReplicas"], auto["maxReplicas"])
+
+
+def test_trainer_is_one_resumable_pod_with_the_run_spec(combo) -> None:
+    _, values, docs = combo
+    merged = merged_values(values)
+    trainers = [d for d in docs if d["kind"] in ("Job", "StatefulSet") and "trainer" in d["metadata"]["name"]]
+    if not merged["trainer"]["enabled"]:
+        assert not trainers
+        return
+    (trainer,) = trainers
+    assert trainer["kind"] == merged["trainer"]["kind"]
+    if trainer["kind"] == "Job":
+        assert trainer["spec"]["parallelism"] == 1 and trainer["spec"]["completions"] == 1
+        (rule,) = trainer["spec"]["podFailurePolicy"]["rules"]
+        assert rule["action"] == "Ignore", "preemptions must not use up the backoff limit"
+    else:
+        assert trainer["spec"]["replicas"] == 1
+    spec = pod_spec(trainer)
+    (c,) = spec["containers"]
+    env = expand_k8s_env(c, Refs(docs, merged))
+    mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["run-spec"]
+    vol = {v["name"]: v for v in spec["volumes"]}["run-spec"]
+    (item,) = vol["configMap"]["items"]
+    assert env["BUCKETRL_RUN_SPEC"] == f"{mount}/{item['path']}"
+    if not merged["run"]["existingConfigMap"]:
+        cm = one(docs, "ConfigMap", "trainer")
+        assert yaml.safe_load(cm["data"][item["key"]]) == merged["run"]["spec"]
+
+
+BAD_VALUES = [
+    ({"redis": {"enabled": False}}, "redis.external.url"),
+    ({"redis": {"enabled": False, "external": {"url": "http://x"}}}, "redis:// or rediss://"),
+    ({"trainer": {"kind": "Deployment"}}, "trainer.kind must be Job or StatefulSet"),
+    ({"secrets": {"s3": {"accessKeyId": "only-one"}}}, "both accessKeyId and secretAccessKey"),
+    ({"proxy": {"enabled": False}}, "set proxyUrl"),
+    ({"proxy": {"enabled": False}, "proxyUrl": "https://p"}, "secrets.tokens.existingSecret"),
+    ({"proxy": {"bucketUrl": ""}}, "proxy.bucketUrl is required"),
+    ({"redis": {"auth": {"password": "p@ss/word"}}}, "letters and digits only"),
+    ({"generator": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}, "minReplicas"),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), BAD_VALUES, ids=[m for _, m in BAD_VALUES])
+def test_bad_values_fail_with_a_message_naming_the_value(values: dict[str, Any], message: str) -> None:
+    import helm_python as helm
+
+    with pytest.raises(helm.HelmError) as info:
+        render_chart(values)
+    assert message in str(info.value)

@@ -71,6 +71,8 @@ class LatencyMiddleware:
 
 async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Telemetry) -> ProxyContext:
     import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
 
     from bucketrl.storage import open_store
 
@@ -80,7 +82,11 @@ async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Te
         decode_responses=False,
         socket_connect_timeout=settings.redis_timeout_s,
         socket_timeout=settings.redis_timeout_s,
-        health_check_interval=30,
+        # A restarted Redis leaves dead pooled connections: PING one idle for over a second and retry a
+        # command that hit a dead connection twice (fast backoff). Every proxy write tolerates a repeat:
+        # commits re-check their lock (a repeated one answers 409 and the client's retry is idempotent).
+        health_check_interval=1,
+        retry=Retry(ExponentialBackoff(cap=0.25, base=0.02), 2),
     )
     return ProxyContext(settings=settings, redis=redis, store=store, telemetry=telemetry, auth=auth)
 
@@ -99,7 +105,7 @@ def create_app(settings: ProxySettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx = await _build_context(settings, auth, telemetry)
         app.state.ctx = ctx
-        ctx.notifier = VersionNotifier(ctx.redis)
+        ctx.notifier = VersionNotifier.from_url(settings.redis_url, settings.redis_timeout_s)
         ctx.notifier.start()
         if settings.rebuild_forced:
             restored = await rebuild.rebuild_all(ctx)

@@ -31,20 +31,31 @@ _PREFIX, _SUFFIX = "brl:", ":" + keys.VERSION_CHANNEL
 
 
 class VersionNotifier:
+    """Pass a Redis client WITHOUT command retries: a silent reconnect would hide a gap in the messages."""
+
     def __init__(self, redis: Any) -> None:
         self._redis = redis
         self._waiters: dict[str, set[asyncio.Event]] = defaultdict(set)
         self._task: asyncio.Task[None] | None = None
         self.subscribed = asyncio.Event()
+        self.generation = 0  # how many times the subscription was (re)established
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._listen(), name="bucketrl-version-notifier")
+
+    @classmethod
+    def from_url(cls, url: str, timeout_s: float) -> VersionNotifier:
+        import redis.asyncio as aioredis
+
+        return cls(aioredis.Redis.from_url(url, socket_connect_timeout=timeout_s, health_check_interval=5))
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        with contextlib.suppress(Exception):
+            await self._redis.aclose()
 
     @contextlib.contextmanager
     def waiter(self, run: str) -> Iterator[asyncio.Event]:
@@ -74,11 +85,12 @@ class VersionNotifier:
             try:
                 await pubsub.psubscribe(PATTERN)
                 self.subscribed.set()
+                self.generation += 1
                 backoff = 0.05
                 # Announcements may have been missed while (re)connecting: let every waiter re-check.
                 self.wake()
                 while True:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=30.0)
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if msg is None or msg.get("type") != "pmessage":
                         continue
                     channel = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]

@@ -44,6 +44,7 @@ COMBOS: dict[str, dict[str, Any]] = {
             "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
             "gpu": {"count": 2},
             "env": {"BUCKETRL_PROMPTS_PER_REQUEST": 32},
+            "extraEnv": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
         },
         "proxy": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}, "authorization": True}},
     },
@@ -122,6 +123,12 @@ class Refs:
             ("Secret", values["redis"]["external"]["existingSecret"]),
             ("ConfigMap", values["run"]["existingConfigMap"]),
         }
+        # Secrets the values reference through extraEnv (e.g. an HF token) are the user's own.
+        for component in ("trainer", "generator"):
+            for item in values[component]["extraEnv"]:
+                ref = item.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    self.external.add(("Secret", ref["name"]))
         # What an existing tokens Secret holds under the configured key names: a consistent stand-in, so the
         # proxy's auth can check that each worker reads its own role's key.
         keys = secrets["tokens"]["keys"]

@@ -38,6 +38,9 @@ spec:
         - name: {{ $k }}
           value: {{ $v | toString | quote }}
         {{- end }}
+        {{- with $t.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
       {{- include "bucketrl.containerSecurityContext" . | nindent 6 }}
       {{- include "bucketrl.resources" (dict "resources" $t.resources "gpu" $t.gpu) | nindent 6 }}
       volumeMounts:

@@ -107,6 +107,11 @@ def test_submit_claim_ack_idempotent(redis_server: RedisServer, bucket_url: str)
         assert [g["prompt_id"] for g in stored["groups"]] == ["0-0", "0-1", "0-2"]
         again = await queue.submit(r, store, RUN, spec, batch, "key-1")
         assert again.duplicate and again.batch_id == first.batch_id
+        # The same key reused for other content (a client bug) cannot replace what was enqueued.
+        other = batch.model_copy(update={"groups": batch.groups[:1]})
+        reused = await queue.submit(r, store, RUN, spec, other, "key-1")
+        assert reused.duplicate and reused.batch_id == first.batch_id
+        assert store.list_keys(f"runs/{RUN}/rollouts/") == [key]
         st = await queue.queue_status(r, RUN, spec)
         assert (st.groups, st.pending, st.accepted_total) == (3, 0, 3)
         assert await prompts.prompts_inflight(r, RUN) == 0  # completed by the accept
@@ -324,10 +329,20 @@ def test_invariant4_accounting_under_concurrent_mix(redis_server: RedisServer, t
             stop.set()
 
         await asyncio.gather(generator("g1"), generator("g2"), trainer())
+        # Finally everything still queued goes stale at once: all of it must be dropped and counted.
+        await r.hincrby(f"brl:{RUN}:state", "latest_version", spec.max_staleness + 1)
+        before = await queue.queue_status(r, RUN, spec)
+        dropped = 0
+        while True:
+            got = await claim(r, store, spec, epoch, n=8)
+            dropped += got.dropped
+            if not got.deliveries and not got.dropped:
+                break
         st = await queue.queue_status(r, RUN, spec)
         await assert_accounting(r, spec)
+        assert dropped == before.groups and st.groups == 0
+        assert st.dropped_stale_total >= dropped
         assert st.acked_total == len(acked) == len(set(acked)) > 0
-        assert st.dropped_stale_total > 0  # the mix really exercised stale drops
 
     run(redis_server, body)
 

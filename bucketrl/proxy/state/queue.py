@@ -7,8 +7,8 @@ Life of a group
    full), then written WHOLE to the bucket as ``runs/{run}/rollouts/{batch_id}`` (msgpack) and only then
    made visible in Redis by one Lua script: one stream entry per group ``{d: "{batch_id}:{g}", v, w}``, the
    batch's remaining-group count, ``accepted_total``, the completion of its prompts and the idempotency
-   record. ``batch_id`` is a hash of (worker_id, Idempotency-Key): a retry after a lost answer or a 503
-   rewrites the same object and finds the idempotency record (``duplicate: true``, nothing enqueued).
+   record. ``batch_id`` is a hash of (worker_id, Idempotency-Key, content): a retry after a lost answer or a
+   503 rewrites the same object and finds the idempotency record (``duplicate: true``, nothing enqueued).
 2. ``claim`` (trainer, epoch-fenced): one Lua script hands out, oldest first, (a) pending entries idle
    for ``redelivery_timeout_s`` (``XAUTOCLAIM``), then (b) new ones (``XREADGROUP``). A group whose version
    is below ``latest - max_staleness`` at that moment is dropped (``XACK`` + ``XDEL``) and counted in
@@ -33,7 +33,7 @@ After a Redis wipe the counters restart with the rebuild, which counts every re-
 Redis keys (``brl:{run}:`` prefix): ``queue:stream`` (+ group ``trainer``), ``queue:entry`` (delivery id ->
 stream id), ``queue:attempts`` (delivery id -> deliveries so far), ``queue:remaining`` (batch -> unsettled
 groups), ``queue:settled`` (batch -> "g,g," settled so far), ``queue:meta`` (epoch seen by the queue),
-``idem:{batch_id}`` (JSON SubmitResponse, TTL ``IDEMPOTENCY_TTL_S``), ``counters``.
+``idem:{hash of worker_id, key}`` (JSON SubmitResponse, TTL ``IDEMPOTENCY_TTL_S``), ``counters``.
 
 Status helpers for ``GET /status`` (P2's route calls them): :func:`queue_status`,
 :func:`bucketrl.proxy.state.prompts.prompts_inflight`, :func:`bucketrl.proxy.state.prompts.cursor`.
@@ -66,7 +66,8 @@ from bucketrl.wire import Delivery, QueueStatus, RolloutBatch, RolloutGroup, Run
 log = logging.getLogger("bucketrl.proxy.queue")
 
 GROUP = prompts.STREAM_GROUP
-IDEMPOTENCY_TTL_S = 7 * 86_400
+# A retry comes within seconds to minutes (client backoff); a day bounds the records at a few per batch/s.
+IDEMPOTENCY_TTL_S = 86_400
 IDEMPOTENCY_KEY_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # visible ASCII, like an HTTP token
 DELIVERY_ID_RE = re.compile(r"^b[0-9a-f]{32}:(0|[1-9][0-9]{0,5})$")
 # Retry-After (s) of a submit refused because the queue is at capacity.
@@ -110,8 +111,8 @@ class QueueKeys:
             p=prompts.PromptKeys.of(run),
         )
 
-    def idem(self, run: str, batch_id: str) -> str:
-        return keys.run_key(run, f"{keys.IDEMPOTENCY}:{batch_id}")
+    def idem(self, run: str, idem_id: str) -> str:
+        return keys.run_key(run, f"{keys.IDEMPOTENCY}:{idem_id}")
 
 
 def batch_key(run: str, batch_id: str) -> str:
@@ -122,9 +123,15 @@ def marker_key(run: str, batch_id: str) -> str:
     return f"runs/{run}/rollouts/{batch_id}.done"
 
 
-def batch_id_for(worker_id: str, idempotency_key: str) -> str:
-    """Deterministic: the same (worker, key) always names the same bucket object."""
-    return "b" + hashlib.sha256(f"{worker_id}\0{idempotency_key}".encode()).hexdigest()[:32]
+def idempotency_id(worker_id: str, idempotency_key: str) -> str:
+    """Names the idempotency record of (worker, Idempotency-Key)."""
+    return hashlib.sha256(f"{worker_id}\0{idempotency_key}".encode()).hexdigest()[:32]
+
+
+def batch_id_for(idem_id: str, content: bytes) -> str:
+    """Deterministic: a retry (same key, same batch) always names the same bucket object; a key reused for
+    other content (a client bug) names another object, so it can never overwrite the enqueued one."""
+    return "b" + hashlib.sha256(idem_id.encode() + b"\0" + hashlib.sha256(content).digest()).hexdigest()[:32]
 
 
 def _s(v: bytes | str) -> str:
@@ -429,8 +436,8 @@ async def submit(
     """Validate, write the batch to the bucket, then enqueue its groups atomically (see module docstring)."""
     key = validate_idempotency_key(idempotency_key)
     k = QueueKeys.of(run)
-    batch_id = batch_id_for(batch.worker_id, key)
-    idem_key = k.idem(run, batch_id)
+    idem_id = idempotency_id(batch.worker_id, key)
+    idem_key = k.idem(run, idem_id)
     lease_key = keys.run_key(run, keys.LEASE_INFO.format(id=batch.lease_id))
     seen, latest, cursor, queued, leased = await _PRECHECK(
         r, [idem_key, k.state, k.p.cursor, k.stream, lease_key], [GROUP]
@@ -457,14 +464,9 @@ async def submit(
         await pipe.execute()
         raise _full(run, int(queued), n, spec)
 
-    accepted_at = time.time()
-    obj = {
-        "format": 1,
-        "batch_id": batch_id,
-        "run": run,
-        "accepted_at": accepted_at,
-        **batch.model_dump(mode="json"),
-    }
+    content = batch.model_dump(mode="json")
+    batch_id = batch_id_for(idem_id, msgpack.packb(content, use_bin_type=True))
+    obj = {"format": 1, "batch_id": batch_id, "idem": idem_id, "run": run, "accepted_at": time.time(), **content}
     await asyncio.to_thread(store.put_bytes, batch_key(run, batch_id), msgpack.packb(obj, use_bin_type=True))
     answer = SubmitResponse(batch_id=batch_id, accepted_groups=n)
     res = await _ENQUEUE(
@@ -487,8 +489,11 @@ async def submit(
     status = _s(res[0])
     if status == "ok":
         return answer
-    if status == "duplicate":  # a concurrent retry with the same key won; it wrote the same object
-        return SubmitResponse.model_validate_json(res[1]).model_copy(update={"duplicate": True})
+    if status == "duplicate":  # a concurrent retry with the same key won
+        first = SubmitResponse.model_validate_json(res[1])
+        if first.batch_id != batch_id:  # same key, other content: ours is an orphan
+            await asyncio.to_thread(store.delete, [batch_key(run, batch_id)])
+        return first.model_copy(update={"duplicate": True})
     # Refused after the write (latest moved or the queue filled meanwhile): the object must not stay.
     await asyncio.to_thread(store.delete, [batch_key(run, batch_id)])
     if status == "stale":
@@ -547,7 +552,13 @@ async def claim(
             return total
         # Block until an entry newer than the stream's last id exists (a submit), or a slice passes
         # (pending deliveries may have timed out meanwhile).
-        await r.xread({k.stream: last}, count=1, block=max(1, int(min(remaining, WAIT_SLICE_S) * 1000)))
+        await r.xread({k.stream: last}, count=1, block=max(1, int(min(remaining, _slice_s(r)) * 1000)))
+
+
+def _slice_s(r: Any) -> float:
+    """How long one blocking read may last: under the client's socket timeout, or it would look like an outage."""
+    timeout = getattr(getattr(r, "connection_pool", None), "connection_kwargs", {}).get("socket_timeout")
+    return min(WAIT_SLICE_S, float(timeout) / 2) if timeout else WAIT_SLICE_S
 
 
 async def _deliveries(
@@ -744,8 +755,9 @@ async def rebuild(r: Any, store: BucketStore, run: str, spec: RunSpec) -> dict[s
                 pipe.hset(k.remaining, b, len(live))
                 if settled:
                     pipe.hset(k.settled, b, "".join(f"{g}," for g in sorted(settled)))
-                answer = SubmitResponse(batch_id=b, accepted_groups=len(groups))
-                pipe.set(k.idem(run, b), answer.model_dump_json(), ex=IDEMPOTENCY_TTL_S)
+                if obj.get("idem"):
+                    answer = SubmitResponse(batch_id=b, accepted_groups=len(groups))
+                    pipe.set(k.idem(run, str(obj["idem"])), answer.model_dump_json(), ex=IDEMPOTENCY_TTL_S)
                 pipe.hincrby(k.counters, "accepted_total", len(live))
                 out["batches"] += 1
                 out["groups"] += len(live)

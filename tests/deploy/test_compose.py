@@ -250,3 +250,13 @@ def test_gpu_override_switches_workers_to_cuda_and_vllm(gpu: dict[str, Any]) -> 
     spec = RunSpec.model_validate_json(trainer_spec.read_text())
     assert "/" in spec.base_model and not spec.base_model.startswith("/"), "a hub model id"
     assert "snapshot_download" in init["entrypoint"][-1]
+
+
+def test_bucketrl_containers_drop_capabilities_and_the_proxy_root_is_read_only(cpu: dict[str, Any]) -> None:
+    for name, svc in cpu["services"].items():
+        if "build" not in svc:
+            continue  # third-party images (Redis, MinIO) keep their own defaults
+        assert svc["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in svc["security_opt"], name
+    proxy = cpu["services"]["proxy"]
+    assert proxy["read_only"] is True and "/tmp" in proxy["tmpfs"]

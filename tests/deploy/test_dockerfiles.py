@@ -196,3 +196,25 @@ def test_variant_is_refused_unless_known() -> None:
     # The trainer's RUN fails loudly on an unknown VARIANT instead of silently building one of the two.
     text = (ROOT / "services" / "trainer" / "Dockerfile").read_text()
     assert "VARIANT must be cpu or gpu" in text and "exit 1" in text
+
+
+CACHE_VARS = re.compile(r"\b(\w*(?:HOME|CACHE\w*|_ROOT|_DIR))=(/\S+)")
+
+
+@pytest.mark.parametrize(("service", "variant", "df"), IMAGES, ids=IDS)
+def test_every_writable_path_the_image_names_is_mounted_by_the_chart(
+    service: str, variant: str, df: Dockerfile
+) -> None:
+    """The chart runs every pod with a read-only root: cache/config dirs the image points at must be volumes."""
+    from tests.deploy.support import manifests, pod_spec, render_chart
+
+    env = dict(m.groups() for stage in df.chain(_final(df)) for e in stage.args("ENV") for m in CACHE_VARS.finditer(e))
+    env.pop("HOME", None)  # nothing is written to $HOME once the XDG/HF/vLLM dirs point elsewhere
+    docs = manifests(render_chart({}))
+    (pod,) = [d for d in docs if pod_spec(d) and d["metadata"]["labels"]["app.kubernetes.io/component"] == service]
+    (container,) = pod_spec(pod)["containers"]
+    mounts = [m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")]
+    for name, path in env.items():
+        assert any(path == m or path.startswith(m + "/") for m in mounts), (
+            f"{service}: {name}={path} is not on a volume"
+        )

@@ -26,6 +26,8 @@ def proxy_command(
 ) -> None:
     """Run the proxy: the REST control plane over Redis and the bucket."""
     import logging
+    import signal
+    import sys
 
     import uvicorn
 
@@ -48,4 +50,8 @@ def proxy_command(
     except ValueError as exc:
         typer.echo(f"bucketrl proxy: {exc}", err=True)
         raise typer.Exit(code=2) from exc
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler that was
+    # installed before it: make that an orderly exit (0 for SIGTERM, as Kubernetes and compose expect).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)

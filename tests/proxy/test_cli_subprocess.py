@@ -1,0 +1,81 @@
+"""``bucketrl proxy`` as a real uvicorn subprocess: serves, ``--rebuild`` restores a wiped Redis from the
+bucket, SIGTERM exits cleanly, and a refused configuration exits 2 with a message naming the setting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from bucketrl.client import ProxyClient
+from tests.proxy.harness import TOKENS, TOKENS_ENV, adapter_tar, make_spec, make_tar
+from tests.support.services import RedisServer, free_port, wait_port
+
+
+def _start(redis_url: str, bucket_url: str, port: int, *extra: str, **env: str) -> subprocess.Popen:
+    full_env = {
+        **os.environ,
+        "BUCKETRL_REDIS_URL": redis_url,
+        "BUCKETRL_BUCKET_URL": bucket_url,
+        "BUCKETRL_TOKENS": TOKENS_ENV,
+        **env,
+    }
+    cmd = [sys.executable, "-m", "bucketrl.cli", "proxy", "--host", "127.0.0.1", "--port", str(port), *extra]
+    return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_proxy_subprocess_serves_and_rebuild_flag_restores(redis_server: RedisServer, bucket_url: str) -> None:
+    port = free_port()
+    proc = _start(redis_server.url, bucket_url, port)
+    try:
+        wait_port(port, timeout_s=60, proc=proc)
+        t = ProxyClient(f"http://127.0.0.1:{port}", "r1", TOKENS["trainer"], retries=0)
+        t.put_run(make_spec())
+        t.register_trainer("t0")
+        t.publish_adapter(1, adapter_tar(1))
+        t.publish_adapter(2, adapter_tar(2))
+        t.put_checkpoint(4, make_tar({"s": b"4"}))
+    finally:
+        _stop(proc)
+
+    redis_server.wipe()
+    redis_server.start()
+    # Automatic rebuild off: only the flag may restore.
+    proc = _start(redis_server.url, bucket_url, port, "--rebuild", BUCKETRL_REBUILD_ON_START="false")
+    try:
+        wait_port(port, timeout_s=60, proc=proc)
+        g = ProxyClient(f"http://127.0.0.1:{port}", "r1", TOKENS["generator"], retries=0)
+        assert g.get_run().state.latest_version == 2
+        assert g.download_adapter(2) == adapter_tar(2)
+        t = ProxyClient(f"http://127.0.0.1:{port}", "r1", TOKENS["trainer"], retries=0)
+        assert t.latest_checkpoint().step == 4
+        assert t.register_trainer("t1").epoch == 2  # larger than any epoch recorded in the bucket
+        assert t.publish_adapter(3, adapter_tar(3)).version == 3
+    finally:
+        out = _stop(proc)
+    assert "--rebuild: restored 1 run(s)" in out
+
+
+def test_refused_configuration_exits_2_naming_the_setting(redis_server: RedisServer, tmp_path: Path) -> None:
+    port = free_port()
+    proc = _start(redis_server.url, f"file://{tmp_path}", port, BUCKETRL_TOKENS="")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "BUCKETRL_TOKENS" in out
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bucketrl.cli", "proxy", "--host", "0.0.0.0", "--port", str(port)],
+        env={**os.environ, "BUCKETRL_TOKENS": "", "BUCKETRL_ALLOW_ANONYMOUS": "true"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "loopback" in out

@@ -153,7 +153,7 @@ async def status_hook(ctx: Any, run: str, spec: RunSpec, out: dict[str, Any]) ->
 
 
 async def rebuild_hook(ctx: Any, run: str, spec: RunSpec) -> None:
-    await queue.rebuild(ctx.redis, ctx.store, run, spec)
+    await queue.ensure_ready(ctx.redis, ctx.store, run, spec)
 
 
 async def trainer_registered_hook(ctx: Any, run: str, epoch: int) -> None:

@@ -31,7 +31,7 @@ Redis state (all changes in single Lua scripts, so concurrent proxies cannot int
 ``brl:{run}:prompts:owner``     hash prompt_id -> worker_id holding the lease
 ``brl:{run}:prompts:reissue``   list of prompt ids to issue again (expired / released), issued first
 ``brl:{run}:prompts:open``      set of issued, not yet completed prompt ids (inflight ∪ reissue ∪ expired)
-``brl:{run}:prompts:meta``      hash seq (bumped on every change), persisted_seq, persisted_reserved
+``brl:{run}:prompts:meta``      hash seq (bumped on every change), persisted_seq, persisted_reserved, ready
 
 Persistence (a Redis wipe must not restart the dataset)
 -------------------------------------------------------
@@ -58,6 +58,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from redis import exceptions as redis_exc
 
 from bucketrl import errors
 from bucketrl.proxy import keys
@@ -87,6 +89,7 @@ class PromptKeys:
     lock: str
     stream: str
     counters: str
+    queue_meta: str
 
     @classmethod
     def of(cls, run: str) -> PromptKeys:
@@ -101,6 +104,7 @@ class PromptKeys:
             lock=k(run, "prompts:persist-lock"),
             stream=k(run, keys.QUEUE_STREAM),
             counters=k(run, keys.COUNTERS),
+            queue_meta=k(run, "queue:meta"),
         )
 
 
@@ -140,8 +144,11 @@ end
 _LEASE = Lua(
     QUEUED_LUA
     + """
--- KEYS: cursor inflight owner reissue open meta stream counters
+-- KEYS: cursor inflight owner reissue open meta stream counters queue_meta
 -- ARGV: now n expires_at worker size limit group
+if redis.call('HEXISTS', KEYS[6], 'ready') == 0 or redis.call('HEXISTS', KEYS[9], 'ready') == 0 then
+  return {-1}
+end
 local now, n, exp, worker = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local size, limit, group = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
 -- 1. expired leases go back on the reissue list (unless their group arrived meanwhile)
@@ -229,7 +236,8 @@ return n
 
 _SNAPSHOT = Lua(
     """
--- KEYS: cursor inflight owner open meta
+-- KEYS: cursor inflight owner open meta   (nothing while the state is not ready: never persist a wiped Redis)
+if redis.call('HEXISTS', KEYS[5], 'ready') == 0 then return false end
 local cursor = tonumber(redis.call('GET', KEYS[1]) or '0')
 local seq = tonumber(redis.call('HGET', KEYS[5], 'seq') or '0')
 local reserved = tonumber(redis.call('HGET', KEYS[5], 'persisted_reserved') or '0')
@@ -269,11 +277,20 @@ async def lease(
     now = time.time()
     expires_at = now + ttl_s
     limit = admission_limit(spec)
-    res = await _LEASE(
-        r,
-        [k.cursor, k.inflight, k.owner, k.reissue, k.open, k.meta, k.stream, k.counters],
-        [repr(now), n, repr(expires_at), worker_id, spec.dataset.size, limit, STREAM_GROUP],
-    )
+    for _ in range(3):
+        res = await _LEASE(
+            r,
+            [k.cursor, k.inflight, k.owner, k.reissue, k.open, k.meta, k.stream, k.counters, k.queue_meta],
+            [repr(now), n, repr(expires_at), worker_id, spec.dataset.size, limit, STREAM_GROUP],
+        )
+        if int(res[0]) != -1:
+            break
+        # First touch of this run since Redis (re)started: restore from the bucket before handing anything out.
+        from bucketrl.proxy.state import queue
+
+        await queue.ensure_ready(r, store, run, spec)
+    else:
+        raise errors.Unavailable(f"run {run!r}: prompt state is being restored; retry")
     if int(res[0]) == 0:
         inflight, queued = int(res[1]), int(res[2])
         raise errors.Backpressure(
@@ -352,9 +369,10 @@ async def persist(
             raise errors.Unavailable(f"run {run!r}: timed out waiting to persist the prompt cursor")
         await asyncio.sleep(0.005)
     try:
-        cur, seq, reserved, open_ids, leased, owners = await _SNAPSHOT(
-            r, [k.cursor, k.inflight, k.owner, k.open, k.meta], []
-        )
+        snap = await _SNAPSHOT(r, [k.cursor, k.inflight, k.owner, k.open, k.meta], [])
+        if not snap:
+            raise errors.Unavailable(f"run {run!r}: prompt state is not in Redis (being restored); retry")
+        cur, seq, reserved, open_ids, leased, owners = snap
         cur, seq = int(cur), int(seq)
         new_reserved = max(int(reserved), cur + max(RESERVE_AHEAD, admission_limit(spec)))
         leases = {_s(leased[i]): [float(leased[i + 1]), _s(owners[i // 2])] for i in range(0, len(leased), 2)}
@@ -384,39 +402,59 @@ def _position_key(size: int) -> Callable[[str], int]:
     return key
 
 
-async def has_state(r: Any, run: str) -> bool:
-    """True when Redis still holds this run's prompt state (nothing to restore)."""
-    k = PromptKeys.of(run)
-    return bool(await r.exists(k.cursor, k.meta))
+async def is_ready(r: Any, run: str) -> bool:
+    """True once this Redis holds the run's prompt state (restored from the bucket, or started fresh)."""
+    return bool(await r.hexists(PromptKeys.of(run).meta, "ready"))
 
 
-async def restore(r: Any, store: BucketStore, run: str, spec: RunSpec, completed: set[str]) -> int:
-    """Rebuild the prompt state from ``prompts.json`` after Redis lost it; returns the restored cursor.
+async def restore(r: Any, store: BucketStore, run: str, spec: RunSpec, completed: set[str]) -> int | None:
+    """Make the prompt state ready: from ``prompts.json`` if the bucket has one (after Redis lost it), else fresh.
 
     ``completed``: prompt ids of rollout batches still in the bucket (accepted, so completed). Every other
     prompt that may have been handed out and is not known complete is issued again, in dataset order.
+    Returns the restored cursor, or None when another caller made the state ready first. Idempotent.
     """
     k = PromptKeys.of(run)
     try:
-        raw = await asyncio.to_thread(store.get_bytes, snapshot_key(run))
+        raw: bytes | None = await asyncio.to_thread(store.get_bytes, snapshot_key(run))
     except errors.NotFound:
-        return 0
-    snap = json.loads(raw)
+        raw = None
+    async with r.pipeline(transaction=True) as pipe:
+        try:
+            await pipe.watch(k.meta, k.cursor)
+            if await pipe.hexists(k.meta, "ready"):
+                return None
+            if await pipe.exists(k.cursor) or raw is None:
+                # Redis has a cursor without the flag (state from before the flag existed), or nothing to
+                # restore (a new run): what Redis holds is the truth.
+                pipe.multi()
+                pipe.hset(k.meta, "ready", 1)
+                await pipe.execute()
+                return None if raw is None else 0
+            snap = json.loads(raw)
+            pipe.multi()
+            _restore_commands(pipe, k, snap, spec, completed)
+            await pipe.execute()
+            return int(snap["reserved"])
+        except redis_exc.WatchError:
+            return None
+
+
+def _restore_commands(pipe: Any, k: PromptKeys, snap: dict[str, Any], spec: RunSpec, completed: set[str]) -> None:
     size = spec.dataset.size
     if int(snap.get("dataset_size", size)) != size:
-        raise errors.Conflict(f"run {run!r}: prompts.json was written for dataset size {snap['dataset_size']}")
+        raise errors.Conflict(f"prompts.json was written for dataset size {snap['dataset_size']}, the run has {size}")
     snap_cursor, reserved = int(snap["cursor"]), int(snap["reserved"])
     open_ids = [p for p in snap.get("open", []) if parse_prompt_id(p) is not None]
     # Positions handed out after the snapshot was written, at most up to the reserved mark.
     open_ids += [f"{pos // size}-{pos % size}" for pos in range(snap_cursor, reserved)]
     now = time.time()
     leases = {p: v for p, v in snap.get("leases", {}).items() if float(v[0]) > now}
-    pipe = r.pipeline(transaction=True)
     pipe.delete(k.inflight, k.owner, k.reissue, k.open)
     pipe.set(k.cursor, reserved)
     pipe.hset(
         k.meta,
-        mapping={"seq": int(snap.get("seq", 0)) + 1, "persisted_seq": 0, "persisted_reserved": reserved},
+        mapping={"seq": int(snap.get("seq", 0)) + 1, "persisted_seq": 0, "persisted_reserved": reserved, "ready": 1},
     )
     seen: set[str] = set()
     for pid in open_ids:
@@ -429,5 +467,3 @@ async def restore(r: Any, store: BucketStore, run: str, spec: RunSpec, completed
             pipe.hset(k.owner, pid, str(leases[pid][1]))
         else:
             pipe.rpush(k.reissue, pid)
-    await pipe.execute()
-    return reserved

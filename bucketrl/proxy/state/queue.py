@@ -30,6 +30,14 @@ Accounting (invariant 4), all in the run's ``counters`` hash and updated inside 
 ``lost_total`` stays 0 unless a batch object vanished from the bucket behind the proxy's back (logged).
 After a Redis wipe the counters restart with the rebuild, which counts every re-enqueued group as accepted.
 
+Readiness (a wiped Redis must not look like an empty queue)
+------------------------------------------------------------
+``queue:meta`` and ``prompts:meta`` carry a ``ready`` flag. Every script refuses to act on a run that is not
+ready (``notready``); the caller then runs :func:`ensure_ready`, which rebuilds the queue from the bucket's
+batch objects and the prompt cursor from ``prompts.json`` and sets the flags in the same transactions. So
+a claim, submit or lease that reaches a freshly wiped Redis before the proxy core's rebuild can neither
+start an empty queue (and hide the batches) nor restart the dataset at prompt 0.
+
 Redis keys (``brl:{run}:`` prefix): ``queue:stream`` (+ group ``trainer``), ``queue:entry`` (delivery id ->
 stream id), ``queue:attempts`` (delivery id -> deliveries so far), ``queue:remaining`` (batch -> unsettled
 groups), ``queue:settled`` (batch -> "g,g," settled so far), ``queue:meta`` (epoch seen by the queue),
@@ -197,18 +205,22 @@ end
 _PRECHECK = Lua(
     prompts.QUEUED_LUA
     + """
--- KEYS: idem state cursor stream lease ; ARGV: group
+-- KEYS: idem state cursor stream lease queue_meta prompts_meta ; ARGV: group
+local ready = redis.call('HEXISTS', KEYS[6], 'ready') + redis.call('HEXISTS', KEYS[7], 'ready')
 return {redis.call('GET', KEYS[1]) or '', tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0'),
         tonumber(redis.call('GET', KEYS[3]) or '0'), queued_groups(KEYS[4], ARGV[1]),
-        redis.call('HGET', KEYS[5], 'version') or ''}
+        redis.call('HGET', KEYS[5], 'version') or '', ready}
 """
 )
 
 _ENQUEUE = Lua(
     _COMMON
     + """
--- KEYS: idem state stream counters entry remaining p_open p_inflight p_owner p_meta
+-- KEYS: idem state stream counters entry remaining p_open p_inflight p_owner p_meta queue_meta
 -- ARGV: batch_id group version max_staleness capacity worker idem_ttl idem_value n_groups pid...
+if redis.call('HEXISTS', KEYS[11], 'ready') == 0 or redis.call('HEXISTS', KEYS[10], 'ready') == 0 then
+  return {'notready'}
+end
 local batch, group, version = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local ms, cap, worker, n = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[9])
 local existing = redis.call('GET', KEYS[1])
@@ -259,6 +271,7 @@ _CLAIM = Lua(
 -- ARGV: group consumer n epoch idle_ms max_staleness
 local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
 local n, epoch, idle_ms, ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+if redis.call('HEXISTS', KEYS[8], 'ready') == 0 then return {'notready'} end
 local cur = tonumber(redis.call('HGET', KEYS[2], 'trainer_epoch') or '0')
 if epoch ~= cur then return {'fenced', cur} end
 ensure_group(stream, group)
@@ -307,8 +320,9 @@ return {'ok', dropped, last_id(stream), out, finished, partial_list(KEYS[7], tou
 _ACK = Lua(
     _COMMON
     + """
--- KEYS: stream state counters entry remaining attempts settled p_meta
+-- KEYS: stream state counters entry remaining attempts settled p_meta queue_meta
 -- ARGV: group epoch counter delivery_id...   (epoch 0 = unfenced internal use)
+if redis.call('HEXISTS', KEYS[9], 'ready') == 0 then return {'notready'} end
 local stream, group, epoch = KEYS[1], ARGV[1], tonumber(ARGV[2])
 if epoch > 0 then
   local cur = tonumber(redis.call('HGET', KEYS[2], 'trainer_epoch') or '0')
@@ -336,6 +350,7 @@ _RELEASE_PENDING = Lua(
     _COMMON
     + """
 -- KEYS: stream meta ; ARGV: group epoch idle_ms   (a new trainer epoch registered)
+if redis.call('HEXISTS', KEYS[2], 'ready') == 0 then return 0 end  -- the epoch's first claim does it
 ensure_group(KEYS[1], ARGV[1])
 if tonumber(ARGV[2]) > tonumber(redis.call('HGET', KEYS[2], 'epoch') or '0') then
   release_pending(KEYS[1], ARGV[1], 'epoch-' .. ARGV[2], tonumber(ARGV[3]))
@@ -422,6 +437,10 @@ def _stale(run: str, version: int, latest: int, spec: RunSpec) -> errors.Stale:
     )
 
 
+def _not_ready(run: str) -> errors.Unavailable:
+    return errors.Unavailable(f"run {run!r}: its queue is being restored from the bucket; retry")
+
+
 def _full(run: str, queued: int, n: int, spec: RunSpec) -> errors.Backpressure:
     return errors.Backpressure(
         f"run {run!r}: the queue holds {queued} groups; {n} more would pass queue_capacity_groups "
@@ -439,9 +458,15 @@ async def submit(
     idem_id = idempotency_id(batch.worker_id, key)
     idem_key = k.idem(run, idem_id)
     lease_key = keys.run_key(run, keys.LEASE_INFO.format(id=batch.lease_id))
-    seen, latest, cursor, queued, leased = await _PRECHECK(
-        r, [idem_key, k.state, k.p.cursor, k.stream, lease_key], [GROUP]
-    )
+    for _ in range(3):
+        seen, latest, cursor, queued, leased, ready = await _PRECHECK(
+            r, [idem_key, k.state, k.p.cursor, k.stream, lease_key, k.meta, k.p.meta], [GROUP]
+        )
+        if int(ready) == 2:
+            break
+        await ensure_ready(r, store, run, spec)  # first touch since Redis (re)started
+    else:
+        raise _not_ready(run)
     if seen:
         return SubmitResponse.model_validate_json(seen).model_copy(update={"duplicate": True})
     latest, n = int(latest), len(batch.groups)
@@ -472,7 +497,7 @@ async def submit(
     res = await _ENQUEUE(
         r,
         [k_ for k_ in (idem_key, k.state, k.stream, k.counters, k.entry, k.remaining)]
-        + [k.p.open, k.p.inflight, k.p.owner, k.p.meta],
+        + [k.p.open, k.p.inflight, k.p.owner, k.p.meta, k.meta],
         [
             batch_id,
             GROUP,
@@ -494,6 +519,8 @@ async def submit(
         if first.batch_id != batch_id:  # same key, other content: ours is an orphan
             await asyncio.to_thread(store.delete, [batch_key(run, batch_id)])
         return first.model_copy(update={"duplicate": True})
+    if status == "notready":  # Redis was wiped between the checks and the commit
+        raise _not_ready(run)
     # Refused after the write (latest moved or the queue filled meanwhile): the object must not stay.
     await asyncio.to_thread(store.delete, [batch_key(run, batch_id)])
     if status == "stale":
@@ -536,6 +563,9 @@ async def claim(
             [k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled, k.meta],
             [GROUP, consumer, max_groups, epoch, idle_ms, spec.max_staleness],
         )
+        if _s(res[0]) == "notready":
+            await ensure_ready(r, store, run, spec)
+            continue
         if _s(res[0]) == "fenced":
             raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
         dropped, last, entries = int(res[1]), _s(res[2]), res[3]
@@ -631,11 +661,17 @@ async def _settle(
     r: Any, store: BucketStore, run: str, spec: RunSpec, ids: list[str], *, epoch: int, counter: str
 ) -> int:
     k = QueueKeys.of(run)
-    res = await _ACK(
-        r,
-        [k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled, k.p.meta],
-        [GROUP, epoch, counter, *ids],
-    )
+    for _ in range(3):
+        res = await _ACK(
+            r,
+            [k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled, k.p.meta, k.meta],
+            [GROUP, epoch, counter, *ids],
+        )
+        if _s(res[0]) != "notready":
+            break
+        await ensure_ready(r, store, run, spec)
+    else:
+        raise _not_ready(run)
     if _s(res[0]) == "fenced":
         raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
     await _settle_objects(r, store, run, spec, [_s(b) for b in res[3]], res[4], seq=int(res[2]))
@@ -702,21 +738,38 @@ async def counters(r: Any, run: str) -> dict[str, int]:
     return {_s(f): int(v) for f, v in raw.items()}
 
 
-async def rebuild(r: Any, store: BucketStore, run: str, spec: RunSpec) -> dict[str, int]:
-    """After Redis lost the run: re-enqueue every batch object still in the bucket, restore prompts.
+async def ensure_ready(r: Any, store: BucketStore, run: str, spec: RunSpec) -> dict[str, int]:
+    """Make this Redis hold the run's queue and prompt state, rebuilding both from the bucket if it lost them.
 
-    Skipped (returns zeros) while Redis still holds the run's queue. Re-enqueued groups are counted as
-    accepted, so invariant 4's accounting holds again from here on.
+    Called by the proxy core's rebuild (``REBUILD_HOOKS``) and lazily by the first queue or prompt call of a
+    run that is not ``ready`` (a wiped Redis, or a new run): every batch object still in the bucket is
+    enqueued again (minus the groups its ``.done`` marker lists as settled), counted as accepted, and its
+    idempotency record restored; then the prompt cursor comes back from ``prompts.json`` (see
+    ``state/prompts.py``). A ``ready`` flag, set in the same transaction, makes it idempotent and safe for
+    several replicas at once. Returns what was restored.
     """
     k = QueueKeys.of(run)
     out = {"batches": 0, "groups": 0, "prompt_cursor": 0}
-    if await r.exists(k.stream):
+    q_ready, p_ready = await r.hexists(k.meta, "ready"), await r.hexists(k.p.meta, "ready")
+    if q_ready and p_ready:
         return out
+    loaded = await _load_settled_batches(store, run)
+    completed = {str(g.get("prompt_id")) for _, _, obj, _ in loaded for g in obj.get("groups", [])}
+    if not q_ready:
+        out.update(await _requeue(r, run, k, loaded))
+    if not p_ready:
+        out["prompt_cursor"] = await prompts.restore(r, store, run, spec, completed) or 0
+    if out["groups"] or out["prompt_cursor"]:
+        log.warning("run %r: rebuilt from the bucket: %s", run, out)
+    return out
+
+
+async def _load_settled_batches(store: BucketStore, run: str) -> list[tuple[float, str, dict[str, Any], set[int]]]:
+    """Every batch object of the run, oldest first, with the group indices its marker lists as settled."""
     listed = await asyncio.to_thread(store.list_keys, f"runs/{run}/rollouts/")
-    names = sorted({key.rsplit("/", 1)[1] for key in listed})
-    batch_ids = [n for n in names if not n.endswith(".done")]
+    names = {key.rsplit("/", 1)[1] for key in listed}
     loaded: list[tuple[float, str, dict[str, Any], set[int]]] = []
-    for b in batch_ids:
+    for b in sorted(n for n in names if not n.endswith(".done")):
         obj = await asyncio.to_thread(_load_batch, store, run, b)
         if obj is None:
             continue
@@ -729,21 +782,32 @@ async def rebuild(r: Any, store: BucketStore, run: str, spec: RunSpec) -> dict[s
                 pass
         loaded.append((float(obj.get("accepted_at", 0.0)), b, obj, settled))
     loaded.sort()
-    completed: set[str] = set()
+    return loaded
+
+
+async def _requeue(
+    r: Any, run: str, k: QueueKeys, loaded: list[tuple[float, str, dict[str, Any], set[int]]]
+) -> dict[str, int]:
+    out = {"batches": 0, "groups": 0}
     # Explicit stream ids (accept order), so the delivery-id map is written in the same transaction.
     base_ms = int(time.time() * 1000)
     seq = 0
     async with r.pipeline(transaction=True) as pipe:
         try:
-            await pipe.watch(k.stream)
+            await pipe.watch(k.meta, k.stream)
+            if await pipe.hexists(k.meta, "ready"):
+                return out  # another caller (replica) did it meanwhile
             if await pipe.exists(k.stream):
-                return out  # another replica rebuilt meanwhile
+                # A stream without the flag: Redis kept its queue (state from before the flag existed).
+                pipe.multi()
+                pipe.hset(k.meta, "ready", 1)
+                await pipe.execute()
+                return out
             pipe.multi()
             pipe.xgroup_create(k.stream, GROUP, id="0", mkstream=True)
             entry_map: dict[str, str] = {}
             for _, b, obj, settled in loaded:
                 groups = obj.get("groups", [])
-                completed.update(str(g.get("prompt_id")) for g in groups)
                 live = [g for g in range(len(groups)) if g not in settled]
                 if not live:
                     continue
@@ -763,10 +827,8 @@ async def rebuild(r: Any, store: BucketStore, run: str, spec: RunSpec) -> dict[s
                 out["groups"] += len(live)
             if entry_map:
                 pipe.hset(k.entry, mapping=entry_map)
+            pipe.hset(k.meta, "ready", 1)
             await pipe.execute()
         except redis_exc.WatchError:
-            return {"batches": 0, "groups": 0, "prompt_cursor": 0}
-    if not await prompts.has_state(r, run):
-        out["prompt_cursor"] = await prompts.restore(r, store, run, spec, completed)
-    log.info("run %r: rebuilt the rollout queue: %s", run, out)
+            return {"batches": 0, "groups": 0}
     return out

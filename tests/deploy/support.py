@@ -427,3 +427,82 @@ def expand_k8s_env(
 
 def fnmatch_any(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+# -------------------------------------------------------------------------------------- service processes ----
+
+
+class ServiceProcess:
+    """A bucketrl entry point run as a real process (``python -c <prelude> ... main()``), ended by its pid."""
+
+    def __init__(self, args: list[str], env: dict[str, str], cwd: Path, prelude: str = "") -> None:
+        import os
+        import subprocess
+        import sys
+
+        code = prelude + f"import sys\nsys.argv = ['bucketrl', *{args!r}]\nfrom bucketrl.cli import main\nmain()\n"
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("BUCKETRL_", "AWS_"))}
+        self.log_path = cwd / f"{args[0]}.log"
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], env={**clean, **env}, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def output(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def wait_http_ok(url: str, proc: ServiceProcess, timeout_s: float = 40.0) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        assert proc.proc.poll() is None, f"exited {proc.proc.returncode}:\n{proc.output()}"
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text[:200]}"
+        except httpx.TransportError as exc:
+            last = repr(exc)
+        time.sleep(0.2)
+    raise TimeoutError(f"{url}: {last}\n{proc.output()}")
+
+
+def compose_proxy_env(compose: dict[str, Any], redis_url: str, s3_endpoint: str, port: int) -> dict[str, str]:
+    """The compose proxy's environment with its service addresses swapped for this machine's test servers."""
+    env = service_env(compose["services"]["proxy"])
+    env.update(
+        BUCKETRL_REDIS_URL=redis_url,
+        BUCKETRL_S3_ENDPOINT_URL=s3_endpoint,
+        AWS_ACCESS_KEY_ID="testing",  # moto accepts any key; the compose key pair is MinIO's
+        AWS_SECRET_ACCESS_KEY="testing",
+        BUCKETRL_PORT=str(port),
+    )
+    return env
+
+
+def compose_proxy_args(compose: dict[str, Any], port: int) -> list[str]:
+    args = list(compose["services"]["proxy"]["command"])
+    args[args.index("--port") + 1] = str(port)
+    args[args.index("--host") + 1] = "127.0.0.1"  # never listen beyond loopback in a test
+    return args

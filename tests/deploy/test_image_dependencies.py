@@ -17,19 +17,26 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import httpx
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.deploy.support import ENV_EXAMPLE, ROOT, load_compose, read_env_file, service_env
+from tests.deploy.support import (
+    ENV_EXAMPLE,
+    ROOT,
+    ServiceProcess,
+    compose_proxy_args,
+    compose_proxy_env,
+    load_compose,
+    read_env_file,
+    service_env,
+    wait_http_ok,
+)
 from tests.support.services import free_port
 
 # What each image installs besides bucketrl[<extra>] (see services/*/Dockerfile; the generator's CPU variant
@@ -108,46 +115,12 @@ def test_closure_is_what_the_extra_declares() -> None:
 
 def test_proxy_image_serves_with_the_compose_environment(redis_server, moto_server, tmp_path: Path) -> None:
     compose = load_compose(ROOT / "docker-compose.yml", env=read_env_file(ENV_EXAMPLE))
-    proxy = compose["services"]["proxy"]
-    env = service_env(proxy)
-    # Same settings, local addresses: the compose service names become this machine's test servers.
-    bucket = env["BUCKETRL_BUCKET_URL"].removeprefix("s3://").split("/")[0]
-    moto_server.create_bucket(bucket)
-    port = free_port()
-    env.update(
-        BUCKETRL_REDIS_URL=redis_server.url,
-        BUCKETRL_S3_ENDPOINT_URL=moto_server.endpoint,
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        BUCKETRL_PORT=str(port),
-    )
-    args = list(proxy["command"])
-    args[args.index("--port") + 1] = str(port)
-    args[args.index("--host") + 1] = "127.0.0.1"  # never listen beyond loopback in a test
-    code = image_prelude("proxy") + f"sys.argv = ['bucketrl', *{args!r}]\nfrom bucketrl.cli import main\nmain()\n"
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("BUCKETRL_", "AWS_"))}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        env={**clean, **env},
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    env = compose_proxy_env(compose, redis_server.url, moto_server.endpoint, port := free_port())
+    moto_server.create_bucket(env["BUCKETRL_BUCKET_URL"].removeprefix("s3://").split("/")[0])
+    proxy = ServiceProcess(compose_proxy_args(compose, port), env, tmp_path, prelude=image_prelude("proxy"))
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 40
-        ready = None
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                ready = httpx.get(f"{base}/readyz", timeout=2)
-                if ready.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert ready is not None and ready.status_code == 200, ready and ready.text
+        wait_http_ok(f"{base}/readyz", proxy)
         assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
         assert "bucketrl_" in httpx.get(f"{base}/metrics", timeout=5).text
         trainer_token = service_env(compose["services"]["trainer"])["BUCKETRL_TOKEN"]
@@ -156,14 +129,9 @@ def test_proxy_image_serves_with_the_compose_environment(redis_server, moto_serv
         assert httpx.get(f"{base}/v1/runs/nope", headers=headers, timeout=5).status_code == 404
         assert httpx.get(f"{base}/v1/runs/nope", headers={"Authorization": "Bearer x"}, timeout=5).status_code == 401
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out = proc.communicate(timeout=20)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out = proc.communicate()[0]
-    assert proc.returncode == 0, out[-3000:]
-    assert "is not installed in the proxy image" not in out
+        code = proxy.stop()
+    assert code == 0, proxy.output()
+    assert "is not installed in the proxy image" not in proxy.output()
 
 
 def _import_all(component: str, packages: list[str]) -> None:

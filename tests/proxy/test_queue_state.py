@@ -258,6 +258,23 @@ def test_redelivery_after_timeout_and_after_new_epoch(redis_server: RedisServer,
     run(redis_server, body)
 
 
+def test_redelivery_finds_timed_out_entries_behind_many_fresh_ones(redis_server: RedisServer, tmp_path: Any) -> None:
+    store = open_store(f"file://{tmp_path / 'b'}")
+    spec = make_spec(queue_capacity_groups=64, groups_per_step=32)
+
+    async def body(r: Any) -> None:
+        epoch = await setup_run(r, spec)
+        await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 30, 1), "a")
+        assert len((await claim(r, store, spec, epoch, n=30, redelivery_timeout_s=0.2)).deliveries) == 30
+        await asyncio.sleep(0.3)
+        # The 25 oldest come back (fresh again); 5 timed-out ones now sit behind them in the pending list.
+        assert len((await claim(r, store, spec, epoch, n=25, redelivery_timeout_s=0.2)).deliveries) == 25
+        tail = await claim(r, store, spec, epoch, n=1, redelivery_timeout_s=0.2)
+        assert [d.groups[0].prompt_id for d in tail.deliveries] == ["0-25"]
+
+    run(redis_server, body)
+
+
 def test_claim_long_poll_wakes_on_submit(redis_server: RedisServer, tmp_path: Any) -> None:
     store = open_store(f"file://{tmp_path / 'b'}")
     spec = make_spec()

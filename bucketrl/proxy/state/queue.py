@@ -302,14 +302,22 @@ local function take(entries)
     end
   end
 end
-for _ = 1, 1000 do
-  local before = #out + dropped
+-- (a) redeliveries: walk the pending list once (XAUTOCLAIM scans a bounded slice per call)
+local start = '0-0'
+for _ = 1, 100000 do
   if #out >= n then break end
-  take(redis.call('XAUTOCLAIM', stream, group, consumer, idle_ms, '0-0', 'COUNT', n - #out)[2])
-  if #out < n then
-    local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n - #out, 'STREAMS', stream, '>')
-    if got then take(got[1][2]) end
-  end
+  local res = redis.call('XAUTOCLAIM', stream, group, consumer, idle_ms, start, 'COUNT', n - #out)
+  take(res[2])
+  start = res[1]
+  if start == '0-0' then break end
+end
+-- (b) then new entries; stale ones are dropped, so read on until n are delivered or none is left
+for _ = 1, 100000 do
+  if #out >= n then break end
+  local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n - #out, 'STREAMS', stream, '>')
+  if not got then break end
+  local before = #out + dropped
+  take(got[1][2])
   if #out + dropped == before then break end
 end
 if dropped > 0 then redis.call('HINCRBY', KEYS[3], 'dropped_stale_total', dropped) end

@@ -226,6 +226,23 @@ def test_stale_groups_dropped_at_claim_and_counted(redis_server: RedisServer, bu
     run(redis_server, body)
 
 
+def test_vanished_batch_object_is_counted_lost_not_silently_skipped(redis_server: RedisServer, tmp_path: Any) -> None:
+    store = open_store(f"file://{tmp_path / 'b'}")
+    spec = make_spec()
+
+    async def body(r: Any) -> None:
+        epoch = await setup_run(r, spec)
+        gone = await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "gone")
+        store.delete([queue.batch_key(RUN, gone.batch_id)])  # someone deleted it behind the proxy's back
+        got = await claim(r, store, spec, epoch)
+        assert got.deliveries == [] and got.lost == 2
+        c = await queue.counters(r, RUN)
+        st = await queue.queue_status(r, RUN, spec)
+        assert c["lost_total"] == 2 and st.accepted_total == st.acked_total + c["lost_total"] + st.groups + st.pending
+
+    run(redis_server, body)
+
+
 def test_redelivery_after_timeout_and_after_new_epoch(redis_server: RedisServer, tmp_path: Any) -> None:
     store = open_store(f"file://{tmp_path / 'b'}")
     spec = make_spec()

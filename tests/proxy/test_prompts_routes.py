@@ -18,7 +18,7 @@ def test_prompt_lease_renew_release_and_admission_over_http(proxy_file: ProxyHar
     g = proxy_file.client("r1", "generator")
     a = g.lease_prompts("gen-a", 3, ttl_s=60)
     assert [(p.prompt_id, p.index, p.pass_) for p in a.prompts] == [("0-0", 0, 0), ("0-1", 1, 0), ("0-2", 2, 0)]
-    b = g.lease_prompts("gen-b", 5, ttl_s=0.3)  # partial grant up to the admission limit
+    b = g.lease_prompts("gen-b", 5, ttl_s=1.5)  # partial grant up to the admission limit
     assert [p.prompt_id for p in b.prompts] == ["1-0"]
     with proxy_file.http("generator") as http:
         r = http.post("/v1/runs/r1/prompts/lease", json={"worker_id": "gen-b", "n": 1})
@@ -35,7 +35,7 @@ def test_prompt_lease_renew_release_and_admission_over_http(proxy_file: ProxyHar
 
     renewed = g.renew_prompts("gen-a", ["0-0", "1-0"], ttl_s=120)
     assert [p.prompt_id for p in renewed.prompts] == ["0-0"]  # 1-0 is gen-b's
-    time.sleep(0.4)  # gen-b's lease expired: 1-0 is issued again, first
+    time.sleep(max(0.0, b.expires_at - time.time()) + 0.1)  # gen-b's lease expired: 1-0 is issued again, first
     with pytest.raises(errors.Gone):
         g.renew_prompts("gen-b", ["1-0"])
     g.release_prompts("gen-a", ["0-2"])

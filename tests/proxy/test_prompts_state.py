@@ -89,10 +89,10 @@ def test_renew_extends_only_own_live_leases(redis_server: RedisServer, tmp_path:
 
     async def body(r: Any) -> None:
         await runs.put_spec(r, RUN, spec)
-        a = await prompts.lease(r, store, RUN, spec, "g1", 2, 0.2)
+        a = await prompts.lease(r, store, RUN, spec, "g1", 2, 1.0)
         renewed = await prompts.renew(r, RUN, "g1", [*ids(a), "9-9"], 60)
         assert ids(renewed) == ids(a) and renewed.expires_at > time.time() + 50
-        await asyncio.sleep(0.3)  # the original ttl passed; the renewal keeps them leased
+        await asyncio.sleep(max(0.0, a.expires_at - time.time()) + 0.05)  # the original ttl passed
         b = await prompts.lease(r, store, RUN, spec, "g2", 1, 60)
         assert ids(b) == ["0-2"]
         with pytest.raises(errors.Gone):

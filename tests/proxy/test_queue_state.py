@@ -250,13 +250,13 @@ def test_redelivery_after_timeout_and_after_new_epoch(redis_server: RedisServer,
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
         await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "a")
-        first = await claim(r, store, spec, epoch, redelivery_timeout_s=0.3)
+        first = await claim(r, store, spec, epoch, redelivery_timeout_s=1.0)
+        t_first = time.monotonic()
         assert len(first.deliveries) == 2
-        assert (await claim(r, store, spec, epoch, redelivery_timeout_s=0.3)).deliveries == []
-        # Long-poll: the pending ones come back once they were idle for the timeout.
-        t0 = time.monotonic()
-        again = await claim(r, store, spec, epoch, redelivery_timeout_s=0.3, wait_s=3)
-        assert 0.1 < time.monotonic() - t0 < 2.5
+        assert (await claim(r, store, spec, epoch, redelivery_timeout_s=1.0)).deliveries == []
+        # Long-poll: the pending ones come back once they were idle for the timeout, not before.
+        again = await claim(r, store, spec, epoch, redelivery_timeout_s=1.0, wait_s=5)
+        assert 0.9 < time.monotonic() - t_first < 4.0
         assert sorted(d.delivery_id for d in again.deliveries) == sorted(d.delivery_id for d in first.deliveries)
         assert all(d.attempt == 2 for d in again.deliveries)
         # A new trainer registers: every pending delivery is re-claimable at once (long timeout).
@@ -282,11 +282,11 @@ def test_redelivery_finds_timed_out_entries_behind_many_fresh_ones(redis_server:
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
         await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 30, 1), "a")
-        assert len((await claim(r, store, spec, epoch, n=30, redelivery_timeout_s=0.2)).deliveries) == 30
-        await asyncio.sleep(0.3)
+        assert len((await claim(r, store, spec, epoch, n=30, redelivery_timeout_s=0.5)).deliveries) == 30
+        await asyncio.sleep(0.6)
         # The 25 oldest come back (fresh again); 5 timed-out ones now sit behind them in the pending list.
-        assert len((await claim(r, store, spec, epoch, n=25, redelivery_timeout_s=0.2)).deliveries) == 25
-        tail = await claim(r, store, spec, epoch, n=1, redelivery_timeout_s=0.2)
+        assert len((await claim(r, store, spec, epoch, n=25, redelivery_timeout_s=0.5)).deliveries) == 25
+        tail = await claim(r, store, spec, epoch, n=1, redelivery_timeout_s=0.5)
         assert [d.groups[0].prompt_id for d in tail.deliveries] == ["0-25"]
 
     run(redis_server, body)
@@ -309,7 +309,8 @@ def test_claim_long_poll_wakes_on_submit(redis_server: RedisServer, tmp_path: An
         got, submitted_at = await asyncio.gather(claim(r, store, spec, epoch, wait_s=10), late_submit())
         woke = time.monotonic()
         assert len(got.deliveries) == 1
-        assert woke - t0 < 2.0 and woke - submitted_at < 0.2  # woken by the submit, not a poll interval
+        # Woken by the submit itself: a re-check every WAIT_SLICE_S (1 s) would take ~0.7 s longer.
+        assert woke - t0 < 2.0 and woke - submitted_at < 0.5
         t0 = time.monotonic()
         assert (await claim(r, store, spec, epoch, wait_s=0.3)).deliveries == []
         assert 0.25 < time.monotonic() - t0 < 1.5

@@ -178,7 +178,7 @@ def test_claim_long_poll_wakes_and_new_trainer_gets_pending_at_once(proxy_file: 
     s.g.submit_rollouts(batch, "late")
     th.join(10)
     assert len(result["got"].deliveries) == 2
-    assert result["at"] - submitted < 0.5 and result["waited"] < 2.0
+    assert result["at"] - submitted < 1.0 and result["waited"] < 3.0  # (the wake-up latency: test_queue_state)
 
     # The trainer dies without acking; a new one registers and gets both at once (timeout is 600 s).
     t2 = proxy_file.client(s.run, "trainer")

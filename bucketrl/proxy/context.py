@@ -7,6 +7,7 @@ process) never share state except through Redis and the bucket, exactly like sep
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,5 +31,7 @@ class ProxyContext:
     auth: TokenAuth
     # Fans Redis pub/sub version announcements out to waiting long-polls (one subscription per app).
     notifier: VersionNotifier | None = None
+    # Serialises rebuilds inside this app (several requests may notice a wiped Redis at once).
+    rebuild_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Extra per-app objects other areas hang on the context (e.g. P3's queue helpers), by name.
     extras: dict[str, object] = field(default_factory=dict)

@@ -82,6 +82,13 @@ async def get_run(ctx: CtxDep, run: RunId) -> RunRef:
 
     spec = await runs.get_spec(ctx.redis, run)
     if spec is None:
+        # A wiped Redis answers "unknown run" for every run until rebuilt: rebuild now rather than at the
+        # maintenance loop's next pass (cheap when Redis still knows other runs: one SCARD).
+        from bucketrl.proxy import rebuild
+
+        if await rebuild.rebuild_if_wiped(ctx):
+            spec = await runs.get_spec(ctx.redis, run)
+    if spec is None:
         raise errors.NotFound(f"unknown run {run!r}: create it with PUT /v1/runs/{run}", code="unknown_run")
     return RunRef(run, spec)
 

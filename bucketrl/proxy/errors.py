@@ -99,6 +99,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(redis_exc.ConnectionError, _redis_down)
     app.add_exception_handler(redis_exc.TimeoutError, _redis_down)
     app.add_exception_handler(redis_exc.BusyLoadingError, _redis_down)
+    app.add_exception_handler(redis_exc.ReadOnlyError, _redis_down)  # a replica during failover
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(Exception, _unexpected)

@@ -167,12 +167,15 @@ async def rebuild_if_wiped(ctx: Any) -> bool:
     try:
         if await ctx.redis.scard(keys.RUNS_SET):
             return False
-        found = await asyncio.to_thread(bucket_runs, ctx.store)
-        if not found:
-            return False
-        log.warning("Redis holds no runs but the bucket has %d: rebuilding from bucket manifests", len(found))
-        await rebuild_all(ctx)
-        return True
+        async with ctx.rebuild_lock:  # one rebuild per app at a time; the others wait and re-check
+            if await ctx.redis.scard(keys.RUNS_SET):
+                return True
+            found = await asyncio.to_thread(bucket_runs, ctx.store)
+            if not found:
+                return False
+            log.warning("Redis holds no runs but the bucket has %d: rebuilding from bucket manifests", len(found))
+            await rebuild_all(ctx)
+            return True
     except (redis_exc.RedisError, errors.Unavailable) as exc:
         log.warning("rebuild check skipped (%r); the maintenance loop retries", exc)
         return False

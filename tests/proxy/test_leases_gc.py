@@ -65,12 +65,12 @@ def test_lease_lifecycle_and_errors(proxy_file: ProxyHarness) -> None:
 def test_gc_deletes_old_unleased_versions_and_never_leased_ones(proxy: ProxyHarness) -> None:
     t, g = _setup(proxy, versions=2, max_staleness=1)
     hold = g.lease_version("g1", version=1, ttl_s=60)
-    g.lease_version("g2", version=2, ttl_s=0.3)
     for v in (3, 4, 5):
         t.publish_adapter(v, adapter_tar(v))
+    short = g.lease_version("g2", version=2, ttl_s=1.0)
     # latest 5, max_staleness 1: versions < 4 are collectable unless leased.
     assert _gc(proxy) == [3]  # v1 is leased, v2's lease is still live
-    time.sleep(0.4)
+    time.sleep(max(0.0, short.expires_at - time.time()) + 0.05)
     assert _gc(proxy) == [2]  # v2's lease expired
     store = proxy.ctx.store
     assert not store.exists("runs/r1/adapters/v2/manifest.json")

@@ -166,3 +166,18 @@ def test_readyz_reports_an_unreachable_bucket(redis_server: RedisServer, tmp_pat
     with running(redis_server.url, f"file://{blocker}/bucket") as p, p.http(None) as anon:
         r = anon.get("/readyz")
         assert r.status_code == 503 and r.json()["redis"] == "ok" and r.json()["bucket"].startswith("unavailable")
+
+
+def test_first_request_after_a_wipe_rebuilds_inline(proxy_file: ProxyHarness, redis_server: RedisServer) -> None:
+    """No waiting for the maintenance loop (hourly in this harness): the first request that finds its run
+    missing from an empty Redis triggers the rebuild and gets its answer."""
+    t = proxy_file.client("r1", "trainer")
+    t.put_run(make_spec())
+    t.register_trainer("t0")
+    t.publish_adapter(1, adapter_tar(1))
+    redis_server.wipe()
+    redis_server.start()
+    g = proxy_file.client("r1", "generator", retries=3)
+    assert g.wait_for_version(0, wait_s=0).version == 1
+    with pytest.raises(errors.NotFound):  # a run the bucket does not know stays unknown
+        proxy_file.client("ghost", "viewer").get_run()

@@ -87,6 +87,7 @@ async def put(
         lock = WriteLock(ctx.redis, run, f"step-{step}", epoch, ttl_s=s.publish_lock_s)
         await lock.acquire()
         prefix = checkpoint_prefix(run, step)
+        # Files are removed on failure only while their fate is known (see versions.publish).
         keep_files = False
         try:
             if existing is not None:
@@ -103,7 +104,7 @@ async def put(
                 [epoch, step, lock.owner, spooled.sha256, spooled.size],
             )
             status, detail = status.decode(), detail.decode()
-            keep_files = status == "ok"
+            keep_files = status != "fenced"
             if status == "ok":
                 return CheckpointInfo(
                     step=step, sha256=spooled.sha256, bytes=spooled.size, created_at=float(detail), epoch=epoch
@@ -117,7 +118,7 @@ async def put(
                 code="write_in_progress",
             )
         finally:
-            if not keep_files:
+            if not keep_files and await lock.owned():
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(dirs.delete_dir, ctx.store, prefix)
             await lock.release()

@@ -107,6 +107,14 @@ class WriteLock:
                 self.fenced = self.fenced or res == "fenced"
                 self.lost = self.lost or res == "lost"
 
+    async def owned(self) -> bool:
+        """Whether this writer still holds the lock (then nobody else can be writing its prefix)."""
+        try:
+            holder = await self.r.get(self.key)
+        except Exception:
+            return False
+        return holder is not None and holder.decode() == self.owner
+
     async def release(self) -> None:
         if self._refresher is not None:
             self._refresher.cancel()

@@ -9,6 +9,7 @@ agree on one spec and the loser of a conflicting immutable field gets 409.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,9 +34,15 @@ async def list_runs(r: Any) -> list[str]:
     return sorted(m.decode() for m in await r.smembers(keys.RUNS_SET))
 
 
+@functools.lru_cache(maxsize=256)
+def _parse_spec(raw: bytes) -> RunSpec:
+    # Every request resolves its run's spec; parsing the same bytes once is enough (RunSpec is only read).
+    return RunSpec.model_validate_json(raw)
+
+
 async def get_spec(r: Any, run: str) -> RunSpec | None:
     raw = await r.get(keys.run_key(run, keys.SPEC))
-    return None if raw is None else RunSpec.model_validate_json(raw)
+    return None if raw is None else _parse_spec(bytes(raw))
 
 
 async def get_state(r: Any, run: str) -> RunState:

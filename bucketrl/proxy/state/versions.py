@@ -134,8 +134,9 @@ async def publish(
         lock = WriteLock(ctx.redis, run, f"v{version}", epoch, ttl_s=s.publish_lock_s, expected_next=version)
         await lock.acquire()
         prefix = adapter_prefix(run, version)
-        # Set while the commit's outcome is unknown (a Redis error mid-script): then the files must stay,
-        # since Redis may have recorded the version; a retry finds it (idempotent) or clears the leftovers.
+        # Files are removed on failure only while their fate is known: before the commit is attempted, or
+        # after a 'fenced' answer. A Redis error mid-commit (it may have been recorded) or a lost lock
+        # (another writer may own the prefix now) leaves them; a retry finds the version or clears them.
         keep_files = False
         try:
             await asyncio.to_thread(_write_bundle, ctx.store, prefix, spooled, expected_sha256, run, version, epoch)
@@ -152,7 +153,7 @@ async def publish(
                 [epoch, version, lock.owner, spooled.sha256, spooled.size],
             )
             status, detail = status.decode(), detail.decode()
-            keep_files = status == "ok"
+            keep_files = status != "fenced"
             if status == "ok":
                 ctx.telemetry.published_versions.labels(run=run).inc()
                 return AdapterVersionInfo(
@@ -171,7 +172,7 @@ async def publish(
                 code="write_in_progress",
             )
         finally:
-            if not keep_files:
+            if not keep_files and await lock.owned():
                 # Nobody can have seen these files (Redis never recorded them): remove them.
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(dirs.delete_dir, ctx.store, prefix)

@@ -48,6 +48,9 @@ async def live_workers(r: Any, run: str, ttl_s: float) -> tuple[list[WorkerStatu
         wid, entry = wid_b.decode(), json.loads(blob)
         age = now - float(entry["last_seen"])
         if age > ttl_s:
+            if age > 10 * ttl_s:  # long gone: forget it (its metrics too)
+                await r.hdel(keys.run_key(run, keys.WORKERS), wid)
+                await r.delete(keys.run_key(run, keys.WORKER_METRICS.format(worker=wid)))
             continue
         workers.append(
             WorkerStatus(worker_id=wid, role=entry["role"], loaded_versions=entry["loaded_versions"], last_seen_s=age)

@@ -53,6 +53,15 @@ def test_openapi_documents_routes_bodies_and_errors() -> None:
 
     for ref in {part.split('"')[0] for part in json.dumps(schema).split('"$ref": "')[1:]}:
         assert ref.removeprefix("#/components/schemas/") in comps, ref
+    # Generic truths for every route, whoever wrote it: validation errors use our ErrorBody (never FastAPI's
+    # HTTPValidationError), and every /v1 route documents its 401 and 503.
+    assert "HTTPValidationError" not in json.dumps(schema)
+    for path, ops in schema["paths"].items():
+        for method, op in ops.items():
+            if path.startswith("/v1/"):
+                assert {"401", "503"} <= op["responses"].keys(), (method, path)
+            if "{" in path:
+                assert "422" in op["responses"], (method, path)
     served = {(m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods}
     documented = {(m.upper(), p) for p, ops in schema["paths"].items() for m in ops}
     assert served == documented

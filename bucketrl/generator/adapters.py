@@ -139,10 +139,14 @@ class VersionBook:
         with self._lock:
             return {s.version: s.lease_id for s in self._slots.values() if s.lease_id}
 
-    def set_lease(self, version: int, lease_id: str) -> None:
+    def replace_lease(self, version: int, old_id: str, new_id: str) -> bool:
+        """Swap an expired lease for a fresh one, unless the version was retired meanwhile (then False)."""
         with self._lock:
-            if version in self._slots:
-                self._slots[version].lease_id = lease_id
+            slot = self._slots.get(version)
+            if slot is None or slot.lease_id != old_id:
+                return False
+            slot.lease_id = new_id
+            return True
 
     def retire(self, max_staleness: int, capacity: int, reserve: int = 0) -> list[VersionSlot]:
         """Loaded versions to unload now (and forget, releasing their lease).
@@ -169,11 +173,13 @@ class VersionBook:
                 del self._slots[s.version]
             return out
 
-    def idle_leases(self) -> list[VersionSlot]:
-        """Loaded, not current, no work in flight, lease still held: the lease can go (the weights stay)."""
+    def take_idle_leases(self) -> list[str]:
+        """Lease ids of versions loaded, not current, with no work in flight: they can go (the weights stay).
+        The book forgets them, so they are neither renewed nor released twice."""
         with self._lock:
             cur = self._current_locked()
-            out = [s for s in self._slots.values() if s.loaded and s.inflight == 0 and s is not cur and s.lease_id]
-            for s in out:
+            idle = [s for s in self._slots.values() if s.loaded and s.inflight == 0 and s is not cur and s.lease_id]
+            out = [s.lease_id for s in idle]
+            for s in idle:
                 s.lease_id = ""
             return out

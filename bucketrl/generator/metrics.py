@@ -12,7 +12,8 @@ Names follow TRL's AsyncGRPOTrainer where one exists (TEAM.md):
     sync/adapter_version         that version
     policy/version               the version new prompts are sampled with
     rollout/groups_submitted_total, rollout/dropped_stale_total, rollout/rejected_groups_total,
-    rollout/released_prompts_total, rollout/truncated_prompts_total, rollout/tokens_total (cumulative)
+    rollout/released_prompts_total, rollout/truncated_prompts_total, rollout/tokens_total,
+    sync/adapter_failures_total (versions that could not be fetched or loaded and were skipped) (cumulative)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class GeneratorMetrics:
             "rollout/truncated_prompts_total": 0,
             "rollout/unscorable_total": 0,
             "rollout/tokens_total": 0,
+            "sync/adapter_failures_total": 0,
         }
         self.gauges: dict[str, float] = {}
 

@@ -166,7 +166,9 @@ class GeneratorWorker:
             self._load_pending()
             self._retire()
             slot = self.book.current()
-            if slot is None:
+            if slot is None or slot.version < self.book.newest_known - self.spec.max_staleness:
+                # No version yet, or ours left the staleness window (newer ones failed to load or are
+                # still downloading): groups sampled now would only be dropped as stale.
                 self._version_ready.wait(1.0)
                 self._version_ready.clear()
                 continue
@@ -265,6 +267,7 @@ class GeneratorWorker:
             self.engine.load_adapter(slot.name, slot.version, slot.path)
         except Exception as exc:
             log.error("adapter v%d could not be loaded (%s); staying on the current version", slot.version, exc)
+            self.metrics.add("sync/adapter_failures_total")
             self.book.drop(slot.version)
             self._release_version_lease(slot.lease_id)
             return
@@ -287,8 +290,8 @@ class GeneratorWorker:
             if self._own_cache_dir:
                 shutil.rmtree(slot.path, ignore_errors=True)
             log.info("unloaded %s", slot.name)
-        for slot in self.book.idle_leases():
-            self._release_version_lease(slot.lease_id)
+        for lease_id in self.book.take_idle_leases():
+            self._release_version_lease(lease_id)
 
     def _release_version_lease(self, lease_id: str) -> None:
         if not lease_id:
@@ -308,10 +311,14 @@ class GeneratorWorker:
                     self._fetch_version(info.version, info.sha256)
                 delay = 0.5
             except errors.BucketRLError as exc:
+                if self.stop_event.is_set():
+                    return
                 log.warning("adapter sync: %s %s", exc.code, exc.message)
                 self.stop_event.wait(delay)
                 delay = min(delay * 2, 10.0)
             except Exception:
+                if self.stop_event.is_set():
+                    return  # the client was closed under a long-poll at shutdown
                 log.exception("adapter sync failed")
                 self.stop_event.wait(delay)
                 delay = min(delay * 2, 10.0)
@@ -331,6 +338,7 @@ class GeneratorWorker:
             if exc.retryable:  # a corrupted transfer: try again
                 raise
             log.error("adapter v%d is unusable, skipping it: %s", lease.version, exc.message)
+            self.metrics.add("sync/adapter_failures_total")
             self.book.newest_known = max(self.book.newest_known, lease.version)
             return
         except BaseException:
@@ -338,6 +346,8 @@ class GeneratorWorker:
             raise
         for old in self.book.add(lease.version, lease.lease_id, path, time.monotonic() - t0):
             self._release_version_lease(old.lease_id)  # fetched but never loaded: superseded
+        if self.stop_event.is_set():  # shutdown may have released the book's leases already
+            self._release_version_lease(lease.lease_id)
         self._version_ready.set()
 
     def _refresh_spec(self) -> None:
@@ -373,7 +383,8 @@ class GeneratorWorker:
             except errors.Gone:
                 try:  # expired (a long stall): lease the same version again if it still exists
                     fresh = self.client.lease_version(self.worker_id, version, s.version_lease_ttl_s)
-                    self.book.set_lease(version, fresh.lease_id)
+                    if not self.book.replace_lease(version, lease_id, fresh.lease_id):
+                        self._release_version_lease(fresh.lease_id)  # released on purpose meanwhile
                 except errors.BucketRLError as exc:
                     log.warning("version %d lease lost: %s", version, exc.message)
             except errors.BucketRLError as exc:

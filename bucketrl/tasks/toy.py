@@ -37,6 +37,11 @@ DEFAULT_TASK = "digits"
 DEFAULT_SIZE = 1024  # prompts in one pass of a toy dataset
 DEFAULT_LENGTH = 8  # characters the reward looks at (= the demo's max_new_tokens)
 NEAR_CREDIT = 0.1  # credit for a character of the right kind but the wrong value
+# Trainer settings of the demo (``bucketrl up``): measured with a standalone GRPO loop on the tiny model,
+# lr 3e-4 moves the digits task from ~0.1 (steps 1-20) to ~0.97 (steps 60-90); lr 1e-3 learns it within
+# ~15 steps, too fast to see a curve.
+DEMO_LR = 3e-4
+DEMO_MAX_STEPS = 100
 
 TASKS = ("digits", "parity", "copy")
 # The digits each rule asks for.

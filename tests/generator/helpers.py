@@ -60,7 +60,7 @@ def run_spec(model_dir: Path, **overrides: Any) -> RunSpec:
         "max_staleness": 1,
         "sampling": SamplingSpec(temperature=1.0, max_new_tokens=16),
         "reward": RewardSpec(name="exact"),
-        "dataset": DatasetSpec(uri="toy:add", size=8),
+        "dataset": DatasetSpec(uri="toy:digits", size=8),
         "vocab_size": 64,
     }
     fields.update(overrides)

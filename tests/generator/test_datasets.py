@@ -98,8 +98,7 @@ def test_prompt_token_ids_plain_and_chat_template(tiny_model_dir: Path) -> None:
     assert templated[0] == tok.bos_token_id
 
 
-def test_toy_dataset_when_available() -> None:
-    pytest.importorskip("bucketrl.tasks.toy")
+def test_toy_dataset() -> None:
     from bucketrl.tasks.toy import DEFAULT_TASK
 
     spec = DatasetSpec(uri=f"toy:{DEFAULT_TASK}", size=5)

@@ -165,3 +165,14 @@ def test_pool_score_can_be_cancelled() -> None:
         assert pool.score([RewardItem("a", None, "")] * 3, cancel=cancel) == [None, None, None]
         assert time.monotonic() - t0 < 10
         assert pool.unscorable_total == 3
+
+
+def test_toy_reward_through_the_registry_and_pool() -> None:
+    fn = resolve_reward("toy")
+    assert fn("2468", "even", prompt="even:", length=4) == 1.0
+    assert fn("1357", "even", prompt="even:", length=4) == pytest.approx(0.1)
+    validate_reward(RewardSpec(name="toy", kwargs={"task": "digits", "length": 4}))
+    with RewardPool(RewardSpec(name="toy", kwargs={"length": 4}), workers=1) as pool:
+        # A missing answer makes the toy reward raise: unscorable, not a dead pool.
+        got = pool.score([RewardItem("2468", "even", "even:"), RewardItem("2468", None, "even:")])
+    assert got == [1.0, None]

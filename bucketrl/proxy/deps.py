@@ -8,7 +8,9 @@
 ``GeneratorRole``      generator (or admin)
 ``WorkerRole``         trainer or generator (or admin)
 ``ViewerRole``         viewer, generator or trainer (or admin): read-only routes
-``RunDep``             :class:`RunRef` (name + :class:`~bucketrl.wire.RunSpec`); 404 on an unknown run
+``RunDep``             :class:`RunRef` (name + :class:`~bucketrl.wire.RunSpec`); 404 on an unknown run. Read
+                       from Redis on every request (no cache: after a Redis wipe the first request must see
+                       the run missing and rebuild it, not act on a cached spec over empty state).
 ``EpochDep``           the caller's ``X-Trainer-Epoch``, checked against the current epoch: 409 ``fenced``
                        when older. The check here is early rejection only: a write must re-check the
                        epoch atomically with its commit (see ``state/versions.py``'s Lua), because a new
@@ -20,9 +22,9 @@ Use ``require("trainer", "generator")`` for any other role combination.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Header, Path, Request
 
@@ -33,7 +35,7 @@ from bucketrl.wire import RunSpec
 from bucketrl.wire.common import ID_PATTERN
 
 
-def get_ctx(request: Request) -> ProxyContext:
+async def get_ctx(request: Request) -> ProxyContext:
     return request.app.state.ctx
 
 
@@ -45,17 +47,18 @@ RunId = Annotated[
 ]
 
 
-def get_principal(ctx: CtxDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
+async def get_principal(ctx: CtxDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
     return ctx.auth.authenticate(authorization)
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-def require(*roles: str) -> Callable[[Principal], Principal]:
+def require(*roles: str) -> Callable[[Principal], Coroutine[Any, Any, Principal]]:
     """A dependency admitting ``roles`` (admin always); 403 naming the caller's role otherwise."""
 
-    def dependency(principal: PrincipalDep) -> Principal:
+    # Every dependency is ``async def``: FastAPI runs a plain ``def`` in the thread pool, a thread hop per call.
+    async def dependency(principal: PrincipalDep) -> Principal:
         if not principal.may(*roles):
             raise errors.Forbidden(f"role {principal.role!r} may not call this route (needs {' or '.join(roles)})")
         return principal

@@ -17,11 +17,13 @@ group twice against the same checkpointed state, and unacknowledged deliveries c
 on from exactly the state that has not seen them.
 
     tar = pack_checkpoint(learner, TrainerState(step=..., policy_version=..., ...))
+    snap = snapshot(learner, state)   # on the training thread; snap.pack() later, on any thread
     state = restore_checkpoint(learner, tar)
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import tempfile
@@ -35,6 +37,7 @@ import torch
 
 from bucketrl.tarball import pack_dir, unpack
 from bucketrl.trainer.learner import Learner
+from bucketrl.trainer.model import AdapterSnapshot
 
 FORMAT_VERSION = 1
 
@@ -86,23 +89,50 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write_checkpoint_dir(learner: Learner, state: TrainerState, directory: str | Path) -> Path:
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+@dataclass
+class CheckpointSnapshot:
+    """Everything a checkpoint holds, copied at one step: take it on the training thread (cheap clones),
+    write or pack it on any thread while training goes on."""
+
+    state: TrainerState
+    adapter: AdapterSnapshot
+    optimizer: dict[str, Any]
+    rng: dict[str, Any]
+
+    def write(self, directory: str | Path) -> Path:
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self.adapter.write(out / "adapter")
+        torch.save(self.optimizer, out / "optimizer.pt")
+        torch.save(self.rng, out / "rng.pt")
+        (out / "state.json").write_text(json.dumps(asdict(self.state), indent=2, sort_keys=True) + "\n")
+        return out
+
+    def pack(self) -> bytes:
+        with tempfile.TemporaryDirectory(prefix="bucketrl-ckpt-") as tmp:
+            return pack_dir(self.write(tmp))
+
+
+def snapshot(learner: Learner, state: TrainerState) -> CheckpointSnapshot:
+    """Copy the learner's state now (the optimizer's tensors are cloned: the next step updates them in place)."""
     state.step = learner.step
     state.base_model = learner.spec.base_model
     state.lora = learner.spec.lora.model_dump(mode="json")
     state.created_at = state.created_at or time.time()
-    learner.policy.save_adapter(out / "adapter")
-    torch.save(learner.optimizer.state_dict(), out / "optimizer.pt")
-    torch.save(rng_state(), out / "rng.pt")
-    (out / "state.json").write_text(json.dumps(asdict(state), indent=2, sort_keys=True) + "\n")
-    return out
+    return CheckpointSnapshot(
+        state=state,
+        adapter=learner.policy.adapter_snapshot(),
+        optimizer=copy.deepcopy(learner.optimizer.state_dict()),
+        rng=rng_state(),
+    )
+
+
+def write_checkpoint_dir(learner: Learner, state: TrainerState, directory: str | Path) -> Path:
+    return snapshot(learner, state).write(directory)
 
 
 def pack_checkpoint(learner: Learner, state: TrainerState) -> bytes:
-    with tempfile.TemporaryDirectory(prefix="bucketrl-ckpt-") as tmp:
-        return pack_dir(write_checkpoint_dir(learner, state, tmp))
+    return snapshot(learner, state).pack()
 
 
 def read_state(directory: str | Path) -> TrainerState:

@@ -12,6 +12,7 @@ same weights always give the same bytes (and the same sha256).
     policy = PolicyModel(run_spec, device="cpu", dtype="float32", seed=0)
     lp, entropy = policy.token_logprobs(micro_batch, with_entropy=True)   # [B, T] each
     tar = policy.adapter_tar()                                              # PUT /adapters/{N}
+    snap = policy.adapter_snapshot(); threading.Thread(target=lambda: put(snap.tar())).start()  # off the loop
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,6 +68,31 @@ def eos_token_ids(model: torch.nn.Module) -> set[int]:
     return ids
 
 
+@dataclass(frozen=True)
+class AdapterSnapshot:
+    """Adapter weights frozen at one step, and the config: what ``PeftModel.save_pretrained`` writes.
+
+    Written without peft's README model card (rendering it costs more than the weights of a small adapter,
+    and the trainer publishes every ``sync_every`` steps); same state dict, same safetensors metadata.
+    """
+
+    state: dict[str, torch.Tensor]
+    config_json: str
+
+    def write(self, directory: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(self.state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(self.config_json)
+        return out
+
+    def tar(self) -> bytes:
+        with tempfile.TemporaryDirectory(prefix="bucketrl-adapter-") as tmp:
+            return pack_dir(self.write(tmp))
+
+
 class PolicyModel:
     """Base model + one trainable LoRA adapter (named ``default``)."""
 
@@ -85,6 +112,7 @@ class PolicyModel:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
         self.spec = spec
         self.device = resolve_device(device)
+        self._config_cache: str | None = None
         base = AutoModelForCausalLM.from_pretrained(spec.base_model, dtype=DTYPES[dtype])
         vocab = base.get_output_embeddings().weight.shape[0]
         if vocab < spec.vocab_size:
@@ -173,23 +201,37 @@ class PolicyModel:
 
     # -- adapter files -------------------------------------------------------------------------------
 
+    def adapter_snapshot(self) -> AdapterSnapshot:
+        """A copy of the adapter weights (cheap: a clone) that can be written out later, on any thread."""
+        from peft import get_peft_model_state_dict
+
+        state = {
+            k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(self.model).items()
+        }
+        return AdapterSnapshot(state=state, config_json=self._config_json())
+
+    def _config_json(self) -> str:
+        """``adapter_config.json`` as peft writes it (``inference_mode`` true), target_modules sorted."""
+        if self._config_cache is None:
+            import copy
+
+            config = copy.deepcopy(self.model.peft_config["default"])
+            config.inference_mode = True
+            with tempfile.TemporaryDirectory(prefix="bucketrl-cfg-") as tmp:
+                config.save_pretrained(tmp)  # peft's own config writer
+                cfg = json.loads((Path(tmp) / "adapter_config.json").read_text())
+            if isinstance(cfg.get("target_modules"), list):
+                cfg["target_modules"] = sorted(cfg["target_modules"])
+            self._config_cache = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+        return self._config_cache
+
     def save_adapter(self, directory: str | Path) -> Path:
         """Write exactly ``adapter_config.json`` + ``adapter_model.safetensors`` into ``directory``."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, safe_serialization=True)
-        (out / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the adapter
-        cfg_path = out / "adapter_config.json"
-        cfg = json.loads(cfg_path.read_text())
-        if isinstance(cfg.get("target_modules"), list):
-            cfg["target_modules"] = sorted(cfg["target_modules"])
-        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        return out
+        return self.adapter_snapshot().write(directory)
 
     def adapter_tar(self) -> bytes:
         """The adapter directory as the deterministic tar the proxy stores (``PUT /adapters/{N}``)."""
-        with tempfile.TemporaryDirectory(prefix="bucketrl-adapter-") as tmp:
-            return pack_dir(self.save_adapter(tmp))
+        return self.adapter_snapshot().tar()
 
     def load_adapter(self, directory: str | Path) -> None:
         """Load adapter weights saved by :meth:`save_adapter` into the trainable adapter (in place)."""

@@ -5,7 +5,8 @@
 
 Start-up
     1. create or confirm the run spec (``PUT /runs/{run}``; ``dataset.size`` counted when missing), or read it;
-    2. register (``POST /runs/{run}/trainer``): a new fencing epoch; older trainers are fenced from now on;
+    2. load the model, then register (``POST /runs/{run}/trainer``): a new fencing epoch; older trainers are
+       fenced from now on (loading first keeps the hand-over gap short);
     3. resume from the latest checkpoint: restore it, then ack the deliveries it lists (TEAM.md ack protocol);
     4. make sure the latest published version holds the current weights: publish v1 (the initial adapter)
        on a new run, or publish the restored weights as latest+1 when versions newer than the checkpoint
@@ -13,10 +14,15 @@ Start-up
        version the trainer can reproduce.
 
 Each step (until ``max_steps``)
-    claim until ``groups_per_step`` groups (``perf/rollout_wait_s``) -> :meth:`Learner.train_step` ->
-    every ``sync_every`` steps publish version latest+1 (``perf/weight_sync_s``) -> every ``checkpoint_every``
-    steps write the checkpoint (it lists the deliveries consumed since the previous one) and THEN ack them
-    -> push metrics (TRL names; staleness; per-generator logprob mismatch; zero-variance groups).
+    take the claimed groups (``groups_per_step``; the time blocked on them is ``perf/rollout_wait_s``) and
+    start claiming the next step's -> :meth:`Learner.train_step` -> every ``sync_every`` steps publish
+    version latest+1 -> every ``checkpoint_every`` steps write the checkpoint (it lists the deliveries
+    consumed since the previous one) and THEN ack them -> push metrics (TRL names; staleness;
+    per-generator logprob mismatch; zero-variance groups).
+
+    Claims run one step ahead on a helper thread, and publishes, checkpoints, acks and metric pushes run in
+    order on the :class:`~bucketrl.trainer.uploader.Uploader` thread from snapshots taken at the step, so
+    the next step's compute overlaps the proxy round trips (``bench/trainer_overhead.py`` measures it).
 
 Endings
     ``max_steps`` reached: publish and checkpoint what is not yet, print where the final adapter is, exit 0.
@@ -35,12 +41,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.trainer.uploader import Uploader
 from bucketrl.wire import Delivery, MetricsPush, RunSpec
 
 log = logging.getLogger("bucketrl.trainer")
@@ -57,28 +65,37 @@ class Stopped(Exception):
     """A stop was requested (SIGTERM) while waiting: wind down."""
 
 
+class ConfigError(Exception):
+    """A setting is wrong: the message says which one."""
+
+
 class TrainerWorker:
     """One trainer process for one run. ``run()`` returns the exit code."""
 
-    def __init__(
-        self, settings: TrainerSettings, *, client: ProxyClient | None = None, echo: Callable[[str], None] = print
-    ) -> None:
+    def __init__(self, settings: TrainerSettings, *, echo: Callable[[str], None] = print) -> None:
         self.settings = settings
         self.worker_id = settings.resolved_worker_id("trainer")
-        self.client = client or ProxyClient(
-            settings.proxy_url, settings.run, settings.token, timeout_s=settings.http_timeout_s
-        )
+        # One client per thread (main, claim prefetch, uploader): each keeps its own connection.
+        self.client, self.claim_client, self.write_client = (self._new_client() for _ in range(3))
         self.echo = echo
         self.stop_requested = threading.Event()
         self.epoch = 0
-        self.latest_version = 0  # the newest version the proxy has (ours after every publish)
+        self.latest_version = 0  # the newest version on the proxy (ours after every publish)
         self.policy_version = 0  # the version whose weights equal the current ones
         self.policy_step = -1  # the step at which policy_version was saved
         self.last_checkpoint_step = -1
         self.consumed: list[str] = []  # delivery ids trained on since the last checkpoint
         self.counters: dict[str, float] = {"sample/dropped_stale_total": 0.0}
+        self.last_sync_s = math.nan  # duration of the latest completed publish (snapshot to commit)
         self.learner: Any = None
         self.spec: RunSpec | None = None
+        self.uploader: Uploader | None = None
+        self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucketrl-claim")
+        self._audit_lock = threading.Lock()
+
+    def _new_client(self) -> ProxyClient:
+        s = self.settings
+        return ProxyClient(s.proxy_url, s.run, s.token, timeout_s=s.http_timeout_s)
 
     # -- entry point ------------------------------------------------------------------------------------
 
@@ -107,26 +124,38 @@ class TrainerWorker:
             self.echo(f"bucketrl trainer: proxy error {exc.code}: {exc.message}")
             return EXIT_ERROR
         finally:
-            self.client.close()
+            self.stop_requested.set()  # ends a prefetching claim within claim_wait_s
+            self._prefetch.shutdown(wait=True)
+            if self.uploader is not None:
+                self.uploader.close()
+            for c in (self.client, self.claim_client, self.write_client):
+                c.close()
 
     def _run(self) -> int:
         from bucketrl.trainer.learner import Learner
 
         self.spec = self._ensure_run()
-        reg = self.client.register_trainer(self.worker_id)
-        self.epoch = reg.epoch
-        self.latest_version = reg.latest_version
-        log.info("registered as %s with epoch %d (latest version %d)", self.worker_id, self.epoch, self.latest_version)
         self._seed()
         self.learner = Learner(self.spec, self.settings)
+        reg = self.client.register_trainer(self.worker_id)
+        self.epoch = self.claim_client.epoch = self.write_client.epoch = reg.epoch
+        self.latest_version = reg.latest_version
+        log.info("registered as %s with epoch %d (latest version %d)", self.worker_id, self.epoch, self.latest_version)
+        self.uploader = Uploader()
         self._resume()
         self._ensure_published()
         self._audit({"event": "start", "epoch": self.epoch, "step": self.learner.step})
+        pending = self._claim_ahead()
         while self.learner.step < self.settings.max_steps and not self.stop_requested.is_set():
+            t0 = time.perf_counter()
             try:
-                self._step()
+                deliveries, dropped = pending.result()
             except Stopped:
                 break
+            wait_s = time.perf_counter() - t0
+            if self.learner.step + 1 < self.settings.max_steps:
+                pending = self._claim_ahead()
+            self._step(deliveries, dropped, wait_s, t0)
         return self._finish()
 
     # -- start-up -----------------------------------------------------------------------------------------
@@ -204,27 +233,35 @@ class TrainerWorker:
         elif not (self.latest_version == self.policy_version and self.policy_step == step):
             log.info("latest v%d is not the restored weights (step %d): publishing them", self.latest_version, step)
             self._publish()
+        self._uploader().drain()  # generators must find it before the first claim can be answered
 
     # -- one step -----------------------------------------------------------------------------------------
 
-    def _step(self) -> None:
+    def _step(self, deliveries: list[Delivery], dropped: int, wait_s: float, t0: float) -> None:
         from bucketrl.trainer.learner import StepGroup
 
-        t0 = time.perf_counter()
-        deliveries, wait_s, dropped = self._claim_groups()
+        self._uploader().check()  # a failed background write (e.g. fenced) ends the run before more work
         groups = [StepGroup(g, d.version, d.worker_id) for d in deliveries for g in d.groups]
         stats = self.learner.train_step(groups, policy_version=self.policy_version)
         self.consumed += [d.delivery_id for d in deliveries]
         step = self.learner.step
         self._audit(
-            {"event": "step", "epoch": self.epoch, "step": step, "deliveries": [d.delivery_id for d in deliveries]}
+            {
+                "event": "step",
+                "epoch": self.epoch,
+                "step": step,
+                "deliveries": [d.delivery_id for d in deliveries],
+                "fwd_bwd_s": stats["perf/fwd_bwd_s"],
+            }
         )
         self.counters["sample/dropped_stale_total"] += dropped
         stats["perf/rollout_wait_s"] = wait_s
         if step % self.settings.sync_every == 0:
-            stats["perf/weight_sync_s"] = self._publish()
+            self._publish()
         if step % self.settings.checkpoint_every == 0:
-            stats["perf/checkpoint_s"] = self._checkpoint()
+            self._checkpoint()
+        if math.isfinite(self.last_sync_s):
+            stats["perf/weight_sync_s"] = self.last_sync_s
         stats["sample/dropped_stale"] = float(dropped)
         stats["sample/dropped_stale_total"] = self.counters["sample/dropped_stale_total"]
         stats["policy/version"] = float(self.policy_version)
@@ -241,74 +278,107 @@ class TrainerWorker:
             stats["perf/step_s"],
         )
 
-    def _claim_groups(self) -> tuple[list[Delivery], float, int]:
-        """Claim until the step holds ``groups_per_step`` groups. Raises Stopped on a stop request."""
+    def _claim_ahead(self) -> Future[tuple[list[Delivery], int]]:
+        return self._prefetch.submit(self._claim_groups)
+
+    def _claim_groups(self) -> tuple[list[Delivery], int]:
+        """Claim until ``groups_per_step`` groups (helper thread). Raises Stopped on a stop request."""
         assert self.spec is not None
         need = self.spec.groups_per_step
         got: list[Delivery] = []
-        dropped = 0
+        dropped = n = 0
         t0 = time.monotonic()
-        n = 0
         while n < need:
             if self.stop_requested.is_set():
-                raise Stopped
+                raise Stopped  # what was claimed stays unacked: the next trainer gets it at once
             waited = time.monotonic() - t0
             if self.settings.max_rollout_wait_s and waited > self.settings.max_rollout_wait_s:
                 raise errors.Unavailable(
                     f"no rollouts for {waited:.0f}s (BUCKETRL_MAX_ROLLOUT_WAIT_S): are generators running?"
                 )
             resp = self._retrying(
-                lambda k=need - n: self.client.claim(self.worker_id, max_groups=k, wait_s=self.settings.claim_wait_s)
+                lambda k=need - n: self.claim_client.claim(
+                    self.worker_id, max_groups=k, wait_s=self.settings.claim_wait_s
+                )
             )
             dropped += resp.dropped_stale
             got += resp.deliveries
             n = sum(len(d.groups) for d in got)
-        return got, time.monotonic() - t0, dropped
+        return got, dropped
 
-    # -- publish, checkpoint, metrics -----------------------------------------------------------------------
+    # -- publish, checkpoint, metrics (snapshots now, writes on the uploader thread) ------------------------
 
-    def _publish(self) -> float:
+    def _uploader(self) -> Uploader:
+        assert self.uploader is not None
+        return self.uploader
+
+    def _publish(self) -> None:
         t0 = time.perf_counter()
-        tar = self.learner.policy.adapter_tar()
+        snap = self.learner.policy.adapter_snapshot()
         version = self.latest_version + 1
-        self._retrying(lambda: self.client.publish_adapter(version, tar))
-        self.latest_version = self.policy_version = version
-        self.policy_step = self.learner.step
-        log.info("published v%d (step %d, %d bytes)", version, self.policy_step, len(tar))
-        return time.perf_counter() - t0
+        step = self.learner.step
 
-    def _checkpoint(self) -> float:
-        from bucketrl.trainer.checkpoint import TrainerState, pack_checkpoint
+        def job() -> None:
+            tar = snap.tar()
+            self._retrying(lambda: self.write_client.publish_adapter(version, tar))
+            self.last_sync_s = time.perf_counter() - t0
+            log.info("published v%d (step %d, %d bytes) in %.3fs", version, step, len(tar), self.last_sync_s)
+
+        self._uploader().submit(f"publish v{version}", job)
+        # The uploader runs jobs in order and stops at the first failure, so everything submitted after this
+        # (checkpoints naming this version) happens only once the version is committed.
+        self.latest_version = self.policy_version = version
+        self.policy_step = step
+
+    def _checkpoint(self) -> None:
+        from bucketrl.trainer.checkpoint import TrainerState, snapshot
 
         t0 = time.perf_counter()
         step = self.learner.step
         consumed = list(self.consumed)
-        state = TrainerState(
-            step=step,
-            policy_version=self.policy_version,
-            policy_step=self.policy_step,
-            consumed_delivery_ids=consumed,
-            counters=dict(self.counters),
-            epoch=self.epoch,
-            run=self.settings.run,
+        snap = snapshot(
+            self.learner,
+            TrainerState(
+                step=step,
+                policy_version=self.policy_version,
+                policy_step=self.policy_step,
+                consumed_delivery_ids=consumed,
+                counters=dict(self.counters),
+                epoch=self.epoch,
+                run=self.settings.run,
+            ),
         )
-        tar = pack_checkpoint(self.learner, state)
-        self._retrying(lambda: self.client.put_checkpoint(step, tar))
-        # Only now that the checkpoint (which lists them) is durable: ack what it trained on.
-        if consumed:
-            self._retrying(lambda: self.client.ack(consumed))
+
+        def job() -> None:
+            tar = snap.pack()
+            self._retrying(lambda: self.write_client.put_checkpoint(step, tar))
+            # Only now that the checkpoint (which lists them) is durable: ack what it trained on.
+            if consumed:
+                self._retrying(lambda: self.write_client.ack(consumed))
+            log.info(
+                "checkpoint step %d stored (%d bytes) and %d deliveries acked in %.3fs",
+                step,
+                len(tar),
+                len(consumed),
+                time.perf_counter() - t0,
+            )
+            self._audit({"event": "checkpoint", "epoch": self.epoch, "step": step, "acked": consumed})
+
+        self._uploader().submit(f"checkpoint {step}", job)
         self.consumed = []
         self.last_checkpoint_step = step
-        log.info("checkpoint step %d stored (%d bytes); acked %d deliveries", step, len(tar), len(consumed))
-        self._audit({"event": "checkpoint", "epoch": self.epoch, "step": step, "acked": consumed})
-        return time.perf_counter() - t0
 
     def _push(self, step: int, stats: dict[str, float]) -> None:
         metrics = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(v)}
-        try:
-            self.client.push_metrics(MetricsPush(worker_id=self.worker_id, step=step, metrics=metrics))
-        except errors.BucketRLError as exc:  # metrics are best effort: never stop training for them
-            log.warning("metrics push failed: %s", exc)
+        push = MetricsPush(worker_id=self.worker_id, step=step, metrics=metrics)
+
+        def job() -> None:
+            try:
+                self.write_client.push_metrics(push)
+            except errors.BucketRLError as exc:  # metrics are best effort: never stop training for them
+                log.warning("metrics push failed: %s", exc)
+
+        self._uploader().submit(f"metrics {step}", job)
 
     def _finish(self) -> int:
         step = self.learner.step
@@ -317,6 +387,7 @@ class TrainerWorker:
             self._publish()
         if step > 0 and self.last_checkpoint_step != step:
             self._checkpoint()
+        self._uploader().drain()
         if stopped:
             self.echo(f"bucketrl trainer: stopped at step {step} (checkpointed); resume by starting it again")
             return EXIT_OK
@@ -349,12 +420,9 @@ class TrainerWorker:
     def _audit(self, record: dict[str, Any]) -> None:
         if not self.settings.audit_log:
             return
-        with Path(self.settings.audit_log).open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
-
-
-class ConfigError(Exception):
-    """A setting is wrong: the message says which one."""
+        line = json.dumps({**record, "t": time.time()}) + "\n"
+        with self._audit_lock, Path(self.settings.audit_log).open("a") as fh:
+            fh.write(line)
 
 
 def main(settings: TrainerSettings) -> int:

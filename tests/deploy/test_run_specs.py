@@ -38,3 +38,11 @@ def test_compose_cpu_spec_is_the_measured_demo_spec() -> None:
 
     shipped = RunSpec.model_validate_json((ROOT / "services" / "compose" / "run-spec.cpu.json").read_text())
     assert shipped == default_run_spec(shipped.base_model)
+
+
+def test_compose_cpu_trainer_uses_the_demo_learning_settings() -> None:
+    from bucketrl.tasks.toy import DEMO_LR, DEMO_MAX_STEPS
+    from tests.deploy.support import ENV_EXAMPLE, load_compose, read_env_file, service_env
+
+    env = service_env(load_compose(ROOT / "docker-compose.yml", env=read_env_file(ENV_EXAMPLE))["services"]["trainer"])
+    assert float(env["BUCKETRL_LR"]) == DEMO_LR and int(env["BUCKETRL_MAX_STEPS"]) == DEMO_MAX_STEPS

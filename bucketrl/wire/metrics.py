@@ -23,3 +23,13 @@ class MetricsPush(WireModel):
             if not math.isfinite(value):
                 raise ValueError(f"metric {name!r} = {value!r} is not finite")
         return v
+
+
+class MetricsRecord(WireModel):
+    """One stored push, as ``GET /v1/runs/{run}/metrics/recent`` returns them (oldest first)."""
+
+    worker_id: str
+    role: str
+    ts: float
+    step: int | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)

@@ -111,6 +111,8 @@ class ProxyHarness:
             self.server.should_exit = True
         if self.thread is not None:
             self.thread.join(15)
+            if self.thread.is_alive():
+                raise RuntimeError(f"proxy on port {self.port} did not shut down within 15 s")
         self.server = self.thread = None
 
     def restart(self) -> None:

@@ -42,4 +42,11 @@ def test_run_publish_lease_download_checkpoint_status(proxy: ProxyHarness) -> No
     roles = {w.worker_id: (w.role, w.loaded_versions) for w in st.workers}
     assert roles == {"gen-0": ("generator", [1]), "trainer-0": ("trainer", [])}
     assert st.metrics["gen-0"]["rollout/generated_tok_s"] == 12.5
+    with proxy.http("viewer") as v:
+        recent = v.get("/v1/runs/r1/metrics/recent", params={"count": 10}).json()
+    assert [(r["worker_id"], r["role"], r["step"]) for r in recent] == [
+        ("gen-0", "generator", None),
+        ("trainer-0", "trainer", 11),
+    ]
+    assert recent[1]["metrics"] == {"train/loss": 0.5}
     g.release_lease(lease.lease_id)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Response
 
@@ -12,6 +12,7 @@ from bucketrl.proxy.errors import responses
 from bucketrl.proxy.state import status as status_state
 from bucketrl.proxy.state import workers
 from bucketrl.wire import MetricsPush, RunStatus
+from bucketrl.wire.metrics import MetricsRecord
 
 router = APIRouter(prefix="/v1/runs/{run}", tags=["observability"])
 
@@ -53,10 +54,11 @@ async def get_status(ctx: CtxDep, _: ViewerRole, ref: RunDep) -> RunStatus:
 
 @router.get(
     "/metrics/recent",
+    response_model=list[MetricsRecord],
     summary="The last `count` metric pushes of the run, oldest first (for dashboards).",
     responses=responses(401, 403, 404, 422, 503),
 )
 async def recent_metrics(
     ctx: CtxDep, _: ViewerRole, ref: RunDep, count: Annotated[int, Query(ge=1, le=5000)] = 200
-) -> list[dict[str, Any]]:
-    return await workers.recent_pushes(ctx.redis, ref.run, count)
+) -> list[MetricsRecord]:
+    return [MetricsRecord.model_validate(r) for r in await workers.recent_pushes(ctx.redis, ref.run, count)]

@@ -6,7 +6,8 @@
 ``BUCKETRL_RUN_SPEC`` is either a path to a JSON file or the JSON itself. Given, the trainer creates the run
 (or confirms it: same spec -> fine, a changed immutable field -> a clear error). Omitted, the run must
 already exist on the proxy. ``dataset.size`` may be left out of the spec: the trainer then counts the
-dataset with :func:`bucketrl.datasets.load_examples`.
+dataset with :func:`bucketrl.datasets.load_examples`. ``BUCKETRL_DATASET_FILE`` uploads a local JSONL file as
+the run's dataset (``dataset.uri = "bucket:dataset.jsonl"``), so generators need no path of their own.
 
 Imports without torch (pydantic only).
 """
@@ -29,6 +30,11 @@ class TrainerSettings(WorkerSettings):
     run_spec: str = Field(
         "",
         description="BUCKETRL_RUN_SPEC: a RunSpec as a JSON file path or inline JSON; empty = the run must exist.",
+    )
+    dataset_file: str = Field(
+        "",
+        description="BUCKETRL_DATASET_FILE: a local JSONL file the trainer uploads as the run's dataset (the spec's "
+        "dataset.uri must then be 'bucket:dataset.jsonl'); generators download it through the proxy.",
     )
     # Optimizer (AdamW over the LoRA parameters only).
     lr: float = Field(1e-5, gt=0.0, le=1.0, description="BUCKETRL_LR: peak learning rate of AdamW.")

@@ -5,6 +5,7 @@
 
 Start-up
     1. create or confirm the run spec (``PUT /runs/{run}``; ``dataset.size`` counted when missing), or read it;
+       upload BUCKETRL_DATASET_FILE as the run's dataset (``bucket:dataset.jsonl``) when given;
     2. load the model, then register (``POST /runs/{run}/trainer``): a new fencing epoch; older trainers are
        fenced from now on (loading first keeps the hand-over gap short);
     3. resume from the latest checkpoint: restore it, then ack the deliveries it lists (TEAM.md ack protocol);
@@ -57,6 +58,8 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CONFIG = 2
 EXIT_FENCED = 3
+
+BUCKET_DATASET_URI = "bucket:dataset.jsonl"
 
 T = TypeVar("T")
 
@@ -170,26 +173,61 @@ class TrainerWorker:
                     f"run {self.settings.run!r} does not exist on the proxy: set BUCKETRL_RUN_SPEC to create it"
                 ) from exc
         dataset = given.get("dataset")
+        upload = self._dataset_upload(dataset)
         if isinstance(dataset, dict) and "size" not in dataset:
-            from bucketrl.datasets import describe_dataset
-
-            counted = describe_dataset(
-                dataset.get("uri", ""),
-                prompt_field=dataset.get("prompt_field", "prompt"),
-                answer_field=dataset.get("answer_field", "answer"),
-                split=dataset.get("split", "train"),
-                client=self.client,
-            )
-            given = {**given, "dataset": {**dataset, "size": counted.size}}
-            log.info("dataset %s has %d examples", counted.uri, counted.size)
+            given = {**given, "dataset": {**dataset, "size": self._count_dataset(dataset, upload)}}
         spec = RunSpec.model_validate(given)
         try:
-            return self.client.put_run(spec).spec
+            spec = self.client.put_run(spec).spec
         except errors.Conflict as exc:
             raise ConfigError(
                 f"BUCKETRL_RUN_SPEC changes an immutable field of the existing run {self.settings.run!r}: "
                 f"{exc.message}. Use a new BUCKETRL_RUN or the original spec."
             ) from exc
+        if upload is not None:
+            try:
+                info = self.client.upload_dataset(upload)
+            except errors.Conflict as exc:
+                raise ConfigError(
+                    f"BUCKETRL_DATASET_FILE differs from the dataset run {self.settings.run!r} already has: "
+                    f"{exc.message}. Use a new BUCKETRL_RUN."
+                ) from exc
+            log.info("uploaded dataset (%d rows, sha256 %s)", info.rows, info.sha256[:12])
+        return spec
+
+    def _dataset_upload(self, dataset: Any) -> bytes | None:
+        """The bytes of BUCKETRL_DATASET_FILE, if set (the spec must point at the uploaded file)."""
+        path = self.settings.dataset_file
+        if not path:
+            return None
+        uri = dataset.get("uri") if isinstance(dataset, dict) else None
+        if uri != BUCKET_DATASET_URI:
+            raise ConfigError(
+                f"BUCKETRL_DATASET_FILE is set, so the run spec's dataset.uri must be {BUCKET_DATASET_URI!r}, "
+                f"not {uri!r}"
+            )
+        try:
+            return Path(path).expanduser().read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"BUCKETRL_DATASET_FILE: cannot read {path!r}: {exc}") from exc
+
+    def _count_dataset(self, dataset: dict[str, Any], upload: bytes | None) -> int:
+        from bucketrl.datasets import describe_dataset, parse_jsonl
+        from bucketrl.wire import DatasetSpec
+
+        fields = {k: dataset[k] for k in ("prompt_field", "answer_field", "split") if k in dataset}
+        try:
+            if upload is not None:
+                probe = DatasetSpec(uri=BUCKET_DATASET_URI, size=1, **fields)
+                size = len(parse_jsonl(upload, probe, self.settings.dataset_file))
+            else:
+                size = describe_dataset(dataset.get("uri", ""), client=self.client, **fields).size
+        except errors.Invalid as exc:
+            raise ConfigError(f"dataset {dataset.get('uri')!r}: {exc.message}") from exc
+        if size < 1:
+            raise ConfigError(f"dataset {dataset.get('uri')!r} is empty")
+        log.info("dataset %s has %d examples", dataset.get("uri"), size)
+        return size
 
     def _seed(self) -> None:
         import random

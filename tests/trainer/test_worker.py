@@ -164,3 +164,35 @@ def test_old_epoch_cannot_publish_after_a_new_registration(
             old.put_checkpoint(1, tar)
         assert new.publish_adapter(2, tar).version == 2
         assert new.status().latest_version == 2
+
+
+def test_dataset_file_is_counted_uploaded_and_readable_by_generators(
+    redis_server: RedisServer, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    from bucketrl.datasets import load_examples
+
+    data = "".join(json.dumps({"q": f"{i}*2=", "a": 2 * i}) + "\n" for i in range(5)).encode()
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(data)
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
+        base = {"proxy_url": proxy.url, "token": TOKENS["trainer"], "device": "cpu", "dataset_file": str(path)}
+        dataset = {"uri": "bucket:dataset.jsonl", "prompt_field": "q", "answer_field": "a"}
+        worker = TrainerWorker(TrainerSettings(**base, run="r4", run_spec=spec_json(tiny_model_dir, dataset)))
+        spec = worker._ensure_run()
+        assert spec.dataset.size == 5
+        gen = proxy.client("r4", role="generator")
+        assert gen.download_dataset() == data
+        examples = load_examples(spec.dataset, gen)
+        assert [(e.prompt, e.answer) for e in examples] == [(f"{i}*2=", str(2 * i)) for i in range(5)]
+        # The file must be what the spec points at; a run whose dataset differs is refused.
+        out: list[str] = []
+        wrong = spec_json(tiny_model_dir, {"uri": "toy:add", "size": 4})
+        assert TrainerWorker(TrainerSettings(**base, run="r5", run_spec=wrong), echo=out.append).run() == EXIT_CONFIG
+        assert "bucket:dataset.jsonl" in out[-1]
+        path.write_bytes(data + data)
+        again = TrainerSettings(**base, run="r4", run_spec=spec_json(tiny_model_dir, {**dataset, "size": 5}))
+        assert TrainerWorker(again, echo=out.append).run() == EXIT_CONFIG
+        assert "BUCKETRL_DATASET_FILE differs" in out[-1]
+        assert gen.download_dataset() == data
+        for c in (worker.client, worker.claim_client, worker.write_client):
+            c.close()

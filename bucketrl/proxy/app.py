@@ -112,13 +112,16 @@ def create_app(settings: ProxySettings | None = None) -> FastAPI:
             log.warning("--rebuild: restored %d run(s) from the bucket: %s", len(restored), ", ".join(restored))
         elif settings.rebuild_on_start:
             await rebuild.rebuild_if_wiped(ctx)
-        maintenance = asyncio.create_task(gc.maintenance_loop(ctx), name="bucketrl-maintenance")
+        stop = asyncio.Event()
+        maintenance = asyncio.create_task(gc.maintenance_loop(ctx, stop), name="bucketrl-maintenance")
         try:
             yield
         finally:
-            maintenance.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await maintenance
+            stop.set()
+            try:
+                await asyncio.wait_for(maintenance, 10.0)  # let a pass in progress finish its deletions
+            except (asyncio.CancelledError, Exception):
+                maintenance.cancel()
             await ctx.notifier.stop()
             await ctx.redis.aclose()
 

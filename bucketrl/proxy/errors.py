@@ -10,6 +10,7 @@ exception                                      status  code                     
 ``redis`` ConnectionError / TimeoutError       503     redis_unavailable        yes
 ``RequestValidationError`` (query/path/body)   422     invalid (names the field)
 ``starlette`` HTTPException (404 route, 405)   its     not_found / http_<n>
+``ClientDisconnect`` (hung up mid-body)        400     client_disconnected      yes
 anything else                                  500     internal (logged; no internals leak)
 =============================================  ======  =======================  =========
 
@@ -27,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis import exceptions as redis_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from bucketrl import errors
 from bucketrl.wire import ErrorBody
@@ -88,6 +90,13 @@ async def _http(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, code, str(exc.detail), False, dict(exc.headers or {}) or None)
 
 
+async def _disconnected(request: Request, exc: Exception) -> JSONResponse:
+    # The client hung up mid-body (nothing was committed: bodies are spooled before any write). Nobody
+    # reads this answer; it only keeps the log free of a misleading 500 traceback.
+    log.info("%s %s: client disconnected before sending its whole body", request.method, request.url.path)
+    return error_response(400, "client_disconnected", "client disconnected mid-request", True)
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("%s %s -> 500", request.method, request.url.path)
     return error_response(500, "internal", "internal error (logged by the proxy)", True)
@@ -102,6 +111,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(redis_exc.ReadOnlyError, _redis_down)  # a replica during failover
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(ClientDisconnect, _disconnected)
     app.add_exception_handler(Exception, _unexpected)
 
 

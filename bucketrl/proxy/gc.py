@@ -14,6 +14,7 @@ Run one pass by hand: ``await gc.collect_run(ctx, run, spec)`` (tests do).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -56,11 +57,16 @@ async def collect_all(ctx: Any) -> dict[str, list[int]]:
     return out
 
 
-async def maintenance_loop(ctx: Any) -> None:
+async def maintenance_loop(ctx: Any, stop: asyncio.Event) -> None:
+    """Run passes until ``stop`` is set. A stop flag, not just cancellation: a cancel that lands inside a
+    Redis read's own timeout can surface as a Redis TimeoutError, which this loop must survive."""
     from bucketrl.proxy import rebuild
 
-    while True:
-        await asyncio.sleep(ctx.settings.gc_interval_s)
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), ctx.settings.gc_interval_s)
+        if stop.is_set():
+            return
         try:
             if ctx.settings.rebuild_on_start:
                 await rebuild.rebuild_if_wiped(ctx)

@@ -39,6 +39,7 @@ class VersionNotifier:
         self._task: asyncio.Task[None] | None = None
         self.subscribed = asyncio.Event()
         self.generation = 0  # how many times the subscription was (re)established
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._listen(), name="bucketrl-version-notifier")
@@ -50,6 +51,7 @@ class VersionNotifier:
         return cls(aioredis.Redis.from_url(url, socket_connect_timeout=timeout_s, health_check_interval=5))
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -80,7 +82,7 @@ class VersionNotifier:
 
     async def _listen(self) -> None:
         backoff = 0.05
-        while True:
+        while not self._stopping:  # a flag too: a cancel can surface as a Redis TimeoutError (see gc.py)
             pubsub = self._redis.pubsub()
             try:
                 await pubsub.psubscribe(PATTERN)
@@ -89,7 +91,7 @@ class VersionNotifier:
                 backoff = 0.05
                 # Announcements may have been missed while (re)connecting: let every waiter re-check.
                 self.wake()
-                while True:
+                while not self._stopping:
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if msg is None or msg.get("type") != "pmessage":
                         continue

@@ -112,6 +112,14 @@ class ProxyHarness:
         if self.thread is not None:
             self.thread.join(15)
             if self.thread.is_alive():
+                if self.loop is not None:
+
+                    def dump() -> None:
+                        for task in asyncio.all_tasks(self.loop):
+                            task.print_stack(limit=6)
+
+                    self.loop.call_soon_threadsafe(dump)
+                    time.sleep(0.5)
                 raise RuntimeError(f"proxy on port {self.port} did not shut down within 15 s")
         self.server = self.thread = None
 

@@ -6,6 +6,7 @@ Bad input must get a clear error naming the problem and change nothing.
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -262,3 +263,22 @@ def test_anonymous_embedded_mode_serves_without_tokens(redis_server: RedisServer
         t = p.client("r1", "admin")
         t.epoch = 1
         assert t.publish_adapter(1, adapter_tar(1)).version == 1
+
+
+def test_client_hanging_up_mid_upload_leaves_nothing(proxy_file: ProxyHarness) -> None:
+    t = proxy_file.client("r1", "trainer")
+    t.put_run(make_spec())
+    t.register_trainer("t0")
+    with socket.create_connection(("127.0.0.1", proxy_file.port), timeout=5) as s:
+        s.sendall(
+            (
+                "PUT /v1/runs/r1/adapters/1 HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: Bearer {TOKENS['trainer']}\r\nX-Trainer-Epoch: 1\r\n"
+                f"X-Content-SHA256: {'0' * 64}\r\nContent-Length: 100000\r\n\r\n"
+            ).encode()
+            + b"\0" * 5000
+        )
+    time.sleep(0.3)
+    assert t.get_run().state.latest_version == 0
+    assert proxy_file.ctx.store.list_keys("runs/r1/adapters") == []
+    assert t.publish_adapter(1, adapter_tar(1)).version == 1

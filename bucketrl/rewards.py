@@ -234,7 +234,8 @@ class RewardItem:
 
 
 def _worker_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
-    """Scoring process: resolve once, then answer (job, completion, answer, prompt) with (job, ok, value)."""
+    """Scoring process: resolve once, then for each chunk [(idx, completion, answer, prompt), ...] send one
+    (idx, ok, value) per item as soon as it is scored (so the parent's deadline is per item)."""
     fn = resolve_reward(name)
     if fn is math_reward:
         import math_verify  # noqa: F401  (sympy takes seconds to import: not inside the first deadline)
@@ -246,16 +247,17 @@ def _worker_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             return
         if msg is None:
             return
-        job, completion, answer, prompt = msg
-        try:
-            value = coerce_reward(fn(completion, answer, prompt=prompt, **kwargs))
-            conn.send((job, True, value))
-        except BaseException as exc:  # a reward's failure must never take the process down
-            conn.send((job, False, f"{type(exc).__name__}: {exc}"[:500]))
+        for idx, completion, answer, prompt in msg:
+            try:
+                value = coerce_reward(fn(completion, answer, prompt=prompt, **kwargs))
+                conn.send((idx, True, value))
+            except BaseException as exc:  # a reward's failure must never take the process down
+                conn.send((idx, False, f"{type(exc).__name__}: {exc}"[:500]))
 
 
 class _Proc:
-    """One scoring process and its pipe; ``job`` is the item it is scoring, ``deadline`` when to give up."""
+    """One scoring process and its pipe. ``jobs``: indices sent and not answered yet, in order (the first
+    is being scored); ``deadline``: when the current one (or the start-up) times out."""
 
     def __init__(self, ctx: Any, name: str, kwargs: dict[str, Any], start_timeout_s: float) -> None:
         self.conn, child = ctx.Pipe()
@@ -263,7 +265,7 @@ class _Proc:
         self.proc.start()
         child.close()
         self.ready = False
-        self.job: int | None = None
+        self.jobs: list[int] = []
         self.deadline = time.monotonic() + start_timeout_s
 
     def kill(self) -> None:
@@ -276,9 +278,13 @@ class _Proc:
 class RewardPool:
     """Score completions in ``workers`` processes, each call bounded by ``timeout_s``.
 
-    ``score`` may be called from any one thread at a time (it holds a lock). Counters:
-    ``unscorable_total`` (every None), ``timeouts_total``, ``errors_total``, ``crashes_total``.
+    Items go out in chunks (one pipe message per process per round: the IPC cost stays small next to the
+    engine's), but every item has its own deadline: a hung item is None, the rest of its chunk is sent
+    again to a fresh process. ``score`` may be called from any one thread at a time (it holds a lock).
+    Counters: ``unscorable_total`` (every None), ``timeouts_total``, ``errors_total``, ``crashes_total``.
     """
+
+    MAX_CHUNK = 64
 
     def __init__(
         self, spec: RewardSpec, *, workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 120.0
@@ -313,63 +319,76 @@ class RewardPool:
         self.unscorable_total += sum(r is None for r in results)
         return results
 
+    def _dispatch(self, items: list[RewardItem], todo: list[int]) -> None:
+        idle = [p for p in self._procs if p.ready and not p.jobs]
+        for i, p in enumerate(idle):
+            if not todo:
+                return
+            # Spread what is left evenly over the idle processes.
+            size = min(self.MAX_CHUNK, -(-len(todo) // (len(idle) - i)))
+            chunk, todo[:] = todo[:size], todo[size:]
+            try:
+                p.conn.send([(j, items[j].completion, items[j].answer, items[j].prompt) for j in chunk])
+            except (OSError, ValueError):
+                todo[:0] = chunk
+                self._replace(p, crashed=True)
+                continue
+            p.jobs, p.deadline = chunk, time.monotonic() + self.timeout_s
+
     def _score(self, items: list[RewardItem], cancel: threading.Event | None) -> list[float | None]:
         from multiprocessing.connection import wait
 
         results: list[float | None] = [None] * len(items)
-        todo = list(range(len(items)))[::-1]
+        todo = list(range(len(items)))
         failed_starts = 0
-        while todo or any(p.job is not None for p in self._procs):
-            for p in self._procs:
-                if p.ready and p.job is None and todo:
-                    job = todo.pop()
-                    it = items[job]
-                    try:
-                        p.conn.send((job, it.completion, it.answer, it.prompt))
-                    except (OSError, ValueError):
-                        todo.append(job)
-                        self._replace(p, crashed=True)
-                        continue
-                    p.job, p.deadline = job, time.monotonic() + self.timeout_s
-            # Wait for a result, a process becoming ready, or the nearest deadline.
-            watched = [p for p in self._procs if p.job is not None or not p.ready]
+        while todo or any(p.jobs for p in self._procs):
+            self._dispatch(items, todo)
+            watched = [p for p in self._procs if p.jobs or not p.ready]
             if not watched:
                 continue
             if cancel is not None and cancel.is_set():
                 for p in self._procs:
-                    if p.job is not None:
+                    if p.jobs:
                         self._replace(p, crashed=False)
                 break
+            # Wait for a result, a process becoming ready, or the nearest deadline.
             timeout = max(0.0, min(p.deadline for p in watched) - time.monotonic())
             if cancel is not None:
                 timeout = min(timeout, 0.2)
             by_conn = {p.conn: p for p in watched}
             for conn in wait(list(by_conn), timeout=timeout):
                 p = by_conn[conn]
-                try:
-                    tag, ok, value = conn.recv()
-                except (EOFError, OSError):
-                    job = p.job
-                    if job is None:
-                        failed_starts += 1
-                    self._replace(p, crashed=True)  # its item stays None
-                    continue
-                if tag == "ready":
-                    p.ready = True
-                    continue
-                p.job = None
-                if ok:
-                    results[tag] = value
-                else:
-                    self.errors_total += 1
-                    log.warning("reward %s raised: %s", self.spec.name, value)
+                while p.ready is False or p.jobs:
+                    try:
+                        if not conn.poll():
+                            break
+                        tag, ok, value = conn.recv()
+                    except (EOFError, OSError):
+                        if not p.ready:
+                            failed_starts += 1
+                        elif p.jobs:  # the item being scored killed the process: it alone is lost
+                            todo[:0] = p.jobs[1:]
+                        self._replace(p, crashed=True)
+                        break
+                    if tag == "ready":
+                        p.ready = True
+                        continue
+                    if p.jobs and p.jobs[0] == tag:
+                        p.jobs.pop(0)
+                        p.deadline = time.monotonic() + self.timeout_s
+                    if ok:
+                        results[tag] = value
+                    else:
+                        self.errors_total += 1
+                        log.warning("reward %s raised: %s", self.spec.name, value)
             now = time.monotonic()
             for p in list(self._procs):
-                if p.deadline > now or (p.ready and p.job is None):
+                if p.deadline > now or (p.ready and not p.jobs):
                     continue
-                if p.job is not None:
+                if p.jobs:
                     self.timeouts_total += 1
                     log.warning("reward %s exceeded %.1fs; replacing its process", self.spec.name, self.timeout_s)
+                    todo[:0] = p.jobs[1:]  # only the hung item is lost
                 else:
                     failed_starts += 1
                     log.error("reward process did not start within %.0fs", self.start_timeout_s)

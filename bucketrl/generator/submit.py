@@ -107,6 +107,7 @@ class Submitter:
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=max_batches)
         self.abandon = threading.Event()
         self.groups_submitted = 0
+        self.last_accepted_at: float | None = None  # perf_counter() of the latest 202 (benchmarks)
         self._unscorable_seen = 0
         self._thread = threading.Thread(target=self._run, name="submitter", daemon=True)
 
@@ -215,6 +216,7 @@ class Submitter:
         ids = [g.prompt_id for g in groups]
         outcome = self._submit(batch, b.idempotency_key)
         if outcome == "accepted":
+            self.last_accepted_at = time.perf_counter()
             self.ledger.remove(ids)
             self.groups_submitted += len(groups)
             self.metrics.add("rollout/groups_submitted_total", len(groups))

@@ -26,6 +26,7 @@ import signal
 import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,8 @@ class GeneratorWorker:
         self._cache_dir: Path | None = None
         self._own_cache_dir = False
         self._version_ready = threading.Event()
+        self._leaser = ThreadPoolExecutor(1, thread_name_prefix="prompt-lease")
+        self._prefetch: tuple[Future[list[PromptLeaseItem]], int] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -162,30 +165,54 @@ class GeneratorWorker:
     def _loop(self) -> None:
         assert self.spec is not None and self.engine is not None and self.submitter is not None
         s = self.settings
-        while not self.stop_event.is_set():
-            self._load_pending()
-            self._retire()
-            slot = self.book.current()
-            if slot is None or slot.version < self.book.newest_known - self.spec.max_staleness:
-                # No version yet, or ours left the staleness window (newer ones failed to load or are
-                # still downloading): groups sampled now would only be dropped as stale.
-                self._version_ready.wait(1.0)
-                self._version_ready.clear()
-                continue
-            n = s.prompts_per_request
-            if s.max_groups is not None:
-                budget = s.max_groups - self.submitter.groups_submitted - self.metrics.inflight_groups
-                if budget <= 0:
+        try:
+            while not self.stop_event.is_set():
+                self._load_pending()
+                self._retire()
+                slot = self.book.current()
+                if slot is None or slot.version < self.book.newest_known - self.spec.max_staleness:
+                    # No version yet, or ours left the staleness window (newer ones failed to load or are
+                    # still downloading): groups sampled now would only be dropped as stale.
+                    self._version_ready.wait(1.0)
+                    self._version_ready.clear()
+                    continue
+                budget = self._budget()
+                if budget is not None and budget <= 0 and self._prefetch is None:
                     if self.metrics.inflight_groups == 0:
                         log.info("submitted %d groups (max_groups): stopping", self.submitter.groups_submitted)
                         break
-                    self.stop_event.wait(0.1)
+                    self.stop_event.wait(0.05)
                     continue
-                n = min(n, budget)
-            prompts = self._lease_prompts(n)
-            if not prompts:
-                continue
-            self._sample_and_hand_over(slot, prompts)
+                prompts = self._next_prompts(s.prompts_per_request if budget is None else max(1, budget))
+                if not prompts:
+                    continue
+                # Lease the next prompts while these are sampled: the engine never waits on the proxy.
+                after = self._budget()
+                n_next = s.prompts_per_request if after is None else min(s.prompts_per_request, after)
+                if n_next > 0 and not self.stop_event.is_set():
+                    self._prefetch = (self._leaser.submit(self._lease_prompts, n_next), n_next)
+                self._sample_and_hand_over(slot, prompts)
+        finally:
+            if self._prefetch is not None:  # its prompts land in the ledger and are released at shutdown
+                self._prefetch[0].result()
+                self._prefetch = None
+
+    def _budget(self) -> int | None:
+        """Groups still allowed under ``max_groups`` (None = unlimited), counting leases in flight."""
+        if self.settings.max_groups is None:
+            return None
+        assert self.submitter is not None
+        reserved = self._prefetch[1] if self._prefetch is not None else 0
+        return self.settings.max_groups - self.submitter.groups_submitted - self.metrics.inflight_groups - reserved
+
+    def _next_prompts(self, n: int) -> list[PromptLeaseItem]:
+        if self._prefetch is not None:
+            future, _ = self._prefetch
+            self._prefetch = None
+            got = future.result()
+            if got:
+                return got
+        return self._lease_prompts(min(n, self.settings.prompts_per_request))
 
     def _lease_prompts(self, n: int) -> list[PromptLeaseItem]:
         assert self.submitter is not None
@@ -211,7 +238,9 @@ class GeneratorWorker:
         if bad:
             log.error("prompt indices beyond the dataset's %d examples; releasing them", len(self.examples))
             self.submitter.release_prompts([p.prompt_id for p in bad])
-        return [p for p in lease.prompts if p.index < len(self.examples)]
+        good = [p for p in lease.prompts if p.index < len(self.examples)]
+        self.metrics.inflight(len(good))  # in flight from the lease until submitted or released
+        return good
 
     def _prompt_ids(self, index: int) -> list[int]:
         ids = self._prompt_cache.get(index)
@@ -230,7 +259,6 @@ class GeneratorWorker:
         spec = self.spec
         ids = [self._prompt_ids(p.index) for p in prompts]
         self.book.begin(slot.version)
-        self.metrics.inflight(len(prompts))
         batch = GeneratedBatch(
             version=slot.version,
             lease_id=slot.lease_id,
@@ -426,6 +454,8 @@ class GeneratorWorker:
             except errors.BucketRLError as exc:
                 log.warning("shutdown: could not release %d prompts (they will expire): %s", len(leftover), exc)
             self.ledger.remove(leftover)
+        self.metrics.inflight(-self.metrics.inflight_groups)  # everything is settled or released now
+        self._leaser.shutdown(wait=False)
         for lease_id in self.book.leases().values():
             self._release_version_lease(lease_id)
         if self.spec is not None:

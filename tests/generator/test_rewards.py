@@ -176,3 +176,11 @@ def test_toy_reward_through_the_registry_and_pool() -> None:
         # A missing answer makes the toy reward raise: unscorable, not a dead pool.
         got = pool.score([RewardItem("2468", "even", "even:"), RewardItem("2468", None, "even:")])
     assert got == [1.0, None]
+
+
+@pytest.mark.parametrize("fn", ["hangs", "dies"])
+def test_only_the_bad_item_of_a_chunk_is_lost(fn: str) -> None:
+    """Items travel in chunks; a hung or fatal item costs only itself, the rest of its chunk is scored."""
+    with RewardPool(RewardSpec(name=f"{FIX}:{fn}"), workers=1, timeout_s=1.5) as pool:
+        got = pool.score([RewardItem(c, None, "") for c in ("ok", "bad", "ok", "ok", "ok")])
+    assert got == [1.0, None, 1.0, 1.0, 1.0]

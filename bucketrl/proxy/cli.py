@@ -4,9 +4,11 @@
     BUCKETRL_TOKENS="trainer:t,generator:g,viewer:v" bucketrl proxy --host 0.0.0.0 --port 8000
 
 Every setting is a ``BUCKETRL_*`` environment variable (``bucketrl/proxy/settings.py``); ``--host``,
-``--port`` and ``--log-level`` override theirs. ``--rebuild`` restores runs, versions and checkpoint
-pointers from the bucket's manifests into Redis before serving (after a Redis loss). FastAPI, uvicorn
-and Redis are imported inside the command so ``bucketrl --help`` stays instant.
+``--port`` and ``--log-level`` override theirs. ``--workers N`` runs N processes on the port: the proxy
+is stateless, so they are simply N replicas (a way to use more cores of one machine). ``--rebuild``
+restores runs, versions and checkpoint pointers from the bucket's manifests into Redis before serving
+(after a Redis loss). FastAPI, uvicorn and Redis are imported inside the command so ``bucketrl --help``
+stays instant.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ def proxy_command(
         bool, typer.Option("--rebuild", help="Restore Redis state from the bucket manifests before serving.")
     ] = False,
     log_level: Annotated[str | None, typer.Option(help="uvicorn log level (BUCKETRL_LOG_LEVEL).")] = None,
+    workers: Annotated[
+        int, typer.Option(min=1, help="Processes serving the port (each a stateless replica sharing Redis).")
+    ] = 1,
 ) -> None:
     """Run the proxy: the REST control plane over Redis and the bucket."""
     import logging
+    import os
     import signal
     import sys
 
@@ -54,4 +60,18 @@ def proxy_command(
     # installed before it: make that an orderly exit (0 for SIGTERM, as Kubernetes and compose expect).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    if workers == 1:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+        return
+    # Several processes: each builds its own app from the environment, so pass the overrides that way.
+    for name, value in overrides.items():
+        os.environ[f"BUCKETRL_{name.upper()}"] = str(value)
+    uvicorn.run(
+        "bucketrl.proxy.app:create_app",
+        factory=True,
+        workers=workers,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+    )

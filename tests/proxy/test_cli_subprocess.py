@@ -49,8 +49,8 @@ def test_proxy_subprocess_serves_and_rebuild_flag_restores(redis_server: RedisSe
 
     redis_server.wipe()
     redis_server.start()
-    # Automatic rebuild off: only the flag may restore.
-    proc = _start(redis_server.url, bucket_url, port, "--rebuild", BUCKETRL_REBUILD_ON_START="false")
+    # Automatic rebuild off: only the flag may restore. Two worker processes: two stateless replicas.
+    proc = _start(redis_server.url, bucket_url, port, "--rebuild", "--workers", "2", BUCKETRL_REBUILD_ON_START="false")
     try:
         wait_port(port, timeout_s=60, proc=proc)
         g = ProxyClient(f"http://127.0.0.1:{port}", "r1", TOKENS["generator"], retries=0)

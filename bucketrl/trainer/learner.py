@@ -10,6 +10,11 @@ step's totals, backward (gradients accumulate) -> clip the global norm -> AdamW 
 The proximal logprobs of the decoupled objective are the detached logprobs of this very forward: the
 weights have not moved yet, so they are the trainer's logprobs "at the start of the step" for free.
 
+The per-generator mismatch ``mismatch/logprob_abs_diff/{worker}`` (DESIGN invariant 6) compares behaviour
+logprobs with the trainer's under the SAME weights: for samples of the current version from the training
+forward (free), for up to ``mismatch_max_samples`` stale ones from a no-grad forward with the weights of
+their version swapped in (the worker records each version it publishes with :meth:`remember_version`).
+
 The LR schedule is a pure function of the step number (:meth:`TrainerSettings.lr_factor`), so the
 scheduler's state is the step itself and a resumed run cannot drift from the uninterrupted one.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +32,7 @@ import torch
 from bucketrl.trainer.advantages import group_advantages
 from bucketrl.trainer.batching import Sample, group_samples, make_micro_batches
 from bucketrl.trainer.loss import LossBatch, LossOutput, finalize_stats, grpo_loss
-from bucketrl.trainer.model import PolicyModel
+from bucketrl.trainer.model import AdapterSnapshot, PolicyModel
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.wire.rollouts import RolloutGroup
 from bucketrl.wire.runs import RunSpec
@@ -69,6 +75,15 @@ class Learner:
             weight_decay=settings.weight_decay,
         )
         self.step = 0
+        # Weights of recently published versions (LoRA only, on CPU): the mismatch check of stale samples.
+        self.versions: OrderedDict[int, AdapterSnapshot] = OrderedDict()
+
+    def remember_version(self, version: int, snapshot: AdapterSnapshot) -> None:
+        """Record the weights published as ``version`` (the newest max_staleness + 1 are kept)."""
+        self.versions[version] = snapshot
+        self.versions.move_to_end(version)
+        while len(self.versions) > self.spec.max_staleness + 1:
+            self.versions.popitem(last=False)
 
     def lr_for(self, step: int) -> float:
         return self.settings.lr * self.settings.lr_factor(step)
@@ -123,7 +138,10 @@ class Learner:
         stats["train/lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         if samples:
-            stats.update(self._accumulate(samples, policy_version))
+            t_check = time.perf_counter()
+            mismatch = self._stale_mismatch(samples, policy_version)
+            stats["perf/mismatch_check_s"] = time.perf_counter() - t_check
+            stats.update(self._accumulate(samples, policy_version, mismatch))
             stats.update(self._apply(lr, stats.get("train/loss", math.nan)))
         else:
             # Nothing trainable (all groups filtered or unscorable): the step still counts, weights stay put.
@@ -132,13 +150,52 @@ class Learner:
         stats["perf/fwd_bwd_s"] = time.perf_counter() - t0
         return stats
 
-    def _accumulate(self, samples: list[Sample], policy_version: int) -> dict[str, float]:
+    def _stale_mismatch(self, samples: list[Sample], policy_version: int) -> dict[str, list[float]]:
+        """|trainer - behaviour| for up to ``mismatch_max_samples`` stale samples, each under the weights of the
+        version that generated it (swapped in for a no-grad, eval-mode forward, then swapped back bit-exactly).
+
+        Round-robin over generators, so each one's delivery is checked every step (DESIGN invariant 6).
+        """
+        budget = self.settings.mismatch_max_samples
+        acc: dict[str, list[float]] = {}  # worker -> [abs diff sum, tokens]
+        if budget <= 0:
+            return acc
+        queues: dict[str, list[Sample]] = {}
+        for s in samples:
+            if s.version != policy_version and s.version in self.versions:
+                queues.setdefault(s.worker_id, []).append(s)
+        chosen: list[Sample] = []
+        while len(chosen) < budget and any(queues.values()):
+            for worker in sorted(queues):
+                if queues[worker] and len(chosen) < budget:
+                    chosen.append(queues[worker].pop(0))
+        if not chosen:
+            return acc
+        current = self.policy.adapter_snapshot()
+        was_training = self.policy.model.training
+        self.policy.model.eval()  # like the generators: no dropout (and no RNG drawn)
+        try:
+            with torch.no_grad():
+                for version in sorted({s.version for s in chosen}):
+                    self.policy.load_adapter_state(self.versions[version].state)
+                    subset = [s for s in chosen if s.version == version]
+                    for mb in make_micro_batches(subset, self.settings.micro_token_budget, self.policy.pad_id):
+                        mb.to(self.policy.device)
+                        lp, _ = self.policy.token_logprobs(mb)
+                        _add_mismatch(acc, lp, mb.behaviour, mb.mask, mb.versions, mb.worker_ids, None)
+        finally:
+            self.policy.load_adapter_state(current.state)
+            self.policy.model.train(was_training)
+        return acc
+
+    def _accumulate(
+        self, samples: list[Sample], policy_version: int, mismatch: dict[str, list[float]]
+    ) -> dict[str, float]:
         spec = self.spec.loss
         micro = make_micro_batches(samples, self.settings.micro_token_budget, self.policy.pad_id)
         tokens = float(sum(float(mb.mask.sum()) for mb in micro))
         outputs: list[LossOutput] = []
         total_loss = 0.0
-        mismatch: dict[str, list[float]] = {}  # worker -> [abs diff sum, tokens]
         for mb in micro:
             mb.to(self.policy.device)
             lp, entropy = self.policy.token_logprobs(mb, with_entropy=True)
@@ -188,17 +245,18 @@ def _add_mismatch(
     mask: torch.Tensor,
     versions: list[int],
     workers: list[str],
-    policy_version: int,
+    only_version: int | None,
 ) -> None:
-    """Per generator: |trainer - behaviour| logprob over tokens generated at the trainer's current weights.
+    """Per generator: |trainer - behaviour| logprob over tokens whose logprobs ``lp`` were computed with the
+    weights of the version that generated them.
 
-    Only samples whose version equals ``policy_version`` count: only there are the weights identical, so
-    any gap is a numerical or delivery problem (DESIGN invariant 6), not policy change.
+    From the training forward only samples of ``only_version`` (the current weights) count: only there are the
+    weights identical, so any gap is a numerical or delivery problem (DESIGN invariant 6), not policy change.
     """
     diff = ((lp.float() - behaviour.float()).abs() * mask).sum(-1)
     counts = mask.sum(-1)
     for i, (version, worker) in enumerate(zip(versions, workers, strict=True)):
-        if version != policy_version:
+        if only_version is not None and version != only_version:
             continue
         slot = acc.setdefault(worker, [0.0, 0.0])
         slot[0] += float(diff[i])

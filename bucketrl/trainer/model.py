@@ -235,10 +235,15 @@ class PolicyModel:
 
     def load_adapter(self, directory: str | Path) -> None:
         """Load adapter weights saved by :meth:`save_adapter` into the trainable adapter (in place)."""
-        from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        state = load_file(str(Path(directory) / "adapter_model.safetensors"))
+        self.load_adapter_state(load_file(str(Path(directory) / "adapter_model.safetensors")))
+
+    def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy adapter weights (as in :meth:`adapter_snapshot`) into the parameters, in place: the optimizer
+        keeps pointing at the same tensors."""
+        from peft import set_peft_model_state_dict
+
         result = set_peft_model_state_dict(self.model, state)
         unexpected = getattr(result, "unexpected_keys", None)
         if unexpected:

@@ -82,6 +82,13 @@ class TrainerSettings(WorkerSettings):
         "ids) to this local file; empty = off. What the restart tests check invariant 4 with.",
     )
     log_level: str = Field("info", description="BUCKETRL_LOG_LEVEL: python logging level of the trainer.")
+    mismatch_max_samples: int = Field(
+        8,
+        ge=0,
+        description="BUCKETRL_MISMATCH_MAX_SAMPLES: per step, up to this many STALE samples get an extra no-grad "
+        "forward under the exact version that generated them, so mismatch/logprob_abs_diff/{worker} is reported "
+        "even when no sample is on-policy; 0 = on-policy samples only (free).",
+    )
     # Model.
     seed: int = Field(0, description="BUCKETRL_SEED: seeds LoRA init and the python/numpy/torch RNGs.")
     device: str = Field("auto", description="BUCKETRL_DEVICE: auto (cuda if available), cpu, cuda, cuda:1 ...")

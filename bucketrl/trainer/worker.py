@@ -271,6 +271,8 @@ class TrainerWorker:
         elif not (self.latest_version == self.policy_version and self.policy_step == step):
             log.info("latest v%d is not the restored weights (step %d): publishing them", self.latest_version, step)
             self._publish()
+        if self.policy_version not in self.learner.versions:
+            self.learner.remember_version(self.policy_version, self.learner.policy.adapter_snapshot())
         self._uploader().drain()  # generators must find it before the first claim can be answered
 
     # -- one step -----------------------------------------------------------------------------------------
@@ -355,6 +357,7 @@ class TrainerWorker:
         snap = self.learner.policy.adapter_snapshot()
         version = self.latest_version + 1
         step = self.learner.step
+        self.learner.remember_version(version, snap)
 
         def job() -> None:
             tar = snap.tar()

@@ -133,3 +133,37 @@ def test_checkpoint_of_another_lora_shape_is_refused(tiny_model_dir: Path) -> No
         restore_checkpoint(other, tar)
     for k, v in other.policy.adapter_state().items():
         assert torch.equal(v, before[k]), "a refused checkpoint must change nothing"
+
+
+def test_mismatch_is_measured_under_each_samples_own_version(tiny_model_dir: Path) -> None:
+    spec = tiny_spec(tiny_model_dir)
+    checked = Learner(spec, settings(lr=5e-2))
+    unchecked = Learner(spec, settings(lr=5e-2, mismatch_max_samples=0))
+    for learner in (checked, unchecked):
+        learner.remember_version(1, learner.policy.adapter_snapshot())
+    g1 = on_policy_group(checked, 0)  # behaviour logprobs under v1
+    for learner in (checked, unchecked):
+        learner.train_step([StepGroup(g1, 1, "gen-a")], policy_version=1)
+        learner.remember_version(2, learner.policy.adapter_snapshot())
+    g2 = on_policy_group(checked, 1)  # behaviour logprobs under v2
+    step = [
+        StepGroup(g1, 1, "gen-stale"),  # honest and one version behind: checked under v1's weights
+        StepGroup(g2, 2, "gen-fresh"),  # on-policy: checked by the training forward
+        StepGroup(g1, 2, "gen-liar"),  # claims v2 but sampled with v1 (an adapter that never loaded)
+    ]
+    stats = checked.train_step(step, policy_version=2)
+    assert stats[MISMATCH_PREFIX + "gen-stale"] < 1e-5
+    assert stats[MISMATCH_PREFIX + "gen-fresh"] < 1e-5
+    assert stats[MISMATCH_PREFIX + "gen-liar"] > 1e-3, "a generator serving the wrong weights must show"
+    assert abs(stats["ratio"] - 1.0) > 1e-4  # the policy moved: stale samples have ratio != 1
+    plain = unchecked.train_step(step, policy_version=2)
+    assert MISMATCH_PREFIX + "gen-stale" not in plain and MISMATCH_PREFIX + "gen-liar" in plain
+    # The check swaps weights in and out: training is bit-for-bit unaffected.
+    assert plain["train/loss"] == stats["train/loss"]
+    for k, v in checked.policy.adapter_state().items():
+        assert torch.equal(v, unchecked.policy.adapter_state()[k]), k
+    assert checked.policy.model.training
+    # Only max_staleness + 1 versions are kept.
+    for v in range(3, 10):
+        checked.remember_version(v, checked.policy.adapter_snapshot())
+    assert list(checked.versions) == list(range(10 - spec.max_staleness - 1, 10))

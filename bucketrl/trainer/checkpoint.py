@@ -108,8 +108,8 @@ class CheckpointSnapshot:
         (out / "state.json").write_text(json.dumps(asdict(self.state), indent=2, sort_keys=True) + "\n")
         return out
 
-    def pack(self) -> bytes:
-        with tempfile.TemporaryDirectory(prefix="bucketrl-ckpt-") as tmp:
+    def pack(self, scratch: str | Path | None = None) -> bytes:
+        with tempfile.TemporaryDirectory(prefix="bucketrl-ckpt-", dir=scratch) as tmp:
             return pack_dir(self.write(tmp))
 
 

@@ -88,8 +88,9 @@ class AdapterSnapshot:
         (out / "adapter_config.json").write_text(self.config_json)
         return out
 
-    def tar(self) -> bytes:
-        with tempfile.TemporaryDirectory(prefix="bucketrl-adapter-") as tmp:
+    def tar(self, scratch: str | Path | None = None) -> bytes:
+        """The deterministic tar of the two files, written through a temporary directory under ``scratch``."""
+        with tempfile.TemporaryDirectory(prefix="bucketrl-adapter-", dir=scratch) as tmp:
             return pack_dir(self.write(tmp))
 
 

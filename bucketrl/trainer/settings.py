@@ -99,7 +99,9 @@ class TrainerSettings(WorkerSettings):
         False, description="BUCKETRL_GRADIENT_CHECKPOINTING: trade compute for activation memory."
     )
     work_dir: str = Field(
-        "", description="BUCKETRL_WORK_DIR: local scratch for adapter/checkpoint files; empty = a temp dir."
+        "",
+        description="BUCKETRL_WORK_DIR: local scratch where adapter/checkpoint files are written before they are "
+        "packed and uploaded (nothing stays there); empty = the system temp dir.",
     )
 
     @field_validator("run_spec")

@@ -94,6 +94,10 @@ class TrainerWorker:
         self.spec: RunSpec | None = None
         self.uploader: Uploader | None = None
         self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucketrl-claim")
+        # Where adapter and checkpoint files are written before packing (BUCKETRL_WORK_DIR; default: $TMPDIR).
+        self.scratch: Path | None = Path(settings.work_dir) if settings.work_dir else None
+        if self.scratch is not None:
+            self.scratch.mkdir(parents=True, exist_ok=True)
         self._audit_lock = threading.Lock()
 
     def _new_client(self) -> ProxyClient:
@@ -360,7 +364,7 @@ class TrainerWorker:
         self.learner.remember_version(version, snap)
 
         def job() -> None:
-            tar = snap.tar()
+            tar = snap.tar(self.scratch)
             self._retrying(lambda: self.write_client.publish_adapter(version, tar))
             self.last_sync_s = time.perf_counter() - t0
             log.info("published v%d (step %d, %d bytes) in %.3fs", version, step, len(tar), self.last_sync_s)
@@ -391,7 +395,7 @@ class TrainerWorker:
         )
 
         def job() -> None:
-            tar = snap.pack()
+            tar = snap.pack(self.scratch)
             self._retrying(lambda: self.write_client.put_checkpoint(step, tar))
             # Only now that the checkpoint (which lists them) is durable: ack what it trained on.
             if consumed:

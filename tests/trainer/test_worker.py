@@ -56,6 +56,7 @@ def test_worker_trains_publishes_checkpoints_acks_and_reports(
             lr=1e-2,
             claim_wait_s=0.5,
             audit_log=str(tmp_path / "audit.jsonl"),
+            work_dir=str(tmp_path / "work"),
         )
         gen = FakeGenerator(proxy.url, "r1", TOKENS["generator"], worker_id="gen-a")
         gen.start()
@@ -66,6 +67,7 @@ def test_worker_trains_publishes_checkpoints_acks_and_reports(
             gen.stop()
         assert rc == EXIT_OK, out
         assert not gen.errors, gen.errors
+        assert (tmp_path / "work").is_dir() and not any((tmp_path / "work").iterdir()), "scratch is left clean"
         viewer = proxy.client("r1", role="admin")
         run = viewer.get_run()
         assert run.spec.dataset.size == 12

@@ -144,6 +144,9 @@ class TrainerWorker:
         self.spec = self._ensure_run()
         self._seed()
         self.learner = Learner(self.spec, self.settings)
+        if self.stop_requested.is_set():  # SIGTERM during the model load: leave the current trainer alone
+            self.echo("bucketrl trainer: stopped before registering; nothing changed")
+            return EXIT_OK
         reg = self.client.register_trainer(self.worker_id)
         self.epoch = self.claim_client.epoch = self.write_client.epoch = reg.epoch
         self.latest_version = reg.latest_version

@@ -198,3 +198,16 @@ def test_dataset_file_is_counted_uploaded_and_readable_by_generators(
         assert gen.download_dataset() == data
         for c in (worker.client, worker.claim_client, worker.write_client):
             c.close()
+
+
+def test_stop_before_registering_leaves_the_current_trainer_alone(
+    redis_server: RedisServer, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
+        spec = spec_json(tiny_model_dir, {"uri": "toy:add", "size": 8})
+        settings = TrainerSettings(proxy_url=proxy.url, token=TOKENS["trainer"], run="r6", run_spec=spec, device="cpu")
+        worker = TrainerWorker(settings, echo=lambda s: None)
+        worker.request_stop()  # as if SIGTERM arrived while the model was loading
+        assert worker.run() == EXIT_OK
+        run = proxy.client("r6").get_run()
+        assert run.state.trainer_epoch == 0 and run.state.latest_version == 0

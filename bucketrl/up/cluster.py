@@ -1,0 +1,263 @@
+"""A whole bucketrl deployment on one machine: Redis, proxy, one trainer, N generators, as OS processes.
+
+Everything lives under the run directory, so running again with the same directory resumes::
+
+    <dir>/tokens            role:token pairs generated for this run (mode 600; the proxy's TOKENS_FILE)
+    <dir>/run_spec.json     the run spec the trainer creates or confirms
+    <dir>/model/            the built-in tiny model (when no --model)
+    <dir>/bucket/           the file:// bucket (adapters, rollouts, checkpoints)
+    <dir>/redis/            Redis's append-only file (coordination state survives a restart)
+    <dir>/logs/<service>.log, <dir>/logs/trainer-audit.jsonl
+
+Workers talk to the proxy over HTTP exactly as containers would: each gets only ``BUCKETRL_PROXY_URL``, its
+token and the run id. :class:`LocalCluster` is what ``bucketrl up`` and the end-to-end tests drive (they
+kill, restart and inspect its services).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from bucketrl.client import ProxyClient
+from bucketrl.up.config import UpConfig, build_run_spec
+from bucketrl.up.processes import Service, bucketrl_command, free_port, port_open, redis_server_binary, wait_until
+
+ROLES = ("admin", "trainer", "generator", "viewer")
+
+
+class RunDirBusy(RuntimeError):
+    pass
+
+
+class LocalCluster:
+    def __init__(self, cfg: UpConfig) -> None:
+        self.cfg = cfg
+        self.dir = cfg.run_dir
+        self.logs = self.dir / "logs"
+        self.services: dict[str, Service] = {}
+        self.tokens: dict[str, str] = {}
+        self.redis_port = free_port()
+        self.proxy_port = cfg.port or free_port()
+        self.model_dir: Path | None = None
+        self._lock: IO[str] | None = None
+
+    # -- paths and addresses -------------------------------------------------------------------------
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    @property
+    def redis_url(self) -> str:
+        return self.cfg.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def bucket_url(self) -> str:
+        return self.cfg.bucket_url or f"file://{self.dir / 'bucket'}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"{self.proxy_url}/ui?run={self.cfg.run}#token={self.tokens['viewer']}"
+
+    @property
+    def generator_names(self) -> list[str]:
+        return [f"gen-{i}" for i in range(self.cfg.generators)]
+
+    # -- preparation -----------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Lock the run directory, create or reuse tokens, build the tiny model, write the run spec."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        lock = open(self.dir / "up.lock", "w")  # noqa: SIM115 - held for the cluster's lifetime
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            lock.close()
+            raise RunDirBusy(f"{self.dir} is in use by another `bucketrl up`; stop it or pass --dir") from exc
+        lock.write(str(os.getpid()))
+        lock.flush()
+        self._lock = lock
+        self.tokens = self._load_or_create_tokens()
+        if self.cfg.builtin_model:
+            from bucketrl.tasks.tiny_model import build_tiny_model
+
+            self.model_dir = build_tiny_model(self.dir / "model")
+        spec = build_run_spec(self.cfg, self.model_dir)
+        (self.dir / "run_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
+
+    def _load_or_create_tokens(self) -> dict[str, str]:
+        path = self.dir / "tokens"
+        if path.exists():
+            pairs = dict(line.split(":", 1) for line in path.read_text().split() if ":" in line)
+            if set(ROLES) <= pairs.keys():
+                return pairs
+        pairs = {role: f"{role[:3]}-{secrets.token_urlsafe(24)}" for role in ROLES}
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{role}:{tok}\n" for role, tok in pairs.items()))
+        return pairs
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    # -- services ----------------------------------------------------------------------------------------
+
+    def _service(self, name: str, argv: list[str], env: dict[str, str]) -> Service:
+        svc = self.services.get(name)
+        if svc is None:
+            svc = Service(name, argv, self.logs / f"{name}.log", env=env, cwd=self.dir)
+            self.services[name] = svc
+        else:
+            svc.argv, svc.env = argv, env
+        return svc
+
+    def start_redis(self) -> Service:
+        if self.cfg.redis_url:
+            raise RuntimeError("an external Redis (redis_url) is not started by bucketrl up")
+        redis_dir = self.dir / "redis"
+        redis_dir.mkdir(exist_ok=True)
+        argv = [
+            redis_server_binary(),
+            "--port", str(self.redis_port),
+            "--bind", "127.0.0.1",
+            "--dir", str(redis_dir),
+            "--save", "",
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--daemonize", "no",
+            "--protected-mode", "no",
+        ]  # fmt: skip
+        svc = self._service("redis", argv, {}).start()
+        wait_until(lambda: port_open(self.redis_port), 30, "redis to listen", svc)
+        return svc
+
+    def proxy_env(self) -> dict[str, str]:
+        return {
+            "BUCKETRL_REDIS_URL": self.redis_url,
+            "BUCKETRL_BUCKET_URL": self.bucket_url,
+            "BUCKETRL_TOKENS_FILE": str(self.dir / "tokens"),
+            "BUCKETRL_TOKENS": "",
+            "BUCKETRL_HOST": "127.0.0.1",
+            "BUCKETRL_PORT": str(self.proxy_port),
+            "BUCKETRL_LOG_LEVEL": "warning",
+            **self.cfg.proxy_env,
+        }
+
+    def start_proxy(self) -> Service:
+        svc = self._service("proxy", bucketrl_command("proxy"), self.proxy_env()).start()
+        wait_until(self.proxy_ready, 60, "the proxy to be ready", svc, poll_s=0.2)
+        return svc
+
+    def proxy_ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.proxy_url}/readyz", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _worker_env(self, role: str, worker_id: str) -> dict[str, str]:
+        threads = str(self.cfg.threads)
+        return {
+            "BUCKETRL_PROXY_URL": self.proxy_url,
+            "BUCKETRL_TOKEN": self.tokens[role],
+            "BUCKETRL_RUN": self.cfg.run,
+            "BUCKETRL_WORKER_ID": worker_id,
+            # One process per core at most: oversubscribed BLAS threads make every process slower.
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+            "TOKENIZERS_PARALLELISM": "false",
+            **self.cfg.worker_env,
+        }
+
+    def start_trainer(self) -> Service:
+        cfg = self.cfg
+        env = {
+            **self._worker_env("trainer", "trainer"),
+            "BUCKETRL_RUN_SPEC": str(self.dir / "run_spec.json"),
+            "BUCKETRL_LR": repr(cfg.effective_lr()),
+            "BUCKETRL_MAX_STEPS": str(cfg.effective_max_steps()),
+            "BUCKETRL_SYNC_EVERY": str(cfg.sync_every),
+            "BUCKETRL_CHECKPOINT_EVERY": str(cfg.checkpoint_every),
+            "BUCKETRL_SEED": str(cfg.seed),
+            "BUCKETRL_WORK_DIR": str(self.dir / "work" / "trainer"),
+            "BUCKETRL_AUDIT_LOG": str(self.logs / "trainer-audit.jsonl"),
+            **cfg.trainer_env,
+        }
+        return self._service("trainer", bucketrl_command("trainer"), env).start()
+
+    def start_generator(self, index: int) -> Service:
+        name = f"gen-{index}"
+        env = {
+            **self._worker_env("generator", name),
+            "BUCKETRL_ENGINE": self.cfg.engine_of(index),
+            "BUCKETRL_METRICS_INTERVAL_S": "2",
+            "BUCKETRL_REWARD_WORKERS": "1",
+            "BUCKETRL_PROMPT_LEASE_TTL_S": repr(self.cfg.prompt_lease_ttl_s),
+            "BUCKETRL_ADAPTER_CACHE_DIR": str(self.dir / "work" / name),
+            **self.cfg.generator_env,
+        }
+        if self.model_dir is not None:
+            env["BUCKETRL_MODEL_PATH"] = str(self.model_dir)
+        return self._service(name, bucketrl_command("generator"), env).start()
+
+    def start_all(self, on_step: Any = None) -> None:
+        """Redis (unless external), proxy, trainer, then the generators; ``on_step(text)`` reports progress."""
+        say = on_step or (lambda _text: None)
+        if not self.cfg.redis_url:
+            say(f"redis      {self.redis_url}  (append-only file in {self.dir / 'redis'})")
+            self.start_redis()
+        say(f"proxy      {self.proxy_url}  bucket {self.bucket_url}")
+        self.start_proxy()
+        say("trainer    starting (creates or resumes the run)")
+        self.start_trainer()
+        for i in range(self.cfg.generators):
+            say(f"gen-{i}      engine {self.cfg.engine_of(i)}")
+            self.start_generator(i)
+
+    def restart(self, name: str, *, kill: bool = False) -> Service:
+        """Stop (SIGTERM, or SIGKILL with ``kill``) and start one service again with the same settings."""
+        svc = self.services[name]
+        if kill:
+            svc.kill()
+        else:
+            svc.stop()
+        if name == "redis":
+            return self.start_redis()
+        if name == "proxy":
+            return self.start_proxy()
+        return svc.start()
+
+    def stop_workers(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM every worker at once (generators release their prompts, the trainer checkpoints), then wait."""
+        workers = [s for n, s in self.services.items() if n not in ("proxy", "redis")]
+        for svc in workers:
+            svc.signal(15)
+        deadline = time.monotonic() + timeout_s
+        for svc in workers:
+            svc.stop(max(1.0, deadline - time.monotonic()))
+
+    def stop_all(self) -> None:
+        self.stop_workers()
+        for name in ("proxy", "redis"):
+            if name in self.services:
+                self.services[name].stop(15)
+
+    # -- access ---------------------------------------------------------------------------------------------
+
+    def client(self, role: str = "viewer", **kw: Any) -> ProxyClient:
+        return ProxyClient(self.proxy_url, self.cfg.run, self.tokens[role], **kw)
+
+    def http(self, role: str = "viewer", timeout_s: float = 10.0) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.proxy_url, headers={"Authorization": f"Bearer {self.tokens[role]}"}, timeout=timeout_s
+        )

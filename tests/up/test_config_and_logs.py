@@ -1,0 +1,126 @@
+"""`bucketrl up` pieces that need no services: the run spec it builds, the sync-latency log parser."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from bucketrl.tasks.tiny_model import VOCAB_SIZE
+from bucketrl.tasks.toy import DEMO_LR, DEMO_MAX_STEPS
+from bucketrl.up.config import UpConfig, build_run_spec
+from bucketrl.up.synclatency import measure
+from bucketrl.wire import RunSpec
+
+
+def test_default_is_the_measured_demo(tmp_path: Path) -> None:
+    cfg = UpConfig(dir=tmp_path)
+    assert cfg.is_demo and cfg.run_dir == tmp_path.resolve()
+    assert cfg.effective_lr() == DEMO_LR and cfg.effective_max_steps() == DEMO_MAX_STEPS
+    spec = RunSpec.model_validate(build_run_spec(cfg, tmp_path / "model"))
+    assert spec.base_model == str(tmp_path / "model")
+    assert spec.vocab_size == VOCAB_SIZE
+    assert spec.dataset.uri == "toy:digits" and spec.reward.name == "toy"
+    assert UpConfig(run="r1").run_dir == (Path("runs") / "r1").resolve()
+
+
+def test_knobs_reach_the_spec(tmp_path: Path) -> None:
+    cfg = UpConfig(
+        dir=tmp_path,
+        group_size=4,
+        groups_per_step=2,
+        max_staleness=1,
+        temperature=0.7,
+        max_new_tokens=6,
+        lora_r=4,
+        queue_capacity=1,
+        dataset="toy:parity",
+        generator_engines=["transformers", "vllm"],
+    )
+    spec = RunSpec.model_validate(build_run_spec(cfg, tmp_path))
+    assert (spec.group_size, spec.groups_per_step, spec.max_staleness) == (4, 2, 1)
+    assert (spec.sampling.temperature, spec.sampling.max_new_tokens) == (0.7, 6)
+    assert spec.reward.kwargs["length"] == 6  # the toy reward looks at as many characters as are generated
+    assert (spec.lora.r, spec.lora.alpha) == (4, 8.0)
+    assert spec.queue_capacity_groups == 2  # raised to hold one step
+    assert spec.dataset.uri == "toy:parity"
+    assert [cfg.engine_of(i) for i in range(3)] == ["transformers", "vllm", "transformers"]
+
+
+def test_a_real_dataset_leaves_its_size_to_the_trainer(tmp_path: Path) -> None:
+    spec = build_run_spec(UpConfig(dir=tmp_path, dataset="/data/train.jsonl", reward="exact"), tmp_path)
+    assert "size" not in spec["dataset"] and spec["reward"]["name"] == "exact"
+    assert spec["sampling"]["temperature"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"run": "../escape"},
+        {"generators": -1},
+        {"engine": "tensorrt"},
+        {"generator_engines": []},
+        {"lr": 0},
+        {"unknown_option": 1},
+    ],
+)
+def test_bad_options_are_refused(kw: dict) -> None:
+    with pytest.raises(ValidationError):
+        UpConfig(**kw)
+
+
+def test_unknown_toy_task_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown toy task"):
+        build_run_spec(UpConfig(dir=tmp_path, dataset="toy:chess"), tmp_path)
+
+
+def _log(path: Path, lines: list[str]) -> None:
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def test_sync_latency_from_logs(tmp_path: Path) -> None:
+    d = "2026-01-01 10:00:"
+    _log(
+        tmp_path / "trainer.log",
+        [
+            f"{d}00,000 INFO bucketrl.trainer: published v1 (step 0, 10 bytes) in 0.100s",
+            f"{d}10,000 INFO bucketrl.trainer: published v2 (step 1, 10 bytes) in 0.100s",
+            f"{d}20,000 INFO bucketrl.trainer: published v3 (step 2, 10 bytes) in 0.100s",
+            f"{d}30,000 INFO bucketrl.trainer: published v4 (step 3, 10 bytes) in 0.100s",
+        ],
+    )
+    _log(
+        tmp_path / "gen-0.log",
+        [
+            "=== 2026-01-01 10:00:00 start gen-0: bucketrl generator",
+            f"{d}01,000 INFO bucketrl.generator.worker [MainThread] loaded r-v1 in 0.5s (resident: [1])",
+            f"{d}10,200 INFO bucketrl.generator.worker [MainThread] loaded r-v2 in 0.1s (resident: [1, 2])",
+            f"{d}20,300 INFO bucketrl.generator.worker [MainThread] loaded r-v3 in 0.1s (resident: [2, 3])",
+            f"{d}30,100 INFO bucketrl.generator.worker [MainThread] loaded r-v4 in 0.1s (resident: [3, 4])",
+        ],
+    )
+    _log(
+        tmp_path / "gen-1.log",
+        [
+            "=== 2026-01-01 10:00:00 start gen-1: bucketrl generator",
+            f"{d}05,000 INFO bucketrl.generator.worker [MainThread] loaded r-v1 in 4.5s (resident: [1])",
+            # v2 skipped: v3 covers it (published 20.0, loaded 20.5 -> v2 latency 10.5 s)
+            f"{d}20,500 INFO bucketrl.generator.worker [MainThread] loaded r-v3 in 0.1s (resident: [1, 3])",
+            f"{d}21,000 INFO bucketrl.generator.worker [MainThread] heartbeat",
+            # killed; the restarted instance's first load is start-up, not sync
+            "=== 2026-01-01 10:00:25 start gen-1: bucketrl generator",
+            f"{d}35,000 INFO bucketrl.generator.worker [MainThread] loaded r-v4 in 0.1s (resident: [4])",
+        ],
+    )
+    lat = measure(tmp_path, "r")
+    # v1: every first load is a start-up, not a sync: no figure.
+    assert 1 not in lat.per_version
+    assert lat.per_version[2] == pytest.approx(10.6, abs=1e-3)  # gen-1 got it only with v3
+    assert lat.per_version[3] == pytest.approx(0.6, abs=1e-3)
+    # v4: the first gen-1 instance was dead, the second one started after the publish -> gen-0 only.
+    assert lat.per_version[4] == pytest.approx(0.2, abs=1e-3)
+    assert lat.p50 == pytest.approx(0.6, abs=1e-3) and lat.max == pytest.approx(10.6, abs=1e-3)
+    assert "p50" in lat.describe()
+    assert measure(tmp_path / "nothing", "r").per_version == {}

@@ -1,8 +1,167 @@
-"""`bucketrl status` (placeholder until issue 5 lands)."""
+"""``bucketrl status``: a run's state as tables, or as JSON for scripts.
+
+    bucketrl status --proxy http://proxy:8000 --run demo --token $VIEWER_TOKEN
+    bucketrl status --dir runs/demo            # a `bucketrl up` run: proxy address and token from the dir
+    bucketrl status --json | jq .queue
+
+Shows versions and their live leases, the rollout queue, prompts in flight, the workers with their loaded
+adapter versions and heartbeat age, the trainer's epoch and step, and the last value of the key metrics
+of each worker (``--all-metrics`` for every one). Options default to ``BUCKETRL_PROXY_URL``,
+``BUCKETRL_RUN`` and ``BUCKETRL_TOKEN``. Exit codes: 0 ok, 1 proxy unreachable or error, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
+KEY_METRICS = (
+    "reward",
+    "reward_std",
+    "perf/step_s",
+    "perf/rollout_wait_s",
+    "perf/weight_sync_s",
+    "sample/staleness_mean",
+    "sample/staleness_max",
+    "sample/dropped_stale_total",
+    "ratio",
+    "kl",
+    "entropy",
+    "train/loss",
+    "train/lr",
+    "policy/version",
+    "rollout/generated_tok_s",
+    "rollout/backpressure_s",
+    "rollout/inflight",
+    "rollout/unscorable_total",
+    "sync/adapter_load_s",
+)
 
-def status_command() -> None:
-    """Not implemented yet."""
-    raise typer.Exit(code=2)
+
+def _from_run_dir(run_dir: Path) -> tuple[str, str, str]:
+    """(proxy_url, run, viewer token) of a `bucketrl up` run directory."""
+    endpoint = run_dir / "endpoint.json"
+    if not endpoint.exists():
+        raise ValueError(f"{run_dir} has no endpoint.json: is it a `bucketrl up` run directory?")
+    info = json.loads(endpoint.read_text())
+    tokens = dict(line.split(":", 1) for line in (run_dir / "tokens").read_text().split() if ":" in line)
+    return info["proxy_url"], info["run"], tokens.get("viewer", "")
+
+
+def status_command(
+    proxy: Annotated[str | None, typer.Option(help="Proxy base URL (BUCKETRL_PROXY_URL).")] = None,
+    run: Annotated[str | None, typer.Option(help="Run id (BUCKETRL_RUN).")] = None,
+    token: Annotated[str | None, typer.Option(help="A viewer (or any) token (BUCKETRL_TOKEN).")] = None,
+    dir: Annotated[
+        Path | None, typer.Option("--dir", help="A `bucketrl up` run directory (reads its address and token).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
+    all_metrics: Annotated[bool, typer.Option("--all-metrics", help="Show every metric, not the key ones.")] = False,
+) -> None:
+    """Show a run's versions, leases, queue, workers and last metrics."""
+    from pydantic import ValidationError
+
+    from bucketrl import errors
+    from bucketrl.client import ProxyClient
+    from bucketrl.settings import WorkerSettings
+
+    try:
+        if dir is not None:
+            url, dir_run, dir_token = _from_run_dir(dir)
+            proxy, run, token = proxy or url, run or dir_run, token or dir_token
+        overrides = {k: v for k, v in {"proxy_url": proxy, "run": run, "token": token}.items() if v is not None}
+        settings = WorkerSettings(**overrides)  # type: ignore[arg-type]
+    except (ValidationError, ValueError, OSError) as exc:
+        typer.echo(f"bucketrl status: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    client = ProxyClient(settings.proxy_url, settings.run, settings.token, retries=1, timeout_s=10.0)
+    try:
+        status = client.status()
+    except errors.Unauthorized as exc:
+        typer.echo(f"bucketrl status: {exc.message} (pass --token or set BUCKETRL_TOKEN)", err=True)
+        raise typer.Exit(code=1) from exc
+    except errors.BucketRLError as exc:
+        typer.echo(f"bucketrl status: {settings.proxy_url}: {exc.code}: {exc.message}", err=True)
+        raise typer.Exit(code=1) from exc
+    finally:
+        client.close()
+    if as_json:
+        typer.echo(status.model_dump_json(indent=2))
+        return
+    from rich.console import Console
+
+    Console().print(*render_status(status, all_metrics=all_metrics))
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, float):
+        if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+            return f"{v:.3e}"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def render_status(status: Any, *, all_metrics: bool = False) -> list[Any]:
+    """The rich renderables of a :class:`bucketrl.wire.RunStatus` (header, versions, workers, metrics)."""
+    from rich.table import Table
+
+    q = status.queue
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold cyan")
+    head.add_column()
+    head.add_row("run", status.run)
+    head.add_row("latest version", str(status.latest_version))
+    head.add_row("trainer", f"epoch {status.trainer.epoch}, step {status.trainer.step}")
+    head.add_row(
+        "queue",
+        f"{q.groups}/{q.capacity} groups queued, {q.pending} delivered unacked; accepted {q.accepted_total}, "
+        f"acked {q.acked_total}, dropped stale {q.dropped_stale_total}, rejected stale {q.rejected_stale_total}, "
+        f"backpressure {q.backpressure_total}",
+    )
+    head.add_row("prompts", f"{status.prompts_inflight} in flight, cursor {status.prompt_cursor}")
+    head.add_row("garbage-collected versions", str(status.gc_versions_total))
+
+    now = time.time()
+    versions = Table(title="versions", title_justify="left")
+    for col in ("version", "live leases", "published"):
+        versions.add_column(col, justify="right")
+    for v in sorted(status.versions, key=lambda v: v.version, reverse=True):
+        versions.add_row(f"v{v.version}", str(v.leases), f"{_age(now - v.published_at)} ago")
+
+    workers = Table(title="workers", title_justify="left")
+    for col in ("worker", "role", "loaded versions", "heartbeat age", "step"):
+        workers.add_column(col)
+    for w in status.workers:
+        step = status.metrics.get(w.worker_id, {}).get("_step")
+        workers.add_row(
+            w.worker_id,
+            w.role,
+            ", ".join(f"v{v}" for v in w.loaded_versions) or "–",
+            _age(w.last_seen_s),
+            "–" if step is None else str(int(step)),
+        )
+
+    ids = [w.worker_id for w in status.workers if status.metrics.get(w.worker_id)]
+    metrics = Table(title="last metrics" + ("" if all_metrics else " (key ones; --all-metrics for every one)"))
+    metrics.title_justify = "left"
+    metrics.add_column("metric")
+    for wid in ids:
+        metrics.add_column(wid, justify="right")
+    names = sorted({n for wid in ids for n in status.metrics[wid] if n != "_step"})
+    if not all_metrics:
+        names = [n for n in KEY_METRICS if n in names] + sorted(n for n in names if n.startswith("mismatch/"))
+    for name in names:
+        metrics.add_row(name, *(_num(status.metrics[wid][name]) if name in status.metrics[wid] else "" for wid in ids))
+    return [head, versions, workers, metrics]

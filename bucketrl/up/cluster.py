@@ -8,6 +8,7 @@ Everything lives under the run directory, so running again with the same directo
     <dir>/bucket/           the file:// bucket (adapters, rollouts, checkpoints)
     <dir>/redis/            Redis's append-only file (coordination state survives a restart)
     <dir>/logs/<service>.log, <dir>/logs/trainer-audit.jsonl
+    <dir>/endpoint.json     the proxy's address while it runs (``bucketrl status --dir <dir>``)
 
 Workers talk to the proxy over HTTP exactly as containers would: each gets only ``BUCKETRL_PROXY_URL``, its
 token and the run id. :class:`LocalCluster` is what ``bucketrl up`` and the end-to-end tests drive (they
@@ -157,6 +158,9 @@ class LocalCluster:
     def start_proxy(self) -> Service:
         svc = self._service("proxy", bucketrl_command("proxy"), self.proxy_env()).start()
         wait_until(self.proxy_ready, 60, "the proxy to be ready", svc, poll_s=0.2)
+        # What `bucketrl status --dir <dir>` reads (the token it uses is the viewer's, from <dir>/tokens).
+        endpoint = {"proxy_url": self.proxy_url, "run": self.cfg.run, "pid": svc.pid}
+        (self.dir / "endpoint.json").write_text(json.dumps(endpoint) + "\n")
         return svc
 
     def proxy_ready(self) -> bool:

@@ -161,7 +161,12 @@ class Submitter:
 
     def _run(self) -> None:
         while True:
-            item = self.queue.get()
+            try:
+                item = self.queue.get(timeout=0.2)
+            except queue.Empty:
+                if self.abandon.is_set():
+                    return  # close() gave up waiting; it releases whatever is still queued
+                continue
             if item is _STOP:
                 return
             try:

@@ -56,6 +56,7 @@ class GeneratorWorker:
             settings.proxy_url, settings.run, settings.token, timeout_s=settings.http_timeout_s
         )
         self.engine = engine
+        self._own_engine = engine is None  # an engine passed in belongs to the caller: not closed here
         self.stop_event = threading.Event()
         self.metrics = GeneratorMetrics()
         self.book = VersionBook(settings.run)
@@ -464,7 +465,7 @@ class GeneratorWorker:
             t.join(timeout=1.0)  # the long-poll thread may be mid-request; it is a daemon
         if self._pool is not None:
             self._pool.close()
-        if self.engine is not None:
+        if self.engine is not None and self._own_engine:
             try:
                 self.engine.close()
             except Exception:

@@ -9,13 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from transformers import AutoTokenizer
 
 from bucketrl import errors
 from bucketrl.generator.engines.base import make_engine
 from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.tarball import pack_dir
 from bucketrl.wire import SamplingSpec
 from tests.generator.engine_suite import PROMPTS, EngineBehaviour, G, check_well_formed, max_logprob_gap
-from tests.generator.helpers import make_adapter, run_spec
+from tests.generator.helpers import make_adapter, run_spec, teacher_forced_logprobs
+from tests.generator.worker_support import Consumer, create_run, running_worker, wait_until, worker_settings
+from tests.proxy.harness import running
+from tests.support.services import RedisServer
 
 pytestmark = pytest.mark.vllm
 
@@ -70,3 +75,43 @@ class TestVLLMEngine(EngineBehaviour):
         assert sorted(engine.loaded_adapters()) == ["t-v1", "t-v2"]
         again = engine.generate(PROMPTS, adapter="t-v2", n=2, sampling=sampling)
         assert max_logprob_gap(model_dir, adapters[2], again, sampling) < 1e-3
+
+
+def test_worker_loop_on_vllm(
+    engine: Any, adapters: dict[int, Path], model_dir: Path, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The worker loop drives the vLLM engine against a real proxy: groups carry the trainer's logprobs for
+    their version; with max_staleness=1 it keeps {v2, v3} resident and unloads v1 (max_loras = 3)."""
+    for name in ("t-v1", "t-v2"):  # the behaviour suite's adapters: make room, put them back afterwards
+        engine.unload_adapter(name)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
+            trainer, spec = create_run(proxy, "wv", model_dir, adapters[1])
+            viewer = proxy.client("wv", "viewer")
+            settings = worker_settings(proxy, "wv", "gen-v", engine="vllm", prompts_per_request=4)
+            with running_worker(settings, engine=engine), Consumer(trainer) as consumer:
+                consumer.wait_for(lambda ds: len(ds) >= 2, 120)
+                trainer.publish_adapter(2, pack_dir(adapters[2]))
+                consumer.wait_for(lambda ds: any(d.version == 2 for d in ds), 120)
+                trainer.publish_adapter(3, pack_dir(adapters[3]))
+                consumer.wait_for(lambda ds: any(d.version == 3 for d in ds), 120)
+                wait_until(
+                    lambda: any(w.loaded_versions == [2, 3] for w in viewer.status().workers),
+                    30,
+                    "v1 unloaded, v2 and v3 resident",
+                )
+                assert sorted(engine.loaded_adapters()) == ["wv-v2", "wv-v3"]
+            for d in consumer.deliveries:
+                for g in d.groups:
+                    assert g.prompt_token_ids == tok.encode(f"{g.prompt_index // 4}+{g.prompt_index % 4}=")
+                    for c in g.completions:
+                        ref = teacher_forced_logprobs(
+                            model_dir, adapters[d.version], g.prompt_token_ids, c.token_ids, spec.sampling
+                        )
+                        assert max(abs(a - b) for a, b in zip(ref, c.logprobs, strict=True)) < 1e-3
+    finally:
+        for name in engine.loaded_adapters():
+            engine.unload_adapter(name)
+        engine.load_adapter("t-v1", 1, adapters[1])
+        engine.load_adapter("t-v2", 2, adapters[2])

@@ -94,9 +94,9 @@ class Consumer:
 
 
 @contextmanager
-def running_worker(settings: GeneratorSettings) -> Iterator[GeneratorWorker]:
-    """``GeneratorWorker.run`` in a thread; stopped (and its errors re-raised) on exit."""
-    worker = GeneratorWorker(settings)
+def running_worker(settings: GeneratorSettings, engine: Any = None) -> Iterator[GeneratorWorker]:
+    """``GeneratorWorker.run`` in a thread (on ``engine`` if given); stopped, and its errors re-raised, on exit."""
+    worker = GeneratorWorker(settings, engine=engine)
     failure: list[BaseException] = []
 
     def run() -> None:

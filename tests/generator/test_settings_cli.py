@@ -1,0 +1,64 @@
+"""Generator settings from BUCKETRL_* variables, and a CLI that starts without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from bucketrl.generator.settings import GeneratorSettings
+
+
+def test_every_setting_is_documented() -> None:
+    for name, field in GeneratorSettings.model_fields.items():
+        assert field.description, f"GeneratorSettings.{name} has no description"
+
+
+def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BUCKETRL_ENGINE", "vllm")
+    monkeypatch.setenv("BUCKETRL_PROXY_URL", "http://proxy:8000/")
+    monkeypatch.setenv("BUCKETRL_RUN", "r1")
+    monkeypatch.setenv("BUCKETRL_GPU_MEMORY_UTILIZATION", "0.85")
+    monkeypatch.setenv("BUCKETRL_PROMPTS_PER_REQUEST", "32")
+    s = GeneratorSettings()
+    assert (s.engine, s.proxy_url, s.run, s.gpu_memory_utilization, s.prompts_per_request) == (
+        "vllm",
+        "http://proxy:8000",
+        "r1",
+        0.85,
+        32,
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "value"),
+    [
+        ("BUCKETRL_ENGINE", "tensorrt"),
+        ("BUCKETRL_GPU_MEMORY_UTILIZATION", "1.5"),
+        ("BUCKETRL_MAX_LORAS", "1"),
+        ("BUCKETRL_PROXY_URL", "proxy:8000"),
+        ("BUCKETRL_REWARD_TIMEOUT_S", "0"),
+    ],
+)
+def test_bad_settings_are_refused(monkeypatch: pytest.MonkeyPatch, env: str, value: str) -> None:
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValidationError):
+        GeneratorSettings()
+
+
+def test_cli_imports_no_heavy_library_and_refuses_bad_settings() -> None:
+    code = (
+        "import sys; from bucketrl.cli import app; import bucketrl.generator.cli, bucketrl.generator.settings; "
+        "heavy = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "bucketrl.cli", "generator", "--engine", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "engine" in out.stderr

@@ -78,6 +78,7 @@ class VersionBook:
         self._lock = threading.Lock()
         self._slots: dict[int, VersionSlot] = {}
         self.newest_known = 0  # the newest version the proxy announced
+        self._loading: int | None = None  # the version pending() handed to the main thread to load
 
     def name(self, version: int) -> str:
         from bucketrl.generator.engines.base import adapter_name
@@ -89,7 +90,12 @@ class VersionBook:
         with self._lock:
             self._slots[version] = VersionSlot(version, self.name(version), lease_id, path, fetch_s)
             self.newest_known = max(self.newest_known, version)
-            superseded = [s for s in self._slots.values() if not s.loaded and s.version < version]
+            # Not the one the main thread is loading right now (handed out by pending()): removing it under the
+            # load made mark_loaded raise KeyError and killed the worker (seen end to end when versions arrive
+            # faster than one engine call).
+            superseded = [
+                s for s in self._slots.values() if not s.loaded and s.version < version and s.version != self._loading
+            ]
             for s in superseded:
                 del self._slots[s.version]
             return superseded
@@ -99,14 +105,19 @@ class VersionBook:
         with self._lock:
             cur = self._current_locked()
             cands = [s for s in self._slots.values() if not s.loaded and (cur is None or s.version > cur.version)]
-            return max(cands, key=lambda s: s.version) if cands else None
+            slot = max(cands, key=lambda s: s.version) if cands else None
+            self._loading = slot.version if slot is not None else None
+            return slot
 
     def mark_loaded(self, version: int) -> None:
         with self._lock:
             self._slots[version].loaded = True
+            self._loading = None
 
     def drop(self, version: int) -> VersionSlot | None:
         with self._lock:
+            if self._loading == version:
+                self._loading = None
             return self._slots.pop(version, None)
 
     def _current_locked(self) -> VersionSlot | None:

@@ -22,6 +22,8 @@ last group accepted (worker). ``--repeats`` bare/worker pairs run alternately on
 may be shared and noisy); prints the medians and the median per-pair ratio = worker / bare (target >= 0.90), then
 one JSON line. ``engine_duty`` (the share of the worker's wall time spent inside ``engine.generate``) is the loop's
 own overhead measured within one run, so it holds even when other processes make the tok/s figures jumpy.
+``colocated_cpu_share``: CPU seconds the proxy, Redis and the trainer stand-in used during the worker run, per
+second (1.0 = one core): on a small machine that is taken from the engine, in a deployment it is not.
 """
 
 from __future__ import annotations
@@ -87,6 +89,17 @@ def start_services(work: Path) -> tuple[list[subprocess.Popen], str]:
     )
     wait_port(pport, proxy)
     return [proxy, redis], f"http://127.0.0.1:{pport}"
+
+
+def cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -223,6 +236,8 @@ def main() -> None:
                 tokens += sum(len(s.token_ids) for g in out for s in g)
             bare_s = time.perf_counter() - t0
 
+            others = [p.pid for p in procs] + [consumer.pid]  # proxy, redis, trainer stand-in
+            others_cpu0 = sum(cpu_s(pid) for pid in others)
             timed = TimedEngine(engine)
             worker = GeneratorWorker(
                 settings.model_copy(update={"worker_id": f"bench-gen-{r}"}),
@@ -231,6 +246,7 @@ def main() -> None:
             worker.run()
             assert timed.first_call is not None and worker.submitter is not None
             worker_s = (worker.submitter.last_accepted_at or time.perf_counter()) - timed.first_call
+            others_cpu = sum(cpu_s(pid) for pid in others) - others_cpu0
             runs.append(
                 {
                     "bare_tok_s": round(tokens / bare_s, 1),
@@ -241,6 +257,9 @@ def main() -> None:
                     "ratio": round((timed.tokens / worker_s) / (tokens / bare_s), 3),
                     # Robust to a noisy machine: the share of the worker's wall time the engine was sampling.
                     "engine_duty": round(timed.busy_s / worker_s, 3),
+                    # CPU the co-located proxy + Redis + trainer stand-in took from this machine meanwhile
+                    # (in a deployment they run elsewhere), as a share of one core.
+                    "colocated_cpu_share": round(others_cpu / worker_s, 3),
                 }
             )
             print(json.dumps(runs[-1]), file=sys.stderr)

@@ -422,7 +422,8 @@ class GeneratorWorker:
         if ids:
             try:
                 renewed = self.client.renew_prompts(self.worker_id, ids, ttl_s=s.prompt_lease_ttl_s)
-                lost = set(ids) - {p.prompt_id for p in renewed.prompts}
+                # Ids submitted meanwhile are complete, not lost: only those still held count.
+                lost = (set(ids) - {p.prompt_id for p in renewed.prompts}) & set(self.ledger.ids())
                 if lost:
                     log.warning("%d prompt lease(s) had expired; the proxy may issue them again", len(lost))
             except errors.Gone:

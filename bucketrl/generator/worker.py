@@ -103,11 +103,6 @@ class GeneratorWorker:
             return False
         self.spec = spec
         model = s.model_path or spec.base_model
-        if s.max_model_len <= spec.sampling.max_new_tokens:
-            raise errors.Invalid(
-                f"BUCKETRL_MAX_MODEL_LEN={s.max_model_len} leaves no room for a prompt before "
-                f"sampling.max_new_tokens={spec.sampling.max_new_tokens}"
-            )
         self.examples = examples_for_run(spec.dataset, self.client)
         from transformers import AutoTokenizer
 
@@ -115,6 +110,11 @@ class GeneratorWorker:
         # The engine first: vLLM forks its engine core, which must happen before this process has threads.
         if self.engine is None:
             self.engine = make_engine(s, spec)
+        if self.engine.max_model_len <= spec.sampling.max_new_tokens:
+            raise errors.Invalid(
+                f"the engine holds {self.engine.max_model_len} tokens (BUCKETRL_MAX_MODEL_LEN, capped by the model), "
+                f"no room for a prompt before sampling.max_new_tokens={spec.sampling.max_new_tokens}"
+            )
         self._pool = RewardPool(spec.reward, workers=s.reward_workers, timeout_s=s.reward_timeout_s)
         if s.adapter_cache_dir:
             self._cache_dir = Path(s.adapter_cache_dir) / s.run

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +18,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from bucketrl import errors
+from bucketrl.generator.worker import GeneratorWorker
 from bucketrl.tarball import pack_dir
-from bucketrl.wire import Delivery, RewardSpec, RunSpec
+from bucketrl.wire import Delivery, RewardSpec, RunSpec, SamplingSpec
 from tests.generator.helpers import make_adapter, teacher_forced_logprobs
 from tests.generator.worker_support import (
     PROMPTS,
@@ -210,3 +213,18 @@ def test_sigkilled_generators_prompts_are_issued_again(
     time.sleep(4.5)
     lease = other.lease_prompts("gen-other", 3, ttl_s=60)
     assert [(p.pass_, p.index) for p in lease.prompts] == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_worker_waits_for_its_run_and_refuses_a_config_it_cannot_serve(
+    proxy: ProxyHarness, tiny_model_dir: Path, adapters: dict[int, Path]
+) -> None:
+    early = GeneratorWorker(worker_settings(proxy, "w5", "gen-c"))
+    threading.Timer(1.5, early.request_stop).start()
+    t0 = time.monotonic()
+    assert early.run() == 0  # the run does not exist yet: it waits, and stops cleanly
+    assert time.monotonic() - t0 < 10
+    create_run(proxy, "w5", tiny_model_dir, adapters[1], sampling=SamplingSpec(max_new_tokens=16))
+    cramped = GeneratorWorker(worker_settings(proxy, "w5", "gen-c", max_model_len=16))
+    with pytest.raises(errors.Invalid, match="max_new_tokens=16"):
+        cramped.run()
+    assert proxy.client("w5", "viewer").status().prompts_inflight == 0

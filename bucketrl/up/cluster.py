@@ -135,7 +135,7 @@ class LocalCluster:
             "--dir", str(redis_dir),
             "--save", "",
             "--appendonly", "yes",
-            "--appendfsync", "everysec",
+            "--appendfsync", self.cfg.redis_fsync,
             "--daemonize", "no",
             "--protected-mode", "no",
         ]  # fmt: skip

@@ -11,6 +11,7 @@
   const FIRST_FETCH = 5000; // pushes fetched when the page (re)starts a run
   const NEXT_FETCH = 500; // pushes fetched per poll afterwards (merged by worker and timestamp)
   const MAX_STATUS_SAMPLES = 3600;
+  const MAX_VERSION_ROWS = 12;
   const COLORS = ["#4fb3ff", "#ffb84f", "#5fd38d", "#ff6b6b", "#c792ea", "#7fdbca", "#f78c6c", "#c3e88d"];
 
   // Each series reads one metric from the pushes of one role (optionally one line per worker), or a field
@@ -49,7 +50,7 @@
       id: "staleness", title: "Staleness (versions behind)", x: "step", yMin: 0,
       series: [
         { role: "trainer", metric: "sample/staleness_mean", label: "mean" },
-        { role: "trainer", metric: "sample/staleness_max", label: "max" },
+        { role: "trainer", metric: "sample/staleness_max", label: "max", dash: [5, 3] },
       ],
     },
     {
@@ -410,11 +411,17 @@
     }
     const vbody = $("versions").querySelector("tbody");
     vbody.innerHTML = "";
-    for (const v of [...status.versions].reverse()) {
+    const newest = [...status.versions].sort((a, b) => b.version - a.version);
+    for (const v of newest.slice(0, MAX_VERSION_ROWS)) {
       const row = vbody.insertRow();
       for (const c of ["v" + v.version, v.leases, new Date(v.published_at * 1000).toLocaleTimeString()]) {
         row.insertCell().textContent = c;
       }
+    }
+    if (newest.length > MAX_VERSION_ROWS) {
+      const rest = newest.slice(MAX_VERSION_ROWS);
+      const leased = rest.reduce((a, v) => a + v.leases, 0);
+      vbody.insertRow().insertCell().textContent = "… " + rest.length + " older (" + leased + " leases)";
     }
   }
 

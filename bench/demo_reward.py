@@ -1,0 +1,67 @@
+"""Run the default demo (`bucketrl up`, nothing else) and print its reward figures and wall time.
+
+    .venv/bin/python bench/demo_reward.py                 # a fresh run directory under /tmp
+    .venv/bin/python bench/demo_reward.py --keep          # keep it (plots: <dir>/reward.png, pipeline.png)
+    .venv/bin/python bench/demo_reward.py -- --generators 3   # extra `bucketrl up` options after --
+
+Target (issue 5): the whole demo, start to summary, within 10 minutes on a 2-core machine; the mean reward
+of its last 20 steps >= 0.6 and >= 2x that of its first 20 steps. Exit code 0 when met, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGET_WALL_S = 600.0
+TARGET_LAST20 = 0.6
+TARGET_RATIO = 2.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, help="run directory (default: a fresh temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the run directory")
+    parser.add_argument("up_args", nargs="*", help="extra `bucketrl up` options (after --)")
+    args = parser.parse_args()
+    run_dir = args.dir or Path(tempfile.mkdtemp(prefix="bucketrl-demo-")) / "demo"
+    cmd = [sys.executable, "-m", "bucketrl.cli", "up", "--dir", str(run_dir), "--no-live", *args.up_args]
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, check=False)
+    wall = time.monotonic() - t0
+    summary_path = run_dir / "summary.json"
+    if proc.returncode != 0 or not summary_path.exists():
+        print(f"demo failed (exit {proc.returncode}); logs in {run_dir / 'logs'}")
+        return 1
+    s = json.loads(summary_path.read_text())
+    first, last = s["reward_first20"], s["reward_last20"]
+    ok = wall <= TARGET_WALL_S and last >= TARGET_LAST20 and last >= TARGET_RATIO * first
+    print()
+    print(f"steps                      {s['steps']}  (policy versions {s['latest_version']})")
+    print(f"wall time, whole demo      {wall:.1f} s   (target <= {TARGET_WALL_S:.0f} s)")
+    print(f"reward, first 20 steps     {first:.3f}")
+    print(f"reward, last 20 steps      {last:.3f}   (target >= {TARGET_LAST20} and >= {TARGET_RATIO}x first)")
+    print(f"improvement                {last / first:.2f}x")
+    print(f"step time mean             {s['step_s_mean']:.3f} s; staleness mean {s['staleness_mean']:.2f}")
+    if s.get("sync_latency_p50_s") is not None:
+        print(
+            f"weight sync (publish -> all generators loaded) p50 {s['sync_latency_p50_s'] * 1000:.0f} ms, "
+            f"max {s['sync_latency_max_s'] * 1000:.0f} ms over {s['sync_latency_versions']} versions"
+        )
+    print(f"target {'MET' if ok else 'MISSED'}")
+    if args.keep or args.dir:
+        print(f"run directory: {run_dir} (reward.png, pipeline.png, summary.json, logs/)")
+    else:
+        shutil.rmtree(run_dir.parent, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

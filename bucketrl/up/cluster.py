@@ -9,6 +9,7 @@ Everything lives under the run directory, so running again with the same directo
     <dir>/redis/            Redis's append-only file (coordination state survives a restart)
     <dir>/logs/<service>.log, <dir>/logs/trainer-audit.jsonl
     <dir>/endpoint.json     the proxy's address while it runs (``bucketrl status --dir <dir>``)
+    <dir>/services.json     the pid of each service (the last start of each)
 
 Workers talk to the proxy over HTTP exactly as containers would: each gets only ``BUCKETRL_PROXY_URL``, its
 token and the run id. :class:`LocalCluster` is what ``bucketrl up`` and the end-to-end tests drive (they
@@ -117,11 +118,16 @@ class LocalCluster:
     def _service(self, name: str, argv: list[str], env: dict[str, str]) -> Service:
         svc = self.services.get(name)
         if svc is None:
-            svc = Service(name, argv, self.logs / f"{name}.log", env=env, cwd=self.dir)
+            svc = Service(name, argv, self.logs / f"{name}.log", env=env, cwd=self.dir, on_start=self._record_pids)
             self.services[name] = svc
         else:
             svc.argv, svc.env = argv, env
         return svc
+
+    def _record_pids(self) -> None:
+        """``<dir>/services.json``: the pid of every service started (operators and tests check them)."""
+        pids = {name: svc.pid for name, svc in self.services.items() if svc.pid is not None}
+        (self.dir / "services.json").write_text(json.dumps(pids) + "\n")
 
     def start_redis(self) -> Service:
         if self.cfg.redis_url:

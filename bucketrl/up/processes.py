@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,6 +84,7 @@ class Service:
     cwd: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    on_start: Callable[[], None] | None = None
 
     def start(self) -> Service:
         if self.alive:
@@ -103,6 +105,8 @@ class Service:
                 preexec_fn=_die_with_parent if _LIBC is not None else None,
             )
         self.starts += 1
+        if self.on_start is not None:
+            self.on_start()
         return self
 
     @property

@@ -28,9 +28,10 @@ def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = Non
     rewards = [v for _, v in watcher.trainer_series("reward")]
     first, last = _mean(rewards[:WINDOW]), _mean(rewards[-WINDOW:])
     status = watcher.status
-    gen_tokens = 0.0
-    for series in watcher.timed_series("rollout/tokens_total", role="generator").values():
-        gen_tokens += series[-1][1]
+    gen_tokens = sum(
+        counter_total([v for _, v in series])
+        for series in watcher.timed_series("rollout/tokens_total", role="generator").values()
+    )
     dropped = [v for _, v in watcher.trainer_series("sample/dropped_stale_total")]
     figures: dict[str, Any] = {
         "steps": len(rewards),
@@ -45,7 +46,8 @@ def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = Non
         "weight_sync_s_mean": _mean([v for _, v in watcher.trainer_series("perf/weight_sync_s")]),
         "staleness_mean": _mean([v for _, v in watcher.trainer_series("sample/staleness_mean")]),
         "ratio_mean": _mean([v for _, v in watcher.trainer_series("ratio")]),
-        "dropped_stale_total": dropped[-1] if dropped else 0,
+        # The proxy's counter (the trainer's restarts with the trainer).
+        "dropped_stale_total": status.queue.dropped_stale_total if status else int(dropped[-1]) if dropped else 0,
         "generated_tokens": gen_tokens,
         "queue_accepted_total": status.queue.accepted_total if status else None,
         "sync_latency_p50_s": sync.p50 if sync else None,
@@ -53,6 +55,16 @@ def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = Non
         "sync_latency_versions": sync.count if sync else 0,
     }
     return figures
+
+
+def counter_total(values: list[float]) -> float:
+    """The total of a per-process counter reported over time: a drop means the process restarted from 0."""
+    total, prev = 0.0, 0.0
+    for v in values:
+        if v < prev:
+            total += prev
+        prev = v
+    return total + prev
 
 
 def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary"):  # -> rich.table.Table

@@ -1,0 +1,127 @@
+"""The end-of-run report and the live view, from a canned history (no services needed)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from bucketrl.up.live import render
+from bucketrl.up.report import counter_total, plot, summarize, summary_table, write_summary
+from bucketrl.up.synclatency import SyncLatency
+from bucketrl.up.watch import RunWatcher
+from bucketrl.wire import RunStatus
+
+
+def _watcher(steps: int = 40) -> RunWatcher:
+    w = RunWatcher("http://127.0.0.1:9", "demo", "tok")
+    now = time.time()
+    pushes = []
+    for k in range(1, steps + 1):
+        reward = 0.1 if k <= 20 else 0.8
+        pushes.append(
+            {
+                "worker_id": "trainer",
+                "role": "trainer",
+                "ts": now + k,
+                "step": k,
+                "metrics": {
+                    "reward": reward,
+                    "perf/step_s": 0.5,
+                    "perf/rollout_wait_s": 0.1,
+                    "perf/weight_sync_s": 0.05,
+                    "sample/staleness_mean": 1.0,
+                    "sample/staleness_max": 2.0,
+                    "ratio": 1.0,
+                },
+            }
+        )
+        for g in ("gen-0", "gen-1"):
+            tokens = 100.0 * k if k <= 30 or g == "gen-1" else 100.0 * (k - 30)  # gen-0 restarted at step 30
+            pushes.append(
+                {
+                    "worker_id": g,
+                    "role": "generator",
+                    "ts": now + k + 0.5,
+                    "step": None,
+                    "metrics": {
+                        "rollout/tokens_total": tokens,
+                        "rollout/generated_tok_s": 200.0,
+                        "rollout/backpressure_s": 0.2,
+                        "sync/adapter_load_s": 0.1,
+                        "sync/adapter_version": float(k),
+                    },
+                }
+            )
+    w._merge(pushes)
+    w._merge(pushes[:5])  # a re-fetched window is not double counted
+    w.status = RunStatus.model_validate(
+        {
+            "run": "demo",
+            "latest_version": steps + 1,
+            "versions": [{"version": steps + 1, "leases": 2, "published_at": now}],
+            "queue": {"groups": 3, "capacity": 64, "accepted_total": 330, "dropped_stale_total": 2},
+            "prompts_inflight": 8,
+            "workers": [
+                {"worker_id": "gen-0", "role": "generator", "loaded_versions": [steps, steps + 1], "last_seen_s": 0.4},
+                {"worker_id": "trainer", "role": "trainer", "loaded_versions": [], "last_seen_s": 0.1},
+            ],
+            "trainer": {"epoch": 1, "step": steps},
+            "metrics": {
+                "trainer": {"reward": 0.8, "sample/staleness_mean": 1.0},
+                "gen-0": {"rollout/generated_tok_s": 200},
+            },
+        }
+    )
+    w.status_history = [
+        {"ts": now + k, "queue": k % 5, "capacity": 64, "prompts_inflight": 8, "step": k} for k in range(40)
+    ]
+    return w
+
+
+def test_summary_figures_and_table(tmp_path: Path) -> None:
+    w = _watcher()
+    assert len(w.pushes) == 120
+    figures = summarize(w, 61.0, SyncLatency({2: 0.2, 3: 0.4, 4: 1.0}))
+    assert figures["steps"] == 40 and figures["latest_version"] == 41
+    assert figures["reward_first20"] == 0.1 and figures["reward_last20"] == 0.8
+    assert abs(figures["reward_ratio"] - 8.0) < 1e-9
+    assert figures["generated_tokens"] == 3000 + 1000 + 4000  # gen-0's counter restarted at step 30
+    assert figures["dropped_stale_total"] == 2 and figures["sync_latency_p50_s"] == 0.4
+    console = Console(record=True, width=120)
+    console.print(summary_table(figures))
+    text = console.export_text()
+    assert "8.00x" in text and "400 / 1000 ms" in text
+    assert write_summary(figures, tmp_path).exists()
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    paths = plot(_watcher(), tmp_path, title="(test)")
+    assert [p.name for p in paths] == ["reward.png", "pipeline.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_live_view_renders_state() -> None:
+    w = _watcher()
+    console = Console(record=True, width=140)
+    console.print(
+        render(
+            w,
+            run="demo",
+            max_steps=100,
+            started=time.monotonic() - 12,
+            dashboard="http://127.0.0.1:1/ui?run=demo",
+            services={"trainer": "running pid 1", "gen-0": "running pid 2", "gen-1": "exited -9"},
+        )
+    )
+    text = console.export_text()
+    needles = ("40/100", "policy version", "41", "0.800", "3/64 groups", "8 prompts in flight", "v40, v41", "exited -9")
+    for needle in needles:
+        assert needle in text, needle
+
+
+def test_counter_total_handles_restarts() -> None:
+    assert counter_total([]) == 0
+    assert counter_total([1, 5, 9]) == 9
+    assert counter_total([1, 5, 9, 2, 4, 1]) == 9 + 4 + 1

@@ -77,7 +77,10 @@ class FileStore:
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 return tempfile.mkstemp(dir=target.parent, prefix=f"{TEMP_MARKER}{target.name}.")
-            except FileNotFoundError as exc:
+            except (FileNotFoundError, FileExistsError) as exc:
+                # A concurrent delete pruned the directory: after our mkdir (mkstemp: FileNotFoundError), or
+                # between mkdir's "it exists" and its "is it a directory?" (FileExistsError). Create it again;
+                # a file squatting on the directory's path fails every attempt.
                 if attempt == _MKDIR_RETRIES - 1:
                     raise self._unavailable(f"create {target.parent}", exc) from exc
             except OSError as exc:

@@ -11,6 +11,8 @@
 ``RunDep``             :class:`RunRef` (name + :class:`~bucketrl.wire.RunSpec`); 404 on an unknown run. Read
                        from Redis on every request (no cache: after a Redis wipe the first request must see
                        the run missing and rebuild it, not act on a cached spec over empty state).
+                       ``resolve_run`` does the same for routes that need the run only when their own
+                       script finds something missing (version leases: an unknown run has no leases).
 ``EpochDep``           the caller's ``X-Trainer-Epoch``, checked against the current epoch: 409 ``fenced``
                        when older. The check here is early rejection only: a write must re-check the
                        epoch atomically with its commit (see ``state/versions.py``'s Lua), because a new
@@ -18,15 +20,23 @@
 =====================  ===========================================================================
 
 Use ``require("trainer", "generator")`` for any other role combination.
+
+Cost: FastAPI solves a dependency's own sub-dependencies again every time it appears (only the final call
+is cached), and each solve walks the request's parameters. So these dependencies take the ``Request``
+itself rather than ``CtxDep``: the trees stay one level deep (a trainer write solves 5 nodes, not 12).
+Every one is ``async def`` (a plain ``def`` costs a thread-pool hop per request). ``RunDep`` reads the
+spec and the trainer epoch in one Redis round trip and leaves the epoch for ``EpochDep``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, Header, Path, Request
+from fastapi import Depends, Header, Path, Request, Security
+from fastapi.security import HTTPBearer
 
 from bucketrl import errors
 from bucketrl.proxy.auth import Principal
@@ -47,18 +57,29 @@ RunId = Annotated[
 ]
 
 
-async def get_principal(ctx: CtxDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
-    return ctx.auth.authenticate(authorization)
+# Documents bearer auth in the OpenAPI schema (securitySchemes + each operation's security). Its own check is
+# off (auto_error=False): TokenAuth reads the header itself, for its precise 401 messages. A declared
+# ``Header()`` parameter instead would cost a FastAPI parameter solve on every request.
+BEARER = HTTPBearer(
+    auto_error=False,
+    description="`Authorization: Bearer <token>`; tokens and roles come from BUCKETRL_TOKENS / BUCKETRL_TOKENS_FILE.",
+)
+BearerScheme = Annotated[Any, Security(BEARER)]
+
+
+async def get_principal(request: Request, _scheme: BearerScheme) -> Principal:
+    return request.app.state.ctx.auth.authenticate(request.headers.get("authorization"))
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-def require(*roles: str) -> Callable[[Principal], Coroutine[Any, Any, Principal]]:
-    """A dependency admitting ``roles`` (admin always); 403 naming the caller's role otherwise."""
+def require(*roles: str) -> Callable[..., Coroutine[Any, Any, Principal]]:
+    """A dependency admitting ``roles`` (admin always); 401 without a valid token, 403 naming the caller's
+    role otherwise. It authenticates itself (no ``PrincipalDep`` sub-dependency: see the module docstring)."""
 
-    # Every dependency is ``async def``: FastAPI runs a plain ``def`` in the thread pool, a thread hop per call.
-    async def dependency(principal: PrincipalDep) -> Principal:
+    async def dependency(request: Request, _scheme: BearerScheme) -> Principal:
+        principal: Principal = request.app.state.ctx.auth.authenticate(request.headers.get("authorization"))
         if not principal.may(*roles):
             raise errors.Forbidden(f"role {principal.role!r} may not call this route (needs {' or '.join(roles)})")
         return principal
@@ -80,39 +101,64 @@ class RunRef:
     spec: RunSpec
 
 
-async def get_run(ctx: CtxDep, run: RunId) -> RunRef:
+# request.state key: the trainer epoch read together with the spec by get_run (same Redis round trip).
+_EPOCH_SEEN = "bucketrl_trainer_epoch"
+_RUN_ID = re.compile(ID_PATTERN)
+
+
+async def get_run(request: Request, run: RunId) -> RunRef:
+    ref, epoch = await _resolve(request.app.state.ctx, run)
+    setattr(request.state, _EPOCH_SEEN, (run, epoch))
+    return ref
+
+
+RunDep = Annotated[RunRef, Depends(get_run)]
+
+
+async def resolve_run(ctx: ProxyContext, run: str) -> RunRef:
+    """What ``RunDep`` gives (404 ``unknown_run``; a wiped Redis is rebuilt first), for a route that looks
+    its run up only when its own Redis script says something is missing (one round trip less otherwise)."""
+    return (await _resolve(ctx, run))[0]
+
+
+async def _resolve(ctx: ProxyContext, run: str) -> tuple[RunRef, int]:
     from bucketrl.proxy.state import runs
 
-    spec = await runs.get_spec(ctx.redis, run)
+    spec, epoch = await runs.get_spec_and_epoch(ctx.redis, run)
     if spec is None:
         # A wiped Redis answers "unknown run" for every run until rebuilt: rebuild now rather than at the
         # maintenance loop's next pass (cheap when Redis still knows other runs: one SCARD).
         from bucketrl.proxy import rebuild
 
         if await rebuild.rebuild_if_wiped(ctx):
-            spec = await runs.get_spec(ctx.redis, run)
+            spec, epoch = await runs.get_spec_and_epoch(ctx.redis, run)
     if spec is None:
         raise errors.NotFound(f"unknown run {run!r}: create it with PUT /v1/runs/{run}", code="unknown_run")
-    return RunRef(run, spec)
-
-
-RunDep = Annotated[RunRef, Depends(get_run)]
+    return RunRef(run, spec), epoch
 
 
 async def get_epoch(
-    ctx: CtxDep,
-    run: RunId,
+    request: Request,
     x_trainer_epoch: Annotated[
         int | None, Header(ge=1, description="Fencing epoch from POST /v1/runs/{run}/trainer.")
     ] = None,
 ) -> int:
     from bucketrl.proxy.state import runs
 
+    # ``{run}`` is declared (and validated) by RunDep, which trainer writes always carry first; an id that
+    # failed that validation gets its own 422, so it is not looked up here.
+    run = str(request.path_params.get("run", ""))
+    seen = getattr(request.state, _EPOCH_SEEN, None)
+    if (seen is None or seen[0] != run) and not _RUN_ID.match(run):
+        return x_trainer_epoch or 0
     if x_trainer_epoch is None:
         raise errors.Invalid(
             f"header X-Trainer-Epoch is required for trainer writes: register with POST /v1/runs/{run}/trainer"
         )
-    current = await runs.trainer_epoch(ctx.redis, run)
+    if seen is not None and seen[0] == run:
+        current = seen[1]  # read by RunDep in this request, in the same round trip as the spec
+    else:
+        current = await runs.trainer_epoch(request.app.state.ctx.redis, run)
     runs.check_epoch(run, x_trainer_epoch, current)
     return x_trainer_epoch
 

@@ -6,8 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Response
 
+from bucketrl import errors
 from bucketrl.proxy import body
-from bucketrl.proxy.deps import CtxDep, GeneratorRole, RunDep
+from bucketrl.proxy.deps import CtxDep, GeneratorRole, RunDep, RunId, resolve_run
 from bucketrl.proxy.errors import responses
 from bucketrl.proxy.state import leases
 from bucketrl.wire import VersionLease, VersionLeaseRequest
@@ -29,10 +30,17 @@ LeaseIdPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,64}$", description=
 async def create_lease(
     ctx: CtxDep,
     _: GeneratorRole,
-    ref: RunDep,
+    run: RunId,
     req: Annotated[VersionLeaseRequest, Depends(body.decoded(VersionLeaseRequest))],
 ) -> VersionLease:
-    return await leases.create(ctx.redis, ref.run, req.worker_id, req.version, req.ttl_s)
+    # The run is looked up only when the lease is refused (a hot route: one Redis round trip less): an
+    # unknown run has no versions, so it is always refused first, then answered 404 unknown_run here; a
+    # wiped Redis is rebuilt by resolve_run and the lease tried again.
+    try:
+        return await leases.create(ctx.redis, run, req.worker_id, req.version, req.ttl_s)
+    except (errors.NotFound, errors.Gone):
+        await resolve_run(ctx, run)
+    return await leases.create(ctx.redis, run, req.worker_id, req.version, req.ttl_s)
 
 
 @router.post(
@@ -58,6 +66,10 @@ async def renew_lease(
     summary="Release a lease now. 410 `lease_expired` if it had already expired.",
     responses={204: {"description": "Released."}, **responses(401, 403, 404, 410, 422, 503)},
 )
-async def release_lease(ctx: CtxDep, _: GeneratorRole, ref: RunDep, lease_id: LeaseIdPath) -> Response:
-    await leases.release(ctx.redis, ref.run, lease_id)
+async def release_lease(ctx: CtxDep, _: GeneratorRole, run: RunId, lease_id: LeaseIdPath) -> Response:
+    try:
+        await leases.release(ctx.redis, run, lease_id)
+    except errors.Gone:
+        await resolve_run(ctx, run)  # an unknown run is 404, not 410 (see create_lease)
+        raise
     return Response(status_code=204)

@@ -18,6 +18,7 @@ from redis import exceptions as redis_exc
 
 from bucketrl import errors
 from bucketrl.proxy import keys
+from bucketrl.proxy.state.lua import Lua
 from bucketrl.wire import RunSpec, RunState
 
 # Called after a trainer registered a new epoch: hook(ctx, run, epoch). The rollout queue (P3) appends
@@ -43,6 +44,19 @@ def _parse_spec(raw: bytes) -> RunSpec:
 async def get_spec(r: Any, run: str) -> RunSpec | None:
     raw = await r.get(keys.run_key(run, keys.SPEC))
     return None if raw is None else _parse_spec(bytes(raw))
+
+
+async def get_spec_and_epoch(r: Any, run: str) -> tuple[RunSpec | None, int]:
+    """The spec (None for an unknown run) and the current trainer epoch, in one round trip (every request
+    resolves its run; trainer writes also check their epoch)."""
+    raw, epoch = await _SPEC_AND_EPOCH(r, [keys.run_key(run, keys.SPEC), keys.run_key(run, keys.STATE)], [])
+    return (None if raw is None else _parse_spec(bytes(raw))), _int(epoch)
+
+
+# One command (cheaper for the proxy than a two-command pipeline). ``or false``: a Lua table cannot hold nil.
+_SPEC_AND_EPOCH = Lua(
+    "return {redis.call('GET', KEYS[1]) or false, redis.call('HGET', KEYS[2], 'trainer_epoch') or false}"
+)
 
 
 async def get_state(r: Any, run: str) -> RunState:

@@ -7,8 +7,10 @@ Life of a group
    full), then written WHOLE to the bucket as ``runs/{run}/rollouts/{batch_id}`` (msgpack) and only then
    made visible in Redis by one Lua script: one stream entry per group ``{d: "{batch_id}:{g}", v, w}``, the
    batch's remaining-group count, ``accepted_total``, the completion of its prompts and the idempotency
-   record. ``batch_id`` is a hash of (worker_id, Idempotency-Key, content): a retry after a lost answer or a
-   503 rewrites the same object and finds the idempotency record (``duplicate: true``, nothing enqueued).
+   record. The object also carries each group's claim-answer JSON (``groups_json``, encoded once from the
+   validated groups), so a claim sends groups on without decoding them. ``batch_id`` is a hash of
+   (worker_id, Idempotency-Key, content): a retry after a lost answer or a 503 rewrites the same object
+   and finds the idempotency record (``duplicate: true``, nothing enqueued).
 2. ``claim`` (trainer, epoch-fenced): one Lua script hands out, oldest first, (a) pending entries idle
    for ``redelivery_timeout_s`` (``XAUTOCLAIM``), then (b) new ones (``XREADGROUP``). A group whose version
    is below ``latest - max_staleness`` at that moment is dropped (``XACK`` + ``XDEL``) and counted in
@@ -19,8 +21,9 @@ Life of a group
    (their idle time is pushed past the timeout; ``on_trainer_registered`` and the first claim of an epoch).
 3. ``ack`` (trainer, epoch-fenced, idempotent): ``XACK`` + ``XDEL``; ``acked_total`` counts first acks only.
    When every group of a batch is acked or dropped, the prompt snapshot is persisted (see
-   ``state/prompts.py``) and the batch object deleted, so a rebuild cannot enqueue it again; a partly
-   settled batch gets a ``{batch_id}.done`` marker listing its settled groups.
+   ``state/prompts.py``; skipped when the newest snapshot was taken after the batch's enqueue, so it
+   already shows the batch's prompts completed) and the batch object deleted, so a rebuild cannot enqueue
+   it again; a partly settled batch gets a ``{batch_id}.done`` marker listing its settled groups.
 
 Accounting (invariant 4), all in the run's ``counters`` hash and updated inside the same scripts::
 
@@ -40,7 +43,9 @@ start an empty queue (and hide the batches) nor restart the dataset at prompt 0.
 
 Redis keys (``brl:{run}:`` prefix): ``queue:stream`` (+ group ``trainer``), ``queue:entry`` (delivery id ->
 stream id), ``queue:attempts`` (delivery id -> deliveries so far), ``queue:remaining`` (batch -> unsettled
-groups), ``queue:settled`` (batch -> "g,g," settled so far), ``queue:meta`` (epoch seen by the queue),
+groups), ``queue:settled`` (batch -> "g,g," settled so far), ``queue:seq`` (batch -> the prompt state's
+``seq`` right after its enqueue: the snapshot that must exist before its object is deleted), ``queue:meta``
+(epoch seen by the queue),
 ``idem:{hash of worker_id, key}`` (JSON SubmitResponse, TTL ``IDEMPOTENCY_TTL_S``), ``counters``.
 
 Status helpers for ``GET /status`` (P2's route calls them): :func:`queue_status`,
@@ -62,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+from pydantic import TypeAdapter
 from redis import exceptions as redis_exc
 
 from bucketrl import errors
@@ -69,7 +75,7 @@ from bucketrl.proxy import keys
 from bucketrl.proxy.state import prompts
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.storage.base import BucketStore
-from bucketrl.wire import Delivery, QueueStatus, RolloutBatch, RolloutGroup, RunSpec, SubmitResponse
+from bucketrl.wire import ClaimResponse, Delivery, QueueStatus, RolloutBatch, RolloutGroup, RunSpec, SubmitResponse
 
 log = logging.getLogger("bucketrl.proxy.queue")
 
@@ -82,6 +88,8 @@ DELIVERY_ID_RE = re.compile(r"^b[0-9a-f]{32}:(0|[1-9][0-9]{0,5})$")
 RETRY_AFTER_S = 1.0
 # A claim long-poll re-evaluates redeliveries at least this often while it blocks on new entries.
 WAIT_SLICE_S = 1.0
+# Serialises a validated group to the JSON a claim answers (the same serializer ClaimResponse uses).
+_GROUP_JSON: TypeAdapter[RolloutGroup] = TypeAdapter(RolloutGroup)
 COUNTER_FIELDS = (
     "accepted_total",
     "acked_total",
@@ -102,6 +110,7 @@ class QueueKeys:
     remaining: str
     settled: str
     meta: str
+    bseq: str
     p: prompts.PromptKeys = field(repr=False)
 
     @classmethod
@@ -116,6 +125,7 @@ class QueueKeys:
             remaining=k(run, "queue:remaining"),
             settled=k(run, "queue:settled"),
             meta=k(run, "queue:meta"),
+            bseq=k(run, "queue:seq"),
             p=prompts.PromptKeys.of(run),
         )
 
@@ -140,6 +150,20 @@ def batch_id_for(idem_id: str, content: bytes) -> str:
     """Deterministic: a retry (same key, same batch) always names the same bucket object; a key reused for
     other content (a client bug) names another object, so it can never overwrite the enqueued one."""
     return "b" + hashlib.sha256(idem_id.encode() + b"\0" + hashlib.sha256(content).digest()).hexdigest()[:32]
+
+
+def _merge_packed_maps(head: dict[str, Any], content: dict[str, Any], packed_content: bytes) -> bytes:
+    """``msgpack.packb({**head, **content})``, reusing ``packed_content`` (= ``packb(content)``): the batch is
+    packed once for its content hash and once for the object, and the second pass would only repeat the first."""
+    packer = msgpack.Packer(use_bin_type=True)
+    inner = packer.pack_map_header(len(content))
+    if not packed_content.startswith(inner) or head.keys() & content.keys():
+        return msgpack.packb({**head, **content}, use_bin_type=True)
+    parts = [packer.pack_map_header(len(head) + len(content))]
+    for key, value in head.items():
+        parts += [packer.pack(key), packer.pack(value)]
+    parts.append(memoryview(packed_content)[len(inner) :])
+    return b"".join(parts)
 
 
 def _s(v: bytes | str) -> str:
@@ -183,6 +207,20 @@ local function partial_list(settled, touched)
   end
   return out
 end
+-- The prompt-state seq that prompts.json must reach before these finished batches' objects may be deleted:
+-- the largest seq recorded right after their enqueue (a snapshot at least that new shows their prompts completed),
+-- or the current seq for a batch without a record (re-enqueued by a rebuild). 0 when the newest snapshot
+-- already reaches it: most acks then persist nothing (one snapshot covers every batch enqueued before it).
+local function persist_need(bseq, p_meta, finished)
+  local need = 0
+  for _, b in ipairs(finished) do
+    local s = tonumber(redis.call('HGET', bseq, b) or redis.call('HGET', p_meta, 'seq') or '0')
+    redis.call('HDEL', bseq, b)
+    if s > need then need = s end
+  end
+  if need == 0 or tonumber(redis.call('HGET', p_meta, 'persisted_seq') or '0') >= need then return 0 end
+  return need
+end
 -- every pending entry becomes re-claimable now (idle pushed past the timeout; delivery count unchanged)
 local function release_pending(stream, group, consumer, idle_ms)
   local start = '-'
@@ -216,7 +254,7 @@ return {redis.call('GET', KEYS[1]) or '', tonumber(redis.call('HGET', KEYS[2], '
 _ENQUEUE = Lua(
     _COMMON
     + """
--- KEYS: idem state stream counters entry remaining p_open p_inflight p_owner p_meta queue_meta
+-- KEYS: idem state stream counters entry remaining p_open p_inflight p_owner p_meta queue_meta bseq
 -- ARGV: batch_id group version max_staleness capacity worker idem_ttl idem_value n_groups pid...
 if redis.call('HEXISTS', KEYS[11], 'ready') == 0 or redis.call('HEXISTS', KEYS[10], 'ready') == 0 then
   return {'notready'}
@@ -256,7 +294,7 @@ for i = 10, #ARGV do
     repeated = repeated + 1
   end
 end
-redis.call('HINCRBY', KEYS[10], 'seq', 1)
+redis.call('HSET', KEYS[12], batch, redis.call('HINCRBY', KEYS[10], 'seq', 1))
 redis.call('HINCRBY', KEYS[4], 'prompts_completed_total', completed)
 if repeated > 0 then redis.call('HINCRBY', KEYS[4], 'prompts_repeated_total', repeated) end
 redis.call('SET', KEYS[1], ARGV[8], 'EX', ARGV[7])
@@ -267,7 +305,7 @@ return {'ok', completed, repeated}
 _CLAIM = Lua(
     _COMMON
     + """
--- KEYS: stream state counters entry remaining attempts settled meta
+-- KEYS: stream state counters entry remaining attempts settled meta p_meta bseq
 -- ARGV: group consumer n epoch idle_ms max_staleness
 local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
 local n, epoch, idle_ms, ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -321,14 +359,15 @@ for _ = 1, 100000 do
   if #out + dropped == before then break end
 end
 if dropped > 0 then redis.call('HINCRBY', KEYS[3], 'dropped_stale_total', dropped) end
-return {'ok', dropped, last_id(stream), out, finished, partial_list(KEYS[7], touched)}
+return {'ok', dropped, last_id(stream), out, finished, partial_list(KEYS[7], touched),
+        persist_need(KEYS[10], KEYS[9], finished)}
 """
 )
 
 _ACK = Lua(
     _COMMON
     + """
--- KEYS: stream state counters entry remaining attempts settled p_meta queue_meta
+-- KEYS: stream state counters entry remaining attempts settled p_meta queue_meta bseq
 -- ARGV: group epoch counter delivery_id...   (epoch 0 = unfenced internal use)
 if redis.call('HEXISTS', KEYS[9], 'ready') == 0 then return {'notready'} end
 local stream, group, epoch = KEYS[1], ARGV[1], tonumber(ARGV[2])
@@ -350,7 +389,7 @@ for i = 4, #ARGV do
   end
 end
 if n > 0 then redis.call('HINCRBY', KEYS[3], ARGV[3], n) end
-return {'ok', n, tonumber(redis.call('HGET', KEYS[8], 'seq') or '0'), finished, partial_list(KEYS[7], touched)}
+return {'ok', n, persist_need(KEYS[10], KEYS[8], finished), finished, partial_list(KEYS[7], touched)}
 """
 )
 
@@ -498,14 +537,18 @@ async def submit(
         raise _full(run, int(queued), n, spec)
 
     content = batch.model_dump(mode="json")
-    batch_id = batch_id_for(idem_id, msgpack.packb(content, use_bin_type=True))
-    obj = {"format": 1, "batch_id": batch_id, "idem": idem_id, "run": run, "accepted_at": time.time(), **content}
-    await asyncio.to_thread(store.put_bytes, batch_key(run, batch_id), msgpack.packb(obj, use_bin_type=True))
+    packed_content = msgpack.packb(content, use_bin_type=True)
+    batch_id = batch_id_for(idem_id, packed_content)
+    head = {"format": 1, "batch_id": batch_id, "idem": idem_id, "run": run, "accepted_at": time.time()}
+    # Each group's claim-answer JSON, encoded once here: a claim splices it in without decoding the group.
+    head["groups_json"] = [_GROUP_JSON.dump_json(g) for g in batch.groups]
+    obj_bytes = _merge_packed_maps(head, content, packed_content)
+    await asyncio.to_thread(store.put_bytes, batch_key(run, batch_id), obj_bytes)
     answer = SubmitResponse(batch_id=batch_id, accepted_groups=n)
     res = await _ENQUEUE(
         r,
         [k_ for k_ in (idem_key, k.state, k.stream, k.counters, k.entry, k.remaining)]
-        + [k.p.open, k.p.inflight, k.p.owner, k.p.meta, k.meta],
+        + [k.p.open, k.p.inflight, k.p.owner, k.p.meta, k.meta, k.bseq],
         [
             batch_id,
             GROUP,
@@ -541,11 +584,63 @@ async def submit(
 # -- claim ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ClaimedGroup:
+    """One delivery, its group as the JSON that submit stored (sent on as is: no decoding, no re-encoding)."""
+
+    delivery_id: str
+    version: int
+    worker_id: str
+    batch_id: str
+    attempt: int
+    group_json: bytes
+
+    def delivery(self) -> Delivery:
+        return Delivery(
+            delivery_id=self.delivery_id,
+            version=self.version,
+            groups=[RolloutGroup.model_validate_json(self.group_json)],
+            worker_id=self.worker_id,
+            batch_id=self.batch_id,
+            attempt=self.attempt,
+        )
+
+    def delivery_json(self) -> bytes:
+        """``self.delivery().model_dump_json()``, byte for byte, without decoding the group: the envelope is
+        the model's own serialisation with an empty ``groups``, into which the stored group JSON is spliced
+        (a bare ``"groups":[]`` can only be that key: quotes inside JSON strings are escaped)."""
+        envelope = Delivery.model_construct(
+            delivery_id=self.delivery_id,
+            version=self.version,
+            groups=[],
+            worker_id=self.worker_id,
+            batch_id=self.batch_id,
+            attempt=self.attempt,
+        ).model_dump_json()
+        before, sep, after = envelope.encode().partition(b'"groups":[]')
+        assert sep, envelope
+        return b"".join((before, b'"groups":[', self.group_json, b"]", after))
+
+
 @dataclass
 class ClaimOutcome:
-    deliveries: list[Delivery]
+    claimed: list[ClaimedGroup]
     dropped: int = 0
     lost: int = 0
+
+    @property
+    def deliveries(self) -> list[Delivery]:
+        """The deliveries as models (decodes every group: for callers in Python; the route sends ``response_json``)."""
+        return [c.delivery() for c in self.claimed]
+
+    def response_json(self) -> bytes:
+        """The :class:`ClaimResponse` JSON of this outcome, byte-identical to ``ClaimResponse(deliveries=
+        self.deliveries, dropped_stale=self.dropped).model_dump_json()`` at a fraction of the cost."""
+        envelope = ClaimResponse(deliveries=[], dropped_stale=self.dropped).model_dump_json().encode()
+        before, sep, after = envelope.partition(b'"deliveries":[]')
+        assert sep, envelope
+        inner = b",".join(c.delivery_json() for c in self.claimed)
+        return b"".join((before, b'"deliveries":[', inner, b"]", after))
 
 
 async def claim(
@@ -568,7 +663,7 @@ async def claim(
     while True:
         res = await _CLAIM(
             r,
-            [k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled, k.meta],
+            [k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled, k.meta, k.p.meta, k.bseq],
             [GROUP, consumer, max_groups, epoch, idle_ms, spec.max_staleness],
         )
         if _s(res[0]) == "notready":
@@ -578,12 +673,12 @@ async def claim(
             raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
         dropped, last, entries = int(res[1]), _s(res[2]), res[3]
         total.dropped += dropped
-        await _settle_objects(r, store, run, spec, [_s(b) for b in res[4]], res[5], seq=None)
+        await _settle_objects(r, store, run, spec, [_s(b) for b in res[4]], res[5], persist_seq=int(res[6]))
         if entries:
             got = await _deliveries(r, store, run, spec, entries, idle_ms)
-            total.deliveries.extend(got.deliveries)
+            total.claimed.extend(got.claimed)
             total.lost += got.lost
-            if total.deliveries:
+            if total.claimed:
                 return total
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -606,7 +701,8 @@ async def _deliveries(
     parsed = [(_s(e[0]), _s(e[1]), int(e[2]), _s(e[3]), int(e[4])) for e in entries]
     batch_ids = sorted({d.rsplit(":", 1)[0] for _, d, _, _, _ in parsed})
     try:
-        loaded = await asyncio.gather(*(asyncio.to_thread(_load_batch, store, run, b) for b in batch_ids))
+        # One thread hop for all the reads (a hop costs more CPU than reading a local object).
+        loaded = await asyncio.to_thread(lambda: [_load_groups_json(store, run, b) for b in batch_ids])
     except BaseException:
         # Claimed in Redis but not handed out: make them re-claimable now instead of after the timeout.
         await _REQUEUE(r, [QueueKeys.of(run).stream], [GROUP, idle_ms, *(sid for sid, *_ in parsed)])
@@ -616,20 +712,11 @@ async def _deliveries(
     lost: list[str] = []
     for _sid, d, version, worker, attempt in parsed:
         b, g = d.rsplit(":", 1)
-        obj = batches[b]
-        if obj is None or int(g) >= len(obj["groups"]):
+        groups = batches[b]
+        if groups is None or int(g) >= len(groups):
             lost.append(d)
             continue
-        out.deliveries.append(
-            Delivery(
-                delivery_id=d,
-                version=version,
-                groups=[RolloutGroup.model_validate(obj["groups"][int(g)])],
-                worker_id=worker,
-                batch_id=b,
-                attempt=attempt,
-            )
-        )
+        out.claimed.append(ClaimedGroup(d, version, worker, b, attempt, groups[int(g)]))
     if lost:
         log.error(
             "run %r: %d claimed groups have no batch object in the bucket; counted as lost: %s",
@@ -646,6 +733,34 @@ def _load_batch(store: BucketStore, run: str, batch_id: str) -> dict[str, Any] |
         return msgpack.unpackb(store.get_bytes(batch_key(run, batch_id)), raw=False)
     except errors.NotFound:
         return None
+
+
+def _load_groups_json(store: BucketStore, run: str, batch_id: str) -> list[bytes] | None:
+    """The claim-answer JSON of each group of a batch object (None when the object is gone).
+
+    Objects carry it in ``groups_json`` (written by submit from the validated groups); only that key is
+    decoded, the bulky ``groups`` is skipped unread. An object without it (written by an older proxy) is
+    decoded and validated as before.
+    """
+    try:
+        raw = store.get_bytes(batch_key(run, batch_id))
+    except errors.NotFound:
+        return None
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(raw), 1))
+    unpacker.feed(raw)
+    stored: list[bytes] | None = None
+    groups: list[Any] = []
+    for _ in range(unpacker.read_map_header()):
+        key = unpacker.unpack()
+        if key == "groups_json":
+            stored = unpacker.unpack()
+        elif key == "groups" and stored is None:
+            groups = unpacker.unpack()
+        else:
+            unpacker.skip()
+    if stored is not None:
+        return stored
+    return [_GROUP_JSON.dump_json(RolloutGroup.model_validate(g)) for g in groups]
 
 
 # -- ack -----------------------------------------------------------------------------------------------
@@ -672,7 +787,7 @@ async def _settle(
     for _ in range(3):
         res = await _ACK(
             r,
-            [k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled, k.p.meta, k.meta],
+            [k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled, k.p.meta, k.meta, k.bseq],
             [GROUP, epoch, counter, *ids],
         )
         if _s(res[0]) != "notready":
@@ -682,19 +797,27 @@ async def _settle(
         raise _not_ready(run)
     if _s(res[0]) == "fenced":
         raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
-    await _settle_objects(r, store, run, spec, [_s(b) for b in res[3]], res[4], seq=int(res[2]))
+    await _settle_objects(r, store, run, spec, [_s(b) for b in res[3]], res[4], persist_seq=int(res[2]))
     return int(res[1])
 
 
 async def _settle_objects(
-    r: Any, store: BucketStore, run: str, spec: RunSpec, finished: list[str], partial: list[Any], seq: int | None
+    r: Any,
+    store: BucketStore,
+    run: str,
+    spec: RunSpec,
+    finished: list[str],
+    partial: list[Any],
+    persist_seq: int,
 ) -> None:
-    """Delete fully settled batch objects (after persisting prompts); mark partly settled ones."""
+    """Delete fully settled batch objects (after persisting prompts); mark partly settled ones.
+
+    ``persist_seq``: the prompt-state seq prompts.json must reach first (the scripts' ``persist_need``;
+    0 when the newest snapshot already reaches it)."""
     if finished:
-        if seq is None:
-            seq = int(await r.hget(prompts.PromptKeys.of(run).meta, "seq") or 0)
-        # The batch object was the last record that its prompts completed: persist them first.
-        await prompts.persist(r, store, run, spec, min_seq=seq)
+        if persist_seq > 0:
+            # The batch object was the last record that its prompts completed: persist them first.
+            await prompts.persist(r, store, run, spec, min_seq=persist_seq)
         doomed = [key for b in finished for key in (batch_key(run, b), marker_key(run, b))]
         await asyncio.to_thread(store.delete, doomed)
     for i in range(0, len(partial), 2):

@@ -1,0 +1,208 @@
+"""Guards of the proxy's hot paths (``bench/proxy_load.py``): each shortcut gives exactly what the slow way gave.
+
+- no route or dependency is a plain ``def`` (FastAPI would run it in the thread pool: a hop per request);
+- a claim answer spliced from the groups' stored JSON is byte-identical to ``ClaimResponse.model_dump_json()``,
+  also for a batch object written before objects carried that JSON;
+- the C-speed logprob check accepts and refuses exactly what the per-value walk does;
+- an ack skips writing ``prompts.json`` only when the newest snapshot already shows the acked batch's prompts
+  completed (the batch object is deleted right after: it must never be the last record of them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from typing import Any
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
+
+from bucketrl.proxy.app import create_app
+from bucketrl.proxy.settings import ProxySettings
+from bucketrl.proxy.state import prompts, queue
+from bucketrl.storage import open_store
+from bucketrl.storage.base import BucketStore
+from bucketrl.wire import ClaimResponse, RolloutBatch, RolloutGroup
+from bucketrl.wire.rollouts import Completion, _all_finite_non_positive
+from tests.proxy.test_queue_state import RUN, make_batch, make_spec, setup_run
+from tests.support.services import RedisServer
+
+
+def _dependants(dependant: Dependant) -> list[Dependant]:
+    out = [dependant] if dependant.call is not None else []
+    for sub in dependant.dependencies:
+        out += _dependants(sub)
+    return out
+
+
+def test_every_route_and_dependency_is_async() -> None:
+    app = create_app(ProxySettings(tokens="admin:x"))
+    sync = {
+        f"{route.path} -> {getattr(d.call, '__name__', d.call)}"
+        for route in app.routes
+        if isinstance(route, APIRoute)
+        for d in _dependants(route.dependant)
+        if not (d.is_coroutine_callable or d.is_async_gen_callable)  # FastAPI's own test for "await, no thread"
+    }
+    assert not sync, f"plain def (a thread-pool hop per request): {sorted(sync)}"
+
+
+def test_fast_logprob_check_agrees_with_the_walk() -> None:
+    def walk(values: list[float]) -> bool:
+        return all(math.isfinite(v) and v <= 0.0 for v in values)
+
+    rng = random.Random(7)
+    specials = [0.0, -0.0, 5e-324, -5e-324, 1e-300, math.inf, -math.inf, math.nan, -1.7e308, 1.0]
+    cases = [[-rng.random() * 10 for _ in range(64)] for _ in range(50)]
+    for s in specials:
+        for _ in range(20):
+            values = [-rng.random() * 10 for _ in range(rng.randint(1, 40))]
+            values.insert(rng.randrange(len(values) + 1), s)
+            cases.append(values)
+    cases += [[-1.7e308] * 3, [-1.7e308, -1.7e308, 0.5], [-1e308, -1e308, math.nan]]  # the sum overflows
+    for values in cases:
+        fast = _all_finite_non_positive(values)
+        # Never a false "ok"; a false "bad" only when the sum overflows (then the walk decides, below).
+        assert fast == walk(values) or (walk(values) and not math.isfinite(sum(values))), values
+        # The model is the contract: it refuses exactly what the walk refuses, naming the first bad entry.
+        data = {"token_ids": [1] * len(values), "logprobs": values, "reward": None}
+        if walk(values):
+            assert Completion.model_validate(data).logprobs == values
+        else:
+            bad = next(i for i, v in enumerate(values) if not (math.isfinite(v) and v <= 0.0))
+            with pytest.raises(ValueError, match=rf"logprobs\[{bad}\] = "):
+                Completion.model_validate(data)
+    with pytest.raises(ValueError, match="token_ids must be >= 0"):
+        Completion.model_validate({"token_ids": [3, -1], "logprobs": [-1.0, -1.0], "reward": 1.0})
+
+
+def _old_format_object(batch: RolloutBatch, batch_id: str, idem: str, run: str) -> bytes:
+    """A batch object as proxies wrote it before ``groups_json`` existed."""
+    obj = {"format": 1, "batch_id": batch_id, "idem": idem, "run": run, "accepted_at": time.time()}
+    return msgpack.packb({**obj, **batch.model_dump(mode="json")}, use_bin_type=True)
+
+
+def test_claim_answer_is_byte_identical_to_the_model_dump(redis_server: RedisServer, bucket_url: str) -> None:
+    store = open_store(bucket_url)
+    spec = make_spec(group_size=3, queue_capacity_groups=16)
+
+    async def body(r: Any) -> None:
+        epoch = await setup_run(r, spec)
+        items = (await prompts.lease(r, store, RUN, spec, "g1", 4, 60)).prompts
+        rng = random.Random(3)
+        raw = make_batch(spec, items[:2], 1, worker="gen-7.a_b").model_dump(mode="json")
+        for group in raw["groups"]:
+            for c in group["completions"]:  # full-precision floats, an unscorable completion, odd finish reasons
+                c["logprobs"] = [-rng.random() * 20 for _ in c["token_ids"]]
+            group["completions"][0]["reward"] = None
+            group["completions"][1]["finish_reason"] = "length"
+        batch = RolloutBatch.model_validate(raw)
+        new = await queue.submit(r, store, RUN, spec, batch, "new-format")
+        stored = msgpack.unpackb(store.get_bytes(queue.batch_key(RUN, new.batch_id)), raw=False)
+        assert [g["prompt_id"] for g in stored["groups"]] == [items[0].prompt_id, items[1].prompt_id]
+        assert [RolloutGroup.model_validate_json(j) for j in stored["groups_json"]] == batch.groups
+        # A batch written by an older proxy (no groups_json) is still claimed, through the model.
+        old_batch = make_batch(spec, items[2:], 1)
+        old = await queue.submit(r, store, RUN, spec, old_batch, "old-format")
+        key = queue.batch_key(RUN, old.batch_id)
+        store.put_bytes(key, _old_format_object(old_batch, old.batch_id, "x", RUN))
+
+        got = await queue.claim(
+            r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=8, wait_s=0, redelivery_timeout_s=60
+        )
+        assert len(got.claimed) == 4
+        expected = ClaimResponse(deliveries=got.deliveries, dropped_stale=got.dropped).model_dump_json().encode()
+        assert got.response_json() == expected
+        assert [d.groups[0] for d in got.deliveries] == [*batch.groups, *old_batch.groups]
+        assert json.loads(got.response_json())["deliveries"][0]["worker_id"] == "gen-7.a_b"
+        empty = queue.ClaimOutcome([], dropped=3)
+        assert empty.response_json() == ClaimResponse(deliveries=[], dropped_stale=3).model_dump_json().encode()
+
+    _run(redis_server, body)
+
+
+class CountingStore:
+    """The real store, counting the writes of ``prompts.json``."""
+
+    def __init__(self, inner: BucketStore) -> None:
+        self.inner = inner
+        self.snapshot_writes = 0
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        if key == prompts.snapshot_key(RUN):
+            self.snapshot_writes += 1
+        self.inner.put_bytes(key, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_ack_persists_prompts_unless_the_newest_snapshot_covers_the_batch(
+    redis_server: RedisServer, bucket_url: str
+) -> None:
+    store = CountingStore(open_store(bucket_url))
+    spec = make_spec(group_size=2, queue_capacity_groups=16, groups_per_step=8)
+
+    def snapshot() -> dict[str, Any]:
+        return json.loads(store.inner.get_bytes(prompts.snapshot_key(RUN)))
+
+    async def body(r: Any) -> None:
+        epoch = await setup_run(r, spec)
+
+        async def submit_one(item: Any, key: str) -> None:
+            await queue.submit(r, store, RUN, spec, make_batch(spec, [item], 1), key)  # type: ignore[arg-type]
+
+        async def claim_ack() -> list[str]:
+            got = await queue.claim(
+                r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=1, wait_s=0, redelivery_timeout_s=60
+            )
+            ids = [c.delivery_id for c in got.claimed]
+            assert await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids) == len(ids)  # type: ignore[arg-type]
+            return [d.groups[0].prompt_id for d in got.deliveries]
+
+        items = (await prompts.lease(r, store, RUN, spec, "g1", 6, 60)).prompts  # type: ignore[arg-type]
+        await submit_one(items[0], "a")
+        await submit_one(items[1], "b")
+        before = store.snapshot_writes
+        # Ack of a: prompts.json must first show a's prompt completed; the snapshot taken then also covers b.
+        assert await claim_ack() == [items[0].prompt_id]
+        assert store.snapshot_writes == before + 1
+        assert not {items[0].prompt_id, items[1].prompt_id} & set(snapshot()["open"])
+        # Ack of b: enqueued before that snapshot, so it is covered; nothing is written, the object goes.
+        assert await claim_ack() == [items[1].prompt_id]
+        assert store.snapshot_writes == before + 1
+        assert store.list_keys(f"runs/{RUN}/rollouts/") == []
+        # c is enqueued after the newest snapshot (which still lists its prompt open): its ack writes first.
+        assert items[2].prompt_id in snapshot()["open"]
+        await submit_one(items[2], "c")
+        assert await claim_ack() == [items[2].prompt_id]
+        assert store.snapshot_writes == before + 2
+        assert items[2].prompt_id not in snapshot()["open"]
+        assert store.list_keys(f"runs/{RUN}/rollouts/") == []
+        # A batch without an enqueue record (re-enqueued by a rebuild) is persisted conservatively.
+        await submit_one(items[3], "d")
+        k = queue.QueueKeys.of(RUN)
+        await r.delete(k.bseq)
+        await r.hset(k.p.meta, "persisted_seq", 0)
+        assert await claim_ack() == [items[3].prompt_id]
+        assert store.snapshot_writes == before + 3
+        assert items[3].prompt_id not in snapshot()["open"]
+
+    _run(redis_server, body)
+
+
+def _run(redis_server: RedisServer, body: Any) -> None:
+    async def main() -> None:
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=False)
+        try:
+            await body(r)
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())

@@ -4,7 +4,8 @@
     BUCKETRL_TOKENS="trainer:t,generator:g,viewer:v" bucketrl proxy --host 0.0.0.0 --port 8000
 
 Every setting is a ``BUCKETRL_*`` environment variable (``bucketrl/proxy/settings.py``); ``--host``,
-``--port`` and ``--log-level`` override theirs. ``--workers N`` runs N processes on the port: the proxy
+``--port`` and ``--log-level`` override theirs. Responses leave in one socket write each
+(``http_protocol.py``). ``--workers N`` runs N processes on the port: the proxy
 is stateless, so they are simply N replicas (a way to use more cores of one machine). ``--rebuild``
 restores runs, versions and checkpoint pointers from the bucket's manifests into Redis before serving
 (after a Redis loss). FastAPI, uvicorn and Redis are imported inside the command so ``bucketrl --help``
@@ -60,8 +61,11 @@ def proxy_command(
     # installed before it: make that an orderly exit (0 for SIGTERM, as Kubernetes and compose expect).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+    http = _http_protocol()
     if workers == 1:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+        uvicorn.run(
+            app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False, http=http
+        )
         return
     # Several processes: each builds its own app from the environment, so pass the overrides that way.
     for name, value in overrides.items():
@@ -74,4 +78,14 @@ def proxy_command(
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
+        http=http,
     )
+
+
+def _http_protocol() -> str:
+    """uvicorn's httptools protocol sending each response in one write (``http_protocol.py``), if installed."""
+    try:
+        from bucketrl.proxy.http_protocol import HTTP_PROTOCOL
+    except ImportError:  # no httptools: uvicorn picks its pure-Python h11 protocol
+        return "auto"
+    return HTTP_PROTOCOL

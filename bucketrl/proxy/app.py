@@ -47,6 +47,8 @@ class LatencyMiddleware:
     def __init__(self, app: Any, telemetry: Telemetry) -> None:
         self.app = app
         self.telemetry = telemetry
+        # (method, route, status) -> histogram child: ``labels()`` takes a lock and builds keys on every call.
+        self._children: dict[tuple[str, str, int], Any] = {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -64,9 +66,11 @@ class LatencyMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.telemetry.request_latency.labels(scope["method"], route, str(status[0])).observe(
-                time.perf_counter() - start
-            )
+            key = (scope["method"], route, status[0])
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = self.telemetry.request_latency.labels(key[0], route, str(key[2]))
+            child.observe(time.perf_counter() - start)
 
 
 async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Telemetry) -> ProxyContext:

@@ -156,7 +156,7 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
 
 def start_py_spy(pid: int, out: Path, duration_s: float) -> subprocess.Popen:
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    cmd = [py_spy, "record", "-p", str(pid), "-d", str(max(1, int(duration_s))), "-r", "250", "-f", "raw"]
+    cmd = [py_spy, "record", "-p", str(pid), "-d", str(max(1, int(duration_s))), "-r", "250", "-f", "raw", "--gil"]
     cmd += ["-o", str(out), "--nonblocking"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -503,6 +503,8 @@ def main() -> None:
             )
             pids = {"proxy": proxy_proc.pid, "redis": redis_proc.pid, "bench_client": os.getpid()}
             result = run_async(run_bench(args, port, pids))
+            if result["total"]["non_2xx"]:  # what the proxy said about its errors (it logs every 5xx)
+                sys.stderr.write((workdir / "proxy.log").read_text()[-4000:])
         except BaseException:
             log = workdir / "proxy.log"
             if log.exists():

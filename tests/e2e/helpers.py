@@ -3,8 +3,9 @@ section 4 invariants, checked from the outside: the proxy's status, the bucket, 
 
 What each check reads and why it would fail if the system were wrong:
 
-- dense versions (inv. 2): the trainer logs every ``published vN``; across restarts the numbers must be
-  exactly 1..latest, each once, and equal the proxy's ``latest_version``.
+- dense versions (inv. 2): the proxy keeps a record of every version it committed (also after GC); for
+  1..latest every record exists, epochs never go back, and the trainers' ``published vN`` log lines are
+  increasing, each number once.
 - leased versions kept (inv. 1): every version the status shows with a live lease has its manifest in the
   bucket (checked at every poll during the run, not only at the end); old unleased versions get collected.
 - accounting (inv. 4): ``accepted == acked + dropped_stale + queued + pending`` from the proxy's counters,
@@ -132,6 +133,22 @@ def published_versions(cluster: LocalCluster) -> list[int]:
     return [int(m.group(1)) for m in PUBLISHED.finditer(text)]
 
 
+def version_records(cluster: LocalCluster, latest: int) -> dict[int, dict[str, str]]:
+    """The proxy's record of each version 1..latest, read-only from its Redis (``keys.VERSION_INFO``)."""
+    import redis
+
+    from bucketrl.proxy import keys
+
+    r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    try:
+        pipe = r.pipeline(transaction=False)
+        for n in range(1, latest + 1):
+            pipe.hgetall(keys.run_key(cluster.cfg.run, keys.VERSION_INFO.format(n=n)))
+        return dict(zip(range(1, latest + 1), pipe.execute(), strict=True))
+    finally:
+        r.close()
+
+
 def audit(cluster: LocalCluster) -> list[dict[str, Any]]:
     path = cluster.logs / "trainer-audit.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -176,12 +193,19 @@ def check_invariants(cluster: LocalCluster, watch: Watch | None = None, *, final
 
     ``final``: the workers are stopped, so the queue is still and its counters can be compared exactly (a live
     submit between the status's reads of the counters and of the stream would skew them by a batch)."""
+    published = published_versions(cluster)  # before the status: a live trainer only adds versions after it
     s = status(cluster)
     run = cluster.cfg.run
-    # 2. Dense, monotonic versions across trainer restarts.
-    published = published_versions(cluster)
-    assert published == list(range(1, len(published) + 1)), f"published versions are not 1..N once each: {published}"
-    assert s.latest_version == len(published), (s.latest_version, len(published))
+    # 2. Dense, monotonic versions across trainer restarts: the proxy holds a record (kept after GC, state
+    # "gone") for every version 1..latest; the trainers' logs show increasing numbers, each published once.
+    # (The log may miss a number: a trainer SIGKILLed after the proxy committed but before it logged.)
+    records = version_records(cluster, s.latest_version)
+    missing = [n for n, rec in records.items() if "published_at" not in rec]
+    assert not missing, f"versions without a record on the proxy (a gap): {missing}"
+    epochs = [int(records[n].get("epoch", 0)) for n in sorted(records)]
+    assert epochs == sorted(epochs), f"an older trainer epoch published after a newer one: {epochs}"
+    assert published == sorted(set(published)), f"a version number was published twice or went back: {published}"
+    assert set(published) <= set(records), (published, s.latest_version)
     # 1. Leased versions are in the bucket; old unleased ones get collected.
     store = open_store(cluster.bucket_url)
     manifests = store.list_keys(f"runs/{run}/adapters/")

@@ -118,7 +118,9 @@ class LocalCluster:
     def _service(self, name: str, argv: list[str], env: dict[str, str]) -> Service:
         svc = self.services.get(name)
         if svc is None:
-            svc = Service(name, argv, self.logs / f"{name}.log", env=env, cwd=self.dir, on_start=self._record_pids)
+            # Children run in the launcher's working directory: relative --dataset paths and module:function
+            # rewards resolve as the user typed them.
+            svc = Service(name, argv, self.logs / f"{name}.log", env=env, on_start=self._record_pids)
             self.services[name] = svc
         else:
             svc.argv, svc.env = argv, env

@@ -12,11 +12,14 @@
                        from Redis on every request (no cache: after a Redis wipe the first request must see
                        the run missing and rebuild it, not act on a cached spec over empty state).
                        ``resolve_run`` does the same for routes that need the run only when their own
-                       script finds something missing (version leases: an unknown run has no leases).
+                       script finds something missing (version leases: an unknown run has no leases;
+                       rollout submit and ack, whose scripts read the spec or need it only to restore).
 ``EpochDep``           the caller's ``X-Trainer-Epoch``, checked against the current epoch: 409 ``fenced``
                        when older. The check here is early rejection only: a write must re-check the
                        epoch atomically with its commit (see ``state/versions.py``'s Lua), because a new
                        trainer can register between this check and the commit.
+``EpochHeaderDep``     the header only (422 without it), no Redis read: for a route whose script fences
+                       atomically anyway (rollout ack: one round trip less).
 =====================  ===========================================================================
 
 Use ``require("trainer", "generator")`` for any other role combination.
@@ -121,6 +124,11 @@ async def resolve_run(ctx: ProxyContext, run: str) -> RunRef:
     return (await _resolve(ctx, run))[0]
 
 
+async def resolve_run_and_epoch(ctx: ProxyContext, run: str) -> tuple[RunRef, int]:
+    """``resolve_run`` and the current trainer epoch (same round trip)."""
+    return await _resolve(ctx, run)
+
+
 async def _resolve(ctx: ProxyContext, run: str) -> tuple[RunRef, int]:
     from bucketrl.proxy.state import runs
 
@@ -137,12 +145,18 @@ async def _resolve(ctx: ProxyContext, run: str) -> tuple[RunRef, int]:
     return RunRef(run, spec), epoch
 
 
-async def get_epoch(
-    request: Request,
-    x_trainer_epoch: Annotated[
-        int | None, Header(ge=1, description="Fencing epoch from POST /v1/runs/{run}/trainer.")
-    ] = None,
-) -> int:
+EpochHeader = Annotated[int | None, Header(ge=1, description="Fencing epoch from POST /v1/runs/{run}/trainer.")]
+
+
+def _require_epoch(run: str, x_trainer_epoch: int | None) -> int:
+    if x_trainer_epoch is None:
+        raise errors.Invalid(
+            f"header X-Trainer-Epoch is required for trainer writes: register with POST /v1/runs/{run}/trainer"
+        )
+    return x_trainer_epoch
+
+
+async def get_epoch(request: Request, x_trainer_epoch: EpochHeader = None) -> int:
     from bucketrl.proxy.state import runs
 
     # ``{run}`` is declared (and validated) by RunDep, which trainer writes always carry first; an id that
@@ -151,10 +165,7 @@ async def get_epoch(
     seen = getattr(request.state, _EPOCH_SEEN, None)
     if (seen is None or seen[0] != run) and not _RUN_ID.match(run):
         return x_trainer_epoch or 0
-    if x_trainer_epoch is None:
-        raise errors.Invalid(
-            f"header X-Trainer-Epoch is required for trainer writes: register with POST /v1/runs/{run}/trainer"
-        )
+    x_trainer_epoch = _require_epoch(run, x_trainer_epoch)
     if seen is not None and seen[0] == run:
         current = seen[1]  # read by RunDep in this request, in the same round trip as the spec
     else:
@@ -164,3 +175,11 @@ async def get_epoch(
 
 
 EpochDep = Annotated[int, Depends(get_epoch)]
+
+
+async def get_epoch_header(request: Request, x_trainer_epoch: EpochHeader = None) -> int:
+    return _require_epoch(str(request.path_params.get("run", "")), x_trainer_epoch)
+
+
+# The header only (422 without it): for a route whose own Redis script fences the epoch atomically.
+EpochHeaderDep = Annotated[int, Depends(get_epoch_header)]

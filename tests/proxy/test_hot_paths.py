@@ -5,7 +5,9 @@
   also for a batch object written before objects carried that JSON;
 - the C-speed logprob check accepts and refuses exactly what the per-value walk does;
 - an ack skips writing ``prompts.json`` only when the newest snapshot already shows the acked batch's prompts
-  completed (the batch object is deleted right after: it must never be the last record of them).
+  completed (the batch object is deleted right after: it must never be the last record of them);
+- routes that look their run up only when needed (version leases, rollout submit and ack) answer exactly what
+  they answered with ``RunDep``: 404 ``unknown_run``, 410, 409 ``fenced``, a rebuild after a Redis wipe.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from bucketrl.proxy.settings import ProxySettings
 from bucketrl.proxy.state import prompts, queue
 from bucketrl.storage import open_store
 from bucketrl.storage.base import BucketStore
-from bucketrl.wire import ClaimResponse, RolloutBatch, RolloutGroup
+from bucketrl.wire import ClaimResponse, RolloutBatch, RolloutGroup, RunSpec
 from bucketrl.wire.rollouts import Completion, _all_finite_non_positive
+from tests.proxy.harness import ProxyHarness
 from tests.proxy.test_queue_state import RUN, make_batch, make_spec, setup_run
+from tests.proxy.test_rollouts_routes import Setup
 from tests.support.services import RedisServer
 
 
@@ -206,3 +210,77 @@ def _run(redis_server: RedisServer, body: Any) -> None:
             await r.aclose()
 
     asyncio.run(main())
+
+
+def test_ack_reads_the_spec_only_to_restore_or_persist(redis_server: RedisServer, tmp_path: Any) -> None:
+    store = open_store(f"file://{tmp_path / 'b'}")
+    spec = make_spec(group_size=2, queue_capacity_groups=16, groups_per_step=8)
+    loads: list[int] = []
+
+    async def loader() -> RunSpec:
+        loads.append(1)
+        return spec
+
+    async def body(r: Any) -> None:
+        epoch = await setup_run(r, spec)
+        items = (await prompts.lease(r, store, RUN, spec, "g1", 3, 60)).prompts
+        for i, item in enumerate(items):
+            await queue.submit(r, store, RUN, loader, make_batch(spec, [item], 1), f"k{i}")
+        assert loads == []  # the pre-check brought the spec along
+        got = await queue.claim(
+            r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=3, wait_s=0, redelivery_timeout_s=60
+        )
+        ids = [c.delivery_id for c in got.claimed]
+        assert await queue.ack(r, store, RUN, loader, epoch=epoch, delivery_ids=ids[:1]) == 1
+        assert loads == [1]  # the first ack persists prompts.json: that needs the spec
+        assert await queue.ack(r, store, RUN, loader, epoch=epoch, delivery_ids=ids[1:2]) == 1
+        assert loads == [1]  # covered by that snapshot: no spec, no write
+        # Redis wiped (the core's rebuild put the run state back): the ack restores the queue from the bucket.
+        await r.flushdb()
+        await setup_run(r, spec)
+        await r.hset(f"brl:{RUN}:state", "trainer_epoch", epoch)
+        assert await queue.ack(r, store, RUN, loader, epoch=epoch, delivery_ids=ids[2:]) == 1
+        assert len(loads) >= 2
+        assert store.list_keys(f"runs/{RUN}/rollouts/") == []
+
+    _run(redis_server, body)
+
+
+def test_lazily_resolved_routes_answer_like_before(proxy_file: ProxyHarness) -> None:
+    """Version lease create/release, rollout submit and ack look their run up only when needed; an unknown
+    run is still 404 ``unknown_run`` (not 410 or 409), and a refused lease is still what it was."""
+    s = Setup(proxy_file, groups_per_step=8)
+    batch = s.batch(1)
+    epoch = {"X-Trainer-Epoch": "1"}
+    with proxy_file.http("admin") as http:
+        ghost = "/v1/runs/ghost"
+        for method, path, kw in [
+            ("POST", f"{ghost}/leases", {"json": {"worker_id": "g", "ttl_s": 5}}),
+            ("DELETE", f"{ghost}/leases/abc", {}),
+            ("POST", f"{ghost}/rollouts", {"json": batch.model_dump(mode="json"), "headers": {"Idempotency-Key": "k"}}),
+            ("POST", f"{ghost}/rollouts/ack", {"json": {"delivery_ids": ["b" + "0" * 32 + ":0"]}, "headers": epoch}),
+            ("POST", f"{ghost}/rollouts/ack", {"json": {"delivery_ids": []}, "headers": epoch}),
+        ]:
+            r = http.request(method, path, **kw)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_run", (method, path, r.text)
+        r = http.delete(s.path("/leases/no-such-lease"))
+        assert r.status_code == 410 and r.json()["error"]["code"] == "lease_expired"
+        r = http.post(s.path("/leases"), json={"worker_id": "g", "version": 9, "ttl_s": 5})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_version"
+        s.t.register_trainer("trainer-1")  # epoch 2: epoch 1 is fenced, with or without ids
+        for ids in ([], ["b" + "0" * 32 + ":0"]):
+            r = http.post(s.path("/rollouts/ack"), json={"delivery_ids": ids}, headers=epoch)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "fenced", r.text
+        r = http.post(s.path("/rollouts/ack"), json={"delivery_ids": []})
+        assert r.status_code == 422 and "X-Trainer-Epoch" in r.json()["error"]["message"]
+    assert s.g.submit_rollouts(batch, "k").accepted_groups == 1
+
+
+def test_version_lease_after_a_redis_wipe_rebuilds_first(proxy_file: ProxyHarness, redis_server: RedisServer) -> None:
+    s = Setup(proxy_file)
+    redis_server.wipe()
+    redis_server.start()
+    g = proxy_file.client(s.run, "generator", retries=3)
+    # The first request on the empty Redis is a lease: refused there, so the run is resolved (rebuilt from
+    # the bucket) and the lease granted.
+    assert g.lease_version("gen-1").version == 1

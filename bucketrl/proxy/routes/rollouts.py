@@ -19,9 +19,19 @@ from fastapi import APIRouter, Depends, Header, Response
 
 from bucketrl import errors
 from bucketrl.proxy import body
-from bucketrl.proxy.deps import CtxDep, EpochDep, GeneratorRole, RunDep, TrainerRole
+from bucketrl.proxy.deps import (
+    CtxDep,
+    EpochDep,
+    EpochHeaderDep,
+    GeneratorRole,
+    RunDep,
+    RunId,
+    TrainerRole,
+    resolve_run,
+    resolve_run_and_epoch,
+)
 from bucketrl.proxy.errors import responses
-from bucketrl.proxy.state import prompts, queue
+from bucketrl.proxy.state import prompts, queue, runs
 from bucketrl.wire import AckRequest, AckResponse, ClaimRequest, ClaimResponse, RolloutBatch, RunSpec, SubmitResponse
 
 
@@ -72,18 +82,19 @@ IdempotencyKey = Annotated[
 async def submit(
     ctx: CtxDep,
     _: GeneratorRole,
-    ref: RunDep,
+    run: RunId,
     batch: Annotated[RolloutBatch, Depends(body.decoded(RolloutBatch))],
     idempotency_key: IdempotencyKey = None,
 ) -> SubmitResponse:
     _install_scrape_hook(ctx)
     try:
-        out = await queue.submit(ctx.redis, ctx.store, ref.run, ref.spec, batch, idempotency_key)
+        # The spec comes with the queue's pre-check (one round trip); resolve_run only for an unknown run.
+        out = await queue.submit(ctx.redis, ctx.store, run, _spec_loader(ctx, run), batch, idempotency_key)
     except errors.Stale:
-        ctx.telemetry.stale_rejections.labels(run=ref.run).inc(len(batch.groups))
+        ctx.telemetry.stale_rejections.labels(run=run).inc(len(batch.groups))
         raise
     if not out.duplicate:
-        ctx.telemetry.accepted_groups.labels(run=ref.run).inc(out.accepted_groups)
+        ctx.telemetry.accepted_groups.labels(run=run).inc(out.accepted_groups)
     return out
 
 
@@ -140,13 +151,25 @@ async def claim(
 async def ack(
     ctx: CtxDep,
     _: TrainerRole,
-    ref: RunDep,
-    epoch: EpochDep,
+    run: RunId,
+    epoch: EpochHeaderDep,
     req: Annotated[AckRequest, Depends(body.decoded(AckRequest))],
 ) -> AckResponse:
     _install_scrape_hook(ctx)
-    n = await queue.ack(ctx.redis, ctx.store, ref.run, ref.spec, epoch=epoch, delivery_ids=req.delivery_ids)
+    if not req.delivery_ids:  # nothing for the script to fence: the run and epoch are checked here
+        _, current = await resolve_run_and_epoch(ctx, run)
+        runs.check_epoch(run, epoch, current)
+    # The ack script fences the epoch atomically; the spec is needed only to restore a wiped queue or to
+    # persist prompts, so it is looked up only then (one round trip less per ack).
+    n = await queue.ack(ctx.redis, ctx.store, run, _spec_loader(ctx, run), epoch=epoch, delivery_ids=req.delivery_ids)
     return AckResponse(acked=n)
+
+
+def _spec_loader(ctx: Any, run: str) -> queue.SpecLoader:
+    async def load() -> RunSpec:
+        return (await resolve_run(ctx, run)).spec
+
+    return load
 
 
 # -- hooks into the proxy core ---------------------------------------------------------------------------

@@ -63,6 +63,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +73,7 @@ from redis import exceptions as redis_exc
 
 from bucketrl import errors
 from bucketrl.proxy import keys
-from bucketrl.proxy.state import prompts
+from bucketrl.proxy.state import prompts, runs
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.storage.base import BucketStore
 from bucketrl.wire import ClaimResponse, Delivery, QueueStatus, RolloutBatch, RolloutGroup, RunSpec, SubmitResponse
@@ -98,6 +99,11 @@ COUNTER_FIELDS = (
     "backpressure_total",
     "lost_total",
 )
+
+
+# Gives the run's spec when a queue call needs it after all (a route's ``resolve_run``: 404 for an unknown
+# run, a rebuild of a wiped Redis first). Hot routes pass one instead of reading the spec up front.
+SpecLoader = Callable[[], Awaitable[RunSpec]]
 
 
 @dataclass(frozen=True)
@@ -243,11 +249,11 @@ end
 _PRECHECK = Lua(
     prompts.QUEUED_LUA
     + """
--- KEYS: idem state cursor stream lease queue_meta prompts_meta ; ARGV: group
+-- KEYS: idem state cursor stream lease queue_meta prompts_meta spec ; ARGV: group
 local ready = redis.call('HEXISTS', KEYS[6], 'ready') + redis.call('HEXISTS', KEYS[7], 'ready')
 return {redis.call('GET', KEYS[1]) or '', tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0'),
         tonumber(redis.call('GET', KEYS[3]) or '0'), queued_groups(KEYS[4], ARGV[1]),
-        redis.call('HGET', KEYS[5], 'version') or '', ready}
+        redis.call('HGET', KEYS[5], 'version') or '', ready, redis.call('GET', KEYS[8]) or ''}
 """
 )
 
@@ -497,23 +503,38 @@ def _full(run: str, queued: int, n: int, spec: RunSpec) -> errors.Backpressure:
 
 
 async def submit(
-    r: Any, store: BucketStore, run: str, spec: RunSpec, batch: RolloutBatch, idempotency_key: str | None
+    r: Any,
+    store: BucketStore,
+    run: str,
+    spec: RunSpec | SpecLoader,
+    batch: RolloutBatch,
+    idempotency_key: str | None,
 ) -> SubmitResponse:
-    """Validate, write the batch to the bucket, then enqueue its groups atomically (see module docstring)."""
+    """Validate, write the batch to the bucket, then enqueue its groups atomically (see module docstring).
+
+    ``spec``: the run's spec, or a :data:`SpecLoader`; then the spec is the one the pre-check reads in its
+    own round trip, and the loader is called only when that finds no spec (404 or a rebuild)."""
     key = validate_idempotency_key(idempotency_key)
     k = QueueKeys.of(run)
     idem_id = idempotency_id(batch.worker_id, key)
     idem_key = k.idem(run, idem_id)
     lease_key = keys.run_key(run, keys.LEASE_INFO.format(id=batch.lease_id))
+    spec_key = keys.run_key(run, keys.SPEC)
     for _ in range(3):
-        seen, latest, cursor, queued, leased, ready = await _PRECHECK(
-            r, [idem_key, k.state, k.p.cursor, k.stream, lease_key, k.meta, k.p.meta], [GROUP]
+        seen, latest, cursor, queued, leased, ready, raw_spec = await _PRECHECK(
+            r, [idem_key, k.state, k.p.cursor, k.stream, lease_key, k.meta, k.p.meta, spec_key], [GROUP]
         )
+        if not isinstance(spec, RunSpec):
+            if not raw_spec:  # unknown run (the loader answers 404), or a wiped Redis (it rebuilds): check again
+                spec = await spec()
+                continue
+            spec = runs.parse_spec(bytes(raw_spec))
         if int(ready) == 2:
             break
         await ensure_ready(r, store, run, spec)  # first touch since Redis (re)started
     else:
         raise _not_ready(run)
+    assert isinstance(spec, RunSpec)
     if seen:
         return SubmitResponse.model_validate_json(seen).model_copy(update={"duplicate": True})
     latest, n = int(latest), len(batch.groups)
@@ -772,8 +793,13 @@ def validate_delivery_ids(ids: list[str]) -> None:
             raise errors.Invalid(f"delivery_ids[{i}]: {d[:80]!r} is not a delivery id from a claim")
 
 
-async def ack(r: Any, store: BucketStore, run: str, spec: RunSpec, *, epoch: int, delivery_ids: list[str]) -> int:
-    """Acknowledge deliveries (trained). Idempotent: returns how many were acked by THIS call."""
+async def ack(
+    r: Any, store: BucketStore, run: str, spec: RunSpec | SpecLoader, *, epoch: int, delivery_ids: list[str]
+) -> int:
+    """Acknowledge deliveries (trained). Idempotent: returns how many were acked by THIS call.
+
+    The script fences ``epoch`` itself; ``spec`` (or a :data:`SpecLoader`) is needed only to restore a
+    wiped queue or to persist prompts, so a loader is called only then."""
     validate_delivery_ids(delivery_ids)
     if not delivery_ids:
         return 0
@@ -781,7 +807,7 @@ async def ack(r: Any, store: BucketStore, run: str, spec: RunSpec, *, epoch: int
 
 
 async def _settle(
-    r: Any, store: BucketStore, run: str, spec: RunSpec, ids: list[str], *, epoch: int, counter: str
+    r: Any, store: BucketStore, run: str, spec: RunSpec | SpecLoader, ids: list[str], *, epoch: int, counter: str
 ) -> int:
     k = QueueKeys.of(run)
     for _ in range(3):
@@ -792,6 +818,7 @@ async def _settle(
         )
         if _s(res[0]) != "notready":
             break
+        spec = await _spec_of(spec)
         await ensure_ready(r, store, run, spec)
     else:
         raise _not_ready(run)
@@ -801,11 +828,15 @@ async def _settle(
     return int(res[1])
 
 
+async def _spec_of(spec: RunSpec | SpecLoader) -> RunSpec:
+    return spec if isinstance(spec, RunSpec) else await spec()
+
+
 async def _settle_objects(
     r: Any,
     store: BucketStore,
     run: str,
-    spec: RunSpec,
+    spec: RunSpec | SpecLoader,
     finished: list[str],
     partial: list[Any],
     persist_seq: int,
@@ -817,7 +848,7 @@ async def _settle_objects(
     if finished:
         if persist_seq > 0:
             # The batch object was the last record that its prompts completed: persist them first.
-            await prompts.persist(r, store, run, spec, min_seq=persist_seq)
+            await prompts.persist(r, store, run, await _spec_of(spec), min_seq=persist_seq)
         doomed = [key for b in finished for key in (batch_key(run, b), marker_key(run, b))]
         await asyncio.to_thread(store.delete, doomed)
     for i in range(0, len(partial), 2):

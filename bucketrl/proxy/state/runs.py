@@ -36,21 +36,21 @@ async def list_runs(r: Any) -> list[str]:
 
 
 @functools.lru_cache(maxsize=256)
-def _parse_spec(raw: bytes) -> RunSpec:
+def parse_spec(raw: bytes) -> RunSpec:
     # Every request resolves its run's spec; parsing the same bytes once is enough (RunSpec is only read).
     return RunSpec.model_validate_json(raw)
 
 
 async def get_spec(r: Any, run: str) -> RunSpec | None:
     raw = await r.get(keys.run_key(run, keys.SPEC))
-    return None if raw is None else _parse_spec(bytes(raw))
+    return None if raw is None else parse_spec(bytes(raw))
 
 
 async def get_spec_and_epoch(r: Any, run: str) -> tuple[RunSpec | None, int]:
     """The spec (None for an unknown run) and the current trainer epoch, in one round trip (every request
     resolves its run; trainer writes also check their epoch)."""
     raw, epoch = await _SPEC_AND_EPOCH(r, [keys.run_key(run, keys.SPEC), keys.run_key(run, keys.STATE)], [])
-    return (None if raw is None else _parse_spec(bytes(raw))), _int(epoch)
+    return (None if raw is None else parse_spec(bytes(raw))), _int(epoch)
 
 
 # One command (cheaper for the proxy than a two-command pipeline). ``or false``: a Lua table cannot hold nil.

@@ -284,3 +284,29 @@ def test_version_lease_after_a_redis_wipe_rebuilds_first(proxy_file: ProxyHarnes
     # The first request on the empty Redis is a lease: refused there, so the run is resolved (rebuilt from
     # the bucket) and the lease granted.
     assert g.lease_version("gen-1").version == 1
+
+
+def test_concurrent_acks_share_one_prompts_snapshot(redis_server: RedisServer, bucket_url: str) -> None:
+    store = CountingStore(open_store(bucket_url))
+    spec = make_spec(group_size=2, queue_capacity_groups=32, groups_per_step=16)
+
+    async def body(r: Any) -> None:
+        epoch = await setup_run(r, spec)
+        items = (await prompts.lease(r, store, RUN, spec, "g1", 12, 60)).prompts  # type: ignore[arg-type]
+        for i, item in enumerate(items):
+            await queue.submit(r, store, RUN, spec, make_batch(spec, [item], 1), f"k{i}")  # type: ignore[arg-type]
+        got = await queue.claim(
+            r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=12, wait_s=0, redelivery_timeout_s=60
+        )
+        before = store.snapshot_writes
+        acked = await asyncio.gather(
+            *(queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=[c.delivery_id]) for c in got.claimed)  # type: ignore[arg-type]
+        )
+        assert acked == [1] * 12
+        # Every ack needed a snapshot newer than its batch; the first one written covers all twelve.
+        assert store.snapshot_writes == before + 1
+        snap = json.loads(store.inner.get_bytes(prompts.snapshot_key(RUN)))
+        assert not {i.prompt_id for i in items} & set(snap["open"])
+        assert store.list_keys(f"runs/{RUN}/rollouts/") == []
+
+    _run(redis_server, body)

@@ -55,6 +55,7 @@ import json
 import re
 import secrets
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -354,15 +355,43 @@ async def persist(
     """Make ``runs/{run}/prompts.json`` cover at least cursor ``min_reserved`` and state ``min_seq``.
 
     One writer at a time per run (a Redis lock), and the written snapshot is read under the lock, so a
-    slow writer can never overwrite a newer snapshot with an older one.
+    slow writer can never overwrite a newer snapshot with an older one. Callers in one process first wait
+    for a persist already in progress there: under load many acks want a snapshot at once, and the next one
+    written covers them all (group commit) instead of each polling the Redis lock every few milliseconds.
     """
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    running = _RUNNING.setdefault(r, {})
+    while (task := running.get(run)) is not None:
+        try:  # the shield: a waiter that gives up never cancels the write others wait for
+            reserved, seq = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
+            if reserved >= min_reserved and seq >= min_seq:
+                return  # that write covers this caller too
+        except TimeoutError:
+            raise errors.Unavailable(f"run {run!r}: timed out waiting to persist the prompt cursor") from None
+        except Exception:
+            pass  # that caller's failure is reported to it; this one tries itself
+    task = asyncio.ensure_future(
+        _persist(r, store, run, spec, min_reserved=min_reserved, min_seq=min_seq, deadline=deadline)
+    )
+    running[run] = task
+    task.add_done_callback(lambda done: running.pop(run) if running.get(run) is done else None)
+    await asyncio.shield(task)  # a caller that goes away (client disconnect) leaves the write to finish
+
+
+# (Redis client, run) -> the persist in progress in this process; weak on the client (apps come and go).
+_RUNNING: weakref.WeakKeyDictionary[Any, dict[str, asyncio.Future[tuple[int, int]]]] = weakref.WeakKeyDictionary()
+
+
+async def _persist(
+    r: Any, store: BucketStore, run: str, spec: RunSpec, *, min_reserved: int, min_seq: int, deadline: float
+) -> tuple[int, int]:
+    """Returns the (reserved, seq) that prompts.json is known to cover now ((0, 0): not known)."""
     k = PromptKeys.of(run)
     token = secrets.token_hex(8)
-    deadline = time.monotonic() + _LOCK_WAIT_S
     while True:
         meta = await r.hmget(k.meta, "persisted_reserved", "persisted_seq")
         if int(meta[0] or 0) >= min_reserved and int(meta[1] or 0) >= min_seq:
-            return
+            return int(meta[0] or 0), int(meta[1] or 0)
         if await r.set(k.lock, token, nx=True, px=_LOCK_TTL_MS):
             break
         if time.monotonic() > deadline:
@@ -389,7 +418,8 @@ async def persist(
         }
         body = json.dumps(snapshot, separators=(",", ":")).encode()
         await asyncio.to_thread(store.put_bytes, snapshot_key(run), body)
-        await _MARK_PERSISTED(r, [k.meta, k.lock], [new_reserved, seq, token])
+        marked = await _MARK_PERSISTED(r, [k.meta, k.lock], [new_reserved, seq, token])
+        return (new_reserved, seq) if int(marked) else (0, 0)
     finally:
         await _UNLOCK(r, [k.lock], [token])
 

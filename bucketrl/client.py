@@ -256,12 +256,15 @@ class ProxyClient:
             headers={"Content-Type": ctype, "Idempotency-Key": idempotency_key},
         )
 
-    def claim(self, consumer: str, max_groups: int, wait_s: float = 0.0) -> ClaimResponse:
+    def claim(
+        self, consumer: str, max_groups: int, wait_s: float = 0.0, min_version: int | None = None
+    ) -> ClaimResponse:
+        """``min_version``: drop (and count) groups older than it too, besides ``latest - max_staleness``."""
         return self._json(
             "POST",
             self._path("/rollouts/claim"),
             ClaimResponse,
-            ClaimRequest(consumer=consumer, max_groups=max_groups, wait_s=wait_s),
+            ClaimRequest(consumer=consumer, max_groups=max_groups, wait_s=wait_s, min_version=min_version),
             headers=self._fence(),
             extra_timeout_s=wait_s,
         )

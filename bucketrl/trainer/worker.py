@@ -16,10 +16,11 @@ Start-up
 
 Each step (until ``max_steps``)
     take the claimed groups (``groups_per_step``; the time blocked on them is ``perf/rollout_wait_s``) and
-    start claiming the next step's -> :meth:`Learner.train_step` -> every ``sync_every`` steps publish
-    version latest+1 -> every ``checkpoint_every`` steps write the checkpoint (it lists the deliveries
-    consumed since the previous one) and THEN ack them -> push metrics (TRL names; staleness;
-    per-generator logprob mismatch; zero-variance groups).
+    start claiming the next step's (with ``min_version`` = the version that step will train with -
+    max_staleness, so no trained group is staler than max_staleness) -> :meth:`Learner.train_step` -> every
+    ``sync_every`` steps publish version latest+1 -> every ``checkpoint_every`` steps write the checkpoint (it
+    lists the deliveries consumed since the previous one) and THEN ack them -> push metrics (TRL names;
+    staleness; per-generator logprob mismatch; zero-variance groups).
 
     Claims run one step ahead on a helper thread, and publishes, checkpoints, acks and metric pushes run in
     order on the :class:`~bucketrl.trainer.uploader.Uploader` thread from snapshots taken at the step, so
@@ -155,7 +156,7 @@ class TrainerWorker:
         self._resume()
         self._ensure_published()
         self._audit({"event": "start", "epoch": self.epoch, "step": self.learner.step})
-        pending = self._claim_ahead()
+        pending = self._claim_ahead(steps_ahead=1)
         while self.learner.step < self.settings.max_steps and not self.stop_requested.is_set():
             t0 = time.perf_counter()
             try:
@@ -164,7 +165,7 @@ class TrainerWorker:
                 break
             wait_s = time.perf_counter() - t0
             if self.learner.step + 1 < self.settings.max_steps:
-                pending = self._claim_ahead()
+                pending = self._claim_ahead(steps_ahead=2)  # for the step after the one about to train
             self._step(deliveries, dropped, wait_s, t0)
         return self._finish()
 
@@ -288,6 +289,7 @@ class TrainerWorker:
         from bucketrl.trainer.learner import StepGroup
 
         self._uploader().check()  # a failed background write (e.g. fenced) ends the run before more work
+        deliveries, held_back = self._within_staleness(deliveries)
         groups = [StepGroup(g, d.version, d.worker_id) for d in deliveries for g in d.groups]
         stats = self.learner.train_step(groups, policy_version=self.policy_version)
         self.consumed += [d.delivery_id for d in deliveries]
@@ -310,6 +312,8 @@ class TrainerWorker:
         if math.isfinite(self.last_sync_s):
             stats["perf/weight_sync_s"] = self.last_sync_s
         stats["sample/dropped_stale"] = float(dropped)
+        if held_back:
+            stats["sample/stale_held_back"] = float(held_back)
         stats["sample/dropped_stale_total"] = self.counters["sample/dropped_stale_total"]
         stats["policy/version"] = float(self.policy_version)
         stats["perf/step_s"] = time.perf_counter() - t0
@@ -325,11 +329,55 @@ class TrainerWorker:
             stats["perf/step_s"],
         )
 
-    def _claim_ahead(self) -> Future[tuple[list[Delivery], int]]:
-        return self._prefetch.submit(self._claim_groups)
+    def _claim_ahead(self, steps_ahead: int) -> Future[tuple[list[Delivery], int]]:
+        """Start claiming (helper thread) the groups of the step ``steps_ahead`` steps from now.
 
-    def _claim_groups(self) -> tuple[list[Delivery], int]:
-        """Claim until ``groups_per_step`` groups (helper thread). Raises Stopped on a stop request."""
+        The proxy only knows its own ``latest``, which lags the version this trainer will train those groups
+        with: the claim runs a step ahead, and the publish at the end of the step in between is asynchronous.
+        So the claim carries ``min_version`` = that train-time version - max_staleness, and the proxy drops (and
+        counts) every group below it: no trained group is staler than max_staleness (DESIGN section 4).
+        """
+        assert self.spec is not None
+        min_version = max(0, self._train_version(steps_ahead) - self.spec.max_staleness)
+        return self._prefetch.submit(self._claim_groups, min_version)
+
+    def _train_version(self, steps_ahead: int) -> int:
+        """The policy version step ``learner.step + steps_ahead`` trains with: the current one plus one for each
+        step in between that publishes (every ``sync_every``-th, at its end). Read on the main thread only."""
+        step = self.learner.step
+        syncs = sum(1 for k in range(step + 1, step + steps_ahead) if k % self.settings.sync_every == 0)
+        return self.policy_version + syncs
+
+    def _within_staleness(self, deliveries: list[Delivery]) -> tuple[list[Delivery], int]:
+        """The deliveries the current policy may train on, and how many groups were held back as too stale.
+
+        A last guard: the claim's ``min_version`` already excludes such groups, so this finds none unless the
+        version arithmetic of :meth:`_train_version` is broken. A held-back delivery is neither trained nor
+        consumed, so it is never acked: the proxy redelivers it (after ``redelivery_timeout_s``, or at once to
+        the next trainer epoch) and a later claim, whose ``min_version`` is at least as high, drops it and
+        counts it in ``dropped_stale_total``, which comes back to this trainer's ``sample/dropped_stale_total``.
+        So each such group is counted once, as a stale drop, by the proxy; its accounting (accepted = acked +
+        dropped + queued + pending) stays truthful: ``acked`` only ever means trained. Until then it is pending.
+        """
+        assert self.spec is not None
+        limit = self.policy_version - self.spec.max_staleness
+        keep = [d for d in deliveries if d.version >= limit]
+        if len(keep) == len(deliveries):
+            return deliveries, 0
+        held = sum(len(d.groups) for d in deliveries if d.version < limit)
+        log.warning(
+            "held back %d group(s) older than v%d (policy v%d - max_staleness %d): not trained, left unacked for "
+            "the proxy to drop and count on redelivery",
+            held,
+            limit,
+            self.policy_version,
+            self.spec.max_staleness,
+        )
+        return keep, held
+
+    def _claim_groups(self, min_version: int) -> tuple[list[Delivery], int]:
+        """Claim until ``groups_per_step`` groups no older than ``min_version`` (helper thread). Raises Stopped
+        on a stop request."""
         assert self.spec is not None
         need = self.spec.groups_per_step
         got: list[Delivery] = []
@@ -345,7 +393,7 @@ class TrainerWorker:
                 )
             resp = self._retrying(
                 lambda k=need - n: self.claim_client.claim(
-                    self.worker_id, max_groups=k, wait_s=self.settings.claim_wait_s
+                    self.worker_id, max_groups=k, wait_s=self.settings.claim_wait_s, min_version=min_version
                 )
             )
             dropped += resp.dropped_stale

@@ -76,6 +76,16 @@ class ClaimRequest(WireModel):
     consumer: WorkerId
     max_groups: int = Field(8, ge=1, le=4096)
     wait_s: float = Field(0.0, ge=0.0, le=300.0)
+    # Drop groups older than this too (dropped and counted like every stale group): the trainer passes the
+    # version its policy will have when it trains on this claim, minus max_staleness. It claims ahead and
+    # publishes asynchronously, so that version can be ahead of the proxy's latest; without this floor a group
+    # that passed ``latest - max_staleness`` at claim time could be trained with a staleness > max_staleness.
+    min_version: int | None = Field(
+        None,
+        ge=0,
+        description="Drop groups older than this too (counted in dropped_stale): the trainer passes the version "
+        "its policy will have when it trains on this claim, minus max_staleness.",
+    )
 
 
 class Delivery(WireModel):

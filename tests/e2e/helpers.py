@@ -227,6 +227,14 @@ def check_invariants(cluster: LocalCluster, watch: Watch | None = None, *, final
         if r["event"] in ("checkpoint", "resume"):
             acked.update(r.get("acked") or [])
     assert acked <= set(trained), f"{len(acked - set(trained))} acked deliveries were never trained"
+    # Staleness bound (DESIGN sections 3-5): no trainer push, of any epoch, reports a trained group staler than
+    # the run's max_staleness (the trainer's claims carry min_version = its train-time version - max_staleness).
+    staleness = _all_trainer_values(cluster, "sample/staleness_max")
+    with cluster.client("viewer", retries=3) as c:
+        max_staleness = c.get_run().spec.max_staleness
+    assert not staleness or max(staleness) <= max_staleness, (
+        f"a group was trained with staleness {max(staleness)} > max_staleness {max_staleness}"
+    )
     return InvariantReport(
         latest_version=s.latest_version,
         steps=len(history),
@@ -238,6 +246,18 @@ def check_invariants(cluster: LocalCluster, watch: Watch | None = None, *, final
         versions_in_bucket=present,
         gc_total=s.gc_versions_total,
     )
+
+
+def _all_trainer_values(cluster: LocalCluster, metric: str) -> list[float]:
+    """Every value of a trainer metric in the proxy's metrics stream (all pushes, every trainer epoch)."""
+    from bucketrl.up.watch import RunWatcher
+
+    w = RunWatcher(cluster.proxy_url, cluster.cfg.run, cluster.tokens["viewer"])
+    try:
+        assert w.poll() is not None, w.last_error
+        return [v for pts in w.timed_series(metric, role="trainer").values() for _, v in pts]
+    finally:
+        w.close()
 
 
 def trainer_metric(s: RunStatus, name: str) -> float | None:

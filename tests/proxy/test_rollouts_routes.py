@@ -191,6 +191,42 @@ def test_claim_long_poll_wakes_and_new_trainer_gets_pending_at_once(proxy_file: 
     assert t2.ack([d.delivery_id for d in again.deliveries]) == 2
 
 
+def test_claim_min_version_drops_older_groups_and_counts_them(proxy_file: ProxyHarness) -> None:
+    """The trainer's floor (``min_version``) drops groups the run's own rule (latest - max_staleness) still
+    allows, new and redelivered alike, and counts them exactly like other stale drops: in the answer, the
+    run's counters and the Prometheus counter; the accounting keeps holding."""
+    s = Setup(proxy_file, queue_capacity_groups=32, groups_per_step=8, max_staleness=4)
+    for v in (2, 3):
+        s.t.publish_adapter(v, adapter_tar(v))
+    sent: dict[int, RolloutBatch] = {}
+    for v in (1, 2, 3):  # all within latest 3 - max_staleness 4: none is stale by the run's rule
+        lease = s.g.lease_version("gen-0", version=v).lease_id
+        sent[v] = s.batch(1, version=v).model_copy(update={"lease_id": lease})
+        s.g.submit_rollouts(sent[v], f"k{v}")
+    with proxy_file.http("trainer") as http:  # a negative floor is refused and changes nothing
+        r = http.post(
+            s.path("/rollouts/claim"),
+            json={"consumer": "trainer-0", "min_version": -1},
+            headers={"X-Trainer-Epoch": str(s.t.epoch)},
+        )
+        assert r.status_code == 422 and "min_version" in _err(r)["message"]
+    assert proxy_file.client(s.run, "viewer").status().queue.groups == 3
+
+    got = s.t.claim("trainer-0", max_groups=1, min_version=2)  # v1 dropped, v2 delivered (oldest first)
+    assert got.dropped_stale == 1 and [d.version for d in got.deliveries] == [2]
+    # The v2 delivery is not acked; a new trainer epoch makes it re-claimable at once: a higher floor drops it too.
+    t2 = proxy_file.client(s.run, "trainer")
+    t2.register_trainer("trainer-1")
+    again = t2.claim("trainer-1", max_groups=8, min_version=3)
+    assert again.dropped_stale == 1 and [d.version for d in again.deliveries] == [3]
+    assert t2.ack([d.delivery_id for d in again.deliveries]) == 1
+
+    q = proxy_file.client(s.run, "viewer").status().queue
+    assert (q.accepted_total, q.acked_total, q.dropped_stale_total, q.groups, q.pending) == (3, 1, 2, 0, 0)
+    metrics = httpx.get(f"{proxy_file.url}/metrics", headers={"Authorization": "Bearer tok-viewer"}).text
+    assert 'bucketrl_stale_dropped_groups_total{run="r1"} 2.0' in metrics
+
+
 def test_redis_killed_mid_submit_is_503_and_nothing_is_lost(
     proxy_file: ProxyHarness, redis_server: RedisServer
 ) -> None:

@@ -2,6 +2,8 @@
 idempotency key through ``ProxyClient``), random tokens instead of a model (the trainer is the subject).
 
 Every accepted group's delivery id is ``{batch_id}:{g}`` (the proxy's stable id), recorded in ``accepted``.
+``lag=k`` makes it a slow generator: it samples from version ``latest - k`` (the oldest the run accepts when
+k = max_staleness) instead of the latest.
 """
 
 from __future__ import annotations
@@ -21,12 +23,21 @@ EOS = 1
 
 class FakeGenerator(threading.Thread):
     def __init__(
-        self, url: str, run: str, token: str, *, worker_id: str = "gen-fake", group_size: int = 4, seed: int = 0
+        self,
+        url: str,
+        run: str,
+        token: str,
+        *,
+        worker_id: str = "gen-fake",
+        group_size: int = 4,
+        seed: int = 0,
+        lag: int = 0,
     ) -> None:
         super().__init__(daemon=True, name=f"fake-{worker_id}")
         self.client = ProxyClient(url, run, token, retries=2, backoff_s=0.05)
         self.worker_id = worker_id
         self.group_size = group_size
+        self.lag = lag
         self.rng = random.Random(seed)
         self.halt = threading.Event()
         self.accepted: list[str] = []
@@ -43,12 +54,17 @@ class FakeGenerator(threading.Thread):
             try:
                 self._one_batch()
             except errors.BucketRLError as exc:  # no version yet, backpressure, a proxy restart...
-                if not isinstance(exc, errors.NotFound | errors.Backpressure | errors.Unavailable):
+                lag_lost = self.lag and isinstance(exc, errors.Gone)  # the old version was collected meanwhile
+                if not lag_lost and not isinstance(exc, errors.NotFound | errors.Backpressure | errors.Unavailable):
                     self.errors.append(f"{type(exc).__name__}: {exc.message}")
                 self.halt.wait(min(exc.retry_after or 0.1, 0.3))
 
     def _one_batch(self) -> None:
         lease = self.client.lease_version(self.worker_id, ttl_s=60)
+        if self.lag and lease.version > 1:
+            latest = lease
+            lease = self.client.lease_version(self.worker_id, version=max(1, latest.version - self.lag), ttl_s=60)
+            self.client.release_lease(latest.lease_id)
         try:
             prompts = self.client.lease_prompts(self.worker_id, n=2, ttl_s=60).prompts
             if not prompts:

@@ -211,3 +211,67 @@ def test_stop_before_registering_leaves_the_current_trainer_alone(
         assert worker.run() == EXIT_OK
         run = proxy.client("r6").get_run()
         assert run.state.trainer_epoch == 0 and run.state.latest_version == 0
+
+
+class _RecordingWorker(TrainerWorker):
+    """The real worker, keeping a copy of every step's pushed metrics (the proxy keeps only the latest)."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.pushed: list[tuple[int, dict[str, float]]] = []
+
+    def _push(self, step: int, stats: dict[str, float]) -> None:
+        self.pushed.append((step, dict(stats)))
+        super()._push(step, stats)
+
+
+def test_no_trained_group_is_staler_than_max_staleness(
+    redis_server: RedisServer, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The trainer claims a step ahead and publishes asynchronously, so a group that passes the proxy's
+    ``latest - max_staleness`` at claim time could be trained 1-2 versions later. A slow generator submitting
+    at the oldest accepted version (latest - max_staleness) makes that happen every step unless the claim
+    carries the trainer's floor (``min_version``): then such groups are dropped and counted, never trained."""
+    bucket = tmp_path / "bucket"
+    with running(redis_server.url, f"file://{bucket}") as proxy:
+        settings = TrainerSettings(
+            proxy_url=proxy.url,
+            token=TOKENS["trainer"],
+            run="r-stale",
+            worker_id="trainer-a",
+            run_spec=spec_json(
+                tiny_model_dir, {"uri": "toy:add", "size": 200}, max_staleness=1, queue_capacity_groups=8
+            ),
+            max_steps=6,
+            sync_every=1,
+            checkpoint_every=3,
+            device="cpu",
+            lr=1e-2,
+            claim_wait_s=0.5,
+            work_dir=str(tmp_path / "work"),
+        )
+        gens = [
+            FakeGenerator(proxy.url, "r-stale", TOKENS["generator"], worker_id="gen-fresh", seed=1),
+            FakeGenerator(proxy.url, "r-stale", TOKENS["generator"], worker_id="gen-slow", seed=2, lag=1),
+        ]
+        for g in gens:
+            g.start()
+        out: list[str] = []
+        worker = _RecordingWorker(settings, echo=out.append)
+        try:
+            rc = worker.run()
+        finally:
+            for g in gens:
+                g.stop()
+        assert rc == EXIT_OK, out
+        assert not any(g.errors for g in gens), [g.errors for g in gens]
+        assert [step for step, _ in worker.pushed] == [1, 2, 3, 4, 5, 6]
+        staleness = [stats["sample/staleness_max"] for _, stats in worker.pushed]
+        assert max(staleness) <= 1, staleness
+        assert all("sample/stale_held_back" not in stats for _, stats in worker.pushed), "the claim floor suffices"
+        # The slow generator's groups were dropped at claim, and counted: the trainer's total is the proxy's.
+        q = proxy.client("r-stale", role="admin").status().queue
+        final = worker.pushed[-1][1]
+        assert q.dropped_stale_total > 0
+        assert final["sample/dropped_stale_total"] == q.dropped_stale_total
+        assert q.accepted_total == q.acked_total + q.dropped_stale_total + q.groups + q.pending, q

@@ -105,7 +105,8 @@ async def submit(
     description=(
         "Redeliveries (claimed but unacked for redelivery_timeout_s, or claimed under an older trainer epoch) come "
         "first, then new groups, oldest first. Each delivery holds one group and a stable delivery_id to ack. A group "
-        "whose version < latest - max_staleness is dropped (`dropped_stale` in the answer and in the run's counters). "
+        "whose version < max(latest - max_staleness, min_version) is dropped (`dropped_stale` in the answer and in the "
+        "run's counters; min_version is optional: the trainer's floor for the version it will train with). "
         "Epoch-fenced: X-Trainer-Epoch must be the current epoch (409 `fenced`)."
     ),
     responses=responses(401, 403, 404, 409, 413, 422, 503),
@@ -129,6 +130,7 @@ async def claim(
         max_groups=req.max_groups,
         wait_s=min(req.wait_s, ctx.settings.max_wait_s),
         redelivery_timeout_s=ctx.settings.redelivery_timeout_s,
+        min_version=req.min_version,
     )
     if out.dropped:
         ctx.telemetry.stale_drops.labels(run=ref.run).inc(out.dropped)

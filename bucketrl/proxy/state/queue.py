@@ -13,7 +13,8 @@ Life of a group
    and finds the idempotency record (``duplicate: true``, nothing enqueued).
 2. ``claim`` (trainer, epoch-fenced): one Lua script hands out, oldest first, (a) pending entries idle
    for ``redelivery_timeout_s`` (``XAUTOCLAIM``), then (b) new ones (``XREADGROUP``). A group whose version
-   is below ``latest - max_staleness`` at that moment is dropped (``XACK`` + ``XDEL``) and counted in
+   is below ``latest - max_staleness`` at that moment, or below the claim's optional ``min_version`` (the
+   trainer's floor, see ``ClaimRequest``), is dropped (``XACK`` + ``XDEL``) and counted in
    ``dropped_stale_total``: never silently. The long-poll waits with ``XREAD BLOCK`` from the stream's last
    id, so a submit wakes a waiting trainer at once. Each delivery carries one group and the stable
    ``delivery_id = "{batch_id}:{g}"`` (stable across a Redis rebuild, so a checkpoint's ids stay valid).
@@ -312,7 +313,7 @@ _CLAIM = Lua(
     _COMMON
     + """
 -- KEYS: stream state counters entry remaining attempts settled meta p_meta bseq
--- ARGV: group consumer n epoch idle_ms max_staleness
+-- ARGV: group consumer n epoch idle_ms max_staleness min_version
 local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
 local n, epoch, idle_ms, ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 if redis.call('HEXISTS', KEYS[8], 'ready') == 0 then return {'notready'} end
@@ -323,7 +324,9 @@ if epoch > tonumber(redis.call('HGET', KEYS[8], 'epoch') or '0') then
   release_pending(stream, group, consumer, idle_ms)
   redis.call('HSET', KEYS[8], 'epoch', epoch)
 end
-local min_version = tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0') - ms
+-- the run's rule (latest - max_staleness) or the trainer's own floor (ARGV[7], 0 = none), whichever is higher
+local latest = tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0')
+local min_version = math.max(latest - ms, tonumber(ARGV[7]))
 local out, finished, touched = {}, {}, {}
 local dropped = 0
 local function take(entries)
@@ -675,8 +678,13 @@ async def claim(
     max_groups: int,
     wait_s: float,
     redelivery_timeout_s: float,
+    min_version: int | None = None,
 ) -> ClaimOutcome:
-    """Up to ``max_groups`` deliveries; waits up to ``wait_s`` for the first one (long-poll)."""
+    """Up to ``max_groups`` deliveries; waits up to ``wait_s`` for the first one (long-poll).
+
+    A group older than ``latest - max_staleness`` or than ``min_version`` (the trainer's own floor: the version
+    its policy will have when it trains on this claim, minus max_staleness) is dropped and counted.
+    """
     k = QueueKeys.of(run)
     deadline = time.monotonic() + wait_s
     idle_ms = max(1, int(redelivery_timeout_s * 1000))
@@ -685,7 +693,7 @@ async def claim(
         res = await _CLAIM(
             r,
             [k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled, k.meta, k.p.meta, k.bseq],
-            [GROUP, consumer, max_groups, epoch, idle_ms, spec.max_staleness],
+            [GROUP, consumer, max_groups, epoch, idle_ms, spec.max_staleness, min_version or 0],
         )
         if _s(res[0]) == "notready":
             await ensure_ready(r, store, run, spec)

@@ -310,3 +310,47 @@ def test_concurrent_acks_share_one_prompts_snapshot(redis_server: RedisServer, b
         assert store.list_keys(f"runs/{RUN}/rollouts/") == []
 
     _run(redis_server, body)
+
+
+def test_coalescing_transport_sends_a_pass_in_one_write_in_order() -> None:
+    """``bucketrl proxy``'s HTTP protocol (``http_protocol.py``; the CLI tests serve through it for real)."""
+    from bucketrl.proxy.http_protocol import WRITE_THROUGH_BYTES, CoalescingTransport
+
+    class Recorder:  # the uvloop transport's write/close surface
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+            self.closed = False
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(bytes(data))
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+        def get_extra_info(self, name: str) -> str:
+            return f"info:{name}"
+
+    async def main() -> None:
+        real = Recorder()
+        t = CoalescingTransport(real, asyncio.get_running_loop())
+        t.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        t.write(b"")
+        t.write(b'{"ok":1}')
+        assert real.writes == []  # gathered until the end of this loop pass
+        await asyncio.sleep(0)
+        assert real.writes == [b'HTTP/1.1 200 OK\r\n\r\n{"ok":1}']
+        big = b"x" * WRITE_THROUGH_BYTES
+        t.write(b"head")
+        t.write(big)  # large: leaves at once, after what was gathered before it
+        assert real.writes[1:] == [b"head" + big]
+        t.write(b"last")
+        t.close()  # a response written just before close still leaves first
+        assert real.writes[2:] == [b"last"] and real.closed
+        await asyncio.sleep(0)
+        assert len(real.writes) == 3
+        assert t.get_extra_info("peername") == "info:peername"  # everything else delegates
+
+    asyncio.run(main())

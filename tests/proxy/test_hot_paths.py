@@ -109,9 +109,10 @@ def test_claim_answer_is_byte_identical_to_the_model_dump(redis_server: RedisSer
         batch = RolloutBatch.model_validate(raw)
         new = await queue.submit(r, store, RUN, spec, batch, "new-format")
         stored = msgpack.unpackb(store.get_bytes(queue.batch_key(RUN, new.batch_id)), raw=False)
-        assert [g["prompt_id"] for g in stored["groups"]] == [items[0].prompt_id, items[1].prompt_id]
+        assert stored["format"] == 2 and "groups" not in stored  # the groups are stored once, as JSON
+        assert stored["prompt_ids"] == [items[0].prompt_id, items[1].prompt_id]
         assert [RolloutGroup.model_validate_json(j) for j in stored["groups_json"]] == batch.groups
-        # A batch written by an older proxy (no groups_json) is still claimed, through the model.
+        # A batch written by an older proxy (format 1, no groups_json) is still claimed, through the model.
         old_batch = make_batch(spec, items[2:], 1)
         old = await queue.submit(r, store, RUN, spec, old_batch, "old-format")
         key = queue.batch_key(RUN, old.batch_id)
@@ -129,6 +130,47 @@ def test_claim_answer_is_byte_identical_to_the_model_dump(redis_server: RedisSer
         assert empty.response_json() == ClaimResponse(deliveries=[], dropped_stale=3).model_dump_json().encode()
 
     _run(redis_server, body)
+
+
+def test_rebuild_requeues_both_object_formats(redis_server: RedisServer, bucket_url: str) -> None:
+    """A wiped Redis is rebuilt from format-2 objects (header + groups_json) and format-1 ones alike: same
+    versions, workers, group counts and completed prompts, and the claims answer the stored groups."""
+    store = open_store(bucket_url)
+    spec = make_spec(group_size=2, queue_capacity_groups=16)
+    state: dict[str, Any] = {}
+
+    async def before(r: Any) -> None:
+        await setup_run(r, spec)
+        items = (await prompts.lease(r, store, RUN, spec, "g1", 3, 60)).prompts
+        new_batch = make_batch(spec, items[:2], 1, worker="gen-new")
+        new = await queue.submit(r, store, RUN, spec, new_batch, "new")
+        old_batch = make_batch(spec, items[2:], 1, worker="gen-old")
+        old = await queue.submit(r, store, RUN, spec, old_batch, "old")
+        store.put_bytes(queue.batch_key(RUN, old.batch_id), _old_format_object(old_batch, old.batch_id, "x", RUN))
+        state.update(new=(new.batch_id, new_batch), old=(old.batch_id, old_batch), ids={i.prompt_id for i in items})
+
+    _run(redis_server, before)
+    redis_server.wipe()
+    redis_server.start()
+
+    async def after(r: Any) -> None:
+        epoch = await setup_run(r, spec)
+        got = await queue.claim(
+            r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=8, wait_s=0, redelivery_timeout_s=60
+        )
+        by_batch: dict[str, list[Any]] = {}
+        for d in got.deliveries:
+            by_batch.setdefault(d.delivery_id.rsplit(":", 1)[0], []).append(d)
+        for name, worker in (("new", "gen-new"), ("old", "gen-old")):
+            batch_id, batch = state[name]
+            assert [d.worker_id for d in by_batch[batch_id]] == [worker] * len(batch.groups)
+            assert [d.version for d in by_batch[batch_id]] == [1] * len(batch.groups)
+            assert [d.groups[0] for d in by_batch[batch_id]] == batch.groups
+        # Every prompt of both batches counts as completed: none is issued again.
+        again = (await prompts.lease(r, store, RUN, spec, "g2", 8, 60)).prompts
+        assert not {i.prompt_id for i in again} & state["ids"]
+
+    _run(redis_server, after)
 
 
 class CountingStore:
@@ -354,3 +396,27 @@ def test_coalescing_transport_sends_a_pass_in_one_write_in_order() -> None:
         assert t.get_extra_info("peername") == "info:peername"  # everything else delegates
 
     asyncio.run(main())
+
+
+def test_only_a_serving_app_tunes_the_garbage_collector(redis_server: RedisServer, tmp_path: Any) -> None:
+    import gc
+
+    from bucketrl.proxy import runtime
+
+    settings = ProxySettings(
+        redis_url=redis_server.url, bucket_url=f"file://{tmp_path / 'b'}", tokens="admin:a", host="127.0.0.1"
+    )
+    before = gc.get_threshold()
+
+    async def start_and_stop(serving: bool) -> tuple[int, int]:
+        app = create_app(settings, serving=serving)
+        async with app.router.lifespan_context(app):
+            return gc.get_threshold()[0], gc.get_freeze_count()
+
+    try:
+        assert asyncio.run(start_and_stop(False)) == (before[0], gc.get_freeze_count())
+        threshold, frozen = asyncio.run(start_and_stop(True))
+        assert threshold == runtime.GEN0_THRESHOLD and frozen > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -104,7 +104,7 @@ def test_submit_claim_ack_idempotent(redis_server: RedisServer, bucket_url: str)
         assert first.accepted_groups == 3 and not first.duplicate
         key = queue.batch_key(RUN, first.batch_id)
         stored = msgpack.unpackb(store.get_bytes(key), raw=False)
-        assert [g["prompt_id"] for g in stored["groups"]] == ["0-0", "0-1", "0-2"]
+        assert stored["prompt_ids"] == ["0-0", "0-1", "0-2"]
         again = await queue.submit(r, store, RUN, spec, batch, "key-1")
         assert again.duplicate and again.batch_id == first.batch_id
         # The same key reused for other content (a client bug) cannot replace what was enqueued.

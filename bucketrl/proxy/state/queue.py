@@ -7,10 +7,12 @@ Life of a group
    full), then written WHOLE to the bucket as ``runs/{run}/rollouts/{batch_id}`` (msgpack) and only then
    made visible in Redis by one Lua script: one stream entry per group ``{d: "{batch_id}:{g}", v, w}``, the
    batch's remaining-group count, ``accepted_total``, the completion of its prompts and the idempotency
-   record. The object also carries each group's claim-answer JSON (``groups_json``, encoded once from the
-   validated groups), so a claim sends groups on without decoding them. ``batch_id`` is a hash of
-   (worker_id, Idempotency-Key, content): a retry after a lost answer or a 503 rewrites the same object
-   and finds the idempotency record (``duplicate: true``, nothing enqueued).
+   record. The object (format 2) holds the batch's header fields, its ``prompt_ids`` and each group as the
+   claim-answer JSON (``groups_json``, encoded once from the validated groups), so a claim sends groups on
+   without decoding them and nothing is stored twice. ``batch_id`` is a hash of (worker_id,
+   Idempotency-Key, content): a retry after a lost answer or a 503 rewrites the same object and finds the
+   idempotency record (``duplicate: true``, nothing enqueued). Objects written in format 1 (the batch's
+   own msgpack fields, ``groups`` included) are still claimed and rebuilt.
 2. ``claim`` (trainer, epoch-fenced): one Lua script hands out, oldest first, (a) pending entries idle
    for ``redelivery_timeout_s`` (``XAUTOCLAIM``), then (b) new ones (``XREADGROUP``). A group whose version
    is below ``latest - max_staleness`` at that moment, or below the claim's optional ``min_version`` (the
@@ -159,18 +161,31 @@ def batch_id_for(idem_id: str, content: bytes) -> str:
     return "b" + hashlib.sha256(idem_id.encode() + b"\0" + hashlib.sha256(content).digest()).hexdigest()[:32]
 
 
-def _merge_packed_maps(head: dict[str, Any], content: dict[str, Any], packed_content: bytes) -> bytes:
-    """``msgpack.packb({**head, **content})``, reusing ``packed_content`` (= ``packb(content)``): the batch is
-    packed once for its content hash and once for the object, and the second pass would only repeat the first."""
-    packer = msgpack.Packer(use_bin_type=True)
-    inner = packer.pack_map_header(len(content))
-    if not packed_content.startswith(inner) or head.keys() & content.keys():
-        return msgpack.packb({**head, **content}, use_bin_type=True)
-    parts = [packer.pack_map_header(len(head) + len(content))]
-    for key, value in head.items():
-        parts += [packer.pack(key), packer.pack(value)]
-    parts.append(memoryview(packed_content)[len(inner) :])
-    return b"".join(parts)
+def _content_digest(batch: RolloutBatch, groups_json: list[bytes]) -> bytes:
+    """A digest of the batch's whole content, from the canonical JSON its groups are stored as (the same for
+    a JSON and a msgpack body of one batch)."""
+    h = hashlib.sha256(f"{batch.worker_id}\0{batch.lease_id}\0{batch.version}\0{len(groups_json)}".encode())
+    for g in groups_json:
+        h.update(len(g).to_bytes(8, "big"))
+        h.update(g)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """What a rebuild needs of a batch object, from either object format."""
+
+    version: int
+    worker_id: str
+    prompt_ids: list[str]
+
+
+def summarize(obj: dict[str, Any]) -> BatchSummary:
+    if "groups_json" in obj and "prompt_ids" in obj:  # format 2
+        prompt_ids = [str(p) for p in obj["prompt_ids"]]
+    else:  # format 1: the batch's own fields
+        prompt_ids = [str(g.get("prompt_id")) for g in obj.get("groups", [])]
+    return BatchSummary(int(obj["version"]), str(obj.get("worker_id", "")), prompt_ids)
 
 
 def _s(v: bytes | str) -> str:
@@ -560,13 +575,22 @@ async def submit(
         await pipe.execute()
         raise _full(run, int(queued), n, spec)
 
-    content = batch.model_dump(mode="json")
-    packed_content = msgpack.packb(content, use_bin_type=True)
-    batch_id = batch_id_for(idem_id, packed_content)
-    head = {"format": 1, "batch_id": batch_id, "idem": idem_id, "run": run, "accepted_at": time.time()}
     # Each group's claim-answer JSON, encoded once here: a claim splices it in without decoding the group.
-    head["groups_json"] = [_GROUP_JSON.dump_json(g) for g in batch.groups]
-    obj_bytes = _merge_packed_maps(head, content, packed_content)
+    groups_json = [_GROUP_JSON.dump_json(g) for g in batch.groups]
+    batch_id = batch_id_for(idem_id, _content_digest(batch, groups_json))
+    obj = {
+        "format": 2,
+        "batch_id": batch_id,
+        "idem": idem_id,
+        "run": run,
+        "accepted_at": time.time(),
+        "worker_id": batch.worker_id,
+        "lease_id": batch.lease_id,
+        "version": batch.version,
+        "prompt_ids": [g.prompt_id for g in batch.groups],
+        "groups_json": groups_json,
+    }
+    obj_bytes = msgpack.packb(obj, use_bin_type=True)
     await asyncio.to_thread(store.put_bytes, batch_key(run, batch_id), obj_bytes)
     answer = SubmitResponse(batch_id=batch_id, accepted_groups=n)
     res = await _ENQUEUE(
@@ -924,7 +948,7 @@ async def ensure_ready(r: Any, store: BucketStore, run: str, spec: RunSpec) -> d
     if q_ready and p_ready:
         return out
     loaded = await _load_settled_batches(store, run)
-    completed = {str(g.get("prompt_id")) for _, _, obj, _ in loaded for g in obj.get("groups", [])}
+    completed = {p for _, _, obj, _ in loaded for p in summarize(obj).prompt_ids}
     if not q_ready:
         out.update(await _requeue(r, run, k, loaded))
     if not p_ready:
@@ -977,20 +1001,21 @@ async def _requeue(
             pipe.xgroup_create(k.stream, GROUP, id="0", mkstream=True)
             entry_map: dict[str, str] = {}
             for _, b, obj, settled in loaded:
-                groups = obj.get("groups", [])
-                live = [g for g in range(len(groups)) if g not in settled]
+                summary = summarize(obj)
+                n_groups = len(summary.prompt_ids)
+                live = [g for g in range(n_groups) if g not in settled]
                 if not live:
                     continue
                 for g in live:
                     d, sid = f"{b}:{g}", f"{base_ms}-{seq}"
                     seq += 1
-                    pipe.xadd(k.stream, {"d": d, "v": int(obj["version"]), "w": str(obj.get("worker_id", ""))}, id=sid)
+                    pipe.xadd(k.stream, {"d": d, "v": summary.version, "w": summary.worker_id}, id=sid)
                     entry_map[d] = sid
                 pipe.hset(k.remaining, b, len(live))
                 if settled:
                     pipe.hset(k.settled, b, "".join(f"{g}," for g in sorted(settled)))
                 if obj.get("idem"):
-                    answer = SubmitResponse(batch_id=b, accepted_groups=len(groups))
+                    answer = SubmitResponse(batch_id=b, accepted_groups=n_groups)
                     pipe.set(k.idem(run, str(obj["idem"])), answer.model_dump_json(), ex=IDEMPOTENCY_TTL_S)
                 pipe.hincrby(k.counters, "accepted_total", len(live))
                 out["batches"] += 1

@@ -116,15 +116,20 @@ class Submitter:
     def start(self) -> None:
         self._thread.start()
 
-    def put(self, batch: GeneratedBatch, stop: threading.Event, grace_s: float) -> bool:
-        """Queue a batch, waiting while the queue is full. Once ``stop`` is set the wait is bounded by
-        ``grace_s``; a batch that still does not fit is released (False)."""
+    def put(
+        self, batch: GeneratedBatch, stop: threading.Event, grace_s: float, idle: Callable[[], None] | None = None
+    ) -> bool:
+        """Queue a batch, waiting while the queue is full (calling ``idle`` every few tens of ms meanwhile).
+        Once ``stop`` is set the wait is bounded by ``grace_s``; a batch that still does not fit is released
+        (False)."""
         stopped_at: float | None = None
         while not self.abandon.is_set():
             try:
-                self.queue.put(batch, timeout=0.2)
+                self.queue.put(batch, timeout=0.2 if idle is None else 0.02)
                 return True
             except queue.Full:
+                if idle is not None:
+                    idle()
                 if stop.is_set():
                     stopped_at = stopped_at or time.monotonic()
                     if time.monotonic() - stopped_at > grace_s:

@@ -6,7 +6,10 @@ Threads (the engine is only ever touched by the main thread):
 
 - main ("engine"): load the newest fetched adapter under ``{run}-v{N}``; lease prompts (429 -> wait
   Retry-After); sample G completions per prompt in ONE engine request each (``n=G``), several prompts
-  per call; hand the batch to the submitter; retire versions nobody uses any more.
+  per call; hand the batch to the submitter; retire versions nobody uses any more. It never blocks
+  without loading what the sync thread fetched: during sampling the engine calls back between steps, and
+  every wait (a prompt lease held back by admission control, a full submit queue) polls for versions, so
+  weight sync does not wait for the pipeline's pacing.
 - ``adapter-sync``: long-polls ``/adapters/latest?after=N``; for a new version: lease it, download,
   verify sha256, unpack; the main thread loads it (on vLLM while the previous batch is still sampling).
 - ``submitter`` (:mod:`bucketrl.generator.submit`): score, submit with an idempotency key, settle.
@@ -42,6 +45,9 @@ from bucketrl.rewards import RewardPool
 from bucketrl.wire import MetricsPush, PromptLeaseItem, RunSpec
 
 log = logging.getLogger(__name__)
+
+# While the main thread waits (a prompt lease, a full submit queue), it loads fetched versions this often (s).
+IDLE_POLL_S = 0.02
 
 
 class GeneratorWorker:
@@ -210,10 +216,19 @@ class GeneratorWorker:
         if self._prefetch is not None:
             future, _ = self._prefetch
             self._prefetch = None
-            got = future.result()
+            got = self._await(future)
             if got:
                 return got
-        return self._lease_prompts(min(n, self.settings.prompts_per_request))
+        # Through the leaser thread too: a 429's Retry-After wait must not hold up adapter loads here.
+        return self._await(self._leaser.submit(self._lease_prompts, min(n, self.settings.prompts_per_request)))
+
+    def _await(self, future: Future[list[PromptLeaseItem]]) -> list[PromptLeaseItem]:
+        """``future.result()``, loading fetched adapter versions while it is not done."""
+        while True:
+            try:
+                return future.result(timeout=IDLE_POLL_S)
+            except TimeoutError:
+                self._load_pending()
 
     def _lease_prompts(self, n: int) -> list[PromptLeaseItem]:
         assert self.submitter is not None
@@ -278,7 +293,7 @@ class GeneratorWorker:
             self.stop_event.wait(1.0)
             return
         self.metrics.generated(sum(len(smp.token_ids) for g in batch.samples for smp in g))
-        self.submitter.put(batch, self.stop_event, self.settings.shutdown_timeout_s)
+        self.submitter.put(batch, self.stop_event, self.settings.shutdown_timeout_s, idle=self._load_pending)
 
     # -- adapter versions -----------------------------------------------------------------------------
 

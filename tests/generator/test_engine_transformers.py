@@ -48,16 +48,29 @@ class TestTransformersEngine(EngineBehaviour):
         groups = engine.generate(PROMPTS, adapter="t-v2", n=2, sampling=sampling)
         assert max_logprob_gap(model_dir, adapters[2], groups, sampling) < 1e-3
 
-    def test_while_running_runs_once(self, engine: Any) -> None:
-        calls: list[int] = []
-        engine.generate(
-            PROMPTS[:1],
-            adapter="t-v1",
-            n=2,
-            sampling=SamplingSpec(max_new_tokens=4),
-            while_running=lambda: calls.append(1),
-        )
-        assert calls == [1]
+    def test_a_version_loads_between_decode_steps_without_touching_the_running_call(
+        self, engine: Any, adapters: dict[int, Path], model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from bucketrl.generator.engines import transformers_engine
+
+        monkeypatch.setattr(transformers_engine, "POLL_S", 0.0)  # hand over between every pair of steps
+        sampling = SamplingSpec(temperature=1.0, max_new_tokens=12)
+        calls: list[list[str]] = []
+
+        def hook() -> None:
+            calls.append(sorted(engine.loaded_adapters()))
+            if len(calls) == 2:  # the first call is before sampling; this one is between decode steps
+                engine.load_adapter("t-v3", 3, adapters[3])
+                engine._model.set_adapter("t-v3")  # even a hook that switches adapters cannot leak into the call
+
+        try:
+            groups = engine.generate(PROMPTS, adapter="t-v1", n=2, sampling=sampling, while_running=hook)
+            assert len(calls) > 2 and calls[1] == ["t-v1", "t-v2"] and "t-v3" in calls[-1]
+            assert max_logprob_gap(model_dir, adapters[1], groups, sampling) < 1e-3  # v1's weights throughout
+            newer = engine.generate(PROMPTS, adapter="t-v3", n=2, sampling=sampling)
+            assert max_logprob_gap(model_dir, adapters[3], newer, sampling) < 1e-3
+        finally:
+            engine.unload_adapter("t-v3")
 
 
 def test_unloading_every_adapter_then_loading_again(model_dir: Path, adapters: dict[int, Path]) -> None:

@@ -80,7 +80,9 @@ class Engine(Protocol):
 
         ``while_running`` is called once the requests are queued: vLLM samples them meanwhile (its engine core
         runs in another process), so the worker loads the next adapter version there without pausing the
-        current one; the transformers engine calls it just before sampling.
+        current one; the transformers engine calls it before sampling and then between decode steps (at most
+        every ``POLL_S``), keeping the call's own adapter active. Either way every completion of the call is
+        sampled from ``adapter``.
         """
         ...
 

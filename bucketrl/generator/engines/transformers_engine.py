@@ -7,12 +7,19 @@ by :func:`bucketrl.logprobs.sampled_token_logprobs` from the very logits it was 
 One ``generate`` call prefills each distinct prompt once, then repeats its KV cache G times
 (``DynamicCache.batch_repeat_interleave``), so a group shares its prefix by construction, as with
 vLLM's ``n=G``. Finished rows leave the batch so the decode cost follows the live sequences.
+
+Weight sync while sampling: ``generate`` calls its ``while_running`` hook before the first step and then
+between decode steps at most every ``POLL_S``, so a version published during a long call is loaded within
+about one poll (the worker's hook loads the newest fetched adapter) instead of after the call. Loading an
+adapter leaves the active one alone (peft), and the call re-activates its own adapter if a hook changed it:
+every token of a call is sampled from the adapter the call was made with.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +32,9 @@ if TYPE_CHECKING:
     from bucketrl.wire import RunSpec, SamplingSpec
 
 log = logging.getLogger(__name__)
+
+# How often (s) a running generate call hands control to its while_running hook between decode steps.
+POLL_S = 0.05
 
 
 class TransformersEngine:
@@ -105,14 +115,35 @@ class TransformersEngine:
         if adapter not in self._adapters:
             raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._adapters)})")
         if while_running is not None:
-            while_running()  # nothing runs concurrently here; keep the contract's order
+            while_running()
         if not prompts:
             return []
         self._model.set_adapter(adapter)
+        poll = self._poller(adapter, while_running) if while_running is not None else None
         with self._torch.inference_mode():
-            return self._sample(prompts, n, sampling)
+            return self._sample(prompts, n, sampling, poll)
 
-    def _sample(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[Sample]]:
+    def _poller(self, adapter: str, hook: Callable[[], None]) -> Callable[[], None]:
+        """Calls ``hook`` at most every POLL_S; keeps ``adapter`` active across it."""
+        due = [time.monotonic() + POLL_S]
+
+        def poll() -> None:
+            now = time.monotonic()
+            if now < due[0]:
+                return
+            # Outside inference mode: an adapter loaded here must not be made of inference tensors (peft
+            # sets requires_grad on adapter weights when it switches adapters later).
+            with self._torch.inference_mode(False):
+                hook()
+                if self._model.active_adapter != adapter:
+                    self._model.set_adapter(adapter)
+            due[0] = time.monotonic() + POLL_S
+
+        return poll
+
+    def _sample(
+        self, prompts: list[list[int]], n: int, sampling: SamplingSpec, poll: Callable[[], None] | None = None
+    ) -> list[list[Sample]]:
         torch = self._torch
         from bucketrl.logprobs import process_logits, sampled_token_logprobs
 
@@ -157,6 +188,8 @@ class TransformersEngine:
             keep = ~done
             if step + 1 == max_new or not bool(keep.any()):
                 break
+            if poll is not None:
+                poll()
             if not bool(keep.all()):
                 idx = keep.nonzero().squeeze(-1)
                 cache.batch_select_indices(idx)

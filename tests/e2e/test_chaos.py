@@ -36,7 +36,7 @@ from tests.e2e.helpers import (
 
 pytestmark = pytest.mark.slow
 
-STEPS = 50
+STEPS = 80  # the run must outlast four faults and the waits between them (steps take ~0.1 s here)
 GAP = 4  # steps the run must make between two faults (each fault hits a run that is moving)
 LEASE_TTL_S = 6.0
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/proxy_load.py                      # 32 clients, 15 s, prints JSON
     .venv/bin/python bench/proxy_load.py --clients 64 --duration 30 --out /tmp/load.json
+    .venv/bin/python bench/proxy_load.py --rate 1000              # 32 clients paced at 1,000 req/s in all
 
 What it starts (and stops, by pid): a real ``redis-server`` (AOF on, ``appendfsync everysec`` as a production
 Redis would run) and ``bucketrl proxy`` (uvicorn, one process) on free loopback ports, with a ``file://`` bucket
@@ -31,9 +32,14 @@ Output (stdout, and ``--out``): {"config", "total": {"requests", "rps", "non_2xx
 on the same machine and takes CPU from the proxy, so the figures are a lower bound for the proxy itself;
 ``cpu_ms_per_request`` (CPU seconds of each process over the measured window / requests) depends far less on
 what else the machine runs than req/s does: ``1000 / proxy`` is about the rate one proxy process could serve
-on a free core. Each client sends its next request when the answer arrives (a closed loop), so the mean
-latency is ``clients / rps`` (Little's law, ``total.mean_latency_ms``): at 32 clients a p99 under 50 ms needs
-well over 640 req/s.
+on a free core.
+
+Two load shapes. By default each client sends its next request when the answer arrives (a closed loop): the
+proxy runs flat out, req/s is its capacity, and the mean latency is ``clients / rps`` (Little's law) however
+the proxy spends its time, so at saturation latency only moves between routes. ``--rate R`` offers R req/s in
+all (each client on a fixed schedule after the warm-up, latency counted from each request's due time, as wrk2
+does, so falling behind shows): the latency a deployment sees while serving R req/s. The issue's "1,000 req/s
+with p99 < 50 ms at 32 clients" is ``--rate 1000``; the closed loop says how far above that the capacity is.
 
 Profiling: ``--profile-proxy FILE`` runs the proxy under cProfile (distorts async code); ``--py-spy FILE``
 samples the running proxy with py-spy (``pip install py-spy``) over the measured window, as collapsed stacks
@@ -217,17 +223,50 @@ class BatchPacker:
 
 
 # -- measuring -----------------------------------------------------------------------------------------------
+class Pacer:
+    """One client's request schedule at a fixed rate (``--rate``): request k is due at ``start + k * interval``.
+
+    The client waits for each due time when ahead and never skips one when behind, and a request's latency
+    is counted from its due time, not from when it could finally be sent (wrk2's correction for coordinated
+    omission): a proxy that falls behind the offered rate shows it as growing latency. The schedule starts at
+    ``start`` (the measured window's); before it the client runs unpaced, as in the closed loop, so the
+    warm-up's first-touch costs do not leave a backlog that the window would then measure."""
+
+    def __init__(self, interval_s: float, start: float) -> None:
+        self.interval_s = interval_s
+        self.start = start
+        self.due = start
+
+    async def next_due(self) -> float | None:
+        if time.perf_counter() < self.start:
+            return None
+        due, self.due = self.due, self.due + self.interval_s
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return due
+
+
 @dataclass
 class Stats:
     recording: bool = False
+    # Paced runs record by due time: every request due inside [start, end) counts, however late it finished.
+    window: tuple[float, float] | None = None
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     statuses: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
 
-    async def call(self, conn: RawHttp, route: str, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
-        t0 = time.perf_counter()
+    async def call(
+        self, conn: RawHttp, route: str, head: bytes, body: bytes = b"", pacer: Pacer | None = None
+    ) -> tuple[int, bytes]:
+        due = await pacer.next_due() if pacer is not None else None
+        t0 = time.perf_counter() if due is None else due
         status, answer = await conn.request(head, body)
         dt = time.perf_counter() - t0
-        if self.recording:
+        if self.window is not None and due is not None:
+            record = self.window[0] <= due < self.window[1]
+        else:
+            record = self.recording
+        if record:
             self.latencies[route].append(dt)
             self.statuses[route][status] += 1
         return status, answer
@@ -315,7 +354,9 @@ def request_head(method: str, path: str, headers: dict[str, str]) -> bytes:
 DELIVERY_ID = re.compile(rb'"delivery_id":"([^"]+)"')
 
 
-async def client_loop(i: int, port: int, epoch: int, stats: Stats, stop_at: list[float], packer: BatchPacker) -> None:
+async def client_loop(
+    i: int, port: int, epoch: int, stats: Stats, stop_at: list[float], packer: BatchPacker, pacer: Pacer | None = None
+) -> None:
     worker = f"gen-{i}"
     run = f"/v1/runs/{RUN}"
     gen, trn = auth("generator"), auth("trainer", epoch)
@@ -332,24 +373,26 @@ async def client_loop(i: int, port: int, epoch: int, stats: Stats, stop_at: list
     conn = await RawHttp.connect(port)
     try:
         while time.perf_counter() < stop_at[0]:
-            status, answer = await stats.call(conn, "POST leases", lease_head, lease_body)
+            status, answer = await stats.call(conn, "POST leases", lease_head, lease_body, pacer=pacer)
             if status != 200:
                 raise RuntimeError(f"POST leases -> {status}: {answer[:500]!r}")
             lease = json.loads(answer)
             lease_id, version = lease["lease_id"], lease["version"]
-            status, answer = await stats.call(conn, "POST prompts/lease", prompts_head, prompts_body)
+            status, answer = await stats.call(conn, "POST prompts/lease", prompts_head, prompts_body, pacer=pacer)
             items = json.loads(answer)["prompts"] if status == 200 else []
             if items:
                 item = items[0]
                 body = packer.pack(worker, lease_id, version, item["prompt_id"], item["index"])
                 head = submit_prefix + b"Idempotency-Key: %s\r\n" % uuid.uuid4().hex.encode()
-                await stats.call(conn, "POST rollouts", head, body)
-            await stats.call(conn, "DELETE leases/{id}", request_head("DELETE", f"{run}/leases/{lease_id}", gen))
-            status, answer = await stats.call(conn, "POST rollouts/claim", claim_head, claim_body)
+                await stats.call(conn, "POST rollouts", head, body, pacer=pacer)
+            release_head = request_head("DELETE", f"{run}/leases/{lease_id}", gen)
+            await stats.call(conn, "DELETE leases/{id}", release_head, pacer=pacer)
+            status, answer = await stats.call(conn, "POST rollouts/claim", claim_head, claim_body, pacer=pacer)
             # Only the ids are needed here: parsing 8x256 numbers is the trainer's CPU, not the proxy's.
             ids = [m.decode() for m in DELIVERY_ID.findall(answer)] if status == 200 else []
             if ids:
-                await stats.call(conn, "POST rollouts/ack", ack_head, json.dumps({"delivery_ids": ids}).encode())
+                ack_body = json.dumps({"delivery_ids": ids}).encode()
+                await stats.call(conn, "POST rollouts/ack", ack_head, ack_body, pacer=pacer)
     finally:
         conn.close()
 
@@ -431,8 +474,18 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
     epoch = await setup_run(base)
     stats = Stats()
     packer = BatchPacker(args.group_size, args.tokens, seed=0)
-    stop_at = [time.perf_counter() + args.warmup + args.duration]
-    tasks = [asyncio.create_task(client_loop(i, port, epoch, stats, stop_at, packer)) for i in range(args.clients)]
+    begin = time.perf_counter()
+    stop_at = [begin + args.warmup + args.duration]
+    pacers: list[Pacer | None] = [None] * args.clients
+    if args.rate:
+        # Each client sends 1/clients of the rate, the clients' schedules staggered across one interval.
+        interval = args.clients / args.rate
+        start = begin + args.warmup
+        pacers = [Pacer(interval, start + interval * i / args.clients) for i in range(args.clients)]
+        stats.window = (begin + args.warmup, begin + args.warmup + args.duration)
+    tasks = [
+        asyncio.create_task(client_loop(i, port, epoch, stats, stop_at, packer, pacers[i])) for i in range(args.clients)
+    ]
     await asyncio.sleep(args.warmup)
     stats.recording = True
     spy = start_py_spy(pids["proxy"], args.py_spy, args.duration) if args.py_spy else None
@@ -466,12 +519,13 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
             "group": f"{args.group_size}x{args.tokens} tokens",
             "cpus": os.cpu_count(),
             "proxy_processes": args.proxy_workers,
+            "load": f"paced at {args.rate:g} req/s" if args.rate else "closed loop (as fast as answers come)",
         },
         "total": {
             "requests": total,
             "rps": round(rps, 1),
             "non_2xx": non_2xx,
-            "mean_latency_ms": round(1000 * args.clients / rps, 1) if rps else None,
+            "mean_latency_ms": round(1000 * sum(map(sum, stats.latencies.values())) / max(total, 1), 1),
         },
         # CPU per request of each process: what the machine's load does not change (a 1-core proxy caps at 1000/ms).
         "cpu_ms_per_request": {name: round(1000 * sec / max(total, 1), 3) for name, sec in cpu.items()},
@@ -499,6 +553,12 @@ def main() -> None:
     parser.add_argument("--profile-proxy", type=Path, help="run the proxy under cProfile, stats to this file")
     parser.add_argument("--py-spy", type=Path, help="sample the proxy with py-spy over the measured window (raw)")
     parser.add_argument("--proxy-workers", type=int, default=1, help="proxy processes (1 = the target's figure)")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        help="offer this many requests/s in all (each client paced, latency from each request's due time) "
+        "instead of the closed loop's as-fast-as-possible",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bucketrl-bench-") as tmp:

@@ -8,8 +8,10 @@ Lifespan, in order:
 2. The version notifier: one pub/sub subscription fanning announcements out to long-polls.
 3. Rebuild from the bucket when Redis lost its runs (``rebuild_on_start``; see ``rebuild.py``). If Redis
    is down at start the proxy still starts (``/readyz`` says 503) and the maintenance loop retries.
-4. The maintenance loop (``gc.py``): every ``gc_interval_s`` expire leases, collect old versions, and
-   rebuild again if Redis was wiped while the proxy ran.
+4. The maintenance loop (``gc.py``): every ``gc_interval_s`` expire leases, collect old versions, sweep
+   settled rollout objects a cleaner left, and rebuild again if Redis was wiped while the proxy ran.
+5. The batch cleaner (``state/cleanup.py``): settles rollout objects after acks and claims, off the
+   request path; drained at shutdown.
 
 Nothing is created at import time, so several apps can live in one process (tests do that).
 """
@@ -110,7 +112,10 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from bucketrl.proxy.state.cleanup import BatchCleaner
+
         ctx = await _build_context(settings, auth, telemetry)
+        ctx.cleaner = BatchCleaner(ctx.redis, ctx.store)
         app.state.ctx = ctx
         ctx.notifier = VersionNotifier.from_url(settings.redis_url, settings.redis_timeout_s)
         ctx.notifier.start()
@@ -133,6 +138,8 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
                 await asyncio.wait_for(maintenance, 10.0)  # let a pass in progress finish its deletions
             except (asyncio.CancelledError, Exception):
                 maintenance.cancel()
+            # What the cleaner has not finished stays in queue:doomed for the next sweep (any replica).
+            await ctx.cleaner.drain(10.0)
             await ctx.notifier.stop()
             await ctx.redis.aclose()
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from bucketrl.proxy.auth import TokenAuth
     from bucketrl.proxy.notify import VersionNotifier
     from bucketrl.proxy.settings import ProxySettings
+    from bucketrl.proxy.state.cleanup import BatchCleaner
     from bucketrl.proxy.telemetry import Telemetry
     from bucketrl.storage.base import BucketStore
 
@@ -31,6 +32,8 @@ class ProxyContext:
     auth: TokenAuth
     # Fans Redis pub/sub version announcements out to waiting long-polls (one subscription per app).
     notifier: VersionNotifier | None = None
+    # Deletes settled rollout batch objects off the request path (``state/cleanup.py``); set by the lifespan.
+    cleaner: BatchCleaner | None = None
     # Serialises rebuilds inside this app (several requests may notice a wiped Redis at once).
     rebuild_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Extra per-app objects other areas hang on the context (e.g. P3's queue helpers), by name.

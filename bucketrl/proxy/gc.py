@@ -5,7 +5,9 @@ Every ``gc_interval_s`` (``BUCKETRL_GC_INTERVAL_S``), for each run:
    version older than ``latest − max_staleness`` that no live lease holds;
 2. the files of every version marked ``deleting`` (this pass's and any a crashed replica left) are
    deleted from the bucket, manifest first;
-3. the version becomes ``gone`` (GET answers 410) and ``gc_versions`` counts it.
+3. the version becomes ``gone`` (GET answers 410) and ``gc_versions`` counts it;
+4. rollout batch objects whose groups are all settled but that a batch cleaner left (a proxy that died,
+   a bucket that was down) are deleted (``state/cleanup.sweep``).
 Several replicas may run this loop at once: marking is atomic, deleting is idempotent.
 
 Run one pass by hand: ``await gc.collect_run(ctx, run, spec)`` (tests do).
@@ -22,7 +24,7 @@ from redis import exceptions as redis_exc
 
 from bucketrl import errors
 from bucketrl.proxy import keys
-from bucketrl.proxy.state import leases, runs
+from bucketrl.proxy.state import cleanup, leases, runs
 from bucketrl.proxy.state.versions import GONE, adapter_prefix
 from bucketrl.storage import dirs
 from bucketrl.wire import RunSpec
@@ -54,6 +56,7 @@ async def collect_all(ctx: Any) -> dict[str, list[int]]:
         spec = await runs.get_spec(ctx.redis, run)
         if spec is not None:
             out[run] = await collect_run(ctx, run, spec)
+            await cleanup.sweep(ctx.redis, ctx.store, run, spec)
     return out
 
 

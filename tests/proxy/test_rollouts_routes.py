@@ -278,6 +278,8 @@ def test_rebuild_after_redis_wipe_requeues_unacked(proxy: ProxyHarness, redis_se
     s.g.submit_rollouts(s.batch(2), "b")
     got = s.t.claim("trainer-0", max_groups=3)
     s.t.ack([d.delivery_id for d in got.deliveries[:2]])  # batch a acked; b:0 pending, b:1 queued
+    # The ack answered after Redis settled batch a; its object leaves the bucket right after (the cleaner).
+    assert proxy.call(lambda ctx: ctx.cleaner.drain(10.0))
     redis_server.wipe()
     redis_server.start()
     # (the first call may hit a pooled connection to the dead Redis; the maintenance loop retries the same way)

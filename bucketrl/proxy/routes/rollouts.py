@@ -131,6 +131,7 @@ async def claim(
         wait_s=min(req.wait_s, ctx.settings.max_wait_s),
         redelivery_timeout_s=ctx.settings.redelivery_timeout_s,
         min_version=req.min_version,
+        cleaner=ctx.cleaner,
     )
     if out.dropped:
         ctx.telemetry.stale_drops.labels(run=ref.run).inc(out.dropped)
@@ -163,7 +164,15 @@ async def ack(
         runs.check_epoch(run, epoch, current)
     # The ack script fences the epoch atomically; the spec is needed only to restore a wiped queue or to
     # persist prompts, so it is looked up only then (one round trip less per ack).
-    n = await queue.ack(ctx.redis, ctx.store, run, _spec_loader(ctx, run), epoch=epoch, delivery_ids=req.delivery_ids)
+    n = await queue.ack(
+        ctx.redis,
+        ctx.store,
+        run,
+        _spec_loader(ctx, run),
+        epoch=epoch,
+        delivery_ids=req.delivery_ids,
+        cleaner=ctx.cleaner,
+    )
     return AckResponse(acked=n)
 
 

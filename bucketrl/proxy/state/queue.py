@@ -23,10 +23,12 @@ Life of a group
    When a new trainer epoch registers, every pending delivery becomes re-claimable at once
    (their idle time is pushed past the timeout; ``on_trainer_registered`` and the first claim of an epoch).
 3. ``ack`` (trainer, epoch-fenced, idempotent): ``XACK`` + ``XDEL``; ``acked_total`` counts first acks only.
-   When every group of a batch is acked or dropped, the prompt snapshot is persisted (see
-   ``state/prompts.py``; skipped when the newest snapshot was taken after the batch's enqueue, so it
-   already shows the batch's prompts completed) and the batch object deleted, so a rebuild cannot enqueue
-   it again; a partly settled batch gets a ``{batch_id}.done`` marker listing its settled groups.
+   When every group of a batch is acked or dropped, the script records it in ``queue:doomed``; then the
+   prompt snapshot is persisted (see ``state/prompts.py``; skipped when the newest snapshot was taken after
+   the batch's enqueue, so it already shows the batch's prompts completed) and the batch object deleted, so
+   a rebuild cannot enqueue it again; a partly settled batch gets a ``{batch_id}.done`` marker listing its
+   settled groups. The proxy's routes leave that bucket work to a background cleaner and answer after the
+   script (``state/cleanup.py``).
 
 Accounting (invariant 4), all in the run's ``counters`` hash and updated inside the same scripts::
 
@@ -48,7 +50,7 @@ Redis keys (``brl:{run}:`` prefix): ``queue:stream`` (+ group ``trainer``), ``qu
 stream id), ``queue:attempts`` (delivery id -> deliveries so far), ``queue:remaining`` (batch -> unsettled
 groups), ``queue:settled`` (batch -> "g,g," settled so far), ``queue:seq`` (batch -> the prompt state's
 ``seq`` right after its enqueue: the snapshot that must exist before its object is deleted), ``queue:meta``
-(epoch seen by the queue),
+(epoch seen by the queue), ``queue:doomed`` (finished batch -> that seq, until its object is deleted),
 ``idem:{hash of worker_id, key}`` (JSON SubmitResponse, TTL ``IDEMPOTENCY_TTL_S``), ``counters``.
 
 Status helpers for ``GET /status`` (P2's route calls them): :func:`queue_status`,
@@ -76,7 +78,7 @@ from redis import exceptions as redis_exc
 
 from bucketrl import errors
 from bucketrl.proxy import keys
-from bucketrl.proxy.state import prompts, runs
+from bucketrl.proxy.state import cleanup, prompts, runs
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.storage.base import BucketStore
 from bucketrl.wire import ClaimResponse, Delivery, QueueStatus, RolloutBatch, RolloutGroup, RunSpec, SubmitResponse
@@ -120,6 +122,7 @@ class QueueKeys:
     settled: str
     meta: str
     bseq: str
+    doomed: str
     p: prompts.PromptKeys = field(repr=False)
 
     @classmethod
@@ -135,6 +138,7 @@ class QueueKeys:
             settled=k(run, "queue:settled"),
             meta=k(run, "queue:meta"),
             bseq=k(run, "queue:seq"),
+            doomed=cleanup.doomed_key(run),
             p=prompts.PromptKeys.of(run),
         )
 
@@ -142,12 +146,8 @@ class QueueKeys:
         return keys.run_key(run, f"{keys.IDEMPOTENCY}:{idem_id}")
 
 
-def batch_key(run: str, batch_id: str) -> str:
-    return f"runs/{run}/rollouts/{batch_id}"
-
-
-def marker_key(run: str, batch_id: str) -> str:
-    return f"runs/{run}/rollouts/{batch_id}.done"
+batch_key = cleanup.batch_key
+marker_key = cleanup.marker_key
 
 
 def idempotency_id(worker_id: str, idempotency_key: str) -> str:
@@ -233,11 +233,12 @@ end
 -- the largest seq recorded right after their enqueue (a snapshot at least that new shows their prompts completed),
 -- or the current seq for a batch without a record (re-enqueued by a rebuild). 0 when the newest snapshot
 -- already reaches it: most acks then persist nothing (one snapshot covers every batch enqueued before it).
-local function persist_need(bseq, p_meta, finished)
+local function persist_need(bseq, p_meta, finished, doomed)
   local need = 0
   for _, b in ipairs(finished) do
     local s = tonumber(redis.call('HGET', bseq, b) or redis.call('HGET', p_meta, 'seq') or '0')
     redis.call('HDEL', bseq, b)
+    redis.call('HSET', doomed, b, s)
     if s > need then need = s end
   end
   if need == 0 or tonumber(redis.call('HGET', p_meta, 'persisted_seq') or '0') >= need then return 0 end
@@ -327,7 +328,7 @@ return {'ok', completed, repeated}
 _CLAIM = Lua(
     _COMMON
     + """
--- KEYS: stream state counters entry remaining attempts settled meta p_meta bseq
+-- KEYS: stream state counters entry remaining attempts settled meta p_meta bseq doomed
 -- ARGV: group consumer n epoch idle_ms max_staleness min_version
 local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
 local n, epoch, idle_ms, ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -384,14 +385,14 @@ for _ = 1, 100000 do
 end
 if dropped > 0 then redis.call('HINCRBY', KEYS[3], 'dropped_stale_total', dropped) end
 return {'ok', dropped, last_id(stream), out, finished, partial_list(KEYS[7], touched),
-        persist_need(KEYS[10], KEYS[9], finished)}
+        persist_need(KEYS[10], KEYS[9], finished, KEYS[11])}
 """
 )
 
 _ACK = Lua(
     _COMMON
     + """
--- KEYS: stream state counters entry remaining attempts settled p_meta queue_meta bseq
+-- KEYS: stream state counters entry remaining attempts settled p_meta queue_meta bseq doomed
 -- ARGV: group epoch counter delivery_id...   (epoch 0 = unfenced internal use)
 if redis.call('HEXISTS', KEYS[9], 'ready') == 0 then return {'notready'} end
 local stream, group, epoch = KEYS[1], ARGV[1], tonumber(ARGV[2])
@@ -413,7 +414,7 @@ for i = 4, #ARGV do
   end
 end
 if n > 0 then redis.call('HINCRBY', KEYS[3], ARGV[3], n) end
-return {'ok', n, persist_need(KEYS[10], KEYS[8], finished), finished, partial_list(KEYS[7], touched)}
+return {'ok', n, persist_need(KEYS[10], KEYS[8], finished, KEYS[11]), finished, partial_list(KEYS[7], touched)}
 """
 )
 
@@ -703,11 +704,14 @@ async def claim(
     wait_s: float,
     redelivery_timeout_s: float,
     min_version: int | None = None,
+    cleaner: cleanup.BatchCleaner | None = None,
 ) -> ClaimOutcome:
     """Up to ``max_groups`` deliveries; waits up to ``wait_s`` for the first one (long-poll).
 
     A group older than ``latest - max_staleness`` or than ``min_version`` (the trainer's own floor: the version
     its policy will have when it trains on this claim, minus max_staleness) is dropped and counted.
+    ``cleaner``: settle the bucket objects of batches this finishes in the background (the proxy's routes);
+    without one they are settled before this returns.
     """
     k = QueueKeys.of(run)
     deadline = time.monotonic() + wait_s
@@ -716,7 +720,10 @@ async def claim(
     while True:
         res = await _CLAIM(
             r,
-            [k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled, k.meta, k.p.meta, k.bseq],
+            [
+                *(k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled),
+                *(k.meta, k.p.meta, k.bseq, k.doomed),
+            ],
             [GROUP, consumer, max_groups, epoch, idle_ms, spec.max_staleness, min_version or 0],
         )
         if _s(res[0]) == "notready":
@@ -726,9 +733,9 @@ async def claim(
             raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
         dropped, last, entries = int(res[1]), _s(res[2]), res[3]
         total.dropped += dropped
-        await _settle_objects(r, store, run, spec, [_s(b) for b in res[4]], res[5], persist_seq=int(res[6]))
+        await _settle_objects(r, store, run, spec, res[4], res[5], int(res[6]), cleaner)
         if entries:
-            got = await _deliveries(r, store, run, spec, entries, idle_ms)
+            got = await _deliveries(r, store, run, spec, entries, idle_ms, cleaner)
             total.claimed.extend(got.claimed)
             total.lost += got.lost
             if total.claimed:
@@ -748,7 +755,13 @@ def _slice_s(r: Any) -> float:
 
 
 async def _deliveries(
-    r: Any, store: BucketStore, run: str, spec: RunSpec, entries: list[Any], idle_ms: int
+    r: Any,
+    store: BucketStore,
+    run: str,
+    spec: RunSpec,
+    entries: list[Any],
+    idle_ms: int,
+    cleaner: cleanup.BatchCleaner | None = None,
 ) -> ClaimOutcome:
     """Turn claimed stream entries into deliveries by reading their batch objects from the bucket."""
     parsed = [(_s(e[0]), _s(e[1]), int(e[2]), _s(e[3]), int(e[4])) for e in entries]
@@ -777,7 +790,7 @@ async def _deliveries(
             len(lost),
             lost[:5],
         )
-        out.lost = await _settle(r, store, run, spec, lost, epoch=0, counter="lost_total")
+        out.lost = await _settle(r, store, run, spec, lost, epoch=0, counter="lost_total", cleaner=cleaner)
     return out
 
 
@@ -826,26 +839,45 @@ def validate_delivery_ids(ids: list[str]) -> None:
 
 
 async def ack(
-    r: Any, store: BucketStore, run: str, spec: RunSpec | SpecLoader, *, epoch: int, delivery_ids: list[str]
+    r: Any,
+    store: BucketStore,
+    run: str,
+    spec: RunSpec | SpecLoader,
+    *,
+    epoch: int,
+    delivery_ids: list[str],
+    cleaner: cleanup.BatchCleaner | None = None,
 ) -> int:
     """Acknowledge deliveries (trained). Idempotent: returns how many were acked by THIS call.
 
     The script fences ``epoch`` itself; ``spec`` (or a :data:`SpecLoader`) is needed only to restore a
-    wiped queue or to persist prompts, so a loader is called only then."""
+    wiped queue or to persist prompts, so a loader is called only then. ``cleaner``: as for :func:`claim`."""
     validate_delivery_ids(delivery_ids)
     if not delivery_ids:
         return 0
-    return await _settle(r, store, run, spec, list(dict.fromkeys(delivery_ids)), epoch=epoch, counter="acked_total")
+    ids = list(dict.fromkeys(delivery_ids))
+    return await _settle(r, store, run, spec, ids, epoch=epoch, counter="acked_total", cleaner=cleaner)
 
 
 async def _settle(
-    r: Any, store: BucketStore, run: str, spec: RunSpec | SpecLoader, ids: list[str], *, epoch: int, counter: str
+    r: Any,
+    store: BucketStore,
+    run: str,
+    spec: RunSpec | SpecLoader,
+    ids: list[str],
+    *,
+    epoch: int,
+    counter: str,
+    cleaner: cleanup.BatchCleaner | None = None,
 ) -> int:
     k = QueueKeys.of(run)
     for _ in range(3):
         res = await _ACK(
             r,
-            [k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled, k.p.meta, k.meta, k.bseq],
+            [
+                *(k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled),
+                *(k.p.meta, k.meta, k.bseq, k.doomed),
+            ],
             [GROUP, epoch, counter, *ids],
         )
         if _s(res[0]) != "notready":
@@ -856,7 +888,7 @@ async def _settle(
         raise _not_ready(run)
     if _s(res[0]) == "fenced":
         raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
-    await _settle_objects(r, store, run, spec, [_s(b) for b in res[3]], res[4], persist_seq=int(res[2]))
+    await _settle_objects(r, store, run, spec, res[3], res[4], int(res[2]), cleaner)
     return int(res[1])
 
 
@@ -869,25 +901,17 @@ async def _settle_objects(
     store: BucketStore,
     run: str,
     spec: RunSpec | SpecLoader,
-    finished: list[str],
+    finished: list[Any],
     partial: list[Any],
     persist_seq: int,
+    cleaner: cleanup.BatchCleaner | None,
 ) -> None:
-    """Delete fully settled batch objects (after persisting prompts); mark partly settled ones.
-
-    ``persist_seq``: the prompt-state seq prompts.json must reach first (the scripts' ``persist_need``;
-    0 when the newest snapshot already reaches it)."""
-    if finished:
-        if persist_seq > 0:
-            # The batch object was the last record that its prompts completed: persist them first.
-            await prompts.persist(r, store, run, await _spec_of(spec), min_seq=persist_seq)
-        doomed = [key for b in finished for key in (batch_key(run, b), marker_key(run, b))]
-        await asyncio.to_thread(store.delete, doomed)
-    for i in range(0, len(partial), 2):
-        b, done = _s(partial[i]), _s(partial[i + 1])
-        indices = sorted({int(x) for x in done.split(",") if x})
-        body = json.dumps({"batch_id": b, "settled": indices}).encode()
-        await asyncio.to_thread(store.put_bytes, marker_key(run, b), body)
+    """The bucket side of a script's settles (``state/cleanup.py``): in the background with a cleaner."""
+    done, marks = [_s(b) for b in finished], cleanup.pairs(partial)
+    if cleaner is not None:
+        cleaner.submit(run, spec, done, marks, persist_seq)
+    else:
+        await cleanup.settle_objects(r, store, run, spec, done, marks, persist_seq)
 
 
 # -- trainer epochs, status, rebuild -------------------------------------------------------------------

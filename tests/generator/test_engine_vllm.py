@@ -50,18 +50,23 @@ def engine(model_dir: Path, adapters: dict[int, Path]) -> Iterator[Any]:
 
 class TestVLLMEngine(EngineBehaviour):
     def test_old_version_keeps_serving_while_a_newer_one_loads(
-        self, engine: Any, adapters: dict[int, Path], model_dir: Path
+        self, engine: Any, adapters: dict[int, Path], model_dir: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
+        from bucketrl.generator.engines import vllm_engine
+
+        monkeypatch.setattr(vllm_engine, "POLL_S", 0.0)  # hand over between every pair of engine steps
         sampling = SamplingSpec(temperature=1.0, max_new_tokens=24)
         loaded_during: list[list[str]] = []
 
         def load_v3() -> None:
             # Runs while the engine core is sampling t-v1's requests in its own process.
-            engine.load_adapter("t-v3", 3, adapters[3])
             loaded_during.append(sorted(engine.loaded_adapters()))
+            if len(loaded_during) == 2:  # between two engine steps, not only before the first
+                engine.load_adapter("t-v3", 3, adapters[3])
 
         old = engine.generate(PROMPTS, adapter="t-v1", n=G, sampling=sampling, while_running=load_v3)
-        assert loaded_during == [["t-v1", "t-v2", "t-v3"]]
+        assert len(loaded_during) > 2 and loaded_during[1] == ["t-v1", "t-v2"]
+        assert loaded_during[-1] == ["t-v1", "t-v2", "t-v3"]
         check_well_formed(old, len(PROMPTS), G, 24)
         assert max_logprob_gap(model_dir, adapters[1], old, sampling) < 1e-3  # v1's weights throughout
         new = engine.generate(PROMPTS, adapter="t-v3", n=G, sampling=sampling)

@@ -78,11 +78,10 @@ class Engine(Protocol):
     ) -> list[list[Sample]]:
         """Sample ``n`` completions for each prompt (one request with n=G per prompt); result[i] has n samples.
 
-        ``while_running`` is called once the requests are queued: vLLM samples them meanwhile (its engine core
-        runs in another process), so the worker loads the next adapter version there without pausing the
-        current one; the transformers engine calls it before sampling and then between decode steps (at most
-        every ``POLL_S``), keeping the call's own adapter active. Either way every completion of the call is
-        sampled from ``adapter``.
+        ``while_running`` is called once the requests are queued and then between steps, at most every
+        ``POLL_S``: vLLM samples meanwhile (its engine core runs in another process), the transformers engine
+        between its decode steps, so the worker loads the next adapter version without waiting for the call
+        to end. Every completion of the call is still sampled from ``adapter``.
         """
         ...
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from bucketrl.wire import RunSpec, SamplingSpec
 
 log = logging.getLogger(__name__)
+
+# How often (s) a running generate call hands control to its while_running hook between engine steps.
+POLL_S = 0.05
 
 
 def _model_max_len(model_path: str) -> int | None:
@@ -140,19 +144,37 @@ class VLLMEngine:
             max_tokens=max_tokens,
             logprobs=0,  # only the sampled token's logprob
         )
-        # enqueue + wait instead of generate(): the engine core samples in its own process while
-        # ``while_running`` (e.g. loading the next adapter) runs here.
+        # enqueue + step instead of generate(): the engine core samples in its own process while
+        # ``while_running`` (e.g. loading the next adapter) runs here, once queued and then between steps.
         ids = self._llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, lora_request=req, use_tqdm=False)
-        try:
-            if while_running is not None:
-                while_running()
-        finally:
-            outs = self._llm.wait_for_completion(use_tqdm=False)
+        outs = self._drain(while_running)
         by_id = {o.request_id: o for o in outs}
         ordered = [by_id[i] for i in ids] if all(i in by_id for i in ids) else outs
         if len(ordered) != len(prompts):
             raise errors.BucketRLError(f"vLLM returned {len(ordered)} outputs for {len(prompts)} prompts")
         return [[self._sample(c) for c in out.outputs] for out in ordered]
+
+    def _drain(self, hook: Callable[[], None] | None) -> list[Any]:
+        """Step the engine until the queued requests finish (what ``LLM.wait_for_completion`` does), calling
+        ``hook`` first and then at most every POLL_S between steps. A hook that raises stops being called;
+        the requests are still finished (the engine must be left empty), then the error propagates."""
+        engine = self._llm.llm_engine
+        outs: list[Any] = []
+        error: BaseException | None = None
+        due = time.monotonic()
+        while True:
+            if hook is not None and error is None and time.monotonic() >= due:
+                try:
+                    hook()
+                except BaseException as exc:  # re-raised once the engine is drained
+                    error = exc
+                due = time.monotonic() + POLL_S
+            if not engine.has_unfinished_requests():
+                break
+            outs.extend(o for o in engine.step() if o.finished)
+        if error is not None:
+            raise error
+        return outs
 
     @staticmethod
     def _sample(c: Any) -> Sample:

@@ -228,7 +228,7 @@ class GeneratorWorker:
             try:
                 return future.result(timeout=IDLE_POLL_S)
             except TimeoutError:
-                self._load_pending()
+                self._sync_versions()
 
     def _lease_prompts(self, n: int) -> list[PromptLeaseItem]:
         assert self.submitter is not None
@@ -285,7 +285,7 @@ class GeneratorWorker:
         )
         try:
             batch.samples = self.engine.generate(
-                ids, adapter=slot.name, n=spec.group_size, sampling=spec.sampling, while_running=self._load_pending
+                ids, adapter=slot.name, n=spec.group_size, sampling=spec.sampling, while_running=self._sync_versions
             )
         except Exception:
             log.exception("engine failed on %d prompts; releasing them", len(prompts))
@@ -293,9 +293,16 @@ class GeneratorWorker:
             self.stop_event.wait(1.0)
             return
         self.metrics.generated(sum(len(smp.token_ids) for g in batch.samples for smp in g))
-        self.submitter.put(batch, self.stop_event, self.settings.shutdown_timeout_s, idle=self._load_pending)
+        self.submitter.put(batch, self.stop_event, self.settings.shutdown_timeout_s, idle=self._sync_versions)
 
     # -- adapter versions -----------------------------------------------------------------------------
+
+    def _sync_versions(self) -> None:
+        """Between engine steps and during waits: load what the sync thread fetched, retire what left the
+        window (the version being sampled is in use, so it stays), so a long call or wait neither delays
+        weight sync nor piles up resident adapters."""
+        self._load_pending()
+        self._retire()
 
     def _load_pending(self) -> None:
         """Load the newest fetched version into the engine (older versions stay resident)."""

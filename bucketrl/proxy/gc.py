@@ -7,7 +7,8 @@ Every ``gc_interval_s`` (``BUCKETRL_GC_INTERVAL_S``), for each run:
    deleted from the bucket, manifest first;
 3. the version becomes ``gone`` (GET answers 410) and ``gc_versions`` counts it;
 4. rollout batch objects whose groups are all settled but that a batch cleaner left (a proxy that died,
-   a bucket that was down) are deleted (``state/cleanup.sweep``).
+   a bucket that was down) are deleted (``state/cleanup.sweep``);
+5. checkpoints older than the newest ``checkpoint_keep`` steps are deleted (``state/checkpoints.prune``).
 Several replicas may run this loop at once: marking is atomic, deleting is idempotent.
 
 Run one pass by hand: ``await gc.collect_run(ctx, run, spec)`` (tests do).
@@ -24,7 +25,7 @@ from redis import exceptions as redis_exc
 
 from bucketrl import errors
 from bucketrl.proxy import keys
-from bucketrl.proxy.state import cleanup, leases, runs
+from bucketrl.proxy.state import checkpoints, cleanup, leases, runs
 from bucketrl.proxy.state.versions import GONE, adapter_prefix
 from bucketrl.storage import dirs
 from bucketrl.wire import RunSpec
@@ -57,6 +58,10 @@ async def collect_all(ctx: Any) -> dict[str, list[int]]:
         if spec is not None:
             out[run] = await collect_run(ctx, run, spec)
             await cleanup.sweep(ctx.redis, ctx.store, run, spec)
+            keep = ctx.settings.checkpoint_keep
+            pruned = await checkpoints.prune(ctx, run, keep)
+            if pruned:
+                log.info("run %s: deleted checkpoints %s (keeping the newest %d)", run, pruned, keep)
     return out
 
 

@@ -24,6 +24,12 @@ class ProxySettings(BaseSettings):
         600.0, gt=0, description="Unacked deliveries are handed out again after this long."
     )
     gc_interval_s: float = Field(5.0, gt=0, description="How often the version garbage collector runs.")
+    checkpoint_keep: int = Field(
+        3,
+        ge=0,
+        description="Checkpoints kept per run, newest steps first; the maintenance loop deletes older ones "
+        "(0 keeps every checkpoint). The latest is never deleted.",
+    )
     worker_ttl_s: float = Field(120.0, gt=0, description="Workers silent this long leave the status.")
     rebuild_on_start: bool = Field(
         True, description="Rebuild runs, versions and checkpoints from bucket manifests if Redis lost them."

@@ -11,7 +11,8 @@ import pytest
 from bucketrl import errors
 from bucketrl.proxy.state import versions
 from bucketrl.wire import RunSpec
-from tests.proxy.harness import ProxyHarness, adapter_tar, make_spec, make_tar
+from tests.proxy.harness import ProxyHarness, adapter_tar, make_spec, make_tar, running
+from tests.support.services import RedisServer
 
 
 def test_put_run_create_confirm_update_and_immutable_fields(proxy: ProxyHarness) -> None:
@@ -177,3 +178,36 @@ def test_publishes_racing_registrations_never_commit_a_fenced_version(proxy_file
         if k.endswith("manifest.json")
     ) == list(range(1, state.latest_version + 1))
     assert "fenced" in outcomes  # the race was actually exercised
+
+
+@pytest.mark.parametrize("keep", [2, 0])
+def test_old_checkpoints_are_pruned_keeping_the_newest(redis_server: RedisServer, bucket_url: str, keep: int) -> None:
+    from bucketrl.proxy import gc, keys
+    from bucketrl.proxy.state import checkpoints
+
+    with running(redis_server.url, bucket_url, checkpoint_keep=keep) as h:
+        t = h.client("r1", "trainer")
+        t.put_run(make_spec())
+        t.register_trainer("a")
+        for step in (5, 10, 15, 20):
+            t.put_checkpoint(step, make_tar({"s": f"step {step}".encode()}))
+        # Step 5 is being written again right now (its write lock is held): a pass leaves it alone.
+        lock = keys.run_key("r1", keys.WRITE_LOCK.format(name="step-5"))
+        h.call(lambda ctx: ctx.redis.set(lock, "someone", px=60_000))
+        h.call(gc.collect_all)
+
+        def on_disk() -> set[int]:
+            found = h.ctx.store.list_keys("runs/r1/checkpoints/")
+            return {int(k.split("/step-")[1].split("/")[0]) for k in found}
+
+        if keep == 0:
+            assert on_disk() == {5, 10, 15, 20}
+            return
+        assert on_disk() == {5, 15, 20}  # 10 pruned; 5 skipped while locked
+        assert t.latest_checkpoint().step == 20  # type: ignore[union-attr]
+        assert h.call(lambda ctx: checkpoints.get_info(ctx.redis, "r1", 10)) is None
+        h.call(lambda ctx: ctx.redis.delete(lock))
+        h.call(gc.collect_all)
+        assert on_disk() == {15, 20}
+        steps = h.call(lambda ctx: ctx.redis.zrange(keys.run_key("r1", keys.CHECKPOINTS), 0, -1))
+        assert [int(s) for s in steps] == [15, 20]

@@ -8,6 +8,10 @@ records the step. A fenced trainer's files are removed and it gets 409 ``fenced`
 Writing a step that already exists: the same bytes again is a no-op (a retried PUT); different bytes
 from the current epoch replace it (a resumed trainer redoing a step of a dead timeline) — the index
 entry is dropped before the files change, so ``latest`` never points at a half-written step.
+
+Retention (:func:`prune`, run by the maintenance loop): all but the newest ``checkpoint_keep`` steps are
+un-indexed, then their files deleted (manifest first, so a crash in between leaves nothing a rebuild
+would restore). A step whose write lock is held (being written) is left for a later pass.
 """
 
 from __future__ import annotations
@@ -118,6 +122,31 @@ async def put(
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(dirs.delete_dir, ctx.store, prefix)
             await lock.release()
+
+
+# KEYS: checkpoints, ckpt:k, lock of step k. ARGV: step. Un-index the step unless it is being written.
+_UNINDEX = Lua("""
+if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[2])
+return 1
+""")
+
+
+async def prune(ctx: Any, run: str, keep: int) -> list[int]:
+    """Delete every checkpoint but the newest ``keep`` steps (``keep`` <= 0: none); returns the deleted steps."""
+    if keep <= 0:
+        return []
+    index = keys.run_key(run, keys.CHECKPOINTS)
+    old = sorted(int(s) for s in await ctx.redis.zrange(index, 0, -(keep + 1)))
+    done: list[int] = []
+    for step in old:
+        lock_key = keys.run_key(run, keys.WRITE_LOCK.format(name=f"step-{step}"))  # what put's WriteLock holds
+        if not int(await _UNINDEX(ctx.redis, [index, _info_key(run, step), lock_key], [step])):
+            continue
+        await asyncio.to_thread(dirs.delete_dir, ctx.store, checkpoint_prefix(run, step))
+        done.append(step)
+    return done
 
 
 def _write_bundle(store: Any, prefix: str, spooled: dirs.Spooled, sha256: str, run: str, step: int, epoch: int) -> None:

@@ -193,6 +193,8 @@ class GeneratorWorker:
                 prompts = self._next_prompts(s.prompts_per_request if budget is None else max(1, budget))
                 if not prompts:
                     continue
+                # Versions loaded (and old ones retired) while waiting for the prompts: sample with the newest.
+                slot = self.book.current() or slot
                 # Lease the next prompts while these are sampled: the engine never waits on the proxy.
                 after = self._budget()
                 n_next = s.prompts_per_request if after is None else min(s.prompts_per_request, after)

@@ -38,17 +38,27 @@ class GatedStore:
         return getattr(self.inner, name)
 
 
+async def submitted_and_claimed(
+    r: Any, store: BucketStore, spec: Any, batches: int, n: int
+) -> tuple[int, cleanup.BatchCleaner, list[Any], list[str]]:
+    """A run with ``batches`` batches of 2 groups submitted and ``n`` groups claimed: (epoch, a cleaner,
+    the submit answers, the claimed delivery ids)."""
+    epoch = await setup_run(r, spec)
+    cleaner = cleanup.BatchCleaner(r, store)
+    subs = [
+        await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), key)
+        for key in "ab"[:batches]
+    ]
+    got = await claim(r, store, spec, epoch, n=n)
+    return epoch, cleaner, subs, [d.delivery_id for d in got.deliveries]
+
+
 def test_ack_answers_before_the_bucket_work_which_then_completes(redis_server: RedisServer, bucket_url: str) -> None:
     store = GatedStore(open_store(bucket_url))
     spec = make_spec(group_size=2)
 
     async def body(r: Any) -> None:
-        epoch = await setup_run(r, spec)
-        cleaner = cleanup.BatchCleaner(r, store)
-        a = await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "a")
-        b = await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "b")
-        got = await claim(r, store, spec, epoch, n=3)  # a:0 a:1 b:0
-        ids = [d.delivery_id for d in got.deliveries]
+        epoch, cleaner, (a, b), ids = await submitted_and_claimed(r, store, spec, 2, 3)  # a:0 a:1 b:0
         store.gate.clear()  # the bucket hangs: the ack must still answer
         assert (
             await asyncio.wait_for(queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids, cleaner=cleaner), 5)
@@ -77,14 +87,9 @@ def test_the_sweep_finishes_what_a_failed_cleaner_left(redis_server: RedisServer
     spec = make_spec(group_size=2)
 
     async def body(r: Any) -> None:
-        epoch = await setup_run(r, spec)
-        cleaner = cleanup.BatchCleaner(r, store)
-        a = await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "a")
-        got = await claim(r, store, spec, epoch, n=2)
+        epoch, cleaner, (a,), ids = await submitted_and_claimed(r, store, spec, 1, 2)
         store.broken = True  # the cleaner's delete fails (a proxy dying here leaves the same state)
-        await queue.ack(
-            r, store, RUN, spec, epoch=epoch, delivery_ids=[d.delivery_id for d in got.deliveries], cleaner=cleaner
-        )
+        await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids, cleaner=cleaner)
         assert await cleaner.drain(10)
         assert store.exists(queue.batch_key(RUN, a.batch_id))
         assert await r.hexists(cleanup.doomed_key(RUN), a.batch_id)

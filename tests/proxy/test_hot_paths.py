@@ -21,7 +21,6 @@ from typing import Any
 
 import msgpack
 import pytest
-import redis.asyncio as aioredis
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 
@@ -33,7 +32,7 @@ from bucketrl.storage.base import BucketStore
 from bucketrl.wire import ClaimResponse, RolloutBatch, RolloutGroup, RunSpec
 from bucketrl.wire.rollouts import Completion, _all_finite_non_positive
 from tests.proxy.harness import ProxyHarness
-from tests.proxy.test_queue_state import RUN, make_batch, make_spec, setup_run
+from tests.proxy.test_queue_state import RUN, make_batch, make_spec, run, setup_run
 from tests.proxy.test_rollouts_routes import Setup
 from tests.support.services import RedisServer
 
@@ -129,7 +128,7 @@ def test_claim_answer_is_byte_identical_to_the_model_dump(redis_server: RedisSer
         empty = queue.ClaimOutcome([], dropped=3)
         assert empty.response_json() == ClaimResponse(deliveries=[], dropped_stale=3).model_dump_json().encode()
 
-    _run(redis_server, body)
+    run(redis_server, body)
 
 
 def test_rebuild_requeues_both_object_formats(redis_server: RedisServer, bucket_url: str) -> None:
@@ -149,7 +148,7 @@ def test_rebuild_requeues_both_object_formats(redis_server: RedisServer, bucket_
         store.put_bytes(queue.batch_key(RUN, old.batch_id), _old_format_object(old_batch, old.batch_id, "x", RUN))
         state.update(new=(new.batch_id, new_batch), old=(old.batch_id, old_batch), ids={i.prompt_id for i in items})
 
-    _run(redis_server, before)
+    run(redis_server, before)
     redis_server.wipe()
     redis_server.start()
 
@@ -170,7 +169,7 @@ def test_rebuild_requeues_both_object_formats(redis_server: RedisServer, bucket_
         again = (await prompts.lease(r, store, RUN, spec, "g2", 8, 60)).prompts
         assert not {i.prompt_id for i in again} & state["ids"]
 
-    _run(redis_server, after)
+    run(redis_server, after)
 
 
 class CountingStore:
@@ -240,18 +239,7 @@ def test_ack_persists_prompts_unless_the_newest_snapshot_covers_the_batch(
         assert store.snapshot_writes == before + 3
         assert items[3].prompt_id not in snapshot()["open"]
 
-    _run(redis_server, body)
-
-
-def _run(redis_server: RedisServer, body: Any) -> None:
-    async def main() -> None:
-        r = aioredis.Redis.from_url(redis_server.url, decode_responses=False)
-        try:
-            await body(r)
-        finally:
-            await r.aclose()
-
-    asyncio.run(main())
+    run(redis_server, body)
 
 
 def test_ack_reads_the_spec_only_to_restore_or_persist(redis_server: RedisServer, tmp_path: Any) -> None:
@@ -285,7 +273,7 @@ def test_ack_reads_the_spec_only_to_restore_or_persist(redis_server: RedisServer
         assert len(loads) >= 2
         assert store.list_keys(f"runs/{RUN}/rollouts/") == []
 
-    _run(redis_server, body)
+    run(redis_server, body)
 
 
 def test_lazily_resolved_routes_answer_like_before(proxy_file: ProxyHarness) -> None:
@@ -351,7 +339,7 @@ def test_concurrent_acks_share_one_prompts_snapshot(redis_server: RedisServer, b
         assert not {i.prompt_id for i in items} & set(snap["open"])
         assert store.list_keys(f"runs/{RUN}/rollouts/") == []
 
-    _run(redis_server, body)
+    run(redis_server, body)
 
 
 def test_coalescing_transport_sends_a_pass_in_one_write_in_order() -> None:

@@ -82,6 +82,8 @@ def test_run_survives_kills_and_restarts(tmp_path: Path) -> None:
 
         # 2. SIGKILL the trainer mid-run and start it again: it resumes from its checkpoint.
         watch.until_step(watch.step() + GAP, 240)
+        # Checkpoints are stored on the trainer's uploader thread, behind its steps: wait for one to be stored.
+        wait_for(lambda: [r for r in audit(cluster) if r["event"] == "checkpoint"], 120, "a stored checkpoint")
         epoch = status(cluster).trainer.epoch
         cluster.services["trainer"].kill()
         killed_at = watch.step()

@@ -196,10 +196,19 @@ class ProxyClient:
     def release_lease(self, lease_id: str) -> None:
         self._request("DELETE", self._path(f"/leases/{lease_id}"))
 
-    def lease_prompts(self, worker_id: str, n: int, ttl_s: float = 300.0) -> PromptLease:
-        """Raises ``Backpressure`` (with ``retry_after``) when the pipeline already holds enough work."""
+    def lease_prompts(
+        self, worker_id: str, n: int, ttl_s: float = 300.0, *, version: int | None = None, wait_s: float = 0.0
+    ) -> PromptLease:
+        """Raises ``Backpressure`` (with ``retry_after``) when the pipeline already holds enough work.
+
+        ``version``: the version the caller samples with (admission control keeps its groups within
+        max_staleness); ``wait_s``: long-poll for admission that long before the 429 (then Retry-After 0)."""
         return self._json(
-            "POST", self._path("/prompts/lease"), PromptLease, PromptLeaseRequest(worker_id=worker_id, n=n, ttl_s=ttl_s)
+            "POST",
+            self._path("/prompts/lease"),
+            PromptLease,
+            PromptLeaseRequest(worker_id=worker_id, n=n, ttl_s=ttl_s, version=version, wait_s=wait_s),
+            extra_timeout_s=wait_s,
         )
 
     def renew_prompts(self, worker_id: str, prompt_ids: list[str], ttl_s: float = 300.0) -> PromptLease:
@@ -257,14 +266,29 @@ class ProxyClient:
         )
 
     def claim(
-        self, consumer: str, max_groups: int, wait_s: float = 0.0, min_version: int | None = None
+        self,
+        consumer: str,
+        max_groups: int,
+        wait_s: float = 0.0,
+        min_version: int | None = None,
+        *,
+        train_version: int | None = None,
+        sync_every: int = 1,
     ) -> ClaimResponse:
-        """``min_version``: drop (and count) groups older than it too, besides ``latest - max_staleness``."""
+        """``min_version``: drop (and count) groups older than it too, besides ``latest - max_staleness``.
+        ``train_version`` / ``sync_every``: the trainer's pace, for the proxy's admission control."""
         return self._json(
             "POST",
             self._path("/rollouts/claim"),
             ClaimResponse,
-            ClaimRequest(consumer=consumer, max_groups=max_groups, wait_s=wait_s, min_version=min_version),
+            ClaimRequest(
+                consumer=consumer,
+                max_groups=max_groups,
+                wait_s=wait_s,
+                min_version=min_version,
+                train_version=train_version,
+                sync_every=sync_every,
+            ),
             headers=self._fence(),
             extra_timeout_s=wait_s,
         )

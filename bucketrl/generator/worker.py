@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 # While the main thread waits (a prompt lease, a full submit queue), it loads fetched versions this often (s).
 IDLE_POLL_S = 0.02
+# A prompt lease long-polls this long for admission control's room (the proxy caps it at its max_wait_s).
+PROMPT_WAIT_S = 2.0
 
 
 class GeneratorWorker:
@@ -235,13 +237,21 @@ class GeneratorWorker:
     def _lease_prompts(self, n: int) -> list[PromptLeaseItem]:
         assert self.submitter is not None
         s = self.settings
+        t0 = time.monotonic()
         try:
-            lease = self.client.lease_prompts(self.worker_id, n, ttl_s=s.prompt_lease_ttl_s)
+            # The newest fetched version: it is loaded before the next batch samples (the loop's first step).
+            lease = self.client.lease_prompts(
+                self.worker_id,
+                n,
+                ttl_s=s.prompt_lease_ttl_s,
+                version=self.book.newest_known or None,
+                wait_s=PROMPT_WAIT_S,
+            )
         except errors.Backpressure as exc:
-            wait = min(max(exc.retry_after or 1.0, 0.05), 30.0)
-            t0 = time.monotonic()
+            # Retry-After 0 after a long-poll: ask again now (with the version loaded meanwhile).
+            wait = min(max(1.0 if exc.retry_after is None else exc.retry_after, 0.05), 30.0)
             self.stop_event.wait(wait)
-            self.metrics.backpressure(time.monotonic() - t0)
+            self.metrics.backpressure(time.monotonic() - t0)  # the long-poll and the wait after it
             return []
         except errors.Unavailable as exc:
             log.warning("cannot lease prompts: %s", exc.message)
@@ -251,6 +261,8 @@ class GeneratorWorker:
             log.warning("cannot lease prompts: %s", exc.message)
             self.stop_event.wait(2.0)
             return []
+        if lease.waited_s > 0:
+            self.metrics.backpressure(lease.waited_s)
         self.ledger.add(lease.prompts)
         bad = [p for p in lease.prompts if p.index >= len(self.examples)]
         if bad:

@@ -5,7 +5,7 @@ httpx's ``ASGITransport`` inside ``LifespanManager``-style startup (``tests/prox
 
 Lifespan, in order:
 1. Redis client (``redis.asyncio``, bytes responses) and the bucket store (``open_store``).
-2. The version notifier: one pub/sub subscription fanning announcements out to long-polls.
+2. The notifier: one pub/sub connection fanning version and pipeline announcements out to long-polls.
 3. Rebuild from the bucket when Redis lost its runs (``rebuild_on_start``; see ``rebuild.py``). If Redis
    is down at start the proxy still starts (``/readyz`` says 503) and the maintenance loop retries.
 4. The maintenance loop (``gc.py``): every ``gc_interval_s`` expire leases, collect old versions, sweep
@@ -103,7 +103,7 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
     ``serving``: this process exists to serve the app (``bucketrl proxy``): tune the process for it once the
     app has started (``runtime.py``). Tests leave it off."""
     from bucketrl.proxy import gc, rebuild
-    from bucketrl.proxy.notify import VersionNotifier
+    from bucketrl.proxy.notify import Notifier
     from bucketrl.proxy.routes import all_routers
 
     settings = settings or ProxySettings()
@@ -117,7 +117,7 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
         ctx = await _build_context(settings, auth, telemetry)
         ctx.cleaner = BatchCleaner(ctx.redis, ctx.store)
         app.state.ctx = ctx
-        ctx.notifier = VersionNotifier.from_url(settings.redis_url, settings.redis_timeout_s)
+        ctx.notifier = Notifier.from_url(settings.redis_url, settings.redis_timeout_s)
         ctx.notifier.start()
         if settings.rebuild_forced:
             restored = await rebuild.rebuild_all(ctx)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
     from bucketrl.proxy.auth import TokenAuth
-    from bucketrl.proxy.notify import VersionNotifier
+    from bucketrl.proxy.notify import Notifier
     from bucketrl.proxy.settings import ProxySettings
     from bucketrl.proxy.state.cleanup import BatchCleaner
     from bucketrl.proxy.telemetry import Telemetry
@@ -31,7 +31,7 @@ class ProxyContext:
     telemetry: Telemetry
     auth: TokenAuth
     # Fans Redis pub/sub version announcements out to waiting long-polls (one subscription per app).
-    notifier: VersionNotifier | None = None
+    notifier: Notifier | None = None
     # Deletes settled rollout batch objects off the request path (``state/cleanup.py``); set by the lifespan.
     cleaner: BatchCleaner | None = None
     # Serialises rebuilds inside this app (several requests may notice a wiped Redis at once).

@@ -64,8 +64,9 @@ async def _bucketrl_error(request: Request, exc: Exception) -> JSONResponse:
     headers: dict[str, str] = {}
     if isinstance(exc, errors.Backpressure):
         retry_after = exc.retry_after if exc.retry_after is not None else 1.0
-        # Retry-After must be an integer number of seconds (RFC 9110); round up, at least 1.
-        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+        # Retry-After must be an integer number of seconds (RFC 9110): round up, at least 1, except an explicit 0
+        # (a long-poll that already waited: retry at once).
+        headers["Retry-After"] = "0" if retry_after == 0 else str(max(1, math.ceil(retry_after)))
         ctx = getattr(request.app.state, "ctx", None)
         if ctx is not None:
             ctx.telemetry.backpressure_rejections.labels(route=_route_of(request)).inc()

@@ -16,6 +16,7 @@ SPEC = "spec"  # JSON RunSpec
 STATE = "state"  # hash: latest_version, trainer_epoch, trainer_step, created_at, updated_at
 VERSIONS = "versions"  # zset version -> published_at ; hash "version:{N}" -> sha256, bytes, published_at
 VERSION_CHANNEL = "versions:channel"  # pub/sub channel announcing new versions
+PIPELINE_CHANNEL = "pipeline:channel"  # pub/sub channel announcing that admission control may grant more
 LEASES = "leases"  # zset lease_id -> expires_at ; hash "lease:{id}" -> version, worker_id
 CHECKPOINTS = "checkpoints"  # zset step -> created_at
 PROMPT_CURSOR = "prompts:cursor"  # int: next never-issued global prompt position

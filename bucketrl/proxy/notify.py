@@ -1,9 +1,14 @@
-"""Version announcements: one Redis pub/sub subscription per app, fanned out to waiting long-polls.
+"""Run announcements: one Redis pub/sub connection per app, fanned out to waiting long-polls.
 
-A publish commits the new version and ``PUBLISH``es its number on ``brl:{run}:versions:channel`` in the
-same Lua script. Each proxy app keeps ONE pattern subscription (``brl:*:versions:channel``) and wakes the
-in-process waiters of that run, so a thousand waiting generators cost one Redis connection, not a
-thousand.
+Two topics per run, each a channel ``brl:{run}:{topic}:channel`` that a Lua script ``PUBLISH``es on in the
+same atomic step as the change it announces:
+
+- ``versions``: a publish committed a new adapter version (``GET /adapters/latest?after=N`` waits on it);
+- ``pipeline``: a claim took groups off the queue (or changed the trainer's pace), or prompts were released:
+  admission control may now grant a prompt lease that was refused (``POST /prompts/lease`` with ``wait_s``).
+
+Each proxy app keeps ONE pattern subscription per topic and wakes the in-process waiters of that run and
+topic, so a thousand waiting generators cost one Redis connection, not a thousand.
 
 No lost wake-up: a waiter registers its event FIRST and only then reads ``latest_version`` from Redis. A
 publish that committed before the read is seen by the read; one that commits after it is delivered by
@@ -26,16 +31,17 @@ from bucketrl.proxy import keys
 
 log = logging.getLogger("bucketrl.proxy.notify")
 
-PATTERN = keys.run_key("*", keys.VERSION_CHANNEL)
-_PREFIX, _SUFFIX = "brl:", ":" + keys.VERSION_CHANNEL
+TOPICS = {keys.VERSION_CHANNEL: "versions", keys.PIPELINE_CHANNEL: "pipeline"}
+PATTERNS = [keys.run_key("*", channel) for channel in TOPICS]
+_PREFIX = "brl:"
 
 
-class VersionNotifier:
+class Notifier:
     """Pass a Redis client WITHOUT command retries: a silent reconnect would hide a gap in the messages."""
 
     def __init__(self, redis: Any) -> None:
         self._redis = redis
-        self._waiters: dict[str, set[asyncio.Event]] = defaultdict(set)
+        self._waiters: dict[tuple[str, str], set[asyncio.Event]] = defaultdict(set)
         self._task: asyncio.Task[None] | None = None
         self.subscribed = asyncio.Event()
         self.generation = 0  # how many times the subscription was (re)established
@@ -45,7 +51,7 @@ class VersionNotifier:
         self._task = asyncio.create_task(self._listen(), name="bucketrl-version-notifier")
 
     @classmethod
-    def from_url(cls, url: str, timeout_s: float) -> VersionNotifier:
+    def from_url(cls, url: str, timeout_s: float) -> Notifier:
         import redis.asyncio as aioredis
 
         return cls(aioredis.Redis.from_url(url, socket_connect_timeout=timeout_s, health_check_interval=5))
@@ -60,22 +66,26 @@ class VersionNotifier:
             await self._redis.aclose()
 
     @contextlib.contextmanager
-    def waiter(self, run: str) -> Iterator[asyncio.Event]:
-        """An event set when ``run`` may have a new version; register BEFORE reading Redis."""
+    def waiter(self, run: str, *topics: str) -> Iterator[asyncio.Event]:
+        """An event set when ``run`` announces on any of ``topics`` (default: ``versions``); register it BEFORE
+        reading Redis."""
         event = asyncio.Event()
-        self._waiters[run].add(event)
+        slots = [(run, t) for t in topics or ("versions",)]
+        for slot in slots:
+            self._waiters[slot].add(event)
         try:
             yield event
         finally:
-            waiters = self._waiters.get(run)
-            if waiters is not None:
-                waiters.discard(event)
-                if not waiters:
-                    self._waiters.pop(run, None)
+            for slot in slots:
+                waiters = self._waiters.get(slot)
+                if waiters is not None:
+                    waiters.discard(event)
+                    if not waiters:
+                        self._waiters.pop(slot, None)
 
-    def wake(self, run: str | None = None) -> None:
-        """Wake the waiters of ``run`` (all runs when None) so they re-read Redis."""
-        groups = [self._waiters.get(run, set())] if run is not None else list(self._waiters.values())
+    def wake(self, run: str | None = None, topic: str | None = None) -> None:
+        """Wake the waiters of ``run`` on ``topic`` (None = every run / every topic) so they re-read Redis."""
+        groups = [w for (r, t), w in self._waiters.items() if run in (None, r) and topic in (None, t)]
         for group in groups:
             for event in list(group):
                 event.set()
@@ -85,7 +95,7 @@ class VersionNotifier:
         while not self._stopping:  # a flag too: a cancel can surface as a Redis TimeoutError (see gc.py)
             pubsub = self._redis.pubsub()
             try:
-                await pubsub.psubscribe(PATTERN)
+                await pubsub.psubscribe(*PATTERNS)
                 self.subscribed.set()
                 self.generation += 1
                 backoff = 0.05
@@ -96,13 +106,14 @@ class VersionNotifier:
                     if msg is None or msg.get("type") != "pmessage":
                         continue
                     channel = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]
-                    if channel.startswith(_PREFIX) and channel.endswith(_SUFFIX):
-                        self.wake(channel[len(_PREFIX) : -len(_SUFFIX)])
+                    run, _, name = channel.removeprefix(_PREFIX).partition(":")  # run ids hold no ':'
+                    if name in TOPICS:
+                        self.wake(run, TOPICS[name])
             except asyncio.CancelledError:
                 raise
             except (redis_exc.RedisError, OSError) as exc:
                 self.subscribed.clear()
-                log.warning("version subscription lost (%r); resubscribing in %.2fs", exc, backoff)
+                log.warning("announcement subscription lost (%r); resubscribing in %.2fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
             finally:

@@ -338,8 +338,8 @@ class TrainerWorker:
         counts) every group below it: no trained group is staler than max_staleness (DESIGN section 4).
         """
         assert self.spec is not None
-        min_version = max(0, self._train_version(steps_ahead) - self.spec.max_staleness)
-        return self._prefetch.submit(self._claim_groups, min_version)
+        train_version = self._train_version(steps_ahead)
+        return self._prefetch.submit(self._claim_groups, train_version)
 
     def _train_version(self, steps_ahead: int) -> int:
         """The policy version step ``learner.step + steps_ahead`` trains with: the current one plus one for each
@@ -375,10 +375,11 @@ class TrainerWorker:
         )
         return keep, held
 
-    def _claim_groups(self, min_version: int) -> tuple[list[Delivery], int]:
-        """Claim until ``groups_per_step`` groups no older than ``min_version`` (helper thread). Raises Stopped
-        on a stop request."""
+    def _claim_groups(self, train_version: int) -> tuple[list[Delivery], int]:
+        """Claim until ``groups_per_step`` groups to train with ``train_version``, none older than it minus
+        max_staleness (helper thread); the claims tell the proxy this pace. Raises Stopped on a stop request."""
         assert self.spec is not None
+        min_version = max(0, train_version - self.spec.max_staleness)
         need = self.spec.groups_per_step
         got: list[Delivery] = []
         dropped = n = 0
@@ -393,7 +394,12 @@ class TrainerWorker:
                 )
             resp = self._retrying(
                 lambda k=need - n: self.claim_client.claim(
-                    self.worker_id, max_groups=k, wait_s=self.settings.claim_wait_s, min_version=min_version
+                    self.worker_id,
+                    max_groups=k,
+                    wait_s=self.settings.claim_wait_s,
+                    min_version=min_version,
+                    train_version=train_version if train_version >= 1 else None,
+                    sync_every=self.settings.sync_every,
                 )
             )
             dropped += resp.dropped_stale

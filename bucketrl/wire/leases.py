@@ -26,6 +26,19 @@ class PromptLeaseRequest(WireModel):
     worker_id: WorkerId
     n: int = Field(1, ge=1, le=4096)
     ttl_s: float = Field(300.0, gt=0.0, le=86_400.0)
+    version: int | None = Field(
+        None,
+        ge=1,
+        description="The policy version the caller will sample these prompts with (default: the latest). Admission "
+        "control grants only prompts whose groups the trainer will reach within max_staleness of it.",
+    )
+    wait_s: float = Field(
+        0.0,
+        ge=0.0,
+        le=60.0,
+        description="Long-poll: wait up to this long for admission instead of answering 429 at once. A 429 after "
+        "a wait carries Retry-After 0: retry straight away (with the version loaded meanwhile).",
+    )
 
 
 class PromptLeaseItem(WireModel):
@@ -37,6 +50,8 @@ class PromptLeaseItem(WireModel):
 class PromptLease(WireModel):
     prompts: list[PromptLeaseItem]
     expires_at: float
+    # How long a long-polled lease waited for admission control (backpressure the caller felt).
+    waited_s: float = 0.0
 
 
 class PromptReleaseRequest(WireModel):

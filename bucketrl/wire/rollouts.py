@@ -86,6 +86,14 @@ class ClaimRequest(WireModel):
         description="Drop groups older than this too (counted in dropped_stale): the trainer passes the version "
         "its policy will have when it trains on this claim, minus max_staleness.",
     )
+    # Pacing: the proxy's admission control predicts from these the version a group leased now is trained with.
+    train_version: int | None = Field(
+        None,
+        ge=1,
+        description="The policy version the trainer will train this claim's groups with (admission control uses it "
+        "to pace prompt leases so that their groups are trained within max_staleness).",
+    )
+    sync_every: int = Field(1, ge=1, le=1_000_000, description="The trainer publishes a version every N steps.")
 
 
 class Delivery(WireModel):

@@ -8,6 +8,8 @@ import time
 import pytest
 
 from bucketrl import errors
+from bucketrl.proxy.state import prompts
+from bucketrl.wire import PromptLease
 from tests.proxy.harness import ProxyHarness, make_spec
 
 
@@ -71,3 +73,38 @@ def test_dataset_upload_download(proxy: ProxyHarness) -> None:
         t.upload_dataset(data + b'{"prompt": "extra"}\n')
     assert g.download_dataset() == data
     assert proxy.client("r1", "viewer").download_dataset() == data
+
+
+def test_prompt_lease_long_poll_over_http(proxy_file: ProxyHarness) -> None:
+    """``wait_s`` holds a refused lease until prompts are released (the pipeline announcement over Redis
+    pub/sub), then grants it; a long-poll that times out answers 429 with Retry-After 0."""
+    import threading
+
+    spec = make_spec(dataset={"uri": "toy:add", "size": 20}, groups_per_step=2, max_staleness=2)  # limit 4
+    proxy_file.client("r2", "trainer").put_run(spec)
+    g = proxy_file.client("r2", "generator")
+    full = g.lease_prompts("gen-a", 4, ttl_s=60)
+    with proxy_file.http("generator") as http:
+        for bad in ({"wait_s": 61}, {"wait_s": -1}, {"version": 0}):
+            r = http.post("/v1/runs/r2/prompts/lease", json={"worker_id": "gen-b", "n": 1, **bad})
+            assert r.status_code == 422 and next(iter(bad)) in r.json()["error"]["message"], r.text
+        t0 = time.monotonic()
+        r = http.post("/v1/runs/r2/prompts/lease", json={"worker_id": "gen-b", "n": 1, "wait_s": 0.5})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "0" and time.monotonic() - t0 >= 0.5
+
+    got: dict[str, object] = {}
+    waiter = threading.Thread(target=lambda: got.update(lease=g.lease_prompts("gen-b", 3, ttl_s=60, wait_s=20)))
+    t0 = time.monotonic()
+    waiter.start()
+    time.sleep(0.4)
+    assert waiter.is_alive()  # held by the proxy, not refused
+    g.release_prompts("gen-a", [p.prompt_id for p in full.prompts[:2]])
+    waiter.join(10)
+    elapsed = time.monotonic() - t0
+    lease = got["lease"]
+    assert isinstance(lease, PromptLease)
+    assert sorted(p.prompt_id for p in lease.prompts) == sorted(p.prompt_id for p in full.prompts[:2])
+    # Woken by the announcement: well before the 0.5 s re-check slice would have found the room.
+    assert 0.35 <= lease.waited_s <= elapsed < 0.4 + prompts.PACE_SLICE_S, (lease.waited_s, elapsed)
+    # Only the request answered 429 counts as a refusal; the one that waited and got its prompts does not.
+    assert proxy_file.client("r2", "viewer").status().queue.backpressure_total == 1

@@ -181,3 +181,124 @@ def test_restore_after_wipe_skips_nothing_and_repeats_no_completed(redis_server:
         assert await prompts.cursor(r, RUN) > 15  # the cursor continued; the dataset did not restart
 
     run(redis_server, phase2)
+
+
+def test_pace_grants_only_what_the_trainer_reaches_within_staleness(redis_server: RedisServer, tmp_path: Any) -> None:
+    """The pace rule (module docstring): W + granted <= room + (ms - (at - g) - slack) * sync * gps."""
+    store = open_store(f"file://{tmp_path / 'b'}")
+    spec = make_spec(groups_per_step=2, max_staleness=3, dataset={"uri": "toy:add", "size": 50})  # limit 6
+    assert prompts.PACE_SLACK_VERSIONS == 1
+
+    async def body(r: Any) -> None:
+        from tests.proxy.test_queue_state import make_batch
+
+        await runs.put_spec(r, RUN, spec)
+        await r.hset(f"brl:{RUN}:state", mapping={"latest_version": 5})
+        epoch = await runs.register_trainer(r, RUN)
+
+        async def claim(train_version: int, sync_every: int = 1) -> int:
+            got = await queue.claim(
+                r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=2, wait_s=0, redelivery_timeout_s=60,
+                min_version=train_version - spec.max_staleness, train_version=train_version, sync_every=sync_every,
+            )  # fmt: skip
+            return len(got.deliveries)
+
+        # Before any claim only the work limit applies.
+        first = await prompts.lease(r, store, RUN, spec, "g1", 10, 60, version=1)
+        assert len(first.prompts) == 6
+        assert await prompts.release(r, RUN, "g1", ids(first)) == 6
+        # The trainer waits for the groups of the step it trains with v6 (none queued: room 2 at v6).
+        assert await claim(6) == 0
+        # g = v5: spare = 3 - (6 - 5) - 1 = 1 step after this one -> 2 + 2 = 4 groups, under the limit of 6.
+        a = await prompts.lease(r, store, RUN, spec, "g1", 10, 60, version=5)
+        assert len(a.prompts) == 4
+        with pytest.raises(prompts.PacedOut) as exc:
+            await prompts.lease(r, store, RUN, spec, "g1", 1, 60, version=5)
+        assert "max_staleness=3" in exc.value.message and not exc.value.newer_version_exists
+        # An older caller version gets nothing, and learns that a newer version would.
+        await prompts.release(r, RUN, "g1", ids(a)[:3])
+        with pytest.raises(prompts.PacedOut) as exc:
+            await prompts.lease(r, store, RUN, spec, "g2", 1, 60, version=3)
+        assert exc.value.newer_version_exists
+        # ... except that an empty pipeline always gets a step of work (a run never stalls on the rule).
+        await prompts.release(r, RUN, "g1", ids(a)[3:])
+        assert await prompts.prompts_inflight(r, RUN) == 0
+        live = await prompts.lease(r, store, RUN, spec, "g2", 10, 60, version=2)
+        assert len(live.prompts) == spec.groups_per_step
+        # No version (or one newer than latest) means the latest: v5, room 4 less the 2 in flight.
+        d = await prompts.lease(r, store, RUN, spec, "g3", 10, 60, version=99)
+        assert len(d.prompts) == 2
+        await prompts.release(r, RUN, "g3", ids(d))
+        # The trainer's step fills: the next queued group joins the step after it (v7, room 2).
+        await queue.submit(r, store, RUN, spec, make_batch(spec, live.prompts, version=5), "k1")
+        assert await claim(6) == 2
+        b = await prompts.lease(r, store, RUN, spec, "g1", 10, 60)  # spare = 3 - (7 - 5) - 1 = 0: room 2
+        assert len(b.prompts) == 2
+        # Publishing a version every 2 steps doubles the steps a version spans.
+        await prompts.release(r, RUN, "g1", ids(b))
+        assert await claim(7, sync_every=2) == 0  # room 2 at v7, then v8 for two steps
+        await r.hset(f"brl:{RUN}:state", mapping={"latest_version": 6})
+        c = await prompts.lease(r, store, RUN, spec, "g1", 10, 60, version=6)  # spare 1 -> 2 + 1 * 2 * 2 = 6
+        assert len(c.prompts) == 6
+        counts = await queue.counters(r, RUN)
+        assert counts["prompts_backpressure_total"] == 2
+
+    run(redis_server, body)
+
+
+def test_long_polled_lease_is_granted_when_the_trainer_claims(redis_server: RedisServer, tmp_path: Any) -> None:
+    """wait_s: a refused lease waits for the run's pipeline announcement (a claim) instead of a 429; a paced-out
+    caller with a newer version published is answered at once (Retry-After 0) to ask again with it."""
+    from bucketrl.proxy.notify import Notifier
+
+    store = open_store(f"file://{tmp_path / 'b'}")
+    spec = make_spec(groups_per_step=2, max_staleness=2, dataset={"uri": "toy:add", "size": 50})  # limit 4
+
+    async def body(r: Any) -> None:
+        from tests.proxy.test_queue_state import make_batch
+
+        notifier = Notifier.from_url(redis_server.url, 5.0)
+        notifier.start()
+        try:
+            await asyncio.wait_for(notifier.subscribed.wait(), 10)
+            await runs.put_spec(r, RUN, spec)
+            await r.hset(f"brl:{RUN}:state", mapping={"latest_version": 1})
+            epoch = await runs.register_trainer(r, RUN)
+            full = await prompts.lease(r, store, RUN, spec, "g1", 4, 60)
+            await queue.submit(r, store, RUN, spec, make_batch(spec, full.prompts[:2], version=1), "k1")
+
+            t0 = time.monotonic()
+            waiting = asyncio.create_task(prompts.lease(r, store, RUN, spec, "g2", 4, 60, wait_s=10, notifier=notifier))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # held, not answered 429
+            got = await queue.claim(
+                r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=2, wait_s=0, redelivery_timeout_s=60
+            )
+            assert len(got.deliveries) == 2
+            lease = await asyncio.wait_for(waiting, 5)
+            elapsed = time.monotonic() - t0
+            assert len(lease.prompts) == 2 and 0.3 <= lease.waited_s <= elapsed < 3, (lease.waited_s, elapsed)
+
+            # Without an announcement the long-poll ends in a 429 that says: retry now.
+            t0 = time.monotonic()
+            with pytest.raises(errors.Backpressure) as exc:
+                await prompts.lease(r, store, RUN, spec, "g2", 1, 60, wait_s=0.4, notifier=notifier)
+            assert exc.value.retry_after == 0 and time.monotonic() - t0 >= 0.4
+            # Paced out by the trainer's pace while a newer version than the caller's exists: at once.
+            await queue.claim(
+                r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=2, wait_s=0, redelivery_timeout_s=60,
+                min_version=1, train_version=3,
+            )  # fmt: skip
+            await r.hset(f"brl:{RUN}:state", mapping={"latest_version": 3})
+            await prompts.release(r, RUN, "g1", ids(full)[2:])  # g2's two prompts stay in flight
+            t0 = time.monotonic()
+            with pytest.raises(prompts.PacedOut) as exc:
+                await prompts.lease(r, store, RUN, spec, "g2", 1, 60, version=1, wait_s=10, notifier=notifier)
+            assert exc.value.retry_after == 0 and exc.value.newer_version_exists and time.monotonic() - t0 < 2
+            # A long-poll's refusals are counted once per request.
+            counts = await queue.counters(r, RUN)
+            assert counts["prompts_backpressure_total"] == 2
+        finally:
+            await notifier.stop()
+
+    run(redis_server, body)

@@ -275,3 +275,7 @@ def test_no_trained_group_is_staler_than_max_staleness(
         assert q.dropped_stale_total > 0
         assert final["sample/dropped_stale_total"] == q.dropped_stale_total
         assert q.accepted_total == q.acked_total + q.dropped_stale_total + q.groups + q.pending, q
+        # The claims told the proxy the trainer's pace (admission control): the version of the step the next
+        # queued group joins (step 6 trained with v6; the claim ahead may have reached the step after).
+        pace = proxy.call(lambda ctx: ctx.redis.hgetall("brl:r-stale:queue:pace"))
+        assert int(pace[b"sync"]) == 1 and 6 <= int(pace[b"at"]) <= 8, pace

@@ -30,8 +30,9 @@ _prompts = APIRouter(prefix="/v1/runs/{run}/prompts", tags=["prompts"])
     summary="Lease up to n prompts (fewer when admission control allows fewer); reissued prompts come first.",
     description=(
         "`prompt_id` = `{pass}-{index}`. Admission control: granted only while queued groups + prompts in flight < "
-        "min(queue_capacity_groups, groups_per_step * max(1, max_staleness)), so generation is paced to what the "
-        "trainer can use within max_staleness; otherwise 429 `backpressure` with Retry-After. A prompt completes when "
+        "min(queue_capacity_groups, groups_per_step * max(1, max_staleness)) and, once the trainer has claimed, only "
+        "as many as it will train within max_staleness of the caller's `version` at its pace; otherwise 429 "
+        "`backpressure` with Retry-After (after `wait_s` of long-polling: Retry-After 0). A prompt completes when "
         "a group for it is accepted; an expired or released lease is issued again before any new prompt."
     ),
     responses=responses(401, 403, 404, 413, 422, 429, 503),
@@ -43,7 +44,18 @@ async def lease(
     ref: RunDep,
     req: Annotated[PromptLeaseRequest, Depends(body.decoded(PromptLeaseRequest))],
 ) -> PromptLease:
-    return await prompts.lease(ctx.redis, ctx.store, ref.run, ref.spec, req.worker_id, req.n, req.ttl_s)
+    return await prompts.lease(
+        ctx.redis,
+        ctx.store,
+        ref.run,
+        ref.spec,
+        req.worker_id,
+        req.n,
+        req.ttl_s,
+        version=req.version,
+        wait_s=min(req.wait_s, ctx.settings.max_wait_s),
+        notifier=ctx.notifier,
+    )
 
 
 @_prompts.post(

@@ -107,6 +107,7 @@ async def submit(
         "first, then new groups, oldest first. Each delivery holds one group and a stable delivery_id to ack. A group "
         "whose version < max(latest - max_staleness, min_version) is dropped (`dropped_stale` in the answer and in the "
         "run's counters; min_version is optional: the trainer's floor for the version it will train with). "
+        "train_version and sync_every (optional) tell admission control the trainer's pace. "
         "Epoch-fenced: X-Trainer-Epoch must be the current epoch (409 `fenced`)."
     ),
     responses=responses(401, 403, 404, 409, 413, 422, 503),
@@ -131,6 +132,8 @@ async def claim(
         wait_s=min(req.wait_s, ctx.settings.max_wait_s),
         redelivery_timeout_s=ctx.settings.redelivery_timeout_s,
         min_version=req.min_version,
+        train_version=req.train_version,
+        sync_every=req.sync_every,
         cleaner=ctx.cleaner,
     )
     if out.dropped:

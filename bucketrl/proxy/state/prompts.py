@@ -24,6 +24,29 @@ So a lease is granted only while ``W < limit`` (partially: ``min(n, limit - W)``
 that would be dropped as stale at claim. Claimed-but-unacked groups do NOT count: the trainer acks only
 after a checkpoint (TEAM.md ack protocol) and they are already being trained.
 
+That limit alone leaves two things out, and the demo dropped 10-15 % of its groups as stale for them: the
+trainer claims one step ahead (those groups are no longer queued but not trained yet), and the generator
+samples with the version it has loaded, which may lag ``latest``. So the trainer's claims also record its
+pace (``brl:{run}:queue:pace``): ``at``, the version of the step the next queued group joins, ``room``, how
+many more groups that step takes, and ``sync``, steps per published version. A lease carries the caller's
+``version`` g, and its groups at positions ``W .. W+n-1`` are trained with at most ``at + ceil(j / sync)``
+where j counts the steps after that one. They must be within ``max_staleness`` of g, less a slack of
+``PACE_SLACK_VERSIONS`` (1)::
+
+    W + granted  <=  room + (max_staleness - (at - g) - slack) * sync * groups_per_step
+
+(and never 0 while the pipeline is empty, so a run cannot stall). Before the trainer's first claim, or with
+a trainer that sends no ``train_version``, only ``limit`` applies. Why the slack: positions are not FIFO in
+lease order. A generator leases its next prompts while it samples the current ones, so another generator's
+later lease is often submitted first and pushes these groups back a step; and a batch may be sampled with a
+version older than the one it announced (weight sync takes a few hundred ms). Measured in the demo
+(``bench/demo_reward.py``): slack 0 still dropped 9-12 % of accepted groups, slack 1 drops none, with the
+same wall time.
+
+A lease with ``wait_s`` long-polls: instead of a 429 at once it waits for the run's ``pipeline``
+announcement (a claim took groups, the pace changed, prompts were released; ``notify.py``) or a new version
+and tries again, so a generator gets its prompts the moment the trainer makes room.
+
 Redis state (all changes in single Lua scripts, so concurrent proxies cannot interleave)
 ---------------------------------------------------------------------------------------
 ``brl:{run}:prompts:cursor``    next never-issued global position g (pass = g // size, index = g % size)
@@ -51,6 +74,7 @@ Runbook: ``redis-cli ZRANGE brl:{run}:prompts:inflight 0 -1 WITHSCORES`` lists l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import secrets
@@ -58,7 +82,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis import exceptions as redis_exc
 
@@ -68,6 +92,9 @@ from bucketrl.proxy.state.lua import Lua
 from bucketrl.storage.base import BucketStore
 from bucketrl.wire import PromptLease, PromptLeaseItem, RunSpec
 
+if TYPE_CHECKING:
+    from bucketrl.proxy.notify import Notifier
+
 # The Redis consumer group of the rollout stream (shared with state/queue.py, which builds on this module).
 STREAM_GROUP = "trainer"
 # How many positions past the cursor one snapshot write reserves (bounds bucket writes to 1 per this many).
@@ -75,6 +102,10 @@ RESERVE_AHEAD = 256
 PROMPT_ID_RE = re.compile(r"^(0|[1-9][0-9]{0,11})-(0|[1-9][0-9]{0,11})$")
 # Retry-After (s) of a prompt lease refused by admission control: about one trainer step.
 RETRY_AFTER_S = 1.0
+# A long-polled lease re-checks at least this often: a prompt lease expiring frees room with no announcement.
+PACE_SLICE_S = 0.5
+# Versions of slack the pace rule keeps (module docstring): measured in the demo, 0 dropped 9-12 % of groups.
+PACE_SLACK_VERSIONS = 1
 _LOCK_TTL_MS = 30_000
 _LOCK_WAIT_S = 15.0
 
@@ -91,6 +122,9 @@ class PromptKeys:
     stream: str
     counters: str
     queue_meta: str
+    state: str
+    pace: str
+    channel: str
 
     @classmethod
     def of(cls, run: str) -> PromptKeys:
@@ -106,6 +140,9 @@ class PromptKeys:
             stream=k(run, keys.QUEUE_STREAM),
             counters=k(run, keys.COUNTERS),
             queue_meta=k(run, "queue:meta"),
+            state=k(run, keys.STATE),
+            pace=k(run, "queue:pace"),
+            channel=k(run, keys.PIPELINE_CHANNEL),
         )
 
 
@@ -145,8 +182,8 @@ end
 _LEASE = Lua(
     QUEUED_LUA
     + """
--- KEYS: cursor inflight owner reissue open meta stream counters queue_meta
--- ARGV: now n expires_at worker size limit group
+-- KEYS: cursor inflight owner reissue open meta stream counters queue_meta state pace
+-- ARGV: now n expires_at worker size limit group version groups_per_step max_staleness slack
 if redis.call('HEXISTS', KEYS[6], 'ready') == 0 or redis.call('HEXISTS', KEYS[9], 'ready') == 0 then
   return {-1}
 end
@@ -159,14 +196,33 @@ for _, pid in ipairs(expired) do
   redis.call('HDEL', KEYS[3], pid)
   if redis.call('SISMEMBER', KEYS[5], pid) == 1 then redis.call('RPUSH', KEYS[4], pid) end
 end
--- 2. admission control
+-- 2. admission control: the work limit, then the trainer's pace against the caller's version
 local inflight = redis.call('ZCARD', KEYS[2])
 local queued = queued_groups(KEYS[7], group)
-local room = limit - inflight - queued
+local ahead = inflight + queued
+local room = limit - ahead
+local pace = redis.call('HMGET', KEYS[11], 'at', 'room', 'sync')
+local at = tonumber(pace[1])
+local latest = tonumber(redis.call('HGET', KEYS[10], 'latest_version') or '0')
+local version = tonumber(ARGV[8])
+if version <= 0 or version > latest then version = latest end
+local paced = 0
+if at and room > 0 then
+  local gps, ms = tonumber(ARGV[9]), tonumber(ARGV[10])
+  -- the step taking the next group trains with version `at` and takes pace.room more groups; each later step
+  -- publishes at most one version per `sync` steps; the caller's groups must be trained within ms of `version`,
+  -- less one version of slack (PACE_SLACK_VERSIONS, ARGV[11])
+  local spare = ms - (at - version) - tonumber(ARGV[11])
+  local fits = 0
+  if spare >= 0 then fits = tonumber(pace[2]) + spare * tonumber(pace[3]) * gps - ahead end
+  if fits < room then
+    room, paced = fits, 1
+    -- never starve an empty pipeline (max_staleness 0, a generator that cannot load newer versions)
+    if room <= 0 and ahead == 0 then room = math.min(limit, gps) end
+  end
+end
 if room <= 0 then
-  redis.call('HINCRBY', KEYS[8], 'backpressure_total', 1)
-  redis.call('HINCRBY', KEYS[8], 'prompts_backpressure_total', 1)
-  return {0, inflight, queued}
+  return {0, inflight, queued, paced, at or 0, version, latest}
 end
 local grant = math.min(n, room)
 local out = {}
@@ -219,7 +275,7 @@ return out
 
 _RELEASE = Lua(
     """
--- KEYS: inflight owner reissue open meta ; ARGV: worker pid...
+-- KEYS: inflight owner reissue open meta channel ; ARGV: worker pid...
 local n = 0
 for i = 2, #ARGV do
   local pid = ARGV[i]
@@ -230,7 +286,10 @@ for i = 2, #ARGV do
     n = n + 1
   end
 end
-if n > 0 then redis.call('HINCRBY', KEYS[5], 'seq', 1) end
+if n > 0 then
+  redis.call('HINCRBY', KEYS[5], 'seq', 1)
+  redis.call('PUBLISH', KEYS[6], '1')
+end
 return n
 """
 )
@@ -271,9 +330,76 @@ return 0
 
 
 async def lease(
-    r: Any, store: BucketStore, run: str, spec: RunSpec, worker_id: str, n: int, ttl_s: float
+    r: Any,
+    store: BucketStore,
+    run: str,
+    spec: RunSpec,
+    worker_id: str,
+    n: int,
+    ttl_s: float,
+    *,
+    version: int | None = None,
+    wait_s: float = 0.0,
+    notifier: Notifier | None = None,
 ) -> PromptLease:
-    """Lease up to ``n`` prompts (fewer when admission control allows fewer). 429 when none may be."""
+    """Lease up to ``n`` prompts (fewer when admission control allows fewer). 429 when none may be.
+
+    ``version``: the policy version the caller samples with (None: the latest). ``wait_s`` > 0 long-polls: a
+    refused lease waits for the run's ``pipeline`` or ``versions`` announcements (or a lease expiry, checked
+    every ``PACE_SLICE_S``) and tries again until ``wait_s`` passes; the 429 after a wait says Retry-After 0.
+    """
+    if wait_s <= 0 or notifier is None:
+        return await _lease_once(r, store, run, spec, worker_id, n, ttl_s, version)
+    t0 = time.monotonic()
+    deadline = t0 + wait_s
+    while True:
+        # Registered BEFORE the attempt: an announcement between the refusal and the wait is not lost.
+        with notifier.waiter(run, "pipeline", "versions") as event:
+            try:
+                got = await _lease_once(r, store, run, spec, worker_id, n, ttl_s, version, count_refusal=False)
+                got.waited_s = time.monotonic() - t0
+                return got
+            except PacedOut as exc:
+                remaining = deadline - time.monotonic()
+                # Paced out with a newer version published: waiting cannot help (the trainer's pace only moves
+                # further from the caller's version); asking again with the newer version can.
+                if remaining <= 0 or exc.newer_version_exists:
+                    await _count_refusal(r, run)
+                    exc.retry_after = 0.0
+                    raise
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), min(remaining, PACE_SLICE_S))
+
+
+class PacedOut(errors.Backpressure):
+    """A prompt lease refused by admission control (429 ``backpressure``, like any other)."""
+
+    def __init__(self, message: str, *, retry_after: float, newer_version_exists: bool) -> None:
+        super().__init__(message, retry_after=retry_after)
+        # Refused by the trainer's pace while a version newer than the caller's is published.
+        self.newer_version_exists = newer_version_exists
+
+
+async def _count_refusal(r: Any, run: str) -> None:
+    """One refused lease request in the run's counters (a long-poll's retries count once)."""
+    pipe = r.pipeline(transaction=False)
+    pipe.hincrby(PromptKeys.of(run).counters, "backpressure_total", 1)
+    pipe.hincrby(PromptKeys.of(run).counters, "prompts_backpressure_total", 1)
+    await pipe.execute()
+
+
+async def _lease_once(
+    r: Any,
+    store: BucketStore,
+    run: str,
+    spec: RunSpec,
+    worker_id: str,
+    n: int,
+    ttl_s: float,
+    version: int | None,
+    *,
+    count_refusal: bool = True,
+) -> PromptLease:
     k = PromptKeys.of(run)
     now = time.time()
     expires_at = now + ttl_s
@@ -281,8 +407,14 @@ async def lease(
     for _ in range(3):
         res = await _LEASE(
             r,
-            [k.cursor, k.inflight, k.owner, k.reissue, k.open, k.meta, k.stream, k.counters, k.queue_meta],
-            [repr(now), n, repr(expires_at), worker_id, spec.dataset.size, limit, STREAM_GROUP],
+            [
+                *(k.cursor, k.inflight, k.owner, k.reissue, k.open, k.meta),
+                *(k.stream, k.counters, k.queue_meta, k.state, k.pace),
+            ],
+            [
+                *(repr(now), n, repr(expires_at), worker_id, spec.dataset.size, limit, STREAM_GROUP),
+                *(version or 0, spec.groups_per_step, spec.max_staleness, PACE_SLACK_VERSIONS),
+            ],
         )
         if int(res[0]) != -1:
             break
@@ -293,13 +425,23 @@ async def lease(
     else:
         raise errors.Unavailable(f"run {run!r}: prompt state is being restored; retry")
     if int(res[0]) == 0:
-        inflight, queued = int(res[1]), int(res[2])
-        raise errors.Backpressure(
-            f"run {run!r}: the pipeline holds {queued} queued groups + {inflight} in-flight prompts, at the "
-            f"admission limit {limit} = min(queue_capacity_groups, groups_per_step * max(1, max_staleness)); "
-            "more would be trained too stale. Retry after the trainer consumed a step.",
-            retry_after=RETRY_AFTER_S,
-        )
+        inflight, queued, paced, at, used, latest = (int(x) for x in res[1:7])
+        if count_refusal:
+            await _count_refusal(r, run)
+        if paced:
+            message = (
+                f"run {run!r}: {queued} queued groups + {inflight} in-flight prompts are ahead; a group sampled with "
+                f"v{used} now would be trained after them, past v{at} + (the trainer's pace), more than "
+                f"max_staleness={spec.max_staleness} versions later. Retry after the trainer consumed a step, or "
+                "with a newer version."
+            )
+        else:
+            message = (
+                f"run {run!r}: the pipeline holds {queued} queued groups + {inflight} in-flight prompts, at the "
+                f"admission limit {limit} = min(queue_capacity_groups, groups_per_step * max(1, max_staleness)); "
+                "more would be trained too stale. Retry after the trainer consumed a step."
+            )
+        raise PacedOut(message, retry_after=RETRY_AFTER_S, newer_version_exists=bool(paced) and latest > used)
     seq, cursor, reserved = int(res[1]), int(res[2]), int(res[3])
     pids = [_s(p) for p in res[4:]]
     if cursor > reserved:
@@ -326,7 +468,7 @@ async def renew(r: Any, run: str, worker_id: str, prompt_ids: list[str], ttl_s: 
 async def release(r: Any, run: str, worker_id: str, prompt_ids: list[str]) -> int:
     """Give prompts back (issued again first); returns how many this worker held."""
     k = PromptKeys.of(run)
-    return int(await _RELEASE(r, [k.inflight, k.owner, k.reissue, k.open, k.meta], [worker_id, *prompt_ids]))
+    return int(await _RELEASE(r, [k.inflight, k.owner, k.reissue, k.open, k.meta, k.channel], [worker_id, *prompt_ids]))
 
 
 async def cursor(r: Any, run: str) -> int:

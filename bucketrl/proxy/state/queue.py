@@ -328,8 +328,8 @@ return {'ok', completed, repeated}
 _CLAIM = Lua(
     _COMMON
     + """
--- KEYS: stream state counters entry remaining attempts settled meta p_meta bseq doomed
--- ARGV: group consumer n epoch idle_ms max_staleness min_version
+-- KEYS: stream state counters entry remaining attempts settled meta p_meta bseq doomed pace channel
+-- ARGV: group consumer n epoch idle_ms max_staleness min_version train_version sync_every groups_per_step
 local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
 local n, epoch, idle_ms, ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 if redis.call('HEXISTS', KEYS[8], 'ready') == 0 then return {'notready'} end
@@ -384,6 +384,20 @@ for _ = 1, 100000 do
   if #out + dropped == before then break end
 end
 if dropped > 0 then redis.call('HINCRBY', KEYS[3], 'dropped_stale_total', dropped) end
+-- the trainer's pace (admission control, state/prompts.py): the version of the step the next queued group
+-- joins and how many groups that step still takes; this claim fills its step, or the next step takes them all
+local changed = #out + dropped > 0
+local tv = tonumber(ARGV[8])
+if tv > 0 then
+  local at, room = tv, n - #out
+  if room <= 0 then at, room = tv + 1, tonumber(ARGV[10]) end
+  local prev = redis.call('HMGET', KEYS[12], 'at', 'room', 'sync')
+  if tonumber(prev[1]) ~= at or tonumber(prev[2]) ~= room or prev[3] ~= ARGV[9] then
+    redis.call('HSET', KEYS[12], 'at', at, 'room', room, 'sync', ARGV[9])
+    changed = true
+  end
+end
+if changed then redis.call('PUBLISH', KEYS[13], '1') end
 return {'ok', dropped, last_id(stream), out, finished, partial_list(KEYS[7], touched),
         persist_need(KEYS[10], KEYS[9], finished, KEYS[11])}
 """
@@ -704,12 +718,15 @@ async def claim(
     wait_s: float,
     redelivery_timeout_s: float,
     min_version: int | None = None,
+    train_version: int | None = None,
+    sync_every: int = 1,
     cleaner: cleanup.BatchCleaner | None = None,
 ) -> ClaimOutcome:
     """Up to ``max_groups`` deliveries; waits up to ``wait_s`` for the first one (long-poll).
 
     A group older than ``latest - max_staleness`` or than ``min_version`` (the trainer's own floor: the version
     its policy will have when it trains on this claim, minus max_staleness) is dropped and counted.
+    ``train_version`` (that version) and ``sync_every`` record the trainer's pace for admission control.
     ``cleaner``: settle the bucket objects of batches this finishes in the background (the proxy's routes);
     without one they are settled before this returns.
     """
@@ -722,9 +739,12 @@ async def claim(
             r,
             [
                 *(k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled),
-                *(k.meta, k.p.meta, k.bseq, k.doomed),
+                *(k.meta, k.p.meta, k.bseq, k.doomed, k.p.pace, k.p.channel),
             ],
-            [GROUP, consumer, max_groups, epoch, idle_ms, spec.max_staleness, min_version or 0],
+            [
+                *(GROUP, consumer, max_groups, epoch, idle_ms, spec.max_staleness, min_version or 0),
+                *(train_version or 0, sync_every, spec.groups_per_step),
+            ],
         )
         if _s(res[0]) == "notready":
             await ensure_ready(r, store, run, spec)

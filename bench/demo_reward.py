@@ -50,6 +50,11 @@ def main() -> int:
     print(f"reward, last 20 steps      {last:.3f}   (target >= {TARGET_LAST20} and >= {TARGET_RATIO}x first)")
     print(f"improvement                {last / first:.2f}x")
     print(f"step time mean             {s['step_s_mean']:.3f} s; staleness mean {s['staleness_mean']:.2f}")
+    if s.get("queue_accepted_total"):
+        print(
+            f"dropped as stale           {s['dropped_stale_total']} of {s['queue_accepted_total']} accepted groups "
+            f"({100 * s['dropped_stale_total'] / s['queue_accepted_total']:.1f} %)"
+        )
     if s.get("sync_latency_p50_s") is not None:
         print(
             f"weight sync (publish -> all generators loaded) p50 {s['sync_latency_p50_s'] * 1000:.0f} ms, "

@@ -35,7 +35,7 @@ from bucketrl.generator.adapters import VersionBook
 from bucketrl.generator.engines.base import Sample
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.rewards import RewardItem, RewardPool
-from bucketrl.wire import Completion, PromptLeaseItem, RolloutBatch, RolloutGroup
+from bucketrl.wire import Completion, PromptLeaseItem, RolloutBatch, RolloutGroup, SamplingSpec
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class GeneratedBatch:
     examples: list[Example]
     prompt_token_ids: list[list[int]]
     samples: list[list[Sample]]
+    sampling: SamplingSpec | None = None  # what the engine sampled with (the batch records it for the trainer)
     idempotency_key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -222,7 +223,9 @@ class Submitter:
         if not groups:
             self.book.end(b.version)
             return
-        batch = RolloutBatch(worker_id=self.worker_id, lease_id=b.lease_id, version=b.version, groups=groups)
+        batch = RolloutBatch(
+            worker_id=self.worker_id, lease_id=b.lease_id, version=b.version, groups=groups, sampling=b.sampling
+        )
         ids = [g.prompt_id for g in groups]
         outcome = self._submit(batch, b.idempotency_key)
         if outcome == "accepted":

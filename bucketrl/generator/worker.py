@@ -296,6 +296,7 @@ class GeneratorWorker:
             examples=[self.examples[p.index] for p in prompts],
             prompt_token_ids=ids,
             samples=[],
+            sampling=spec.sampling,
         )
         try:
             batch.samples = self.engine.generate(

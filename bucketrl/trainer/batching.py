@@ -9,6 +9,7 @@ One :class:`Sample` per trainable completion (``prompt + completion``). A :class
     mask           [B, T]  1 on tokens the loss counts: not padding and not after the first EOS
     behaviour      [B, T]  the generators' behaviour logprobs
     advantages     [B]
+    samplings      per row: the sampling settings it was generated with (None: the run's)
 
 Right padding keeps position ids equal to ``arange`` for every real token (the generators never saw any
 padding), and causal attention means padding cannot influence them. ``logits_to_keep = K`` asks the model
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from bucketrl.wire.rollouts import RolloutGroup
+from bucketrl.wire.runs import SamplingSpec
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class Sample:
     worker_id: str
     # Completion tokens the loss counts: up to and including the first EOS.
     n_valid: int
+    # The sampling settings it was generated with (None: the run's); its logprobs are recomputed with them.
+    sampling: SamplingSpec | None = None
 
     @property
     def length(self) -> int:
@@ -58,6 +62,7 @@ class MicroBatch:
     advantages: torch.Tensor
     versions: list[int]
     worker_ids: list[str]
+    samplings: list[SamplingSpec | None]
 
     @property
     def size(self) -> int:
@@ -86,6 +91,7 @@ def group_samples(
     version: int,
     worker_id: str,
     eos_token_ids: Collection[int],
+    sampling: SamplingSpec | None = None,
 ) -> list[Sample]:
     """The trainable completions of one group as samples (unscorable / filtered ones are left out)."""
     if len(advantages) != len(group.completions) or len(trainable) != len(group.completions):
@@ -103,6 +109,7 @@ def group_samples(
                 version=version,
                 worker_id=worker_id,
                 n_valid=valid_length(comp.token_ids, eos_token_ids),
+                sampling=sampling,
             )
         )
     return out
@@ -143,6 +150,7 @@ def collate(samples: list[Sample], pad_id: int) -> MicroBatch:
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         versions=[s.version for s in samples],
         worker_ids=[s.worker_id for s in samples],
+        samplings=[s.sampling for s in samples],
     )
 
 

@@ -35,7 +35,7 @@ from bucketrl.trainer.loss import LossBatch, LossOutput, finalize_stats, grpo_lo
 from bucketrl.trainer.model import AdapterSnapshot, PolicyModel
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.wire.rollouts import RolloutGroup
-from bucketrl.wire.runs import RunSpec
+from bucketrl.wire.runs import RunSpec, SamplingSpec
 
 log = logging.getLogger("bucketrl.trainer")
 
@@ -51,6 +51,8 @@ class StepGroup:
     group: RolloutGroup
     version: int
     worker_id: str = ""
+    # What the group was sampled with (None: the run's sampling settings).
+    sampling: SamplingSpec | None = None
 
 
 class Learner:
@@ -114,6 +116,7 @@ class Learner:
                 version=item.version,
                 worker_id=item.worker_id,
                 eos_token_ids=self.policy.eos_token_ids,
+                sampling=item.sampling,
             )
         stats = {
             "sample/groups": float(len(groups)),

@@ -1,8 +1,9 @@
 """The policy: a transformers base model wrapped in a peft LoRA adapter built from the run's ``LoraSpec``.
 
 Only the LoRA parameters train. Logprobs of sampled tokens go through
-:func:`bucketrl.logprobs.sampled_token_logprobs` with the run's temperature / top-k / top-p, exactly as the
-generators compute behaviour logprobs (DESIGN invariant 6), so at identical weights ``ratio`` is 1.
+:func:`bucketrl.logprobs.sampled_token_logprobs` with the temperature / top-k / top-p each group was sampled
+with (its batch records them), exactly as the generators compute behaviour logprobs (DESIGN invariant 6), so at
+identical weights ``ratio`` is 1.
 The reference pass for the KL term runs the same model with the adapter disabled (no second model).
 
 The adapter is saved as ``adapter_model.safetensors`` + ``adapter_config.json`` (what ``PeftModel.from_pretrained``
@@ -167,26 +168,39 @@ class PolicyModel:
         return logits.gather(1, index)  # [B, T, V]: row t predicts completion token t
 
     def token_logprobs(self, mb: MicroBatch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log pi_theta of each completion token (with grad) and, optionally, the per-token entropy."""
-        from bucketrl.logprobs import process_logits, sampled_token_logprobs
+        """log pi_theta of each completion token (with grad) and, optionally, the per-token entropy.
 
-        sampling = self.spec.sampling
+        Each row is processed with the sampling settings it was generated with (``mb.samplings``; None: the
+        run's), so a group sampled before the run's settings changed keeps its own temperature / top-k / top-p.
+        """
         logits = self._logits(mb)
-        lp = sampled_token_logprobs(
-            logits, mb.completion_ids.to(self.device), sampling.temperature, sampling.top_k, sampling.top_p
-        )
+        completion = mb.completion_ids.to(self.device)
+        rows = self._rows_by_sampling(mb)
+        if len(rows) == 1:
+            ((setting, _),) = rows.items()
+            lp, entropy = _logprobs_and_entropy(logits, completion, setting, with_entropy)
+        else:
+            lp = torch.zeros(completion.shape, dtype=torch.float32, device=self.device)
+            entropy = torch.zeros_like(lp) if with_entropy else None
+            for setting, idx in rows.items():
+                index = torch.tensor(idx, device=self.device)
+                part, part_entropy = _logprobs_and_entropy(logits[index], completion[index], setting, with_entropy)
+                lp = lp.index_put((index,), part)
+                if entropy is not None and part_entropy is not None:
+                    entropy[index] = part_entropy
         lp = lp.clamp(min=LOGPROB_FLOOR)
         mask = mb.mask.to(self.device)
         lp = torch.where(mask > 0, lp, torch.zeros_like(lp))
-        entropy = None
-        if with_entropy:
-            with torch.no_grad():
-                logp = torch.log_softmax(
-                    process_logits(logits.detach(), sampling.temperature, sampling.top_k, sampling.top_p), dim=-1
-                )
-                p = logp.exp()
-                entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
         return lp, entropy
+
+    def _rows_by_sampling(self, mb: MicroBatch) -> dict[tuple[float, int, float], list[int]]:
+        """Row indices per distinct (temperature, top_k, top_p), in first-seen order."""
+        rows: dict[tuple[float, int, float], list[int]] = {}
+        samplings = mb.samplings or [None] * mb.size
+        for i, sampling in enumerate(samplings):
+            s = sampling or self.spec.sampling
+            rows.setdefault((s.temperature, s.top_k, s.top_p), []).append(i)
+        return rows
 
     @torch.no_grad()
     def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
@@ -249,3 +263,20 @@ class PolicyModel:
         unexpected = getattr(result, "unexpected_keys", None)
         if unexpected:
             raise ValueError(f"adapter has keys this model does not: {unexpected[:5]}")
+
+
+def _logprobs_and_entropy(
+    logits: torch.Tensor, completion: torch.Tensor, setting: tuple[float, int, float], with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs of the sampled tokens (with grad) under one sampling setting, and the entropy (no grad)."""
+    from bucketrl.logprobs import process_logits, sampled_token_logprobs
+
+    temperature, top_k, top_p = setting
+    lp = sampled_token_logprobs(logits, completion, temperature, top_k, top_p)
+    if not with_entropy:
+        return lp, None
+    with torch.no_grad():
+        logp = torch.log_softmax(process_logits(logits.detach(), temperature, top_k, top_p), dim=-1)
+        p = logp.exp()
+        entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    return lp, entropy

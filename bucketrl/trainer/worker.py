@@ -290,7 +290,7 @@ class TrainerWorker:
 
         self._uploader().check()  # a failed background write (e.g. fenced) ends the run before more work
         deliveries, held_back = self._within_staleness(deliveries)
-        groups = [StepGroup(g, d.version, d.worker_id) for d in deliveries for g in d.groups]
+        groups = [StepGroup(g, d.version, d.worker_id, d.sampling) for d in deliveries for g in d.groups]
         stats = self.learner.train_step(groups, policy_version=self.policy_version)
         self.consumed += [d.delivery_id for d in deliveries]
         step = self.learner.step

@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from bucketrl.wire.common import LeaseId, WireModel, WorkerId
+from bucketrl.wire.runs import SamplingSpec
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -63,6 +64,12 @@ class RolloutBatch(WireModel):
     lease_id: LeaseId
     version: int = Field(..., ge=1)
     groups: list[RolloutGroup] = Field(..., min_length=1, max_length=4096)
+    # The behaviour policy is the adapter version AND the sampling settings: the trainer recomputes each
+    # group's logprobs with the settings it was sampled with, even after the run's spec changed them.
+    sampling: SamplingSpec | None = Field(
+        None,
+        description="The sampling settings the groups were generated with (default: the run's at submit time).",
+    )
 
 
 class SubmitResponse(WireModel):
@@ -104,6 +111,8 @@ class Delivery(WireModel):
     batch_id: str = ""
     # How many times this delivery was handed out (1 = first delivery).
     attempt: int = 1
+    # The sampling settings the group was generated with (None: recorded by an older proxy; use the run's).
+    sampling: SamplingSpec | None = None
 
 
 class ClaimResponse(WireModel):

@@ -102,6 +102,13 @@ def test_worker_submits_valid_groups_and_follows_new_versions(
         ):
             assert name in metrics, (name, sorted(metrics))
         assert metrics["policy/version"] == 2
+        # The worker samples with the settings it started with, and its batches say so: a change of the run's
+        # sampling does not relabel them (the trainer recomputes logprobs with what the batch records).
+        assert all(d.sampling == spec.sampling for d in consumer.deliveries)
+        trainer.put_run(spec.model_copy(update={"sampling": spec.sampling.model_copy(update={"temperature": 3.0})}))
+        accepted_before = viewer.status().queue.accepted_total  # groups after these were submitted after the change
+        after = consumer.wait_for(lambda ds: sum(len(d.groups) for d in ds) > accepted_before, 120)
+        assert all(d.sampling == spec.sampling for d in after), [d.sampling for d in after]
         worker.request_stop()
         worker.thread.join(60)  # type: ignore[attr-defined]
         assert not worker.thread.is_alive(), "worker did not stop"  # type: ignore[attr-defined]

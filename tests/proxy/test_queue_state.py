@@ -21,7 +21,7 @@ from bucketrl import errors
 from bucketrl.proxy.state import prompts, queue, runs
 from bucketrl.storage import open_store
 from bucketrl.storage.base import BucketStore
-from bucketrl.wire import PromptLeaseItem, RolloutBatch, RunSpec
+from bucketrl.wire import ClaimResponse, PromptLeaseItem, RolloutBatch, RunSpec, SamplingSpec
 from tests.support.services import RedisServer
 
 RUN = "q-run"
@@ -426,3 +426,30 @@ def test_rebuild_after_wipe_requeues_unacked_only(redis_server: RedisServer, buc
         assert store.list_keys(f"runs/{RUN}/rollouts/") == []
 
     run(redis_server, after)
+
+
+def test_deliveries_carry_the_sampling_their_batch_was_generated_with(
+    redis_server: RedisServer, bucket_url: str
+) -> None:
+    """A batch records its sampling settings (its own, or the run's at submit): a later change of the run's
+    spec cannot change how the trainer recomputes the logprobs of groups sampled before it."""
+    store = open_store(bucket_url)
+    spec = make_spec()
+    own = SamplingSpec(temperature=0.5, top_k=7, top_p=0.8, max_new_tokens=9)
+
+    async def body(r: Any) -> None:
+        epoch = await setup_run(r, spec)
+        with_own = (await lease_and_batch(r, store, spec, 1, version=1)).model_copy(update={"sampling": own})
+        await queue.submit(r, store, RUN, spec, with_own, "k-own")
+        without = await lease_and_batch(r, store, spec, 1, version=1)
+        await queue.submit(r, store, RUN, spec, without, "k-run")
+        # The run's sampling changes after both were accepted.
+        changed = spec.model_copy(update={"sampling": SamplingSpec(temperature=2.0)})
+        await runs.put_spec(r, RUN, changed)
+        got = await claim(r, store, changed, epoch)
+        assert [d.sampling for d in got.deliveries] == [own, spec.sampling]
+        # The claim answer (spliced from stored JSON) says the same as the models.
+        answer = ClaimResponse.model_validate_json(got.response_json())
+        assert [d.sampling for d in answer.deliveries] == [own, spec.sampling]
+
+    run(redis_server, body)

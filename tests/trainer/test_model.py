@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,46 @@ def test_trainer_logprobs_equal_generator_behaviour_logprobs(tiny_model_dir: Pat
     # The adapter matters (so the check above is not vacuous): the base model's logprobs differ.
     ref = policy.reference_logprobs(mb)
     assert ((ref - mb.behaviour).abs() * mb.mask).max().item() > 1e-2
+
+
+def test_each_row_is_recomputed_with_the_sampling_it_was_generated_with(tiny_model_dir: Path) -> None:
+    """One micro-batch mixing groups sampled at different settings (the run's changed mid-run): every row's
+    logprobs match its own behaviour logprobs, and the loss still gets gradients through all of them."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_sampling = SamplingSpec(temperature=1.0)
+    spec = tiny_spec(tiny_model_dir, sampling=run_sampling)
+    policy = PolicyModel(spec, device="cpu")
+    perturb_adapter(policy)
+    with tempfile.TemporaryDirectory() as tmp:
+        policy.save_adapter(tmp)
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+        gen = PeftModel.from_pretrained(base, tmp).eval()
+    settings: list[SamplingSpec | None] = [None, SamplingSpec(temperature=0.4), SamplingSpec(temperature=0.7, top_k=9)]
+    samples = []
+    for i, sampling in enumerate(settings):
+        prompt = [5 + i, 9, 11 + 2 * i]
+        toks, lps = sample_like_a_generator(gen, prompt, 7, sampling or run_sampling, seed=i)
+        group = RolloutGroup(
+            prompt_id=f"0-{i}",
+            prompt_index=i,
+            prompt_token_ids=prompt,
+            completions=[Completion(token_ids=toks, logprobs=lps, reward=1.0)],
+        )
+        samples += group_samples(group, [1.0], [True], version=1, worker_id="w", eos_token_ids={1}, sampling=sampling)
+    mb = collate(samples, policy.pad_id)
+    assert mb.samplings == settings
+    lp, entropy = policy.token_logprobs(mb, with_entropy=True)
+    diff = ((lp.detach() - mb.behaviour).abs() * mb.mask).max().item()
+    assert diff < 1e-3, diff
+    # Not vacuous: at the run's temperature the rows sampled at 0.4 / 0.7 would not match.
+    flat = policy.token_logprobs(collate([*(replace(s, sampling=None) for s in samples)], policy.pad_id))[0]
+    assert ((flat.detach() - mb.behaviour).abs() * mb.mask)[1:].max().item() > 1e-2
+    assert entropy is not None and bool(torch.isfinite(entropy).all())
+    (lp * mb.mask).sum().backward()
+    grads = [p.grad for n, p in policy.model.named_parameters() if "lora_A" in n]
+    assert any(g is not None and float(g.abs().sum()) > 0 for g in grads)
 
 
 def test_reference_pass_is_the_base_model(tiny_model_dir: Path) -> None:

@@ -81,7 +81,16 @@ from bucketrl.proxy import keys
 from bucketrl.proxy.state import cleanup, prompts, runs
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.storage.base import BucketStore
-from bucketrl.wire import ClaimResponse, Delivery, QueueStatus, RolloutBatch, RolloutGroup, RunSpec, SubmitResponse
+from bucketrl.wire import (
+    ClaimResponse,
+    Delivery,
+    QueueStatus,
+    RolloutBatch,
+    RolloutGroup,
+    RunSpec,
+    SamplingSpec,
+    SubmitResponse,
+)
 
 log = logging.getLogger("bucketrl.proxy.queue")
 
@@ -604,6 +613,8 @@ async def submit(
         "version": batch.version,
         "prompt_ids": [g.prompt_id for g in batch.groups],
         "groups_json": groups_json,
+        # What the groups were sampled with: recorded now, so a later change of the run's spec cannot change it.
+        "sampling": (batch.sampling or spec.sampling).model_dump(mode="json"),
     }
     obj_bytes = msgpack.packb(obj, use_bin_type=True)
     await asyncio.to_thread(store.put_bytes, batch_key(run, batch_id), obj_bytes)
@@ -657,6 +668,7 @@ class ClaimedGroup:
     batch_id: str
     attempt: int
     group_json: bytes
+    sampling: SamplingSpec | None = None
 
     def delivery(self) -> Delivery:
         return Delivery(
@@ -666,6 +678,7 @@ class ClaimedGroup:
             worker_id=self.worker_id,
             batch_id=self.batch_id,
             attempt=self.attempt,
+            sampling=self.sampling,
         )
 
     def delivery_json(self) -> bytes:
@@ -679,6 +692,7 @@ class ClaimedGroup:
             worker_id=self.worker_id,
             batch_id=self.batch_id,
             attempt=self.attempt,
+            sampling=self.sampling,
         ).model_dump_json()
         before, sep, after = envelope.encode().partition(b'"groups":[]')
         assert sep, envelope
@@ -798,11 +812,11 @@ async def _deliveries(
     lost: list[str] = []
     for _sid, d, version, worker, attempt in parsed:
         b, g = d.rsplit(":", 1)
-        groups = batches[b]
-        if groups is None or int(g) >= len(groups):
+        stored = batches[b]
+        if stored is None or int(g) >= len(stored.groups_json):
             lost.append(d)
             continue
-        out.claimed.append(ClaimedGroup(d, version, worker, b, attempt, groups[int(g)]))
+        out.claimed.append(ClaimedGroup(d, version, worker, b, attempt, stored.groups_json[int(g)], stored.sampling))
     if lost:
         log.error(
             "run %r: %d claimed groups have no batch object in the bucket; counted as lost: %s",
@@ -821,8 +835,14 @@ def _load_batch(store: BucketStore, run: str, batch_id: str) -> dict[str, Any] |
         return None
 
 
-def _load_groups_json(store: BucketStore, run: str, batch_id: str) -> list[bytes] | None:
-    """The claim-answer JSON of each group of a batch object (None when the object is gone).
+@dataclass(frozen=True)
+class StoredGroups:
+    groups_json: list[bytes]
+    sampling: SamplingSpec | None  # None in objects written before batches recorded it
+
+
+def _load_groups_json(store: BucketStore, run: str, batch_id: str) -> StoredGroups | None:
+    """The claim-answer JSON of each group of a batch object, and its sampling (None when the object is gone).
 
     Objects carry it in ``groups_json`` (written by submit from the validated groups); only that key is
     decoded, the bulky ``groups`` is skipped unread. An object without it (written by an older proxy) is
@@ -836,17 +856,20 @@ def _load_groups_json(store: BucketStore, run: str, batch_id: str) -> list[bytes
     unpacker.feed(raw)
     stored: list[bytes] | None = None
     groups: list[Any] = []
+    sampling: SamplingSpec | None = None
     for _ in range(unpacker.read_map_header()):
         key = unpacker.unpack()
         if key == "groups_json":
             stored = unpacker.unpack()
         elif key == "groups" and stored is None:
             groups = unpacker.unpack()
+        elif key == "sampling":
+            sampling = SamplingSpec.model_validate(unpacker.unpack())
         else:
             unpacker.skip()
-    if stored is not None:
-        return stored
-    return [_GROUP_JSON.dump_json(RolloutGroup.model_validate(g)) for g in groups]
+    if stored is None:
+        stored = [_GROUP_JSON.dump_json(RolloutGroup.model_validate(g)) for g in groups]
+    return StoredGroups(stored, sampling)
 
 
 # -- ack -----------------------------------------------------------------------------------------------

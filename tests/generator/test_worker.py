@@ -152,6 +152,45 @@ def test_broken_versions_are_skipped_and_the_previous_one_keeps_serving(
         )
 
 
+def test_a_version_retired_during_the_prompt_wait_is_not_the_one_sampled_with(
+    proxy: ProxyHarness, tiny_model_dir: Path, adapters: dict[int, Path]
+) -> None:
+    """The loop picks its version, then waits for prompts; while it waits it loads newer versions and retires
+    those that left the staleness window. Sampling must use a version still loaded afterwards (the newest),
+    not the one picked before the wait (a CI run once caught the KeyError this raised)."""
+    trainer, _ = create_run(proxy, "w5", tiny_model_dir, adapters[1])  # max_staleness 1
+    viewer = proxy.client("w5", "viewer")
+    blocked, release = threading.Event(), threading.Event()
+
+    def loaded() -> list[int]:
+        me = next((w for w in viewer.status().workers if w.worker_id == "gen-r"), None)
+        return me.loaded_versions if me is not None else []
+
+    with running_worker(worker_settings(proxy, "w5", "gen-r", metrics_interval_s=0.1)) as worker:
+        with Consumer(trainer) as consumer:
+            consumer.wait_for(lambda ds: len(ds) >= 1, 180)  # sampling with v1
+            lease = worker._lease_prompts
+
+            def held_lease(n: int) -> list:  # the proxy "answers" only when the test says so
+                blocked.set()
+                release.wait(120)
+                return lease(n)
+
+            worker._lease_prompts = held_lease  # type: ignore[method-assign]
+            assert blocked.wait(120)
+            # Now the loop waits for prompts, holding v1 as its version. v2 and v3 arrive: v1 leaves the window.
+            trainer.publish_adapter(2, pack_dir(adapters[2]))
+            trainer.publish_adapter(3, pack_dir(adapters[1]))
+            wait_until(lambda: 3 in loaded() and 1 not in loaded(), 60, "v1 retired while the loop waits")
+            assert worker.thread.is_alive()  # type: ignore[attr-defined]
+            worker._lease_prompts = lease  # type: ignore[method-assign]
+            release.set()
+            failed = worker.failure  # type: ignore[attr-defined]
+            consumer.wait_for(lambda ds: bool(failed) or any(d.version == 3 for d in ds), 120)
+        assert not failed, failed
+        assert worker.thread.is_alive()  # type: ignore[attr-defined]
+
+
 def test_sigterm_exits_zero_and_releases_prompts(
     proxy: ProxyHarness, tiny_model_dir: Path, adapters: dict[int, Path], tmp_path: Path
 ) -> None:

@@ -6,6 +6,9 @@
     /path/data.jsonl      a JSONL file (also file:///path/data.jsonl), one JSON object a line
     bucket:<name>         a JSONL file the trainer uploaded to the run (``PUT /v1/runs/{run}/dataset``),
                           downloaded through the proxy; ``bucket:dataset.jsonl`` is that file
+    /path/dir             a local Hugging Face dataset: a directory written by ``save_to_disk``, or one of
+    /path/data.parquet    data files (parquet, csv, json[l], arrow) ``datasets.load_dataset`` reads, or one
+                          such file; ``dataset.split`` picks the split (needs the ``hf`` extra)
     <hf name>             a Hugging Face ``datasets`` name, only if it is already in the local cache
                           (no download: HF_DATASETS_OFFLINE is forced)
 
@@ -90,10 +93,14 @@ def _toy(spec: DatasetSpec) -> list[Example]:
     return _rows_to_examples(rows, fields, spec.uri)
 
 
+# Single files read through Hugging Face ``datasets`` rather than as JSONL.
+HF_FILE_SUFFIXES = (".parquet", ".csv", ".arrow")
+
+
 def _local_path(uri: str) -> Path | None:
     if uri.startswith("file://"):
         return Path(uri.removeprefix("file://"))
-    if uri.endswith((".jsonl", ".json")) or uri.startswith(("/", "./", "../")):
+    if uri.endswith((".jsonl", ".json", *HF_FILE_SUFFIXES)) or uri.startswith(("/", "./", "../")):
         return Path(uri)
     return None
 
@@ -110,24 +117,42 @@ def _bucket(spec: DatasetSpec, client: ProxyClient | None) -> list[Example]:
     return parse_jsonl(download(), spec, spec.uri)
 
 
-def _huggingface(spec: DatasetSpec) -> list[Example]:
+def _huggingface(spec: DatasetSpec, local: Path | None = None) -> list[Example]:
+    """A hub name from the local cache, or a local dataset (``local``): never a download."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # cache only: a worker never downloads at run time
     try:
         import datasets
     except ImportError as exc:
+        kind = "a local Hugging Face dataset" if local is not None else "a Hugging Face datasets name"
         raise errors.Invalid(
-            f"dataset {spec.uri!r} is not 'toy:<task>', a .jsonl path or 'bucket:dataset.jsonl'; as a Hugging Face "
-            "datasets name it needs the `datasets` package, which is not installed"
+            f"dataset {spec.uri!r} is {kind} (not 'toy:<task>', a .jsonl file or 'bucket:dataset.jsonl'); reading it "
+            "needs the `datasets` package, which is not installed (pip install 'bucketrl[hf]')"
         ) from exc
     datasets.config.HF_DATASETS_OFFLINE = True  # in case it was imported before the variable was set
     try:
-        ds = datasets.load_dataset(spec.uri, split=spec.split)
-    except Exception as exc:  # datasets raises many types for "not cached"
-        raise errors.Invalid(
-            f"dataset {spec.uri!r} (split {spec.split!r}) is not in the local Hugging Face cache and downloads are "
-            f"disabled: {exc}"
-        ) from exc
+        if local is None:
+            ds = datasets.load_dataset(spec.uri, split=spec.split)
+        elif _saved_to_disk(local):
+            ds = datasets.load_from_disk(str(local))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[spec.split]
+        elif local.is_dir():  # a directory of data files: the packaged builder is picked from their type
+            ds = datasets.load_dataset(str(local), split=spec.split)
+        else:  # one file: its suffix names the builder (parquet, csv, arrow)
+            ds = datasets.load_dataset(local.suffix.lstrip("."), data_files=str(local), split=spec.split)
+    except Exception as exc:  # datasets raises many types for "not cached" / "no such split"
+        where = (
+            "cannot be read as a Hugging Face dataset"
+            if local is not None
+            else "is not in the local Hugging Face cache and downloads are disabled"
+        )
+        raise errors.Invalid(f"dataset {spec.uri!r} (split {spec.split!r}) {where}: {exc}") from exc
     return _rows_to_examples([dict(r) for r in ds], spec, spec.uri)
+
+
+def _saved_to_disk(path: Path) -> bool:
+    """A directory ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` wrote."""
+    return path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists())
 
 
 def load_examples(spec: DatasetSpec, client: ProxyClient | None = None) -> list[Example]:
@@ -142,6 +167,8 @@ def load_examples(spec: DatasetSpec, client: ProxyClient | None = None) -> list[
         return _bucket(spec, client)
     path = _local_path(uri)
     if path is not None:
+        if path.is_dir() or (path.is_file() and path.suffix in HF_FILE_SUFFIXES):
+            return _huggingface(spec, local=path)
         if not path.is_file():
             raise errors.Invalid(f"dataset file {str(path)!r} does not exist")
         return parse_jsonl(path.read_bytes(), spec, str(path))

@@ -64,8 +64,51 @@ def test_describe_dataset_counts(tmp_path: Path) -> None:
 
 
 def test_hf_name_not_cached_is_a_clear_error() -> None:
-    with pytest.raises(errors.Invalid, match="Hugging Face"):
+    with pytest.raises(errors.Invalid, match="not in the local Hugging Face cache and downloads are disabled"):
         load_examples(DatasetSpec(uri="some-org/definitely-not-cached-dataset", size=1))
+
+
+ROWS = [{"question": f"{i}+{i}", "solution": 2 * i, "extra": "x"} for i in range(5)]
+
+
+def _spec(uri: str, **kw: object) -> DatasetSpec:
+    fields = {"uri": uri, "prompt_field": "question", "answer_field": "solution", "size": 1, **kw}
+    return DatasetSpec.model_validate(fields)
+
+
+def test_local_hugging_face_datasets_are_read_with_their_split(tmp_path: Path) -> None:
+    """What a user mounts next to a worker with no hub access: a ``save_to_disk`` directory (one split or a
+    DatasetDict), a directory of data files, or one parquet / csv file."""
+    import datasets
+
+    want = [(r["question"], str(r["solution"])) for r in ROWS]
+    train = datasets.Dataset.from_list(ROWS)
+    test = datasets.Dataset.from_list(ROWS[:2])
+    train.save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "dict"))
+    (tmp_path / "files" / "data").mkdir(parents=True)
+    train.to_parquet(str(tmp_path / "files" / "data" / "train-00000.parquet"))
+    train.to_csv(str(tmp_path / "rows.csv"), index=False)
+    cases = {
+        str(tmp_path / "one"): want,
+        str(tmp_path / "dict"): want,
+        f"file://{tmp_path / 'files'}": want,
+        str(tmp_path / "files" / "data" / "train-00000.parquet"): want,
+        str(tmp_path / "rows.csv"): want,
+    }
+    for uri, rows in cases.items():
+        got = load_examples(_spec(uri))
+        assert [(e.prompt, e.answer) for e in got] == rows, uri
+        assert [e.index for e in got] == list(range(len(rows)))
+    assert [e.prompt for e in load_examples(_spec(str(tmp_path / "dict"), split="test"))] == ["0+0", "1+1"]
+    assert describe_dataset(str(tmp_path / "dict"), prompt_field="question").size == 5
+    # A split that is not there, or a field that is not there, is a clear error naming the dataset.
+    with pytest.raises(errors.Invalid, match="split 'validation'"):
+        load_examples(_spec(str(tmp_path / "dict"), split="validation"))
+    with pytest.raises(errors.Invalid, match="nope"):
+        load_examples(_spec(str(tmp_path / "one"), prompt_field="nope"))
+    with pytest.raises(errors.Invalid, match="does not exist"):
+        load_examples(_spec(str(tmp_path / "missing.jsonl")))
 
 
 def test_bucket_dataset_needs_a_client_and_the_one_name() -> None:

@@ -38,6 +38,14 @@ class ProxySettings(BaseSettings):
     redis_timeout_s: float = Field(5.0, gt=0, description="Redis connect/read timeout; a dead Redis answers 503.")
     publish_lock_s: float = Field(30.0, gt=0, description="Lease of the per-version write lock (refreshed while held).")
     max_wait_s: float = Field(300.0, gt=0, description="Upper bound of a long-poll's wait_s.")
+    pace_slack_versions: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="Versions of slack admission control keeps when it paces prompt leases on the trainer's pace "
+        "(state/prompts.py): 1 drops almost no group as stale; 0 queues one more step of work, which matters "
+        "with a small max_staleness, at the price of some stale drops.",
+    )
     rebuild_gc_grace_s: float = Field(
         300.0, ge=0, description="After a rebuild, no version is garbage-collected for this long (leases died)."
     )

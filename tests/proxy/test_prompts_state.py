@@ -215,6 +215,10 @@ def test_pace_grants_only_what_the_trainer_reaches_within_staleness(redis_server
         with pytest.raises(prompts.PacedOut) as exc:
             await prompts.lease(r, store, RUN, spec, "g1", 1, 60, version=5)
         assert "max_staleness=3" in exc.value.message and not exc.value.newer_version_exists
+        # Without the slack the same caller gets one more step of work: 2 + (3 - 1) * 2 - 4 = 2.
+        extra = await prompts.lease(r, store, RUN, spec, "g1", 10, 60, version=5, slack=0)
+        assert len(extra.prompts) == 2
+        await prompts.release(r, RUN, "g1", ids(extra))
         # An older caller version gets nothing, and learns that a newer version would.
         await prompts.release(r, RUN, "g1", ids(a)[:3])
         with pytest.raises(prompts.PacedOut) as exc:

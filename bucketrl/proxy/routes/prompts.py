@@ -55,6 +55,7 @@ async def lease(
         version=req.version,
         wait_s=min(req.wait_s, ctx.settings.max_wait_s),
         notifier=ctx.notifier,
+        slack=ctx.settings.pace_slack_versions,
     )
 
 

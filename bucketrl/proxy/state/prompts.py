@@ -40,8 +40,9 @@ a trainer that sends no ``train_version``, only ``limit`` applies. Why the slack
 lease order. A generator leases its next prompts while it samples the current ones, so another generator's
 later lease is often submitted first and pushes these groups back a step; and a batch may be sampled with a
 version older than the one it announced (weight sync takes a few hundred ms). Measured in the demo
-(``bench/demo_reward.py``): slack 0 still dropped 9-12 % of accepted groups, slack 1 drops none, with the
-same wall time.
+(``bench/demo_reward.py``): slack 0 still dropped about 10 % of accepted groups, slack 1 0-2 %, with the
+same wall time. The slack costs one step of queued work, which matters when max_staleness is small (with 2,
+only the step being filled takes new work): ``BUCKETRL_PACE_SLACK_VERSIONS=0`` trades that back.
 
 A lease with ``wait_s`` long-polls: instead of a 429 at once it waits for the run's ``pipeline``
 announcement (a claim took groups, the pace changed, prompts were released; ``notify.py``) or a new version
@@ -104,7 +105,8 @@ PROMPT_ID_RE = re.compile(r"^(0|[1-9][0-9]{0,11})-(0|[1-9][0-9]{0,11})$")
 RETRY_AFTER_S = 1.0
 # A long-polled lease re-checks at least this often: a prompt lease expiring frees room with no announcement.
 PACE_SLICE_S = 0.5
-# Versions of slack the pace rule keeps (module docstring): measured in the demo, 0 dropped 9-12 % of groups.
+# Versions of slack the pace rule keeps by default (module docstring; BUCKETRL_PACE_SLACK_VERSIONS): measured
+# in the demo, 0 dropped about 10 % of the accepted groups, 1 almost none.
 PACE_SLACK_VERSIONS = 1
 _LOCK_TTL_MS = 30_000
 _LOCK_WAIT_S = 15.0
@@ -211,7 +213,7 @@ if at and room > 0 then
   local gps, ms = tonumber(ARGV[9]), tonumber(ARGV[10])
   -- the step taking the next group trains with version `at` and takes pace.room more groups; each later step
   -- publishes at most one version per `sync` steps; the caller's groups must be trained within ms of `version`,
-  -- less one version of slack (PACE_SLACK_VERSIONS, ARGV[11])
+  -- less ARGV[11] versions of slack (BUCKETRL_PACE_SLACK_VERSIONS, default 1)
   local spare = ms - (at - version) - tonumber(ARGV[11])
   local fits = 0
   if spare >= 0 then fits = tonumber(pace[2]) + spare * tonumber(pace[3]) * gps - ahead end
@@ -341,6 +343,7 @@ async def lease(
     version: int | None = None,
     wait_s: float = 0.0,
     notifier: Notifier | None = None,
+    slack: int = PACE_SLACK_VERSIONS,
 ) -> PromptLease:
     """Lease up to ``n`` prompts (fewer when admission control allows fewer). 429 when none may be.
 
@@ -349,14 +352,14 @@ async def lease(
     every ``PACE_SLICE_S``) and tries again until ``wait_s`` passes; the 429 after a wait says Retry-After 0.
     """
     if wait_s <= 0 or notifier is None:
-        return await _lease_once(r, store, run, spec, worker_id, n, ttl_s, version)
+        return await _lease_once(r, store, run, spec, worker_id, n, ttl_s, version, slack)
     t0 = time.monotonic()
     deadline = t0 + wait_s
     while True:
         # Registered BEFORE the attempt: an announcement between the refusal and the wait is not lost.
         with notifier.waiter(run, "pipeline", "versions") as event:
             try:
-                got = await _lease_once(r, store, run, spec, worker_id, n, ttl_s, version, count_refusal=False)
+                got = await _lease_once(r, store, run, spec, worker_id, n, ttl_s, version, slack, count_refusal=False)
                 got.waited_s = time.monotonic() - t0
                 return got
             except PacedOut as exc:
@@ -397,6 +400,7 @@ async def _lease_once(
     n: int,
     ttl_s: float,
     version: int | None,
+    slack: int,
     *,
     count_refusal: bool = True,
 ) -> PromptLease:
@@ -413,7 +417,7 @@ async def _lease_once(
             ],
             [
                 *(repr(now), n, repr(expires_at), worker_id, spec.dataset.size, limit, STREAM_GROUP),
-                *(version or 0, spec.groups_per_step, spec.max_staleness, PACE_SLACK_VERSIONS),
+                *(version or 0, spec.groups_per_step, spec.max_staleness, slack),
             ],
         )
         if int(res[0]) != -1:

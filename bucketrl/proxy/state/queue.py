@@ -863,8 +863,9 @@ def _load_groups_json(store: BucketStore, run: str, batch_id: str) -> StoredGrou
             stored = unpacker.unpack()
         elif key == "groups" and stored is None:
             groups = unpacker.unpack()
-        elif key == "sampling":
-            sampling = SamplingSpec.model_validate(unpacker.unpack())
+        elif key == "sampling":  # None in a format-1 object (the batch's own fields) that had none
+            raw_sampling = unpacker.unpack()
+            sampling = None if raw_sampling is None else SamplingSpec.model_validate(raw_sampling)
         else:
             unpacker.skip()
     if stored is None:

@@ -40,6 +40,21 @@ def test_only_lora_parameters_train_and_all_linear_is_spelled_out(tiny_model_dir
     assert policy.eos_token_ids == {1} and policy.pad_id == 0
 
 
+def policy_and_generator(model_dir: Path, sampling: SamplingSpec) -> tuple[PolicyModel, torch.nn.Module]:
+    """A trainer policy with a non-trivial adapter, and a "generator": a fresh base model with that adapter
+    saved and loaded back, the way engines load it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    policy = PolicyModel(tiny_spec(model_dir, sampling=sampling), device="cpu")
+    perturb_adapter(policy)
+    with tempfile.TemporaryDirectory() as tmp:
+        policy.save_adapter(tmp)
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        gen = PeftModel.from_pretrained(base, tmp).eval()
+    return policy, gen
+
+
 def sample_like_a_generator(model: torch.nn.Module, prompt: list[int], n_new: int, sampling: SamplingSpec, seed: int):
     """Incremental decoding with a KV cache, sampling from the processed distribution: how an engine works."""
     g = torch.Generator().manual_seed(seed)
@@ -69,17 +84,7 @@ def sample_like_a_generator(model: torch.nn.Module, prompt: list[int], n_new: in
     ids=["t1.0", "t0.7-k20-p0.9"],
 )
 def test_trainer_logprobs_equal_generator_behaviour_logprobs(tiny_model_dir: Path, sampling: SamplingSpec) -> None:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    spec = tiny_spec(tiny_model_dir, sampling=sampling)
-    policy = PolicyModel(spec, device="cpu")
-    perturb_adapter(policy)
-    with tempfile.TemporaryDirectory() as tmp:
-        policy.save_adapter(tmp)
-        # The "generator": a fresh base model + the saved adapter, loaded the way engines load it.
-        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-        gen = PeftModel.from_pretrained(base, tmp).eval()
+    policy, gen = policy_and_generator(tiny_model_dir, sampling)
     rng = random.Random(0)
     groups = []
     for i in range(3):
@@ -105,17 +110,8 @@ def test_trainer_logprobs_equal_generator_behaviour_logprobs(tiny_model_dir: Pat
 def test_each_row_is_recomputed_with_the_sampling_it_was_generated_with(tiny_model_dir: Path) -> None:
     """One micro-batch mixing groups sampled at different settings (the run's changed mid-run): every row's
     logprobs match its own behaviour logprobs, and the loss still gets gradients through all of them."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     run_sampling = SamplingSpec(temperature=1.0)
-    spec = tiny_spec(tiny_model_dir, sampling=run_sampling)
-    policy = PolicyModel(spec, device="cpu")
-    perturb_adapter(policy)
-    with tempfile.TemporaryDirectory() as tmp:
-        policy.save_adapter(tmp)
-        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-        gen = PeftModel.from_pretrained(base, tmp).eval()
+    policy, gen = policy_and_generator(tiny_model_dir, run_sampling)
     settings: list[SamplingSpec | None] = [None, SamplingSpec(temperature=0.4), SamplingSpec(temperature=0.7, top_k=9)]
     samples = []
     for i, sampling in enumerate(settings):

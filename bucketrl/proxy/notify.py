@@ -85,7 +85,10 @@ class Notifier:
 
     def wake(self, run: str | None = None, topic: str | None = None) -> None:
         """Wake the waiters of ``run`` on ``topic`` (None = every run / every topic) so they re-read Redis."""
-        groups = [w for (r, t), w in self._waiters.items() if run in (None, r) and topic in (None, t)]
+        if run is not None and topic is not None:  # every announcement: a keyed lookup, not a scan
+            groups = [self._waiters.get((run, topic), set())]
+        else:  # (re)subscribed: every waiter of a run, or of every run, re-checks
+            groups = [w for (r, t), w in self._waiters.items() if run in (None, r) and topic in (None, t)]
         for group in groups:
             for event in list(group):
                 event.set()

@@ -93,26 +93,43 @@ class Learner:
     # -- one step --------------------------------------------------------------------------------------
 
     def build_samples(self, groups: list[StepGroup]) -> tuple[list[Sample], dict[str, float]]:
-        """Advantages and trainable samples of a step, plus the reward/staleness-free group stats."""
+        """Advantages and trainable samples of a step, plus the reward/staleness-free group stats.
+
+        ``finish_reason`` decides two exclusions. An ABORTED completion (the engine stopped it part-way) is
+        partial text: its reward is not evidence about a finished answer, so it is treated like an unscorable
+        one (out of its group's mean and std, never trained). A TRUNCATED one (``length``: cut by
+        max_new_tokens) is a real sample of the policy, so it stays in the group's statistics; with
+        ``mask_truncated_completions`` it is not trained on (TRL's option: its mask is zeroed).
+        """
         loss = self.spec.loss
         samples: list[Sample] = []
-        zero_var = unscorable = 0
+        zero_var = unscorable = aborted = truncated = completions = 0
+        lengths = 0
         means: list[float] = []
         stds: list[float] = []
         for item in groups:
-            rewards = [c.reward for c in item.group.completions]
+            comps = item.group.completions
+            rewards = [None if c.finish_reason == "abort" else c.reward for c in comps]
             adv = group_advantages(
                 rewards, scale_rewards=loss.scale_rewards, filter_zero_variance=loss.filter_zero_variance
             )
+            trainable = [
+                keep and not (loss.mask_truncated_completions and c.finish_reason == "length")
+                for keep, c in zip(adv.trainable, comps, strict=True)
+            ]
             zero_var += int(adv.zero_variance)
-            unscorable += adv.unscorable
+            unscorable += sum(1 for c in comps if c.reward is None and c.finish_reason != "abort")
+            aborted += sum(1 for c in comps if c.finish_reason == "abort")
+            truncated += sum(1 for c in comps if c.finish_reason == "length")
+            completions += len(comps)
+            lengths += sum(len(c.token_ids) for c in comps)
             if adv.reward_mean is not None:
                 means.append(adv.reward_mean)
                 stds.append(adv.reward_std or 0.0)
             samples += group_samples(
                 item.group,
                 adv.advantages,
-                adv.trainable,
+                trainable,
                 version=item.version,
                 worker_id=item.worker_id,
                 eos_token_ids=self.policy.eos_token_ids,
@@ -122,7 +139,12 @@ class Learner:
             "sample/groups": float(len(groups)),
             "sample/zero_variance_groups": float(zero_var),
             "sample/unscorable": float(unscorable),
+            "sample/aborted": float(aborted),
         }
+        if completions:
+            # TRL's names: mean completion length, and the fraction cut by max_new_tokens.
+            stats["completions/mean_length"] = lengths / completions
+            stats["completions/clipped_ratio"] = truncated / completions
         if means:
             # Like TRL: the mean reward, and the mean of the per-group stds.
             stats["reward"] = sum(means) / len(means)
@@ -201,10 +223,12 @@ class Learner:
         total_loss = 0.0
         for mb in micro:
             mb.to(self.policy.device)
-            lp, entropy = self.policy.token_logprobs(mb, with_entropy=True)
+            fwd = self.policy.forward_logprobs(mb, with_entropy=True, with_kl=spec.kl_coef > 0)
+            lp, entropy = fwd.logprobs, fwd.entropy
             ref = self.policy.reference_logprobs(mb) if spec.kl_coef > 0 else None
             batch = LossBatch(
                 logprobs=lp,
+                kl_logprobs=fwd.kl_logprobs,
                 behaviour_logprobs=mb.behaviour,
                 advantages=mb.advantages,
                 mask=mb.mask,

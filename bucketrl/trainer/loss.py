@@ -1,6 +1,6 @@
 """The GRPO loss (DESIGN section 5): a pure function over a typed batch of per-token tensors.
 
-Two objectives, chosen per run by ``LossSpec.objective``:
+Three objectives, chosen per run by ``LossSpec.objective`` (README "Training" compares them with TRL and AReaL):
 
 * ``ppo_clip`` (TRL's): ``r = pi_theta / pi_behav`` against the generator's behaviour logprobs,
   ``loss_t = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``.
@@ -9,9 +9,18 @@ Two objectives, chosen per run by ``LossSpec.objective``:
   ``w = min(pi_prox / pi_behav, C)`` (detached): ``loss_t = -w * min(r * A, clip(r) * A)``. With one
   optimizer step per batch ``pi_theta == pi_prox`` in value, so ``r == 1`` and this is truncated-IS policy
   gradient; the clip only bites when a batch gets several optimizer steps.
+* ``gspo`` (Zheng et al. 2025, "Group Sequence Policy Optimization"): one importance ratio per sequence,
+  ``s_i = exp(mean_t(log pi_theta - log pi_behav))`` over its unmasked tokens, and
+  ``loss_i = -min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i)``, the same value on each of its
+  tokens. With ``aggregation="sequence"`` the loss is the paper's ``-1/G sum_i min(...)`` exactly; with
+  ``token`` each sequence weighs by its length (TRL's ``importance_sampling_level="sequence"`` with a
+  token-summing loss_type). The paper's clip range is far narrower (3e-4 / 4e-4) than the token-level one.
 
 Optional KL to the base model (``kl_coef > 0``) with the k3 estimator
-``exp(ref - lp) - (ref - lp) - 1`` (unbiased, always >= 0), added per token.
+``exp(ref - lp) - (ref - lp) - 1`` (unbiased, always >= 0), added per token. Both ``ref`` and ``lp`` here
+are TEMPERATURE-ONLY logprobs (``LossBatch.kl_logprobs``), as in TRL: the top-k/top-p processed ones are
+-inf (floored at -1e4) for a sampled token outside either model's nucleus, which made the k3 term infinite
+(the whole step skipped) or ~1e4.
 
 Aggregation (``LossSpec.aggregation``):
 
@@ -51,8 +60,11 @@ class LossBatch:
     mask: torch.Tensor
     # The trainer's detached logprobs at the start of the step (decoupled objective). [B, T]
     proximal_logprobs: torch.Tensor | None = None
-    # Logprobs under the base model (adapter disabled), for the KL term. [B, T]
+    # Temperature-only logprobs under the base model (adapter disabled), for the KL term. [B, T]
     ref_logprobs: torch.Tensor | None = None
+    # Temperature-only logprobs of the current policy, with grad, for the KL term (None: ``logprobs``, right
+    # when sampling applies no top-k/top-p). [B, T]
+    kl_logprobs: torch.Tensor | None = None
     # Per-token entropy of the current policy (stats only). [B, T]
     entropy: torch.Tensor | None = None
 
@@ -92,7 +104,7 @@ def grpo_loss(
     lp = batch.logprobs
     behav = batch.behaviour_logprobs.to(lp.dtype)
 
-    if spec.objective == "ppo_clip":
+    if spec.objective in ("ppo_clip", "gspo"):
         anchor = behav
         weight = torch.ones_like(lp)
     elif spec.objective == "decoupled":
@@ -107,6 +119,10 @@ def grpo_loss(
 
     # Masked positions may hold arbitrary values (padding): zero the log-ratio there so exp() stays finite.
     log_ratio = torch.where(mask > 0, lp - anchor, torch.zeros_like(lp))
+    if spec.objective == "gspo":
+        # The length-normalised sequence log-ratio, broadcast to the sequence's tokens (grad flows through
+        # every token's logprob, each scaled by s_i / |y_i|: the paper's gradient).
+        log_ratio = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1).expand_as(lp)
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - spec.epsilon_low, 1.0 + spec.epsilon_high)
     per_token = -weight * torch.min(ratio * adv, clipped * adv)
@@ -115,7 +131,8 @@ def grpo_loss(
     if spec.kl_coef > 0.0:
         if batch.ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        delta = torch.where(mask > 0, batch.ref_logprobs.to(lp.dtype) - lp, torch.zeros_like(lp))
+        kl_lp = batch.kl_logprobs.to(lp.dtype) if batch.kl_logprobs is not None else lp
+        delta = torch.where(mask > 0, batch.ref_logprobs.to(lp.dtype) - kl_lp, torch.zeros_like(lp))
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + spec.kl_coef * kl
 
@@ -142,6 +159,8 @@ def grpo_loss(
         "clip_ratio/region_mean": _masked_sum(torch.clamp(low + high, max=1.0), mask),
         "loss_tokens": _masked_sum(per_token, mask),
     }
+    if spec.objective == "gspo":
+        sums["ratio/sequence"] = _masked_sum(ratio, mask)  # token-weighted mean of s_i
     if spec.objective == "decoupled":
         sums["ratio/proximal"] = _masked_sum(ratio, mask)
         sums["is_weight_mean"] = _masked_sum(weight, mask)

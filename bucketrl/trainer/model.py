@@ -4,7 +4,8 @@ Only the LoRA parameters train. Logprobs of sampled tokens go through
 :func:`bucketrl.logprobs.sampled_token_logprobs` with the temperature / top-k / top-p each group was sampled
 with (its batch records them), exactly as the generators compute behaviour logprobs (DESIGN invariant 6), so at
 identical weights ``ratio`` is 1.
-The reference pass for the KL term runs the same model with the adapter disabled (no second model).
+The reference pass for the KL term runs the same model with the adapter disabled (no second model); the KL
+compares temperature-only logprobs (TRL's), never the top-k/top-p processed ones.
 
 The adapter is saved as ``adapter_model.safetensors`` + ``adapter_config.json`` (what ``PeftModel.from_pretrained``
 and vLLM's ``LoRARequest`` load), with ``target_modules`` written as a sorted list of module-name suffixes so the
@@ -12,6 +13,7 @@ same weights always give the same bytes (and the same sha256).
 
     policy = PolicyModel(run_spec, device="cpu", dtype="float32", seed=0)
     lp, entropy = policy.token_logprobs(micro_batch, with_entropy=True)   # [B, T] each
+    out = policy.forward_logprobs(micro_batch, with_kl=True)                # + out.kl_logprobs (temperature only)
     tar = policy.adapter_tar()                                              # PUT /adapters/{N}
     snap = policy.adapter_snapshot(); threading.Thread(target=lambda: put(snap.tar())).start()  # off the loop
 """
@@ -95,6 +97,18 @@ class AdapterSnapshot:
             return pack_dir(self.write(tmp))
 
 
+@dataclass
+class TokenLogprobs:
+    """Per completion token, [B, T] each, zero on masked positions."""
+
+    # Under the processed distribution each row was sampled from (temperature, top-k, top-p), floored at
+    # LOGPROB_FLOOR: what the behaviour logprobs are compared with (ratio, mismatch).
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    # Under temperature only (no top-k/top-p): what the KL term uses.
+    kl_logprobs: torch.Tensor | None = None
+
+
 class PolicyModel:
     """Base model + one trainable LoRA adapter (named ``default``)."""
 
@@ -168,29 +182,66 @@ class PolicyModel:
         return logits.gather(1, index)  # [B, T, V]: row t predicts completion token t
 
     def token_logprobs(self, mb: MicroBatch, *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(logprobs, entropy)`` of :meth:`forward_logprobs` (the processed logprobs, with grad)."""
+        out = self.forward_logprobs(mb, with_entropy=with_entropy)
+        return out.logprobs, out.entropy
+
+    def forward_logprobs(self, mb: MicroBatch, *, with_entropy: bool = False, with_kl: bool = False) -> TokenLogprobs:
         """log pi_theta of each completion token (with grad) and, optionally, the per-token entropy.
 
         Each row is processed with the sampling settings it was generated with (``mb.samplings``; None: the
         run's), so a group sampled before the run's settings changed keeps its own temperature / top-k / top-p.
+
+        ``with_kl`` adds ``kl_logprobs`` from the same forward: the TEMPERATURE-ONLY logprobs (no top-k/top-p
+        masking, no floor), what the KL term uses (as TRL's). The processed logprobs can be -inf (floored to
+        -1e4) for a sampled token outside the current nucleus, and a KL between two such values is either
+        infinite or ~1e4; the ratio against the behaviour logprobs needs the processed ones, the KL must not.
         """
         logits = self._logits(mb)
         completion = mb.completion_ids.to(self.device)
+        mask = mb.mask.to(self.device)
         rows = self._rows_by_sampling(mb)
+        lp, entropy = self._per_setting(logits, completion, rows, with_entropy, processed=True)
+        lp = lp.clamp(min=LOGPROB_FLOOR)
+        lp = torch.where(mask > 0, lp, torch.zeros_like(lp))
+        if not with_kl:
+            return TokenLogprobs(lp, entropy)
+        if all(top_k <= 0 and top_p >= 1.0 for _, top_k, top_p in rows):
+            kl_lp = lp  # no truncation anywhere: the processed logprobs ARE the temperature-only ones
+        else:
+            kl_lp, _ = self._per_setting(logits, completion, rows, False, processed=False)
+            kl_lp = torch.where(mask > 0, kl_lp, torch.zeros_like(kl_lp))
+        return TokenLogprobs(lp, entropy, kl_lp)
+
+    def _per_setting(
+        self,
+        logits: torch.Tensor,
+        completion: torch.Tensor,
+        rows: dict[tuple[float, int, float], list[int]],
+        with_entropy: bool,
+        *,
+        processed: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs (and entropy) of each row under its own setting; ``processed=False`` drops top-k/top-p."""
+
+        def one(
+            setting: tuple[float, int, float], lg: torch.Tensor, comp: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            temperature, top_k, top_p = setting
+            s = (temperature, top_k, top_p) if processed else (temperature, -1, 1.0)
+            return _logprobs_and_entropy(lg, comp, s, with_entropy)
+
         if len(rows) == 1:
             ((setting, _),) = rows.items()
-            lp, entropy = _logprobs_and_entropy(logits, completion, setting, with_entropy)
-        else:
-            lp = torch.zeros(completion.shape, dtype=torch.float32, device=self.device)
-            entropy = torch.zeros_like(lp) if with_entropy else None
-            for setting, idx in rows.items():
-                index = torch.tensor(idx, device=self.device)
-                part, part_entropy = _logprobs_and_entropy(logits[index], completion[index], setting, with_entropy)
-                lp = lp.index_put((index,), part)
-                if entropy is not None and part_entropy is not None:
-                    entropy[index] = part_entropy
-        lp = lp.clamp(min=LOGPROB_FLOOR)
-        mask = mb.mask.to(self.device)
-        lp = torch.where(mask > 0, lp, torch.zeros_like(lp))
+            return one(setting, logits, completion)
+        lp = torch.zeros(completion.shape, dtype=torch.float32, device=self.device)
+        entropy = torch.zeros_like(lp) if with_entropy else None
+        for setting, idx in rows.items():
+            index = torch.tensor(idx, device=self.device)
+            part, part_entropy = one(setting, logits[index], completion[index])
+            lp = lp.index_put((index,), part)
+            if entropy is not None and part_entropy is not None:
+                entropy[index] = part_entropy
         return lp, entropy
 
     def _rows_by_sampling(self, mb: MicroBatch) -> dict[tuple[float, int, float], list[int]]:
@@ -204,14 +255,17 @@ class PolicyModel:
 
     @torch.no_grad()
     def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        """Logprobs under the base model: the same forward with the adapter disabled."""
+        """Temperature-only logprobs under the base model (the adapter disabled), for the KL term: the same
+        distribution as ``forward_logprobs(..., with_kl=True).kl_logprobs``, so a token outside either nucleus gives a
+        finite, truthful KL."""
         was_training = self.model.training
         self.model.eval()
         try:
             with self.model.disable_adapter():
-                lp, _ = self.token_logprobs(mb)
+                lp = self.forward_logprobs(mb, with_kl=True).kl_logprobs
         finally:
             self.model.train(was_training)
+        assert lp is not None
         return lp.detach()
 
     # -- adapter files -------------------------------------------------------------------------------

@@ -52,7 +52,8 @@ class DatasetSpec(StrictWireModel):
 
 
 class LossSpec(StrictWireModel):
-    objective: Literal["ppo_clip", "decoupled"] = "ppo_clip"
+    # ppo_clip (TRL's token-level ratio), decoupled (AReaL's), gspo (sequence-level ratio): README "Training".
+    objective: Literal["ppo_clip", "decoupled", "gspo"] = "ppo_clip"
     epsilon_low: float = Field(0.2, ge=0.0, le=1.0)
     epsilon_high: float = Field(0.28, ge=0.0, le=10.0)
     # Truncation cap C of the decoupled objective's importance weight min(pi_prox/pi_behav, C).
@@ -61,6 +62,9 @@ class LossSpec(StrictWireModel):
     scale_rewards: Literal["group", "none"] = "group"
     filter_zero_variance: bool = False
     kl_coef: float = Field(0.0, ge=0.0)
+    # TRL's name (DAPO's overlong filtering): completions cut by max_new_tokens (finish_reason "length") still
+    # enter their group's advantage statistics but are not trained on. Aborted completions never are.
+    mask_truncated_completions: bool = False
 
 
 class RunSpec(StrictWireModel):

@@ -89,6 +89,20 @@ class TrainerSettings(WorkerSettings):
         "forward under the exact version that generated them, so mismatch/logprob_abs_diff/{worker} is reported "
         "even when no sample is on-policy; 0 = on-policy samples only (free).",
     )
+    # Experiment trackers (bucketrl/trainer/trackers.py).
+    report_to: str = Field(
+        "none",
+        description="BUCKETRL_REPORT_TO: TRL's report_to: comma-separated tensorboard, wandb, trackio; none; or all "
+        "(every installed one). The libraries are the 'trackers' extra; a failing tracker never stops training.",
+    )
+    tracker_dir: str = Field(
+        "runs",
+        description="BUCKETRL_TRACKER_DIR: local directory of tracker files: TensorBoard event files in "
+        "<dir>/tensorboard/<run>, wandb's files, trackio's database (<dir>/trackio unless TRACKIO_DIR is set).",
+    )
+    tracker_project: str = Field(
+        "bucketrl", min_length=1, description="BUCKETRL_TRACKER_PROJECT: the wandb / trackio project name."
+    )
     # Model.
     seed: int = Field(0, description="BUCKETRL_SEED: seeds LoRA init and the python/numpy/torch RNGs.")
     device: str = Field("auto", description="BUCKETRL_DEVICE: auto (cuda if available), cpu, cuda, cuda:1 ...")
@@ -118,6 +132,14 @@ class TrainerSettings(WorkerSettings):
                 RunSpec.model_validate(probe)
             except ValidationError as exc:
                 raise ValueError(f"BUCKETRL_RUN_SPEC is not a valid run spec: {exc}") from exc
+        return v
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers_installed(cls, v: str) -> str:
+        from bucketrl.trainer.trackers import check_report_to
+
+        check_report_to(v)
         return v
 
     @model_validator(mode="after")

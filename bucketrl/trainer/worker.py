@@ -100,6 +100,8 @@ class TrainerWorker:
         if self.scratch is not None:
             self.scratch.mkdir(parents=True, exist_ok=True)
         self._audit_lock = threading.Lock()
+        self.run_created_at = 0.0  # the run's creation time on the proxy: names the tracker run
+        self.trackers: Any = None
 
     def _new_client(self) -> ProxyClient:
         s = self.settings
@@ -136,6 +138,8 @@ class TrainerWorker:
             self._prefetch.shutdown(wait=True)
             if self.uploader is not None:
                 self.uploader.close()
+            if self.trackers is not None:
+                self.trackers.close()
             for c in (self.client, self.claim_client, self.write_client):
                 c.close()
 
@@ -154,6 +158,7 @@ class TrainerWorker:
         log.info("registered as %s with epoch %d (latest version %d)", self.worker_id, self.epoch, self.latest_version)
         self.uploader = Uploader()
         self._resume()
+        self._open_trackers()
         self._ensure_published()
         self._audit({"event": "start", "epoch": self.epoch, "step": self.learner.step})
         pending = self._claim_ahead(steps_ahead=1)
@@ -175,7 +180,9 @@ class TrainerWorker:
         given = self.settings.run_spec_dict()
         if given is None:
             try:
-                return self.client.get_run().spec
+                info = self.client.get_run()
+                self.run_created_at = info.state.created_at
+                return info.spec
             except errors.NotFound as exc:
                 raise ConfigError(
                     f"run {self.settings.run!r} does not exist on the proxy: set BUCKETRL_RUN_SPEC to create it"
@@ -186,7 +193,8 @@ class TrainerWorker:
             given = {**given, "dataset": {**dataset, "size": self._count_dataset(dataset, upload)}}
         spec = RunSpec.model_validate(given)
         try:
-            spec = self.client.put_run(spec).spec
+            info = self.client.put_run(spec)
+            spec, self.run_created_at = info.spec, info.state.created_at
         except errors.Conflict as exc:
             raise ConfigError(
                 f"BUCKETRL_RUN_SPEC changes an immutable field of the existing run {self.settings.run!r}: "
@@ -267,6 +275,28 @@ class TrainerWorker:
             len(state.consumed_delivery_ids),
         )
         self._audit({"event": "resume", "epoch": self.epoch, "step": state.step, "acked": state.consumed_delivery_ids})
+
+    def _open_trackers(self) -> None:
+        """BUCKETRL_REPORT_TO's trackers, continuing the same tracker run after a resume."""
+        from bucketrl.trainer.trackers import open_trackers, parse_report_to, tracker_run_id
+
+        assert self.spec is not None
+        s = self.settings
+        self.trackers = open_trackers(
+            parse_report_to(s.report_to),
+            run=s.run,
+            run_id=tracker_run_id(s.run, self.run_created_at),
+            config={"run": s.run, "run_spec": self.spec.model_dump(mode="json"), "trainer": self._tracker_settings()},
+            directory=s.tracker_dir,
+            project=s.tracker_project,
+            resume_step=self.learner.step,
+        )
+
+    def _tracker_settings(self) -> dict[str, Any]:
+        """The trainer's own hyper-parameters for the tracker config (no token, no URLs)."""
+        keep = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm", "warmup_steps")
+        keep += ("lr_schedule", "min_lr_ratio", "max_steps", "sync_every", "checkpoint_every", "seed", "dtype")
+        return {k: getattr(self.settings, k) for k in keep}
 
     def _ensure_published(self) -> None:
         """Make the latest version equal the current weights (v1 on a new run)."""
@@ -474,7 +504,11 @@ class TrainerWorker:
         metrics = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(v)}
         push = MetricsPush(worker_id=self.worker_id, step=step, metrics=metrics)
 
+        trackers = self.trackers
+
         def job() -> None:
+            if trackers is not None:
+                trackers.log(metrics, step)  # guarded: a failing tracker is dropped with one warning
             try:
                 self.write_client.push_metrics(push)
             except errors.BucketRLError as exc:  # metrics are best effort: never stop training for them

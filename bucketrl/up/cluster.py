@@ -29,6 +29,7 @@ from typing import IO, Any
 import httpx
 
 from bucketrl.client import ProxyClient
+from bucketrl.trainer.trackers import default_report_to
 from bucketrl.up.config import UpConfig, build_run_spec
 from bucketrl.up.processes import Service, bucketrl_command, free_port, port_open, redis_server_binary, wait_until
 
@@ -203,6 +204,10 @@ class LocalCluster:
             "BUCKETRL_SEED": str(cfg.seed),
             "BUCKETRL_WORK_DIR": str(self.dir / "work" / "trainer"),
             "BUCKETRL_AUDIT_LOG": str(self.logs / "trainer-audit.jsonl"),
+            # TensorBoard event files in <dir>/tensorboard/<run> when tensorboard is installed (the user's own
+            # BUCKETRL_REPORT_TO wins); `tensorboard --logdir <dir>/tensorboard` shows them.
+            "BUCKETRL_REPORT_TO": os.environ.get("BUCKETRL_REPORT_TO") or default_report_to(),
+            "BUCKETRL_TRACKER_DIR": os.environ.get("BUCKETRL_TRACKER_DIR") or str(self.dir),
             **cfg.trainer_env,
         }
         return self._service("trainer", bucketrl_command("trainer"), env).start()

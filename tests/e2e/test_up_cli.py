@@ -98,4 +98,11 @@ def test_ctrl_c_stops_everything_and_a_rerun_resumes(tmp_path: Path) -> None:
     # The first session's history is part of the report: one reward per step, steps 1..N.
     assert summary["steps"] == stopped_at + 4
     assert (run_dir / "reward.png").exists() and (run_dir / "pipeline.png").exists()
+    # TensorBoard event files in the run directory (tensorboard is installed here), read with its own reader:
+    # one point per step across the Ctrl-C and the resume (steps retrained after the checkpoint are purged).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard" / "demo"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, stopped_at + 5))
     print(f"\n[up] Ctrl-C at step {stopped_at}, resumed to {summary['last_step']}; versions 1..{published[-1]}")

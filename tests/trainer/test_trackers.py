@@ -1,0 +1,198 @@
+"""Experiment trackers (BUCKETRL_REPORT_TO): the trainer worker against a real proxy, its metrics read back with
+each tracker's own reader (TensorBoard's event accumulator, wandb's offline run file, trackio's local database)
+and compared with what the trainer pushed to the proxy; resume continues the same tracker run; an unreachable
+tracker never stops training."""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.trainer.trackers import parse_report_to
+from bucketrl.trainer.worker import EXIT_OK, TrainerWorker
+from tests.proxy.harness import TOKENS, ProxyHarness, running
+from tests.support.services import RedisServer
+from tests.trainer.fake_generator import FakeGenerator
+from tests.trainer.test_worker import spec_json
+
+DATASET = {"uri": "toy:add", "size": 16}
+
+
+def train(proxy: ProxyHarness, model_dir: Path, tmp_path: Path, max_steps: int, report_to: str) -> None:
+    settings = TrainerSettings(
+        proxy_url=proxy.url,
+        token=TOKENS["trainer"],
+        run="r1",
+        worker_id="trainer-a",
+        run_spec=spec_json(model_dir, DATASET),
+        max_steps=max_steps,
+        checkpoint_every=2,
+        device="cpu",
+        lr=1e-2,
+        claim_wait_s=0.5,
+        report_to=report_to,
+        tracker_dir=str(tmp_path / "trackers"),
+        tracker_project=f"proj-{tmp_path.name}",
+        work_dir=str(tmp_path / "work"),
+    )
+    gen = FakeGenerator(proxy.url, "r1", TOKENS["generator"], worker_id="gen-a")
+    gen.start()
+    out: list[str] = []
+    try:
+        rc = TrainerWorker(settings, echo=out.append).run()
+    finally:
+        gen.stop()
+    assert rc == EXIT_OK, out
+
+
+def pushed(proxy: ProxyHarness) -> dict[int, dict[str, float]]:
+    """step -> the metrics the trainer pushed to the proxy for it."""
+    with proxy.http("viewer") as http:
+        records = http.get("/v1/runs/r1/metrics/recent", params={"count": 500}).raise_for_status().json()
+    return {r["step"]: r["metrics"] for r in records if r["worker_id"] == "trainer-a"}
+
+
+def tensorboard_scalars(logdir: Path) -> dict[int, dict[str, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    out: dict[int, dict[str, float]] = {}
+    for tag in acc.Tags()["scalars"]:
+        for ev in acc.Scalars(tag):
+            out.setdefault(ev.step, {})[tag] = ev.value
+    return out
+
+
+def _leveldb_log_records(data: bytes) -> list[bytes]:
+    """The records of a wandb run file: LevelDB's log framing (32 KiB blocks; per fragment crc32, length,
+    type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4) after wandb's 7-byte ':W&B' header. wandb 0.31 reads these
+    files in its Go core only; the records themselves are wandb's protobufs."""
+    block, pos, out, partial = 32768, 7, [], b""
+    assert data[:4] == b":W&B", data[:7]
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # the block's tail is padding
+            pos += left
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        partial = chunk if kind in (1, 2) else partial + chunk
+        if kind in (1, 4):
+            out.append(partial)
+            partial = b""
+    return out
+
+
+def wandb_history(wandb_dir: Path) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
+    """Every history row of the offline runs under ``wandb_dir`` (parsed with wandb's protobufs), the run ids
+    and the config."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows: list[dict[str, Any]] = []
+    ids: list[str] = []
+    config: dict[str, Any] = {}
+    for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        ids.append(path.stem.removeprefix("run-"))
+        for data in _leveldb_log_records(path.read_bytes()):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(data)
+            if rec.WhichOneof("record_type") == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
+                rows.append(row)
+            elif rec.WhichOneof("record_type") == "config":
+                config.update({item.key: json.loads(item.value_json) for item in rec.config.update})
+            elif rec.WhichOneof("record_type") == "run":
+                config.update({item.key: json.loads(item.value_json) for item in rec.run.config.update})
+    return rows, ids, config
+
+
+def assert_same(want: dict[int, dict[str, float]], got: dict[int, dict[str, float]], names: list[str]) -> None:
+    assert sorted(got) == sorted(want)
+    for step, metrics in want.items():
+        for name in names:
+            assert got[step][name] == pytest.approx(metrics[name], rel=1e-6), (step, name)
+
+
+def _fresh_wandb() -> None:
+    """wandb keeps its settings (the mode among them) in a process-wide singleton: start from none, so this
+    test's environment applies whatever ran before it in this process."""
+    import wandb
+
+    wandb.teardown()
+
+
+NAMES = ["train/loss", "train/grad_norm", "reward", "entropy", "ratio", "policy/version"]
+
+
+@pytest.mark.slow
+def test_tensorboard_wandb_and_trackio_get_the_trainers_metrics_and_resume_continues_them(
+    redis_server: RedisServer, tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _fresh_wandb()
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
+        train(proxy, tiny_model_dir, tmp_path, 2, "tensorboard,wandb,trackio")
+        # A second trainer process resumes the run from its step-2 checkpoint and trains to step 4.
+        train(proxy, tiny_model_dir, tmp_path, 4, "tensorboard,wandb,trackio")
+        want = pushed(proxy)
+    assert sorted(want) == [1, 2, 3, 4]
+
+    tb = tensorboard_scalars(tmp_path / "trackers" / "tensorboard" / "r1")
+    assert_same(want, tb, NAMES)
+    for step, metrics in want.items():  # every pushed metric, under the same name
+        assert set(metrics) <= set(tb[step]), set(metrics) - set(tb[step])
+
+    rows, ids, config = wandb_history(tmp_path / "trackers")
+    assert len(ids) == 2 and ids[0] == ids[1], "the resumed trainer logs to the same wandb run"
+    assert_same(want, {int(r["_step"]): r for r in rows}, NAMES)
+    assert config["run_spec"]["group_size"] == 4 and config["trainer"]["lr"] == 1e-2
+
+    from trackio.sqlite_storage import SQLiteStorage
+
+    project = f"proj-{tmp_path.name}"
+    runs = SQLiteStorage.get_runs(project)
+    assert len(runs) == 1, runs  # resume="allow": one trackio run across both trainers
+    logs = SQLiteStorage.get_logs(project, runs[0])
+    assert_same(want, {int(r["step"]): r for r in logs}, NAMES)
+
+
+def test_an_unreachable_tracker_is_warned_about_once_and_training_goes_on(
+    redis_server: RedisServer,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # wandb online against a server that refuses connections (nothing listens on port 1).
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "5")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    caplog.set_level(logging.WARNING, logger="bucketrl.trainer")
+    _fresh_wandb()
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
+        train(proxy, tiny_model_dir, tmp_path, 2, "wandb,tensorboard")
+        want = pushed(proxy)
+    warnings = [r.getMessage() for r in caplog.records if "tracker wandb" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert_same(want, tensorboard_scalars(tmp_path / "trackers" / "tensorboard" / "r1"), NAMES)
+
+
+def test_report_to_is_checked_at_start_up() -> None:
+    assert parse_report_to("none") == [] and parse_report_to("") == []
+    assert parse_report_to("tensorboard, wandb") == ["tensorboard", "wandb"]
+    with pytest.raises(ValueError, match="mlflow is not one of"):
+        TrainerSettings(report_to="tensorboard,mlflow")

@@ -6,7 +6,9 @@ httpx's ``ASGITransport`` inside ``LifespanManager``-style startup (``tests/prox
 Lifespan, in order:
 1. Redis client (``redis.asyncio``, bytes responses) and the bucket store (``open_store``).
 2. The notifier: one pub/sub connection fanning version and pipeline announcements out to long-polls.
-3. Rebuild from the bucket when Redis lost its runs (``rebuild_on_start``; see ``rebuild.py``). If Redis
+3. Bucket identity (``identity.py``): serve only the bucket this deployment has been using; until it is
+   verified every ``/v1`` route answers 503 ``bucket_identity`` (:class:`IdentityGate`).
+   Rebuild from the bucket when Redis lost its runs (``rebuild_on_start``; see ``rebuild.py``). If Redis
    is down at start the proxy still starts (``/readyz`` says 503) and the maintenance loop retries.
 4. The maintenance loop (``gc.py``): every ``gc_interval_s`` expire leases, collect old versions, sweep
    settled rollout objects a cleaner left, and rebuild again if Redis was wiped while the proxy ran.
@@ -75,6 +77,33 @@ class LatencyMiddleware:
             child.observe(time.perf_counter() - start)
 
 
+class IdentityGate:
+    """Pure-ASGI gate: ``/v1`` routes answer 503 ``bucket_identity`` until the bucket is verified as this
+    deployment's (``identity.py``). Once verified, one attribute read per request."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            from bucketrl.proxy import identity
+
+            ctx = scope["app"].state.ctx
+            if not ctx.identity.ok:
+                state = await identity.check(ctx)
+                if not state.ok:
+                    response = errors.error_response(
+                        503,
+                        "bucket_identity",
+                        str(state.problem),
+                        True,
+                        {"Retry-After": str(errors.OUTAGE_RETRY_AFTER_S)},
+                    )
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
 async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Telemetry) -> ProxyContext:
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
@@ -119,7 +148,11 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
         app.state.ctx = ctx
         ctx.notifier = Notifier.from_url(settings.redis_url, settings.redis_timeout_s)
         ctx.notifier.start()
-        if settings.rebuild_forced:
+        from bucketrl.proxy import identity
+
+        if not (await identity.check(ctx, force=True)).ok:
+            log.warning("not serving yet: %s (rechecked on requests and by the maintenance loop)", ctx.identity.problem)
+        elif settings.rebuild_forced:
             restored = await rebuild.rebuild_all(ctx)
             log.warning("--rebuild: restored %d run(s) from the bucket: %s", len(restored), ", ".join(restored))
         elif settings.rebuild_on_start:
@@ -147,6 +180,7 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
     errors.install(app)
     for router in all_routers():
         app.include_router(router)
+    app.add_middleware(IdentityGate)
     app.add_middleware(LatencyMiddleware, telemetry=telemetry)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -11,6 +11,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from bucketrl.proxy.identity import IdentityState
+
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
@@ -36,5 +38,7 @@ class ProxyContext:
     cleaner: BatchCleaner | None = None
     # Serialises rebuilds inside this app (several requests may notice a wiped Redis at once).
     rebuild_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Whether the bucket is this deployment's (``identity.py``); set by the lifespan.
+    identity: IdentityState = field(default_factory=IdentityState)
     # Extra per-app objects other areas hang on the context (e.g. P3's queue helpers), by name.
     extras: dict[str, object] = field(default_factory=dict)

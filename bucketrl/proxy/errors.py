@@ -7,7 +7,8 @@ exception                                      status  code                     
 =============================================  ======  =======================  =========
 ``bucketrl.errors.BucketRLError`` subclasses   its     its ``code``             its flag
 ``Backpressure``                               429     backpressure (+ Retry-After header)
-``redis`` ConnectionError / TimeoutError       503     redis_unavailable        yes
+``Unavailable`` (bucket outage, ...)           503     unavailable (+ Retry-After header)
+``redis`` ConnectionError / TimeoutError       503     redis_unavailable (+ Retry-After)  yes
 ``RequestValidationError`` (query/path/body)   422     invalid (names the field)
 ``starlette`` HTTPException (404 route, 405)   its     not_found / http_<n>
 ``ClientDisconnect`` (hung up mid-body)        400     client_disconnected      yes
@@ -34,6 +35,10 @@ from bucketrl import errors
 from bucketrl.wire import ErrorBody
 
 log = logging.getLogger("bucketrl.proxy")
+
+# Retry-After of a 503 (an outage of Redis or the bucket): soon enough to notice the recovery quickly, far
+# enough apart that a fleet of workers does not hammer a proxy that cannot serve them.
+OUTAGE_RETRY_AFTER_S = 2
 
 
 def error_response(
@@ -70,6 +75,9 @@ async def _bucketrl_error(request: Request, exc: Exception) -> JSONResponse:
         ctx = getattr(request.app.state, "ctx", None)
         if ctx is not None:
             ctx.telemetry.backpressure_rejections.labels(route=_route_of(request)).inc()
+    if isinstance(exc, errors.Unavailable):
+        seconds = exc.retry_after if exc.retry_after is not None else OUTAGE_RETRY_AFTER_S
+        headers["Retry-After"] = str(max(1, math.ceil(seconds)))
     if exc.status >= 500:
         log.warning("%s %s -> %s %s: %s", request.method, request.url.path, exc.status, exc.code, exc.message)
     return error_response(exc.status, exc.code, exc.message, exc.retryable, headers or None)
@@ -77,7 +85,13 @@ async def _bucketrl_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
     log.warning("%s %s -> 503: redis unreachable: %r", request.method, request.url.path, exc)
-    return error_response(503, "redis_unavailable", "coordination store (Redis) unreachable; retry", True)
+    return error_response(
+        503,
+        "redis_unavailable",
+        "coordination store (Redis) unreachable; retry",
+        True,
+        {"Retry-After": str(OUTAGE_RETRY_AFTER_S)},
+    )
 
 
 async def _validation(request: Request, exc: Exception) -> JSONResponse:
@@ -132,7 +146,7 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     out: dict[int | str, dict[str, Any]] = {}
     for s in statuses:
         entry: dict[str, Any] = {"model": ErrorBody, "description": text.get(s, "Error.")}
-        if s == 429:
+        if s in (429, 503):
             entry["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds to wait."}}
         out[s] = entry
     return out

@@ -68,7 +68,7 @@ async def collect_all(ctx: Any) -> dict[str, list[int]]:
 async def maintenance_loop(ctx: Any, stop: asyncio.Event) -> None:
     """Run passes until ``stop`` is set. A stop flag, not just cancellation: a cancel that lands inside a
     Redis read's own timeout can surface as a Redis TimeoutError, which this loop must survive."""
-    from bucketrl.proxy import rebuild
+    from bucketrl.proxy import identity, rebuild
 
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
@@ -76,6 +76,8 @@ async def maintenance_loop(ctx: Any, stop: asyncio.Event) -> None:
         if stop.is_set():
             return
         try:
+            if not (await identity.check(ctx, force=True)).ok:
+                continue  # never rebuild from, or collect in, a bucket that is not this deployment's
             if ctx.settings.rebuild_on_start:
                 await rebuild.rebuild_if_wiped(ctx)
             await collect_all(ctx)

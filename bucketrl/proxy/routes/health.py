@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from bucketrl import errors
+from bucketrl.proxy import identity
 from bucketrl.proxy.deps import CtxDep
 from bucketrl.proxy.errors import responses
 
@@ -34,7 +35,7 @@ async def healthz() -> Health:
 @router.get(
     "/readyz",
     response_model=Readiness,
-    summary="Readiness: Redis answers PING and the bucket is reachable and writable.",
+    summary="Readiness: Redis answers PING, the bucket is reachable and writable and is this deployment's.",
     responses={503: {"model": Readiness, "description": "Redis or the bucket is unreachable."}},
 )
 async def readyz(ctx: CtxDep) -> JSONResponse:
@@ -43,10 +44,19 @@ async def readyz(ctx: CtxDep) -> JSONResponse:
         await ctx.redis.ping()
     except Exception as exc:  # any failure means "not ready"; the reason is in the body
         redis_state = f"unavailable: {type(exc).__name__}"
-    try:
-        await asyncio.to_thread(ctx.store.check)
-    except errors.BucketRLError as exc:
-        bucket_state = f"unavailable: {exc.message[:200]}"
+    state = ctx.identity if ctx.identity.refused else await identity.check(ctx)
+    if state.refused:
+        # No write probe into a bucket that is not this deployment's (it may be an empty stand-in that the
+        # operator is about to replace with the real one).
+        bucket_state = f"refused: {str(state.problem)[:300]}"
+    else:
+        try:
+            await asyncio.to_thread(ctx.store.check)
+        except errors.BucketRLError as exc:
+            bucket_state = f"unavailable: {exc.message[:200]}"
+        else:
+            if not state.ok:
+                bucket_state = f"unavailable: {str(state.problem)[:200]}"
     ok = redis_state == "ok" and bucket_state == "ok"
     body = Readiness(status="ok" if ok else "unavailable", redis=redis_state, bucket=bucket_state)
     return JSONResponse(body.model_dump(), status_code=200 if ok else 503)

@@ -60,6 +60,7 @@ class S3Store:
         max_concurrency: int = 4,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 60.0,
+        max_attempts: int = 3,
     ) -> None:
         self.bucket = bucket
         self.prefix = normalize_prefix(prefix)  # "" or "some/prefix/"
@@ -71,7 +72,7 @@ class S3Store:
             multipart_chunksize=multipart_chunksize,
             max_concurrency=max_concurrency,
         )
-        self._client = self._make_client(connect_timeout_s, read_timeout_s, attempts=3)
+        self._client = self._make_client(connect_timeout_s, read_timeout_s, attempts=max_attempts)
         # The readiness probe must answer fast when the endpoint is down: one attempt, short timeouts.
         self._probe_client = self._make_client(2.0, 5.0, attempts=1)
 

@@ -4,16 +4,21 @@ One method per route of the REST contract, typed with :mod:`bucketrl.wire` model
 turned back into :mod:`bucketrl.errors` classes at exactly one place (:meth:`ProxyClient._request`), so
 worker code catches ``Backpressure``, ``Stale``, ``Fenced``... and never looks at status codes.
 
-Transport failures (connection refused, timeouts) and retryable errors (503) are retried with
-exponential backoff up to ``retries`` times; 429 is returned to the caller as ``Backpressure`` so it
-can account the wait as ``rollout/backpressure_s``.
+Transient failures (connection refused, timeouts, any 5xx: a proxy restarting, Redis or the bucket down)
+are retried with exponential backoff that waits at least the answer's ``Retry-After``: up to ``retries``
+times, or, for a worker (``outage=``:class:`Outage`), for as long as its outage budget lasts (default 10
+minutes, BUCKETRL_OUTAGE_BUDGET_S), logging once when the outage starts and once when it ends. Every route
+a worker retries is idempotent on the proxy. 429 is returned to the caller as ``Backpressure`` so it can
+account the wait as ``rollout/backpressure_s``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
@@ -47,6 +52,70 @@ from bucketrl.wire.datasets import DatasetInfo
 
 M = TypeVar("M", bound=BaseModel)
 
+log = logging.getLogger("bucketrl.client")
+
+MAX_BACKOFF_S = 10.0  # between two attempts during an outage (unless Retry-After asks for longer)
+MAX_RETRY_AFTER_S = 60.0  # a larger Retry-After is capped: the proxy may be back sooner than it guessed
+
+
+class Outage:
+    """One worker's view of proxy outages, shared by all its clients (threads).
+
+    An outage starts at the first transient failure of any request and ends at the next success of any
+    request. It is logged once at each end; a request gives up (raises the last error) once the outage has
+    lasted ``budget_s``.
+    """
+
+    STOP_GRACE_S = 30.0  # budget left to a stopping worker (its last checkpoint), however long the full one
+
+    def __init__(self, budget_s: float, who: str = "worker") -> None:
+        self.budget_s = budget_s
+        self.who = who
+        self.since: float | None = None
+        self.outages = 0
+        self._lock = threading.RLock()  # re-entrant: ``stopping`` runs in signal handlers
+        self._changed = threading.Event()  # wakes retry waits when the budget shrinks
+
+    def stopping(self) -> None:
+        """The worker is shutting down: cut the budget to :attr:`STOP_GRACE_S` (a SIGTERM during an outage
+        must not wait out ten minutes), waking every retry wait to re-check it."""
+        with self._lock:
+            self.budget_s = min(self.budget_s, self.STOP_GRACE_S)
+        self._changed.set()
+
+    def wait(self, seconds: float) -> None:
+        self._changed.wait(seconds)
+
+    def failed(self, err: errors.BucketRLError) -> float:
+        """Record a transient failure; returns the seconds left of the budget (<= 0: give up)."""
+        now = time.monotonic()
+        with self._lock:
+            if self.since is None:
+                self.since = now
+                self.outages += 1
+                log.warning(
+                    "%s: proxy unavailable (%s %s); retrying for up to %.0fs (BUCKETRL_OUTAGE_BUDGET_S)",
+                    self.who,
+                    err.code,
+                    err.message[:200],
+                    self.budget_s,
+                )
+            return self.since + self.budget_s - now
+
+    def recovered(self) -> None:
+        if self.since is None:  # the common case: no lock on the hot path
+            return
+        with self._lock:
+            if self.since is not None:
+                log.warning("%s: proxy available again after %.1fs", self.who, time.monotonic() - self.since)
+                self.since = None
+
+
+def _transient(err: errors.BucketRLError) -> bool:
+    """Worth retrying: the proxy or what is behind it is down or restarting (never a 4xx, never a 429)."""
+    return err.status >= 500 and err.retryable
+
+
 TAR = "application/x-tar"
 
 
@@ -63,11 +132,15 @@ class ProxyClient:
         retries: int = 5,
         backoff_s: float = 0.2,
         transport: httpx.BaseTransport | None = None,
+        outage: Outage | None = None,
     ) -> None:
+        """``retries``: attempts after the first, for a client without ``outage``; with one, transient failures
+        are retried until its budget is spent instead."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.run = run
         self.retries = retries
         self.backoff_s = backoff_s
+        self.outage = outage
         self.epoch: int | None = None
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
@@ -97,31 +170,48 @@ class ProxyClient:
         self, method: str, url: str, *, retry: bool = True, extra_timeout_s: float = 0.0, **kw: Any
     ) -> httpx.Response:
         """Send one request; translate error bodies into bucketrl errors; retry transient failures."""
-        attempts = self.retries + 1 if retry else 1
         if extra_timeout_s:
             kw["timeout"] = self._http.timeout.read + extra_timeout_s if self._http.timeout.read else None
-        last: BaseException | None = None
-        for attempt in range(attempts):
-            try:
-                resp = self._http.request(method, url, **kw)
-            except httpx.TransportError as exc:
-                last = errors.Unavailable(f"proxy unreachable: {exc!r}")
-            else:
-                if resp.status_code < 400:
-                    return resp
-                try:
-                    body = resp.json()
-                except ValueError:
-                    body = resp.text
-                ra = resp.headers.get("Retry-After")
-                err = errors.from_wire(resp.status_code, body, float(ra) if ra else None)
-                if not (err.retryable and isinstance(err, errors.Unavailable)):
+        attempt = 0
+        while True:
+            resp, err = self._attempt(method, url, kw)
+            if err is None:
+                return resp
+            if not (retry and _transient(err)):
+                raise err
+            if self.outage is not None:
+                left = self.outage.failed(err)
+                if left <= 0:
                     raise err
-                last = err
-            if attempt + 1 < attempts:
-                time.sleep(min(5.0, self.backoff_s * 2**attempt) * (0.5 + random.random()))
-        assert last is not None
-        raise last
+            else:
+                left = float("inf")
+                if attempt >= self.retries:
+                    raise err
+            backoff = min(MAX_BACKOFF_S, self.backoff_s * 2**attempt) * (0.5 + random.random())
+            wait = max(0.0, min(max(backoff, min(err.retry_after or 0.0, MAX_RETRY_AFTER_S)), left))
+            if self.outage is not None:
+                self.outage.wait(wait)
+            else:
+                time.sleep(wait)
+            attempt += 1
+
+    def _attempt(
+        self, method: str, url: str, kw: dict[str, Any]
+    ) -> tuple[httpx.Response, None] | tuple[None, errors.BucketRLError]:
+        """One request: the response on success, else the error it amounts to."""
+        try:
+            resp = self._http.request(method, url, **kw)
+        except httpx.TransportError as exc:
+            return None, errors.Unavailable(f"proxy unreachable: {exc!r}")
+        if resp.status_code < 400:
+            if self.outage is not None:
+                self.outage.recovered()
+            return resp, None
+        try:
+            body = resp.json()
+        except ValueError:
+            body = resp.text
+        return None, errors.from_wire(resp.status_code, body, _retry_after(resp))
 
     def _json(self, method: str, url: str, model: type[M], body: BaseModel | None = None, **kw: Any) -> M:
         if body is not None:
@@ -338,3 +428,11 @@ class ProxyClient:
             if info is not None:
                 after = info.version
                 yield info
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    raw = resp.headers.get("Retry-After")
+    try:
+        return max(0.0, float(raw)) if raw else None
+    except ValueError:  # an HTTP-date (not sent by the proxy): treat as absent
+        return None

@@ -4,10 +4,17 @@ All settings come from ``BUCKETRL_*`` environment variables (pydantic-settings).
 built by entry points, never at import time.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bucketrl.wire.common import ID_PATTERN
+
+if TYPE_CHECKING:
+    from bucketrl.client import Outage, ProxyClient
 
 
 class WorkerSettings(BaseSettings):
@@ -20,6 +27,24 @@ class WorkerSettings(BaseSettings):
     run: str = Field("demo", pattern=ID_PATTERN, description="Run id (BUCKETRL_RUN).")
     worker_id: str = Field("", description="Stable worker id; default: hostname-pid (BUCKETRL_WORKER_ID).")
     http_timeout_s: float = Field(30.0, gt=0, description="Per-request HTTP timeout (BUCKETRL_HTTP_TIMEOUT_S).")
+    outage_budget_s: float = Field(
+        600.0,
+        ge=0,
+        description="BUCKETRL_OUTAGE_BUDGET_S: ride out a proxy outage (unreachable, 5xx: a restart, Redis or the "
+        "bucket down) this long, retrying with backoff that honours Retry-After; then give up (exit 1).",
+    )
+
+    def proxy_client(self, outage: Outage) -> ProxyClient:
+        """A client for this worker that retries through proxy outages as ``outage`` (shared by the worker's
+        clients: one log line per outage, one budget) allows."""
+        from bucketrl.client import ProxyClient
+
+        return ProxyClient(self.proxy_url, self.run, self.token, timeout_s=self.http_timeout_s, outage=outage)
+
+    def outage(self, who: str) -> Outage:
+        from bucketrl.client import Outage
+
+        return Outage(self.outage_budget_s, who)
 
     @field_validator("proxy_url")
     @classmethod

@@ -60,9 +60,8 @@ class GeneratorWorker:
     ) -> None:
         self.settings = settings
         self.worker_id = settings.resolved_worker_id("generator")
-        self.client = client or ProxyClient(
-            settings.proxy_url, settings.run, settings.token, timeout_s=settings.http_timeout_s
-        )
+        # Retries through proxy outages for BUCKETRL_OUTAGE_BUDGET_S, logging each outage once (all threads).
+        self.client = client or settings.proxy_client(settings.outage(self.worker_id))
         self.engine = engine
         self._own_engine = engine is None  # an engine passed in belongs to the caller: not closed here
         self.stop_event = threading.Event()
@@ -88,6 +87,8 @@ class GeneratorWorker:
         if not self.stop_event.is_set():
             log.info("stop requested: no new leases; finishing what is in flight")
         self.stop_event.set()
+        if self.client.outage is not None:
+            self.client.outage.stopping()
         self._version_ready.set()
 
     def install_signal_handlers(self) -> None:

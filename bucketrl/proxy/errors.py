@@ -38,7 +38,7 @@ log = logging.getLogger("bucketrl.proxy")
 
 # Retry-After of a 503 (an outage of Redis or the bucket): soon enough to notice the recovery quickly, far
 # enough apart that a fleet of workers does not hammer a proxy that cannot serve them.
-OUTAGE_RETRY_AFTER_S = 2
+OUTAGE_RETRY_AFTER_S = 1
 
 
 def error_response(

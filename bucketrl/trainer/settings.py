@@ -71,11 +71,6 @@ class TrainerSettings(WorkerSettings):
     max_rollout_wait_s: float = Field(
         0.0, ge=0.0, description="BUCKETRL_MAX_ROLLOUT_WAIT_S: give up (exit 1) if a step waits longer; 0 = forever."
     )
-    proxy_retry_s: float = Field(
-        300.0,
-        ge=0.0,
-        description="BUCKETRL_PROXY_RETRY_S: keep retrying through a proxy outage this long, then exit 1.",
-    )
     audit_log: str = Field(
         "",
         description="BUCKETRL_AUDIT_LOG: append a JSON line per start/resume/step/checkpoint (epoch, step, delivery "

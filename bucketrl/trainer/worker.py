@@ -79,7 +79,9 @@ class TrainerWorker:
     def __init__(self, settings: TrainerSettings, *, echo: Callable[[str], None] = print) -> None:
         self.settings = settings
         self.worker_id = settings.resolved_worker_id("trainer")
-        # One client per thread (main, claim prefetch, uploader): each keeps its own connection.
+        # One client per thread (main, claim prefetch, uploader): each keeps its own connection. They share one
+        # outage budget (BUCKETRL_OUTAGE_BUDGET_S) and log an outage once, whichever thread meets it first.
+        self.outage = settings.outage(self.worker_id)
         self.client, self.claim_client, self.write_client = (self._new_client() for _ in range(3))
         self.echo = echo
         self.stop_requested = threading.Event()
@@ -104,8 +106,7 @@ class TrainerWorker:
         self.trackers: Any = None
 
     def _new_client(self) -> ProxyClient:
-        s = self.settings
-        return ProxyClient(s.proxy_url, s.run, s.token, timeout_s=s.http_timeout_s)
+        return self.settings.proxy_client(self.outage)
 
     # -- entry point ------------------------------------------------------------------------------------
 
@@ -113,6 +114,7 @@ class TrainerWorker:
         if not self.stop_requested.is_set():
             log.info("stop requested: finishing the current step, then checkpointing")
         self.stop_requested.set()
+        self.outage.stopping()
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
@@ -538,12 +540,14 @@ class TrainerWorker:
     # -- helpers ------------------------------------------------------------------------------------------------
 
     def _retrying(self, call: Callable[[], T]) -> T:
-        """Retry a call through proxy outages (503 / unreachable) for up to ``proxy_retry_s``.
+        """Retry a call through proxy outages (503 / unreachable) for up to ``outage_budget_s``.
 
-        Every call retried here is idempotent on the proxy: claims of a dead request are redelivered, a
-        re-sent publish or checkpoint of the same bytes answers 200, acks are idempotent.
+        The client already retries each request through an outage for that long (with backoff honouring
+        Retry-After); this covers an Unavailable raised by the call itself. Every call retried here is
+        idempotent on the proxy: claims of a dead request are redelivered, a re-sent publish or checkpoint of
+        the same bytes answers 200, acks are idempotent.
         """
-        deadline = time.monotonic() + self.settings.proxy_retry_s
+        deadline = time.monotonic() + self.settings.outage_budget_s
         while True:
             try:
                 return call()

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from bucketrl.wire.common import ID_PATTERN
+
+if TYPE_CHECKING:
+    from bucketrl.up.processes import RestartPolicy
 
 Engine = Literal["transformers", "vllm"]
 
@@ -50,6 +53,9 @@ class UpConfig(BaseModel):
     # everysec: a Redis crash may lose its last second (the proxy rebuilds from the bucket); always: none.
     redis_fsync: Literal["everysec", "always"] = "everysec"
     prompt_lease_ttl_s: float = Field(60.0, gt=1.0, description="A killed generator's prompts return after this.")
+    # Give up on a service only when it keeps dying quickly: this many deaths within restart_window_s.
+    restart_max_deaths: int = Field(5, ge=1, description="Deaths within restart_window_s that end the run.")
+    restart_window_s: float = Field(60.0, gt=0, description="The window of restart_max_deaths, in seconds.")
     # Extra BUCKETRL_* variables for every worker / the trainer / the generators / the proxy.
     worker_env: dict[str, str] = Field(default_factory=dict)
     trainer_env: dict[str, str] = Field(default_factory=dict)
@@ -81,6 +87,12 @@ class UpConfig(BaseModel):
     def is_demo(self) -> bool:
         """The measured default: tiny model on a toy task."""
         return self.builtin_model and self.dataset_uri.startswith("toy:")
+
+    @property
+    def restart_policy(self) -> RestartPolicy:
+        from bucketrl.up.processes import RestartPolicy
+
+        return RestartPolicy(self.restart_max_deaths, self.restart_window_s)
 
     def engine_of(self, index: int) -> Engine:
         if self.generator_engines:

@@ -2,7 +2,9 @@
 
 Supervision: a generator, the proxy or Redis that dies is started again (that is what a container
 orchestrator would do; the run loses nothing, see DESIGN section 4); a trainer that fails with exit code 1
-is restarted and resumes from its checkpoint; exit 2 (bad configuration) or 3 (fenced) ends the run. The
+is restarted and resumes from its checkpoint; exit 2 (bad configuration) or 3 (fenced) ends the run. A
+service is given up on only when it keeps dying quickly (``UpConfig.restart_policy``: 5 deaths within 60 s
+by default), never for the number of restarts over a long run. The
 run ends when the trainer exits 0 (``max_steps`` reached) or on Ctrl-C / SIGTERM: workers get SIGTERM
 first (generators release their prompts, the trainer checkpoints), the proxy and Redis last.
 """
@@ -21,7 +23,6 @@ from bucketrl.up.cluster import LocalCluster
 from bucketrl.up.config import UpConfig
 from bucketrl.up.watch import RunWatcher
 
-MAX_RESTARTS = 5
 TRAINER_FATAL = {2: "bad configuration", 3: "fenced by a newer trainer"}
 
 
@@ -110,6 +111,7 @@ def _supervise(
     from bucketrl.up.live import render
 
     cfg = cluster.cfg
+    policy = cfg.restart_policy
     max_steps = cfg.effective_max_steps()
     note = ""
     last_print = 0.0
@@ -141,8 +143,10 @@ def _supervise(
                     note = "trainer finished"
                     watcher.poll()
                     break
-                if rc in TRAINER_FATAL or trainer.starts > MAX_RESTARTS:
-                    console.print(f"[red]trainer exited {rc} ({TRAINER_FATAL.get(rc, 'too many restarts')}):[/]")
+                looping = rc not in TRAINER_FATAL and trainer.record_death(policy)
+                if rc in TRAINER_FATAL or looping:
+                    why = TRAINER_FATAL.get(rc) or f"crash loop: {policy.describe()}"
+                    console.print(f"[red]trainer exited {rc} ({why}):[/]")
                     console.print(trainer.log_tail(15))
                     return 1
                 note = f"trainer exited {rc}: restarting (it resumes from its checkpoint)"
@@ -151,8 +155,10 @@ def _supervise(
                 svc = cluster.services.get(name)
                 if svc is None or svc.alive:
                     continue
-                if svc.starts > MAX_RESTARTS:
-                    raise RuntimeError(f"{name} keeps exiting ({svc.returncode}); see {svc.log_path}")
+                if svc.record_death(policy):
+                    raise RuntimeError(
+                        f"{name} keeps exiting ({svc.returncode}; {policy.describe()}); see {svc.log_path}"
+                    )
                 note = f"{name} exited {svc.returncode}: restarting"
                 cluster.restart(name)
             if live:

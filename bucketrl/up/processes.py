@@ -73,6 +73,23 @@ def bucketrl_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "bucketrl.cli", *args]
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When ``bucketrl up`` gives up on a service: only when it keeps dying quickly, ``max_deaths`` deaths
+    within ``window_s`` seconds (a crash loop). A service killed now and then over a long run (an OOM kill,
+    a node drain, a chaos test) is restarted every time, however many times that adds up to."""
+
+    max_deaths: int = 5
+    window_s: float = 60.0
+
+    def crash_looping(self, deaths: list[float], now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return sum(1 for t in deaths if now - t <= self.window_s) >= self.max_deaths
+
+    def describe(self) -> str:
+        return f"{self.max_deaths} deaths within {self.window_s:.0f}s"
+
+
 @dataclass
 class Service:
     """One child process: ``argv`` + ``env``, output appended to ``log_path``."""
@@ -85,6 +102,13 @@ class Service:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     on_start: Callable[[], None] | None = None
+    deaths: list[float] = field(default_factory=list)  # monotonic times the supervisor saw it dead
+
+    def record_death(self, policy: RestartPolicy) -> bool:
+        """Note that the supervisor found this service dead; True when ``policy`` says it is crash-looping."""
+        now = time.monotonic()
+        self.deaths = [t for t in self.deaths if now - t <= policy.window_s] + [now]
+        return policy.crash_looping(self.deaths, now)
 
     def start(self) -> Service:
         if self.alive:

@@ -18,6 +18,11 @@ Each task loops:
     POST   rollouts/claim       up to 1 group, no wait (trainer, X-Trainer-Epoch)
     POST   rollouts/ack         the claimed delivery (trainer)
 
+``--mix submit-heavy`` (issue 17) instead: each of the ``--clients`` generators holds a version lease and loops
+``POST prompts/lease`` (one prompt) -> ``POST rollouts`` (its group), and one trainer loops ``POST rollouts/claim``
+(up to ``--clients`` groups, long-polled 0.5 s) -> ``POST rollouts/ack``: the submit route dominates.
+``proxy_cpu_ms_per_group`` is the proxy's CPU per accepted group in either mix.
+
 Then the long-poll wake-up: ``--waiters`` clients block on ``GET adapters/latest?after=N&wait_s=30``, the trainer
 publishes N+1, ``--rounds`` times. ``wakeup.p50_ms``/``p99_ms``: a waiter's answer arriving - the publisher's 200
 arriving (the commit point the client can observe; negative = the waiter heard first).
@@ -75,6 +80,8 @@ from typing import Any
 import httpx
 import msgpack
 
+from bucketrl.sim.cluster import cpu_seconds
+
 RUN = "bench"
 TOKENS = {"admin": "bench-admin", "trainer": "bench-trainer", "generator": "bench-gen", "viewer": "bench-view"}
 VOCAB = 32_000
@@ -96,26 +103,6 @@ def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> Non
             return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
-
-
-def cpu_seconds(pid: int, children: bool = False) -> float:
-    """user+system CPU time of a process (and, with ``children``, its live descendants: ``--proxy-workers``
-    forks replicas), to report CPU per request independent of machine load."""
-    total = 0.0
-    for p in [pid, *(child_pids(pid) if children else [])]:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
-def child_pids(pid: int) -> list[int]:
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                out += [int(child), *child_pids(int(child))]
-    return out
 
 
 def redis_binary() -> str:
@@ -397,6 +384,56 @@ async def client_loop(
         conn.close()
 
 
+async def submit_heavy_generator(
+    i: int, port: int, stats: Stats, stop_at: list[float], packer: BatchPacker, pacer: Pacer | None = None
+) -> None:
+    """``--mix submit-heavy``, one generator: hold a version lease; lease one prompt, submit its group, repeat."""
+    worker = f"gen-{i}"
+    run = f"/v1/runs/{RUN}"
+    gen = auth("generator")
+    json_gen = {**gen, "Content-Type": "application/json"}
+    lease_head = request_head("POST", f"{run}/leases", json_gen)
+    prompts_head = request_head("POST", f"{run}/prompts/lease", json_gen)
+    prompts_body = json.dumps({"worker_id": worker, "n": 1, "ttl_s": 300}).encode()
+    submit_prefix = request_head("POST", f"{run}/rollouts", {**gen, "Content-Type": "application/msgpack"})
+    conn = await RawHttp.connect(port)
+    try:
+        status, answer = await conn.request(lease_head, json.dumps({"worker_id": worker, "ttl_s": 600}).encode())
+        if status != 200:
+            raise RuntimeError(f"POST leases -> {status}: {answer[:500]!r}")
+        lease = json.loads(answer)
+        while time.perf_counter() < stop_at[0]:
+            status, answer = await stats.call(conn, "POST prompts/lease", prompts_head, prompts_body, pacer=pacer)
+            items = json.loads(answer)["prompts"] if status == 200 else []
+            if not items:
+                await asyncio.sleep(0.01)  # the queue is full: the trainer is behind
+                continue
+            item = items[0]
+            body = packer.pack(worker, lease["lease_id"], lease["version"], item["prompt_id"], item["index"])
+            head = submit_prefix + b"Idempotency-Key: %s\r\n" % uuid.uuid4().hex.encode()
+            await stats.call(conn, "POST rollouts", head, body, pacer=pacer)
+    finally:
+        conn.close()
+
+
+async def submit_heavy_trainer(port: int, epoch: int, stats: Stats, stop_at: list[float], max_groups: int) -> None:
+    """``--mix submit-heavy``, the trainer: claim up to ``max_groups`` groups (long-polled), ack them, repeat."""
+    run = f"/v1/runs/{RUN}"
+    json_trn = {**auth("trainer", epoch), "Content-Type": "application/json"}
+    claim_head = request_head("POST", f"{run}/rollouts/claim", json_trn)
+    claim_body = json.dumps({"consumer": "bench-trainer", "max_groups": max_groups, "wait_s": 0.5}).encode()
+    ack_head = request_head("POST", f"{run}/rollouts/ack", json_trn)
+    conn = await RawHttp.connect(port)
+    try:
+        while time.perf_counter() < stop_at[0]:
+            status, answer = await stats.call(conn, "POST rollouts/claim", claim_head, claim_body)
+            ids = [m.decode() for m in DELIVERY_ID.findall(answer)] if status == 200 else []
+            if ids:
+                await stats.call(conn, "POST rollouts/ack", ack_head, json.dumps({"delivery_ids": ids}).encode())
+    finally:
+        conn.close()
+
+
 async def publish(http: httpx.AsyncClient, version: int, epoch: int) -> None:
     tar = adapter_tar(version)
     headers = {**auth("trainer", epoch), "X-Content-SHA256": hashlib.sha256(tar).hexdigest()}
@@ -483,9 +520,17 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
         start = begin + args.warmup
         pacers = [Pacer(interval, start + interval * i / args.clients) for i in range(args.clients)]
         stats.window = (begin + args.warmup, begin + args.warmup + args.duration)
-    tasks = [
-        asyncio.create_task(client_loop(i, port, epoch, stats, stop_at, packer, pacers[i])) for i in range(args.clients)
-    ]
+    if args.mix == "submit-heavy":
+        tasks = [
+            asyncio.create_task(submit_heavy_generator(i, port, stats, stop_at, packer, pacers[i]))
+            for i in range(args.clients)
+        ]
+        tasks.append(asyncio.create_task(submit_heavy_trainer(port, epoch, stats, stop_at, args.clients)))
+    else:
+        tasks = [
+            asyncio.create_task(client_loop(i, port, epoch, stats, stop_at, packer, pacers[i]))
+            for i in range(args.clients)
+        ]
     await asyncio.sleep(args.warmup)
     stats.recording = True
     spy = start_py_spy(pids["proxy"], args.py_spy, args.duration) if args.py_spy else None
@@ -509,12 +554,14 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
             "status": dict(sorted(stats.statuses[route].items())),
         }
     total = sum(r["n"] for r in routes.values())
+    submitted = routes.get("POST rollouts", {}).get("status", {}).get(202, 0)
     non_2xx = sum(n for r in routes.values() for code, n in r["status"].items() if not 200 <= code < 300)
     wakeup = await measure_wakeup(base, epoch, 1, args.waiters, args.rounds)
     rps = total / elapsed
     return {
         "config": {
             "clients": args.clients,
+            "mix": args.mix,
             "duration_s": args.duration,
             "group": f"{args.group_size}x{args.tokens} tokens",
             "cpus": os.cpu_count(),
@@ -529,6 +576,8 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
         },
         # CPU per request of each process: what the machine's load does not change (a 1-core proxy caps at 1000/ms).
         "cpu_ms_per_request": {name: round(1000 * sec / max(total, 1), 3) for name, sec in cpu.items()},
+        # per group submitted (202) in the window: the figure issue 17 halves
+        "proxy_cpu_ms_per_group": round(1000 * cpu["proxy"] / max(submitted, 1), 3),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "routes": routes,
         "wakeup": wakeup,
@@ -553,6 +602,13 @@ def main() -> None:
     parser.add_argument("--profile-proxy", type=Path, help="run the proxy under cProfile, stats to this file")
     parser.add_argument("--py-spy", type=Path, help="sample the proxy with py-spy over the measured window (raw)")
     parser.add_argument("--proxy-workers", type=int, default=1, help="proxy processes (1 = the target's figure)")
+    parser.add_argument(
+        "--mix",
+        choices=("default", "submit-heavy"),
+        default="default",
+        help="default: the six-request generator/trainer cycle per client; submit-heavy: each client leases one "
+        "prompt and submits its group, one trainer claims --clients groups at a time and acks them",
+    )
     parser.add_argument(
         "--rate",
         type=float,

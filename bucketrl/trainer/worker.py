@@ -145,12 +145,16 @@ class TrainerWorker:
             for c in (self.client, self.claim_client, self.write_client):
                 c.close()
 
-    def _run(self) -> int:
+    def _make_learner(self, spec: RunSpec) -> Any:
+        """The policy, optimizer and step counter (the simulated trainer, ``bucketrl.sim.trainer``, swaps it)."""
         from bucketrl.trainer.learner import Learner
 
+        return Learner(spec, self.settings)
+
+    def _run(self) -> int:
         self.spec = self._ensure_run()
         self._seed()
-        self.learner = Learner(self.spec, self.settings)
+        self.learner = self._make_learner(self.spec)
         if self.stop_requested.is_set():  # SIGTERM during the model load: leave the current trainer alone
             self.echo("bucketrl trainer: stopped before registering; nothing changed")
             return EXIT_OK

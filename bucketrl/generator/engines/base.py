@@ -1,6 +1,6 @@
 """The engine seam: what the worker loop needs from an inference engine, and the factory that builds one.
 
-    engine = make_engine(settings, spec)          # vllm or transformers, from BUCKETRL_ENGINE
+    engine = make_engine(settings, spec)          # vllm, transformers or sim, from BUCKETRL_ENGINE
     engine.load_adapter("demo-v3", 3, "/cache/demo/v3")
     groups = engine.generate([[5, 6, 7]], adapter="demo-v3", n=8, sampling=spec.sampling)
     groups[0][0].token_ids, groups[0][0].logprobs, groups[0][0].finish_reason
@@ -130,6 +130,10 @@ def make_engine(settings: GeneratorSettings, spec: RunSpec) -> Engine:
         from bucketrl.generator.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(model, settings=settings, spec=spec)
+    if settings.engine == "sim":
+        from bucketrl.generator.engines.sim_engine import SimEngine
+
+        return SimEngine(settings=settings, spec=spec)
     from bucketrl.generator.engines.transformers_engine import TransformersEngine
 
     return TransformersEngine(model, settings=settings, spec=spec)

@@ -1,0 +1,111 @@
+"""``BUCKETRL_ENGINE=sim``: a SIMULATED engine for benchmarks and tests. It holds no model.
+
+Each call takes the time :class:`bucketrl.sim.gpu.SimGpu` says a GPU of the stated throughput would take
+(prefill, batched decode until the longest completion ends, long-tailed lengths) and returns well-formed
+samples: random token ids below the run's ``vocab_size``, one finite logprob <= 0 per token. The rest of the
+generator (leases, adapter download and sha256 check, prompt leases, scoring, submission) runs unchanged,
+which is what the simulation is for: measuring the system around the GPU. Its samples carry no meaning and
+its logprobs are not a policy's: never train on them (the simulated trainer of :mod:`bucketrl.sim.trainer`
+does not).
+
+Loading an adapter checks the directory the worker unpacked (``adapter_config.json`` present) and takes
+``load_adapter_s``. ``clock`` and ``sleep`` are injectable so tests can check the timing model exactly.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from bucketrl import errors
+from bucketrl.generator.engines.base import Sample
+from bucketrl.sim.gpu import SimGpu, simulate_call
+
+if TYPE_CHECKING:
+    from bucketrl.generator.settings import GeneratorSettings
+    from bucketrl.wire import RunSpec, SamplingSpec
+
+# How often (s) a running call hands control to its while_running hook (as the real engines do).
+POLL_S = 0.05
+
+
+class SimEngine:
+    name = "sim"
+
+    def __init__(
+        self,
+        *,
+        settings: GeneratorSettings,
+        spec: RunSpec,
+        gpu: SimGpu | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.gpu = gpu or SimGpu()
+        self.max_model_len = settings.max_model_len
+        self.max_loras = settings.max_loras or spec.max_staleness + 2
+        self.vocab_size = spec.vocab_size
+        self._sleep, self._clock = sleep, clock
+        seed = settings.seed if settings.seed is not None else random.SystemRandom().randrange(2**63)
+        self._rng = np.random.default_rng(seed)
+        self._adapters: dict[str, int] = {}
+        self.busy_s = 0.0  # simulated GPU time spent (calls and loads)
+
+    def load_adapter(self, name: str, version: int, path: str | Path) -> None:
+        if name in self._adapters:
+            return
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise errors.Invalid(f"adapter {name!r}: {path} has no adapter_config.json")
+        if len(self._adapters) >= self.max_loras:
+            raise errors.Invalid(f"adapter {name!r}: {self.max_loras} adapters are resident already (max_loras)")
+        self._wait(self.gpu.load_adapter_s, None)
+        self._adapters[name] = version
+
+    def unload_adapter(self, name: str) -> None:
+        self._adapters.pop(name, None)
+
+    def loaded_adapters(self) -> list[str]:
+        return list(self._adapters)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        adapter: str,
+        n: int,
+        sampling: SamplingSpec,
+        while_running: Callable[[], None] | None = None,
+    ) -> list[list[Sample]]:
+        if adapter not in self._adapters:
+            raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._adapters)})")
+        if while_running is not None:
+            while_running()
+        if not prompts:
+            return []
+        call = simulate_call(
+            self.gpu,
+            self._rng,
+            [len(p) for p in prompts],
+            n=n,
+            max_new_tokens=sampling.max_new_tokens,
+            vocab_size=self.vocab_size,
+        )
+        self._wait(call.seconds, while_running)
+        return [[Sample(s.token_ids, s.logprobs, s.finish_reason) for s in group] for group in call.samples]  # type: ignore[arg-type]
+
+    def _wait(self, seconds: float, hook: Callable[[], None] | None) -> None:
+        """Spend ``seconds`` as the GPU would, calling ``hook`` every POLL_S meanwhile (between 'steps')."""
+        self.busy_s += seconds
+        end = self._clock() + seconds
+        while (left := end - self._clock()) > 0:
+            self._sleep(min(POLL_S, left))
+            if hook is not None and self._clock() < end:
+                hook()
+
+    def close(self) -> None:
+        self._adapters.clear()

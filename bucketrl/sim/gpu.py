@@ -1,0 +1,103 @@
+"""A simulated GPU: how long an engine call would take, and well-formed samples to return from it.
+
+This is a model, not an engine: it stands in for the one part of a deployment this project cannot run
+here (a GPU), so that everything around it (leases, adapter transfer, admission control, the queue, the
+trainer's pace) can be run for real at a scale of hundreds of generators. It is used by the ``sim``
+engine (:mod:`bucketrl.generator.engines.sim_engine`) and the asyncio fleet of :mod:`bucketrl.sim.fleet`.
+
+Timing (continuous batching, memory-bound decode):
+
+- prefill: the call's prompt tokens at ``prefill_tokens_per_s`` (a prompt is prefilled once for its n=G
+  samples: they share the prefix);
+- decode: every step emits one token for each sequence still running and takes
+  ``decode_step_s + running * decode_step_per_seq_s``; the call lasts until its longest sequence ends, so
+  ``sum over steps = max_len * decode_step_s + sum(lengths) * decode_step_per_seq_s``;
+- loading an adapter takes ``load_adapter_s``.
+
+So one sequence decodes at ``1 / (decode_step_s + batch * decode_step_per_seq_s)`` tokens/s and a batch at
+``batch`` times that. Completion lengths are long-tailed: lognormal with median ``length_median`` and
+shape ``length_sigma``, capped at the run's ``max_new_tokens`` (``finish_reason`` ``length`` there,
+``stop`` otherwise). Defaults describe a ~1.5B model in bf16 on one current datacenter GPU (about 80
+tokens/s per sequence, 5k tokens/s at a batch of 64); every figure is a ``BUCKETRL_SIM_*`` setting.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SimGpu(BaseSettings):
+    """The simulated GPU's throughput and the completion-length distribution (``BUCKETRL_SIM_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="BUCKETRL_SIM_", extra="ignore", frozen=True)
+
+    prefill_tokens_per_s: float = Field(20_000.0, gt=0, description="Prompt tokens prefilled per second.")
+    decode_step_s: float = Field(0.012, ge=0, description="Time of one decode step, whatever the batch.")
+    decode_step_per_seq_s: float = Field(
+        0.00005, ge=0, description="Added to a decode step per sequence running in it."
+    )
+    load_adapter_s: float = Field(0.05, ge=0, description="Time to load one LoRA adapter into the engine.")
+    length_median: float = Field(150.0, gt=0, description="Median completion length (tokens).")
+    length_sigma: float = Field(1.0, ge=0, description="Lognormal shape of completion lengths (0 = all equal).")
+
+    def tokens_per_s_per_seq(self, batch: int) -> float:
+        return 1.0 / (self.decode_step_s + batch * self.decode_step_per_seq_s)
+
+    def call_seconds(self, prompt_lens: list[int], lengths: list[list[int]]) -> float:
+        """How long one engine call takes: prefill of ``prompt_lens`` plus decoding ``lengths[i]`` per prompt."""
+        flat = [n for group in lengths for n in group]
+        if not flat:
+            return sum(prompt_lens) / self.prefill_tokens_per_s
+        prefill = sum(prompt_lens) / self.prefill_tokens_per_s
+        return prefill + max(flat) * self.decode_step_s + sum(flat) * self.decode_step_per_seq_s
+
+    def sample_lengths(self, rng: np.random.Generator, count: int, max_new_tokens: int) -> list[int]:
+        raw = rng.lognormal(math.log(self.length_median), self.length_sigma, count) if self.length_sigma else None
+        if raw is None:
+            raw = np.full(count, self.length_median)
+        return np.clip(np.rint(raw), 1, max_new_tokens).astype(np.int64).tolist()
+
+
+@dataclass(frozen=True)
+class SimSample:
+    """One simulated completion (the same fields as an engine's ``Sample``)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class SimCall:
+    """What one simulated engine call produced and how long the GPU would have taken for it."""
+
+    samples: list[list[SimSample]]
+    seconds: float
+
+
+def simulate_call(
+    gpu: SimGpu,
+    rng: np.random.Generator,
+    prompt_lens: list[int],
+    *,
+    n: int,
+    max_new_tokens: int,
+    vocab_size: int,
+) -> SimCall:
+    """Sample ``n`` completions per prompt: long-tailed lengths, token ids in ``[0, vocab_size)``, behaviour
+    logprobs finite and <= 0 (an exponential spread, as a tempered softmax gives), and the call's duration."""
+    lengths = [gpu.sample_lengths(rng, n, max_new_tokens) for _ in prompt_lens]
+    samples: list[list[SimSample]] = []
+    for group in lengths:
+        out = []
+        for length in group:
+            ids = rng.integers(0, vocab_size, length).tolist()
+            lps = (-rng.exponential(1.0, length)).tolist()
+            out.append(SimSample(ids, lps, "length" if length >= max_new_tokens else "stop"))
+        samples.append(out)
+    return SimCall(samples, gpu.call_seconds(prompt_lens, lengths))

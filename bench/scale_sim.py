@@ -51,7 +51,7 @@ GPU = {
 }
 
 
-def scenario(args: argparse.Namespace, n: int, max_staleness: int, steps: int) -> SimScale:
+def scenario(args: argparse.Namespace, n: int, max_staleness: int, steps: int, capped: bool = True) -> SimScale:
     return SimScale(
         generators=n,
         steps=steps,
@@ -63,6 +63,7 @@ def scenario(args: argparse.Namespace, n: int, max_staleness: int, steps: int) -
         adapter_bytes=int(args.adapter_mb * 1024 * 1024),
         gpu=dict(GPU),
         timeout_s=args.scenario_timeout_s,
+        max_train_s=args.max_train_s if capped else None,  # the speedup compares equal trained groups
     )
 
 
@@ -117,7 +118,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("--plot", type=Path, help="sync latency and steps/s vs N (default: the --json path, .png)")
     p.add_argument("--generators", default="8,32,128,256", help="comma-separated N")
-    p.add_argument("--steps", type=int, default=7, help="trainer steps per N (2 of them warm-up)")
+    p.add_argument("--steps", type=int, default=6, help="trainer steps per N (2 of them warm-up)")
     p.add_argument("--step-s", type=float, default=5.0, help="seconds of one simulated trainer step")
     p.add_argument("--prompts-per-request", type=int, default=1)
     p.add_argument("--adapter-mb", type=float, default=1.0, help="published adapter size (bf16 LoRA tensors)")
@@ -128,6 +129,12 @@ def main() -> int:
     p.add_argument("--speedup-steps", type=int, default=6)
     p.add_argument("--no-speedup", action="store_true", help="skip the strict vs async comparison")
     p.add_argument("--scenario-timeout-s", type=float, default=300.0)
+    p.add_argument(
+        "--max-train-s",
+        type=float,
+        default=75.0,
+        help="stop a scenario's trainer after this long (fewer steps are then measured): bounds the run's wall time",
+    )
     p.add_argument("--keep", action="store_true", help="keep the logs directory")
     args = p.parse_args()
     ns = [int(x) for x in args.generators.split(",") if x.strip()]
@@ -152,7 +159,11 @@ def main() -> int:
             n = args.speedup_generators
             for name, ms in (("strict", 0), ("async", 4)):
                 r = run_scale_sim(
-                    backends, scenario(args, n, ms, args.speedup_steps), f"{name}{n}", work / name, progress=say
+                    backends,
+                    scenario(args, n, ms, args.speedup_steps, capped=False),
+                    f"{name}{n}",
+                    work / name,
+                    progress=say,
                 )
                 results[name] = r
                 say(f"{name}: {r['train_wall_s']}s for {r['steps']} steps, stale {r['stale_drop_rate']}")

@@ -145,6 +145,10 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
 
         ctx = await _build_context(settings, auth, telemetry)
         ctx.cleaner = BatchCleaner(ctx.redis, ctx.store)
+        if settings.adapter_cache_mb > 0:
+            from bucketrl.proxy.adapter_cache import AdapterCache
+
+            ctx.adapter_cache = AdapterCache(settings.adapter_cache_mb * 1024 * 1024)
         app.state.ctx = ctx
         ctx.notifier = Notifier.from_url(settings.redis_url, settings.redis_timeout_s)
         ctx.notifier.start()

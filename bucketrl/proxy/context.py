@@ -16,6 +16,7 @@ from bucketrl.proxy.identity import IdentityState
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
+    from bucketrl.proxy.adapter_cache import AdapterCache
     from bucketrl.proxy.auth import TokenAuth
     from bucketrl.proxy.notify import Notifier
     from bucketrl.proxy.settings import ProxySettings
@@ -36,6 +37,8 @@ class ProxyContext:
     notifier: Notifier | None = None
     # Deletes settled rollout batch objects off the request path (``state/cleanup.py``); set by the lifespan.
     cleaner: BatchCleaner | None = None
+    # Adapter tars recently served (one bucket read per version per replica); None when disabled.
+    adapter_cache: AdapterCache | None = None
     # Serialises rebuilds inside this app (several requests may notice a wiped Redis at once).
     rebuild_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Whether the bucket is this deployment's (``identity.py``); set by the lifespan.

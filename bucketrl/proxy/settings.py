@@ -19,6 +19,12 @@ class ProxySettings(BaseSettings):
     )
     max_adapter_bytes: int = Field(512 * 1024 * 1024, ge=1, description="Upper bound of an adapter tar.")
     max_checkpoint_bytes: int = Field(4 * 1024**3, ge=1, description="Upper bound of a checkpoint tar.")
+    adapter_cache_mb: int = Field(
+        256,
+        ge=0,
+        description="Memory per proxy process for adapter tars recently downloaded (0 = off): after a publish every "
+        "generator asks for the same version; one bucket read per version per process answers them all.",
+    )
     max_json_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Upper bound of a JSON/msgpack body.")
     redelivery_timeout_s: float = Field(
         600.0, gt=0, description="Unacked deliveries are handed out again after this long."

@@ -75,6 +75,9 @@ class SimScale:
     fleet_processes: int | None = None  # default: one per 64 generators, at most 4
     gpu: dict[str, float] = field(default_factory=dict)  # SimGpu fields overriding its defaults
     timeout_s: float = 600.0
+    # Stop the trainer (SIGTERM: it finishes its step, checkpoints, acks, exits 0) this long after the fleet
+    # started, even if it has not reached ``steps``: bounds a scenario's wall time on a busy machine.
+    max_train_s: float | None = None
     seed: int = 0
 
     @property
@@ -377,7 +380,13 @@ def run_scale_sim(
         say(f"{run}: N={cfg.generators}, {len(fleets)} fleet processes, {cfg.steps} steps of {cfg.step_s}s")
         deadline = time.monotonic() + cfg.timeout_s
         first: dict[str, Any] | None = None
+        started = time.monotonic()
+        capped = False
         while trainer.alive:
+            if cfg.max_train_s is not None and not capped and time.monotonic() - started > cfg.max_train_s:
+                say(f"{run}: {cfg.max_train_s:.0f}s of training reached: stopping the trainer")
+                trainer.signal(signal.SIGTERM)
+                capped = True
             _, steps = _audit_steps(audit)
             if first is None and len(steps) >= cfg.warmup_steps:
                 first = snapshot()

@@ -102,8 +102,17 @@ async def publish(
         **responses(401, 403, 404, 410, 422, 503),
     },
 )
-async def download(ctx: CtxDep, _: GeneratorRole, ref: RunDep, version: VersionPath) -> StreamingResponse:
+async def download(ctx: CtxDep, _: GeneratorRole, ref: RunDep, version: VersionPath) -> Response:
     rec = await versions.live_record(ctx.redis, ref.run, version)
-    chunks = await asyncio.to_thread(dirs.iter_bundle, ctx.store, versions.adapter_prefix(ref.run, version))
+    prefix = versions.adapter_prefix(ref.run, version)
     headers = {"X-Content-SHA256": rec["sha256"], "Content-Length": rec["bytes"]}
+    cache = ctx.adapter_cache
+    if cache is not None and cache.fits(int(rec["bytes"])):
+        # Every generator asks at once after a publish: one bucket read per version per replica (adapter_cache.py).
+        def read() -> bytes:
+            return b"".join(dirs.iter_bundle(ctx.store, prefix))
+
+        data = await cache.get((ref.run, version, rec["sha256"]), lambda: asyncio.to_thread(read))
+        return Response(data, media_type=TAR, headers=headers)
+    chunks = await asyncio.to_thread(dirs.iter_bundle, ctx.store, prefix)
     return StreamingResponse(chunks, media_type=TAR, headers=headers)

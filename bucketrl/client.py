@@ -364,9 +364,13 @@ class ProxyClient:
         *,
         train_version: int | None = None,
         sync_every: int = 1,
+        request_id: str | None = None,
+        release: list[str] | None = None,
     ) -> ClaimResponse:
         """``min_version``: drop (and count) groups older than it too, besides ``latest - max_staleness``.
-        ``train_version`` / ``sync_every``: the trainer's pace, for the proxy's admission control."""
+        ``train_version`` / ``sync_every``: the trainer's pace, for the proxy's admission control.
+        ``request_id``: the same on every retry of one claim (a replay answers the same deliveries);
+        ``release``: delivery ids given back untrained."""
         return self._json(
             "POST",
             self._path("/rollouts/claim"),
@@ -378,6 +382,8 @@ class ProxyClient:
                 min_version=min_version,
                 train_version=train_version,
                 sync_every=sync_every,
+                request_id=request_id,
+                release=release or [],
             ),
             headers=self._fence(),
             extra_timeout_s=wait_s,

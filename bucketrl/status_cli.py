@@ -127,8 +127,8 @@ def render_status(status: Any, *, all_metrics: bool = False) -> list[Any]:
     head.add_row(
         "queue",
         f"{q.groups}/{q.capacity} groups queued, {q.pending} delivered unacked; accepted {q.accepted_total}, "
-        f"acked {q.acked_total}, dropped stale {q.dropped_stale_total}, rejected stale {q.rejected_stale_total}, "
-        f"backpressure {q.backpressure_total}",
+        f"acked {q.acked_total}, dropped stale {q.dropped_stale_total}, lost {q.lost_total}, rejected stale "
+        f"{q.rejected_stale_total}, backpressure {q.backpressure_total}",
     )
     head.add_row("prompts", f"{status.prompts_inflight} in flight, cursor {status.prompt_cursor}")
     head.add_row("garbage-collected versions", str(status.gc_versions_total))

@@ -10,7 +10,8 @@ What, per run found as ``runs/{run}/run.json``:
   published_at = manifest time) as ``live``; ``latest_version`` = the largest N (numbering continues
   densely after it; GC'd numbers below answer 410);
 - every committed checkpoint ``runs/{run}/checkpoints/step-{k}/`` (``latest`` = the largest step);
-- ``trainer_epoch`` = the largest epoch recorded in any manifest, so a trainer registering after the
+- ``trainer_epoch`` = the largest epoch recorded in any manifest or registration record
+  (``runs/{run}/trainer-epochs/``), so the live trainer keeps its epoch, a trainer registering after the
   rebuild gets a larger one and every older trainer is fenced;
 - a GC hold of ``rebuild_gc_grace_s``: leases died with Redis, generators need time to lease again.
 Then each hook of :data:`REBUILD_HOOKS` runs (the rollout queue and prompt cursor, P3).
@@ -57,11 +58,12 @@ class RunSnapshot:
     spec: RunSpec
     versions: dict[int, dirs.Manifest] = field(default_factory=dict)
     checkpoints: dict[int, dirs.Manifest] = field(default_factory=dict)
+    registered_epoch: int = 0  # the largest trainer epoch recorded at registration
 
     @property
     def max_epoch(self) -> int:
         manifests = [*self.versions.values(), *self.checkpoints.values()]
-        return max((int(m.meta.get("epoch", 0) or 0) for m in manifests), default=0)
+        return max([self.registered_epoch, *(int(m.meta.get("epoch", 0) or 0) for m in manifests)])
 
 
 def bucket_runs(store: Any) -> list[str]:
@@ -80,6 +82,8 @@ def scan_run(store: Any, run: str) -> RunSnapshot | None:
     except errors.NotFound:
         return None
     snap = RunSnapshot(run=run, spec=spec)
+    epochs = [key.rsplit("/", 1)[1] for key in store.list_keys(f"runs/{run}/trainer-epochs/")]
+    snap.registered_epoch = max((int(e) for e in epochs if e.isdigit()), default=0)
     for name in dirs.list_dirs(store, f"runs/{run}/adapters"):
         if (m := re.fullmatch(r"v(\d+)", name)) and (man := dirs.read_manifest(store, adapter_prefix(run, int(m[1])))):
             snap.versions[int(m[1])] = man
@@ -98,13 +102,15 @@ async def restore(ctx: Any, snap: RunSnapshot) -> None:
     def k(suffix: str) -> str:
         return keys.run_key(run, suffix)
 
-    await r.set(k(keys.SPEC), snap.spec.model_dump_json(), nx=True)
     state = await r.hgetall(k(keys.STATE))
     wall = time.time()
     latest = max([int(state.get(b"latest_version", 0)), *snap.versions])
     epoch = max(int(state.get(b"trainer_epoch", 0)), snap.max_epoch)
     step = max([int(state.get(b"trainer_step", 0)), *snap.checkpoints])
     pipe = r.pipeline(transaction=True)
+    # The spec in the same transaction as the state: a route that finds the spec must find latest_version and
+    # the epoch too (a publish racing the rebuild was refused "latest is 0" as a version conflict).
+    pipe.set(k(keys.SPEC), snap.spec.model_dump_json(), nx=True)
     pipe.hset(
         k(keys.STATE),
         mapping={"latest_version": latest, "trainer_epoch": epoch, "trainer_step": step, "updated_at": wall},

@@ -8,18 +8,24 @@ Who updates what:
 - ``latest_version``, ``live_leases`` — refreshed from Redis at scrape time (``refresh``), so every replica
   reports the shared truth rather than what it happened to serve.
 - ``gc_versions`` — the garbage collector (``gc.py``).
-- ``queue_depth``, ``stale_drops``, ``stale_rejections``, ``accepted_groups`` — the rollout queue (P3's
-  ``state/queue.py``); scrape-time refreshers may be appended to ``Telemetry.scrape_hooks``.
+- ``queue_depth`` — the rollout queue (P3's ``state/queue.py``); scrape-time refreshers may be appended to
+  ``Telemetry.scrape_hooks``.
+- the run's lifetime group counters (``bucketrl_{accepted,acked,stale_dropped,stale_rejected,lost}_groups_total``)
+  — read from the run's shared counters in Redis at scrape time (:class:`RunCounters`), so every replica
+  reports the same run totals, and they continue across proxy restarts and Redis wipes (restored from the
+  bucket's snapshot).
 
 Metric names carry the ``bucketrl_`` prefix; per-run series are labelled ``run``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from bucketrl.proxy.context import ProxyContext
@@ -28,6 +34,28 @@ if TYPE_CHECKING:
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 ScrapeHook = Callable[["ProxyContext"], Awaitable[None]]
+
+
+class RunCounters(Collector):
+    """The runs' lifetime group counters as Prometheus counters, from the values of the last scrape's refresh."""
+
+    FAMILIES: ClassVar[dict[str, tuple[str, str]]] = {
+        "accepted_total": ("bucketrl_accepted_groups", "Rollout groups accepted over the run's life."),
+        "acked_total": ("bucketrl_acked_groups", "Rollout groups trained and acked over the run's life."),
+        "dropped_stale_total": ("bucketrl_stale_dropped_groups", "Groups dropped as too stale at claim time."),
+        "rejected_stale_total": ("bucketrl_stale_rejected_groups", "Groups refused as too stale at submit (409)."),
+        "lost_total": ("bucketrl_lost_groups", "Accepted groups whose batch object vanished from the bucket."),
+    }
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[str, int]] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for field, (name, doc) in self.FAMILIES.items():
+            family = CounterMetricFamily(name, doc, labels=["run"])
+            for run, counts in sorted(self.values.items()):
+                family.add_metric([run], counts.get(field, 0))
+            yield family
 
 
 class Telemetry:
@@ -56,15 +84,8 @@ class Telemetry:
         self.gc_versions = Counter(
             "bucketrl_gc_versions", "Adapter versions garbage-collected by this replica.", ["run"], registry=r
         )
-        self.stale_drops = Counter(
-            "bucketrl_stale_dropped_groups", "Groups dropped as too stale at claim time.", ["run"], registry=r
-        )
-        self.stale_rejections = Counter(
-            "bucketrl_stale_rejected_groups", "Groups refused as too stale at submit (409).", ["run"], registry=r
-        )
-        self.accepted_groups = Counter(
-            "bucketrl_accepted_groups", "Rollout groups accepted (202).", ["run"], registry=r
-        )
+        self.run_counters = RunCounters()
+        r.register(self.run_counters)
         self.backpressure_rejections = Counter(
             "bucketrl_backpressure_rejections", "Requests answered 429 (pipeline full).", ["route"], registry=r
         )
@@ -75,14 +96,19 @@ class Telemetry:
 
     async def refresh(self, ctx: ProxyContext) -> None:
         """Reset the Redis-derived gauges to the shared truth (called by ``GET /metrics``)."""
+        from bucketrl.proxy import keys
         from bucketrl.proxy.state import leases, runs
 
         self.live_leases.clear()
+        counts: dict[str, dict[str, int]] = {}
         for run in await runs.list_runs(ctx.redis):
+            raw = await ctx.redis.hgetall(keys.run_key(run, keys.COUNTERS))
+            counts[run] = {(f.decode() if isinstance(f, bytes) else f): int(v) for f, v in raw.items()}
             latest = await runs.latest_version(ctx.redis, run)
             self.latest_version.labels(run=run).set(latest)
             for version, count in (await leases.live_counts(ctx.redis, run)).items():
                 self.live_leases.labels(run=run, version=str(version)).set(count)
+        self.run_counters.values = counts
         for hook in self.scrape_hooks:
             await hook(ctx)
 

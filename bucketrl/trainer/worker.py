@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import secrets
 import signal
 import sys
 import threading
@@ -49,6 +50,7 @@ from typing import Any, TypeVar
 
 from bucketrl import errors
 from bucketrl.client import ProxyClient
+from bucketrl.trainer.ledger import DeliveryLedger
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.trainer.uploader import Uploader
 from bucketrl.wire import Delivery, MetricsPush, RunSpec
@@ -90,7 +92,8 @@ class TrainerWorker:
         self.policy_version = 0  # the version whose weights equal the current ones
         self.policy_step = -1  # the step at which policy_version was saved
         self.last_checkpoint_step = -1
-        self.consumed: list[str] = []  # delivery ids trained on since the last checkpoint
+        self.consumed: list[str] = []  # delivery ids trained on (or held as repeats) since the last checkpoint
+        self.ledger = DeliveryLedger()  # what this lineage took for training: repeats are held, not trained
         self.counters: dict[str, float] = {"sample/dropped_stale_total": 0.0}
         self.last_sync_s = math.nan  # duration of the latest completed publish (snapshot to commit)
         self.learner: Any = None
@@ -171,13 +174,13 @@ class TrainerWorker:
         while self.learner.step < self.settings.max_steps and not self.stop_requested.is_set():
             t0 = time.perf_counter()
             try:
-                deliveries, dropped = pending.result()
+                deliveries, dropped, repeats = pending.result()
             except Stopped:
                 break
             wait_s = time.perf_counter() - t0
             if self.learner.step + 1 < self.settings.max_steps:
                 pending = self._claim_ahead(steps_ahead=2)  # for the step after the one about to train
-            self._step(deliveries, dropped, wait_s, t0)
+            self._step(deliveries, dropped, wait_s, t0, repeats)
         return self._finish()
 
     # -- start-up -----------------------------------------------------------------------------------------
@@ -271,6 +274,7 @@ class TrainerWorker:
         self.policy_version, self.policy_step = state.policy_version, state.policy_step
         self.counters.update(state.counters)
         self.last_checkpoint_step = state.step
+        self.ledger.seed(state.consumed_delivery_ids)
         # Deliveries trained into this checkpoint: ack them (again) before claiming anything.
         if state.consumed_delivery_ids:
             self._retrying(lambda: self.client.ack(state.consumed_delivery_ids))
@@ -321,14 +325,18 @@ class TrainerWorker:
 
     # -- one step -----------------------------------------------------------------------------------------
 
-    def _step(self, deliveries: list[Delivery], dropped: int, wait_s: float, t0: float) -> None:
+    def _step(
+        self, deliveries: list[Delivery], dropped: int, wait_s: float, t0: float, repeats: list[str] | None = None
+    ) -> None:
         from bucketrl.trainer.learner import StepGroup
 
         self._uploader().check()  # a failed background write (e.g. fenced) ends the run before more work
         deliveries, held_back = self._within_staleness(deliveries)
         groups = [StepGroup(g, d.version, d.worker_id, d.sampling) for d in deliveries for g in d.groups]
         stats = self.learner.train_step(groups, policy_version=self.policy_version)
-        self.consumed += [d.delivery_id for d in deliveries]
+        # Repeats of deliveries this lineage already trained (their claims came after the ones that trained
+        # them, so they are trained by now): not trained again, acked with the next checkpoint.
+        self.consumed += [d.delivery_id for d in deliveries] + list(repeats or [])
         step = self.learner.step
         self._audit(
             {
@@ -336,9 +344,16 @@ class TrainerWorker:
                 "epoch": self.epoch,
                 "step": step,
                 "deliveries": [d.delivery_id for d in deliveries],
+                "repeats": list(repeats or []),
                 "fwd_bwd_s": stats["perf/fwd_bwd_s"],
             }
         )
+        if repeats:
+            stats["sample/repeats_held"] = float(len(repeats))
+            log.info(
+                "held %d redelivered group(s) this lineage already trained; acked with the next checkpoint",
+                len(repeats),
+            )
         self.counters["sample/dropped_stale_total"] += dropped
         stats["perf/rollout_wait_s"] = wait_s
         if step % self.settings.sync_every == 0:
@@ -365,7 +380,7 @@ class TrainerWorker:
             stats["perf/step_s"],
         )
 
-    def _claim_ahead(self, steps_ahead: int) -> Future[tuple[list[Delivery], int]]:
+    def _claim_ahead(self, steps_ahead: int) -> Future[tuple[list[Delivery], int, list[str]]]:
         """Start claiming (helper thread) the groups of the step ``steps_ahead`` steps from now.
 
         The proxy only knows its own ``latest``, which lags the version this trainer will train those groups
@@ -389,9 +404,9 @@ class TrainerWorker:
 
         A last guard: the claim's ``min_version`` already excludes such groups, so this finds none unless the
         version arithmetic of :meth:`_train_version` is broken. A held-back delivery is neither trained nor
-        consumed, so it is never acked: the proxy redelivers it (after ``redelivery_timeout_s``, or at once to
-        the next trainer epoch) and a later claim, whose ``min_version`` is at least as high, drops it and
-        counts it in ``dropped_stale_total``, which comes back to this trainer's ``sample/dropped_stale_total``.
+        consumed, so it is never acked: the next claim gives it back (``release``; a claim never redelivers a
+        delivery to the epoch holding it) and a later claim, whose ``min_version`` is at least as high, drops it
+        and counts it in ``dropped_stale_total``, which comes back to this trainer's ``sample/dropped_stale_total``.
         So each such group is counted once, as a stale drop, by the proxy; its accounting (accepted = acked +
         dropped + queued + pending) stays truthful: ``acked`` only ever means trained. Until then it is pending.
         """
@@ -401,6 +416,9 @@ class TrainerWorker:
         if len(keep) == len(deliveries):
             return deliveries, 0
         held = sum(len(d.groups) for d in deliveries if d.version < limit)
+        # Given back with the next claim: the proxy drops and counts them (they are not redelivered to the
+        # epoch that holds them otherwise).
+        self.ledger.give_back([d.delivery_id for d in deliveries if d.version < limit])
         log.warning(
             "held back %d group(s) older than v%d (policy v%d - max_staleness %d): not trained, left unacked for "
             "the proxy to drop and count on redelivery",
@@ -411,13 +429,15 @@ class TrainerWorker:
         )
         return keep, held
 
-    def _claim_groups(self, train_version: int) -> tuple[list[Delivery], int]:
-        """Claim until ``groups_per_step`` groups to train with ``train_version``, none older than it minus
-        max_staleness (helper thread); the claims tell the proxy this pace. Raises Stopped on a stop request."""
+    def _claim_groups(self, train_version: int) -> tuple[list[Delivery], int, list[str]]:
+        """Claim until ``groups_per_step`` new groups to train with ``train_version``, none older than it minus
+        max_staleness (helper thread); the claims tell the proxy this pace. Also returns the ids of repeats
+        (deliveries this lineage already took: held, never trained twice). Raises Stopped on a stop request."""
         assert self.spec is not None
         min_version = max(0, train_version - self.spec.max_staleness)
         need = self.spec.groups_per_step
         got: list[Delivery] = []
+        repeats: list[str] = []
         dropped = n = 0
         t0 = time.monotonic()
         while n < need:
@@ -428,20 +448,27 @@ class TrainerWorker:
                 raise errors.Unavailable(
                     f"no rollouts for {waited:.0f}s (BUCKETRL_MAX_ROLLOUT_WAIT_S): are generators running?"
                 )
+            # One request id per claim, the same on its retries: a replay after a lost answer gets the same
+            # deliveries (the proxy never redelivers them to this epoch otherwise).
+            request_id, release = secrets.token_hex(12), self.ledger.take_release()
             resp = self._retrying(
-                lambda k=need - n: self.claim_client.claim(
+                lambda k=need - n, rid=request_id, rel=release: self.claim_client.claim(
                     self.worker_id,
                     max_groups=k,
                     wait_s=self.settings.claim_wait_s,
                     min_version=min_version,
                     train_version=train_version if train_version >= 1 else None,
                     sync_every=self.settings.sync_every,
+                    request_id=rid,
+                    release=rel,
                 )
             )
             dropped += resp.dropped_stale
-            got += resp.deliveries
+            fresh, again = self.ledger.admit(resp.deliveries)
+            got += fresh
+            repeats += again
             n = sum(len(d.groups) for d in got)
-        return got, dropped
+        return got, dropped, repeats
 
     # -- publish, checkpoint, metrics (snapshots now, writes on the uploader thread) ------------------------
 
@@ -504,6 +531,7 @@ class TrainerWorker:
 
         self._uploader().submit(f"checkpoint {step}", job)
         self.consumed = []
+        self.ledger.checkpointed()
         self.last_checkpoint_step = step
 
     def _push(self, step: int, stats: dict[str, float]) -> None:
@@ -544,19 +572,20 @@ class TrainerWorker:
     # -- helpers ------------------------------------------------------------------------------------------------
 
     def _retrying(self, call: Callable[[], T]) -> T:
-        """Retry a call through proxy outages (503 / unreachable) for up to ``outage_budget_s``.
+        """Retry a call through proxy outages (503 / unreachable) and other retryable answers (409
+        ``write_in_progress``: a slow write of the same bundle still holds its lock) for up to ``outage_budget_s``.
 
         The client already retries each request through an outage for that long (with backoff honouring
-        Retry-After); this covers an Unavailable raised by the call itself. Every call retried here is
-        idempotent on the proxy: claims of a dead request are redelivered, a re-sent publish or checkpoint of
-        the same bytes answers 200, acks are idempotent.
+        Retry-After); this covers a retryable error raised by the call itself. Every call retried here is
+        idempotent on the proxy: a replayed claim (same request id) answers the same deliveries, a re-sent
+        publish or checkpoint of the same bytes answers 200, acks are idempotent.
         """
         deadline = time.monotonic() + self.settings.outage_budget_s
         while True:
             try:
                 return call()
-            except errors.Unavailable as exc:
-                if time.monotonic() > deadline:
+            except errors.BucketRLError as exc:
+                if not exc.retryable or isinstance(exc, errors.Fenced) or time.monotonic() > deadline:
                     raise
                 log.warning("proxy unavailable (%s); retrying", exc.message)
                 time.sleep(1.0)

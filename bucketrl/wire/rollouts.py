@@ -101,6 +101,18 @@ class ClaimRequest(WireModel):
         "to pace prompt leases so that their groups are trained within max_staleness).",
     )
     sync_every: int = Field(1, ge=1, le=1_000_000, description="The trainer publishes a version every N steps.")
+    # Exactly-once: a retry of a claim whose answer was lost carries the same request_id and gets the same
+    # deliveries again (a claim's deliveries are never redelivered to the epoch that holds them).
+    request_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Unique per claim, the same on its retries: a replay answers the first attempt's deliveries.",
+    )
+    release: list[str] = Field(
+        default_factory=list,
+        max_length=4096,
+        description="Delivery ids this trainer gives back untrained (held back as too stale): claimable again now.",
+    )
 
 
 class Delivery(WireModel):

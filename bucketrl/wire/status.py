@@ -22,6 +22,9 @@ class QueueStatus(WireModel):
     dropped_stale_total: int = 0
     rejected_stale_total: int = 0
     backpressure_total: int = 0
+    # Accepted groups whose batch object vanished from the bucket (0 unless something deleted it behind the
+    # proxy's back). accepted_total == acked_total + dropped_stale_total + lost_total + groups + pending.
+    lost_total: int = 0
 
 
 class WorkerStatus(WireModel):

@@ -72,11 +72,12 @@ def test_ack_answers_before_the_bucket_work_which_then_completes(redis_server: R
         assert await cleaner.drain(10)
         assert not store.exists(queue.batch_key(RUN, a.batch_id))
         assert not await r.hexists(cleanup.doomed_key(RUN), a.batch_id)
-        marker = json.loads(store.get_bytes(queue.marker_key(RUN, b.batch_id)))
-        assert marker["settled"] == [int(ids[2].rsplit(":", 1)[1])]
-        # The snapshot written first shows a's prompts completed (the object was their other record).
+        # The snapshot written first shows a's prompts completed (the object was their other record), a
+        # settled (not live), b's settled group and the counters with all three acks.
         snap = json.loads(store.get_bytes(prompts.snapshot_key(RUN)))
         assert not {"0-0", "0-1"} & set(snap["open"])  # a's prompts, the first two leased
+        assert snap["queue"]["live"] == {b.batch_id: {"remaining": 1, "settled": [int(ids[2].rsplit(":", 1)[1])]}}
+        assert snap["queue"]["counters"]["acked_total"] == 3
         await assert_accounting(r, spec)
 
     run(redis_server, body)

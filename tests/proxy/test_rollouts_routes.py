@@ -289,6 +289,9 @@ def test_rebuild_after_redis_wipe_requeues_unacked(proxy: ProxyHarness, redis_se
     again = t.claim("trainer-1", max_groups=8)
     assert sorted(d.groups[0].prompt_id for d in again.deliveries) == ["0-2", "0-3"]
     st = proxy.client(s.run, "viewer").status()
-    assert st.prompt_cursor >= 4 and st.queue.accepted_total == 2
+    # The lifetime counters survive the wipe (issue 10 item 2): 4 accepted, 2 acked, 2 queued again.
+    q = st.queue
+    assert st.prompt_cursor >= 4 and (q.accepted_total, q.acked_total, q.groups + q.pending) == (4, 2, 2)
+    assert q.accepted_total == q.acked_total + q.dropped_stale_total + q.lost_total + q.groups + q.pending
     nxt = s.g.lease_prompts("gen-0", 1).prompts[0].prompt_id
     assert nxt not in {"0-0", "0-1", "0-2", "0-3"}

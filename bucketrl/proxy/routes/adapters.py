@@ -10,7 +10,7 @@ from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from bucketrl import errors
-from bucketrl.proxy import body
+from bucketrl.proxy import body, keys
 from bucketrl.proxy.deps import CtxDep, EpochDep, GeneratorRole, RunDep, TrainerRole, ViewerRole
 from bucketrl.proxy.errors import responses
 from bucketrl.proxy.state import runs, versions
@@ -84,6 +84,9 @@ async def publish(
     if existing is not None and existing.get("sha256") == sha and existing.get("epoch") == str(epoch):
         return versions.to_info(version, existing)  # a retried PUT whose first answer was lost
     latest_now = await runs.latest_version(ctx.redis, ref.run)
+    if latest_now == 0 and version > 1 and not await ctx.redis.exists(keys.run_key(ref.run, keys.STATE)):
+        # Redis lost the run after this request found it (wiped, not rebuilt yet): retryable, not a conflict.
+        raise errors.Unavailable(f"run {ref.run!r}: its state is being restored from the bucket; retry")
     if version != latest_now + 1:  # fail before reading the body; the commit re-checks atomically
         raise errors.Conflict(
             f"run {ref.run!r}: can only publish version {latest_now + 1} (latest is {latest_now}), not {version}",

@@ -17,7 +17,6 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Response
 
-from bucketrl import errors
 from bucketrl.proxy import body
 from bucketrl.proxy.deps import (
     CtxDep,
@@ -87,15 +86,8 @@ async def submit(
     idempotency_key: IdempotencyKey = None,
 ) -> SubmitResponse:
     _install_scrape_hook(ctx)
-    try:
-        # The spec comes with the queue's pre-check (one round trip); resolve_run only for an unknown run.
-        out = await queue.submit(ctx.redis, ctx.store, run, _spec_loader(ctx, run), batch, idempotency_key)
-    except errors.Stale:
-        ctx.telemetry.stale_rejections.labels(run=run).inc(len(batch.groups))
-        raise
-    if not out.duplicate:
-        ctx.telemetry.accepted_groups.labels(run=run).inc(out.accepted_groups)
-    return out
+    # The spec comes with the queue's pre-check (one round trip); resolve_run only for an unknown run.
+    return await queue.submit(ctx.redis, ctx.store, run, _spec_loader(ctx, run), batch, idempotency_key)
 
 
 @router.post(
@@ -135,9 +127,9 @@ async def claim(
         train_version=req.train_version,
         sync_every=req.sync_every,
         cleaner=ctx.cleaner,
+        request_id=req.request_id,
+        release=req.release,
     )
-    if out.dropped:
-        ctx.telemetry.stale_drops.labels(run=ref.run).inc(out.dropped)
     # The ClaimResponse JSON spliced from the groups' stored JSON (response_model above documents it): decoding
     # 8 x 256 tokens and logprobs per group only to encode them again was most of a claim's CPU.
     return Response(out.response_json(), media_type="application/json")

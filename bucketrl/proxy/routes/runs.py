@@ -92,6 +92,9 @@ async def register_trainer(
     req: Annotated[TrainerRegisterRequest, Depends(body.decoded(TrainerRegisterRequest))],
 ) -> TrainerRegistration:
     epoch = await runs.register_trainer(ctx.redis, ref.run)
+    # Recorded in the bucket before the trainer may use it: a rebuild after a Redis wipe restores the epoch
+    # from it even if this trainer has not published anything yet (else its writes would be "never issued").
+    await asyncio.to_thread(ctx.store.put_bytes, runs.epoch_record_key(ref.run, epoch), req.worker_id.encode())
     log.info("run %s: trainer %s registered with epoch %d", ref.run, req.worker_id, epoch)
     for hook in runs.TRAINER_REGISTERED_HOOKS:
         await hook(ctx, ref.run, epoch)

@@ -23,7 +23,7 @@ from typing import Any
 
 from bucketrl import errors
 from bucketrl.proxy import keys
-from bucketrl.proxy.state.locks import WriteLock
+from bucketrl.proxy.state.locks import WriteLock, fenced_or_restoring
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.proxy.state.uploads import spool_verified
 from bucketrl.storage import dirs
@@ -110,8 +110,10 @@ async def put(
                     step=step, sha256=spooled.sha256, bytes=spooled.size, created_at=float(detail), epoch=epoch
                 )
             if status == "fenced":
-                ctx.telemetry.fenced_writes.labels(run=run).inc()
-                raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} was fenced by epoch {detail} during the write")
+                err = await fenced_or_restoring(ctx.redis, run, epoch, int(detail), "during the write")
+                if isinstance(err, errors.Fenced):
+                    ctx.telemetry.fenced_writes.labels(run=run).inc()
+                raise err
             raise errors.Conflict(
                 f"run {run!r}: lost the write lock of checkpoint step {step}; retry",
                 retryable=True,

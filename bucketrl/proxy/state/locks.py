@@ -49,6 +49,15 @@ return 0
 """)
 
 
+async def fenced_or_restoring(r: Any, run: str, epoch: int, current: int, what: str) -> errors.BucketRLError:
+    """The error for a write whose epoch check failed. Current epoch 0 with no run state at all is a Redis that
+    lost everything (wiped or restarted empty) and is not rebuilt yet: 503, retry (the retry's run lookup
+    rebuilds it from the bucket), not ``fenced`` (which would stop the live trainer for good)."""
+    if current == 0 and not await r.exists(keys.run_key(run, keys.STATE)):
+        return errors.Unavailable(f"run {run!r}: its state is being restored from the bucket (Redis lost it); retry")
+    return errors.Fenced(f"run {run!r}: trainer epoch {epoch} was fenced by epoch {current} {what}")
+
+
 class WriteLock:
     def __init__(
         self, r: Any, run: str, name: str, epoch: int, *, ttl_s: float, expected_next: int = 0, wait_s: float = 30.0
@@ -80,10 +89,8 @@ class WriteLock:
                 self._refresher = asyncio.create_task(self._refresh_loop())
                 return int(latest)
             if status == "fenced":
-                raise errors.Fenced(
-                    f"run {self.run!r}: trainer epoch {self.epoch} is fenced by epoch {latest} (a newer trainer "
-                    "registered)"
-                )
+                why = "(a newer trainer registered)"
+                raise await fenced_or_restoring(self.r, self.run, self.epoch, int(latest), why)
             if status == "conflict":
                 raise errors.Conflict(
                     f"run {self.run!r}: version {self.expected_next} is not latest+1 (latest is {latest})",

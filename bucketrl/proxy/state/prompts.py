@@ -62,8 +62,11 @@ Persistence (a Redis wipe must not restart the dataset)
 ``runs/{run}/prompts.json`` holds ``cursor``, ``reserved`` (a high-water mark >= every position handed out
 so far), the ``open`` prompts and the live leases. A lease that moves the cursor past the persisted
 ``reserved`` mark rewrites the snapshot (reserving ``RESERVE_AHEAD`` more positions) BEFORE it answers, so
-one bucket write covers many leases. The ack path persists before it deletes a fully acked batch object
-(which was the only other record of its prompts' completion). A rebuild (``restore``) therefore sets the
+one bucket write covers many leases. Every ack or claim that settles groups persists it (the cleaner, in the
+background), and before a fully settled batch object (the only other record of its prompts' completion)
+is deleted. The snapshot also carries the queue's state, read atomically with the prompts: the lifetime
+counters, each live batch's settled groups and the finished batches not deleted yet (``state/queue.py``
+restores the counters and the queue from it). A rebuild (``restore``) therefore sets the
 cursor to ``reserved``, treats ``open`` plus every position in ``[cursor, reserved)`` as to-be-reissued, and
 drops from that the prompts of batches still in the bucket (they completed): nothing skipped, and at worst
 a prompt completed after the last snapshot whose batch is still queued is not repeated either.
@@ -298,8 +301,9 @@ return n
 
 _SNAPSHOT = Lua(
     """
--- KEYS: cursor inflight owner open meta   (nothing while the state is not ready: never persist a wiped Redis)
-if redis.call('HEXISTS', KEYS[5], 'ready') == 0 then return false end
+-- KEYS: cursor inflight owner open meta queue_meta counters remaining settled doomed
+-- (nothing while the state is not ready: never persist a wiped Redis)
+if redis.call('HEXISTS', KEYS[5], 'ready') == 0 or redis.call('HEXISTS', KEYS[6], 'ready') == 0 then return false end
 local cursor = tonumber(redis.call('GET', KEYS[1]) or '0')
 local seq = tonumber(redis.call('HGET', KEYS[5], 'seq') or '0')
 local reserved = tonumber(redis.call('HGET', KEYS[5], 'persisted_reserved') or '0')
@@ -307,7 +311,8 @@ local open = redis.call('SMEMBERS', KEYS[4])
 local leased = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
 local owners = {}
 for i = 1, #leased, 2 do table.insert(owners, redis.call('HGET', KEYS[3], leased[i]) or '') end
-return {cursor, seq, reserved, open, leased, owners}
+return {cursor, seq, reserved, open, leased, owners, redis.call('HGETALL', KEYS[7]), redis.call('HGETALL', KEYS[8]),
+        redis.call('HGETALL', KEYS[9]), redis.call('HKEYS', KEYS[10])}
 """
 )
 
@@ -544,10 +549,12 @@ async def _persist(
             raise errors.Unavailable(f"run {run!r}: timed out waiting to persist the prompt cursor")
         await asyncio.sleep(0.005)
     try:
-        snap = await _SNAPSHOT(r, [k.cursor, k.inflight, k.owner, k.open, k.meta], [])
+        snap = await _SNAPSHOT(
+            r, [k.cursor, k.inflight, k.owner, k.open, k.meta, k.queue_meta, k.counters, *_queue_keys(run)], []
+        )
         if not snap:
             raise errors.Unavailable(f"run {run!r}: prompt state is not in Redis (being restored); retry")
-        cur, seq, reserved, open_ids, leased, owners = snap
+        cur, seq, reserved, open_ids, leased, owners, counters, remaining, settled, doomed = snap
         cur, seq = int(cur), int(seq)
         new_reserved = max(int(reserved), cur + max(RESERVE_AHEAD, admission_limit(spec)))
         leases = {_s(leased[i]): [float(leased[i + 1]), _s(owners[i // 2])] for i in range(0, len(leased), 2)}
@@ -561,6 +568,7 @@ async def _persist(
             "open": sorted((_s(p) for p in open_ids), key=_position_key(spec.dataset.size)),
             "leases": leases,
             "written_at": time.time(),
+            "queue": _queue_section(counters, remaining, settled, doomed),
         }
         body = json.dumps(snapshot, separators=(",", ":")).encode()
         await asyncio.to_thread(store.put_bytes, snapshot_key(run), body)
@@ -568,6 +576,27 @@ async def _persist(
         return (new_reserved, seq) if int(marked) else (0, 0)
     finally:
         await _UNLOCK(r, [k.lock], [token])
+
+
+def _queue_keys(run: str) -> tuple[str, str, str]:
+    """The queue's remaining / settled / doomed hashes (named here: state/queue.py builds on this module)."""
+    return keys.run_key(run, "queue:remaining"), keys.run_key(run, "queue:settled"), keys.run_key(run, "queue:doomed")
+
+
+def _queue_section(counters: list[Any], remaining: list[Any], settled: list[Any], doomed: list[Any]) -> dict[str, Any]:
+    """The queue's part of a snapshot, read atomically with the prompts: the run's lifetime counters, each live
+    batch's unsettled count and settled groups, and the finished batches whose objects are not deleted yet.
+    A rebuild restores the counters from it and re-enqueues exactly the groups it shows unsettled."""
+    pairs = {_s(remaining[i]): int(remaining[i + 1]) for i in range(0, len(remaining), 2)}
+    done = {_s(settled[i]): _s(settled[i + 1]) for i in range(0, len(settled), 2)}
+    return {
+        "counters": {_s(counters[i]): int(counters[i + 1]) for i in range(0, len(counters), 2)},
+        "live": {
+            b: {"remaining": n, "settled": sorted({int(g) for g in done.get(b, "").split(",") if g})}
+            for b, n in sorted(pairs.items())
+        },
+        "doomed": sorted(_s(b) for b in doomed),
+    }
 
 
 def _position_key(size: int) -> Callable[[str], int]:
@@ -583,18 +612,22 @@ async def is_ready(r: Any, run: str) -> bool:
     return bool(await r.hexists(PromptKeys.of(run).meta, "ready"))
 
 
-async def restore(r: Any, store: BucketStore, run: str, spec: RunSpec, completed: set[str]) -> int | None:
-    """Make the prompt state ready: from ``prompts.json`` if the bucket has one (after Redis lost it), else fresh.
+def read_snapshot(store: BucketStore, run: str) -> bytes | None:
+    """The run's ``prompts.json`` (None when it has none). Blocking: call in a thread."""
+    try:
+        return store.get_bytes(snapshot_key(run))
+    except errors.NotFound:
+        return None
+
+
+async def restore(r: Any, run: str, spec: RunSpec, completed: set[str], raw: bytes | None) -> int | None:
+    """Make the prompt state ready: from the snapshot ``raw`` if the bucket has one (after Redis lost it), else fresh.
 
     ``completed``: prompt ids of rollout batches still in the bucket (accepted, so completed). Every other
     prompt that may have been handed out and is not known complete is issued again, in dataset order.
     Returns the restored cursor, or None when another caller made the state ready first. Idempotent.
     """
     k = PromptKeys.of(run)
-    try:
-        raw: bytes | None = await asyncio.to_thread(store.get_bytes, snapshot_key(run))
-    except errors.NotFound:
-        raw = None
     async with r.pipeline(transaction=True) as pipe:
         try:
             await pipe.watch(k.meta, k.cursor)

@@ -14,7 +14,11 @@ Life of a group
    idempotency record (``duplicate: true``, nothing enqueued). Objects written in format 1 (the batch's
    own msgpack fields, ``groups`` included) are still claimed and rebuilt.
 2. ``claim`` (trainer, epoch-fenced): one Lua script hands out, oldest first, (a) pending entries idle
-   for ``redelivery_timeout_s`` (``XAUTOCLAIM``), then (b) new ones (``XREADGROUP``). A group whose version
+   for ``redelivery_timeout_s`` (``XAUTOCLAIM``) that the current epoch does not hold (``queue:owner``:
+   delivery -> the epoch it was handed to; the live trainer keeps trained groups unacked until its
+   checkpoint, so they are never handed back to it), then (b) new ones (``XREADGROUP``). A claim with a
+   ``request_id`` records its answer (``queue:claimreq:{epoch}:{id}``, ``CLAIM_REPLAY_TTL_S``): a replay
+   after a lost answer gets the same deliveries. ``release`` gives deliveries back untrained. A group whose version
    is below ``latest - max_staleness`` at that moment, or below the claim's optional ``min_version`` (the
    trainer's floor, see ``ClaimRequest``), is dropped (``XACK`` + ``XDEL``) and counted in
    ``dropped_stale_total``: never silently. The long-poll waits with ``XREAD BLOCK`` from the stream's last
@@ -23,12 +27,11 @@ Life of a group
    When a new trainer epoch registers, every pending delivery becomes re-claimable at once
    (their idle time is pushed past the timeout; ``on_trainer_registered`` and the first claim of an epoch).
 3. ``ack`` (trainer, epoch-fenced, idempotent): ``XACK`` + ``XDEL``; ``acked_total`` counts first acks only.
-   When every group of a batch is acked or dropped, the script records it in ``queue:doomed``; then the
-   prompt snapshot is persisted (see ``state/prompts.py``; skipped when the newest snapshot was taken after
-   the batch's enqueue, so it already shows the batch's prompts completed) and the batch object deleted, so
-   a rebuild cannot enqueue it again; a partly settled batch gets a ``{batch_id}.done`` marker listing its
-   settled groups. The proxy's routes leave that bucket work to a background cleaner and answer after the
-   script (``state/cleanup.py``).
+   Every settle moves the state's seq on; the snapshot (``prompts.json``: prompts, each live batch's settled
+   groups, the lifetime counters; see ``state/prompts.py``) must reach it, and a batch whose groups are all
+   settled (recorded in ``queue:doomed``) has its object deleted only after that, so a rebuild neither
+   enqueues it again nor loses count of it. The proxy's routes leave that bucket work to a background
+   cleaner and answer after the script (``state/cleanup.py``).
 
 Accounting (invariant 4), all in the run's ``counters`` hash and updated inside the same scripts::
 
@@ -36,7 +39,9 @@ Accounting (invariant 4), all in the run's ``counters`` hash and updated inside 
     XLEN(stream)   == queued (never claimed) + pending (claimed, unacked)
 
 ``lost_total`` stays 0 unless a batch object vanished from the bucket behind the proxy's back (logged).
-After a Redis wipe the counters restart with the rebuild, which counts every re-enqueued group as accepted.
+The counters are lifetime counts: after a Redis wipe the rebuild continues them from the newest snapshot
+(``_requeue``), so the identity holds over the run's whole life; groups settled after that snapshot was
+written come back as queued (the trainer holds the ones it trained: ``trainer/ledger.py``).
 
 Readiness (a wiped Redis must not look like an empty queue)
 ------------------------------------------------------------
@@ -48,9 +53,9 @@ start an empty queue (and hide the batches) nor restart the dataset at prompt 0.
 
 Redis keys (``brl:{run}:`` prefix): ``queue:stream`` (+ group ``trainer``), ``queue:entry`` (delivery id ->
 stream id), ``queue:attempts`` (delivery id -> deliveries so far), ``queue:remaining`` (batch -> unsettled
-groups), ``queue:settled`` (batch -> "g,g," settled so far), ``queue:seq`` (batch -> the prompt state's
-``seq`` right after its enqueue: the snapshot that must exist before its object is deleted), ``queue:meta``
-(epoch seen by the queue), ``queue:doomed`` (finished batch -> that seq, until its object is deleted),
+groups), ``queue:settled`` (batch -> "g,g," settled so far), ``queue:owner`` (delivery -> the epoch holding it),
+``queue:claimreq:{epoch}:{request_id}`` (a claim's delivery ids, for its replay), ``queue:meta`` (epoch seen
+by the queue), ``queue:doomed`` (finished batch -> the seq the snapshot must reach before its object goes),
 ``idem:{hash of worker_id, key}`` (JSON SubmitResponse, TTL ``IDEMPOTENCY_TTL_S``), ``counters``.
 
 Status helpers for ``GET /status`` (P2's route calls them): :func:`queue_status`,
@@ -99,6 +104,10 @@ GROUP = prompts.STREAM_GROUP
 IDEMPOTENCY_TTL_S = 86_400
 IDEMPOTENCY_KEY_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # visible ASCII, like an HTTP token
 DELIVERY_ID_RE = re.compile(r"^b[0-9a-f]{32}:(0|[1-9][0-9]{0,5})$")
+CLAIM_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# How long a claim's answer is kept for a replay of the same request id (a client retry after a lost answer
+# comes within its backoff: seconds to minutes).
+CLAIM_REPLAY_TTL_S = 600
 # Retry-After (s) of a submit refused because the queue is at capacity.
 RETRY_AFTER_S = 1.0
 # A claim long-poll re-evaluates redeliveries at least this often while it blocks on new entries.
@@ -132,6 +141,7 @@ class QueueKeys:
     meta: str
     bseq: str
     doomed: str
+    owner: str
     p: prompts.PromptKeys = field(repr=False)
 
     @classmethod
@@ -148,11 +158,15 @@ class QueueKeys:
             meta=k(run, "queue:meta"),
             bseq=k(run, "queue:seq"),
             doomed=cleanup.doomed_key(run),
+            owner=k(run, "queue:owner"),
             p=prompts.PromptKeys.of(run),
         )
 
     def idem(self, run: str, idem_id: str) -> str:
         return keys.run_key(run, f"{keys.IDEMPOTENCY}:{idem_id}")
+
+    def claim_request(self, run: str, epoch: int, request_id: str | None) -> str:
+        return keys.run_key(run, f"queue:claimreq:{epoch}:{request_id or '-'}")
 
 
 batch_key = cleanup.batch_key
@@ -216,42 +230,30 @@ local function last_id(stream)
   for i = 1, #info, 2 do if info[i] == 'last-generated-id' then return info[i + 1] end end
   return '0-0'
 end
--- a settled group (acked, dropped or lost): count its batch down; report finished / partly settled batches
-local function settle(remaining, settled, d, finished, touched)
+-- a settled group (acked, dropped or lost): count its batch down; report finished batches (a partly settled
+-- one keeps its settled groups in `settled`, which prompts.json records for a rebuild)
+local function settle(remaining, settled, d, finished)
   local b, g = string.match(d, '^(.+):(%d+)$')
   local rem = redis.call('HINCRBY', remaining, b, -1)
   if rem <= 0 then
     redis.call('HDEL', remaining, b)
     redis.call('HDEL', settled, b)
     table.insert(finished, b)
-    touched[b] = nil
   else
     redis.call('HSET', settled, b, (redis.call('HGET', settled, b) or '') .. g .. ',')
-    touched[b] = true
   end
 end
-local function partial_list(settled, touched)
-  local out = {}
-  for b, _ in pairs(touched) do
-    table.insert(out, b)
-    table.insert(out, redis.call('HGET', settled, b) or '')
-  end
-  return out
-end
--- The prompt-state seq that prompts.json must reach before these finished batches' objects may be deleted:
--- the largest seq recorded right after their enqueue (a snapshot at least that new shows their prompts completed),
--- or the current seq for a batch without a record (re-enqueued by a rebuild). 0 when the newest snapshot
--- already reaches it: most acks then persist nothing (one snapshot covers every batch enqueued before it).
-local function persist_need(bseq, p_meta, finished, doomed)
-  local need = 0
+-- Something was settled: the state's seq moves on, and prompts.json (which records the prompts, which groups
+-- are settled and the lifetime counters: a rebuild restores all three from it) must reach that seq, and
+-- before these finished batches' objects may be deleted. Returns that seq (0: nothing settled).
+local function persist_need(bseq, p_meta, finished, doomed, changed)
+  if not changed then return 0 end
+  local s = redis.call('HINCRBY', p_meta, 'seq', 1)
   for _, b in ipairs(finished) do
-    local s = tonumber(redis.call('HGET', bseq, b) or redis.call('HGET', p_meta, 'seq') or '0')
     redis.call('HDEL', bseq, b)
     redis.call('HSET', doomed, b, s)
-    if s > need then need = s end
   end
-  if need == 0 or tonumber(redis.call('HGET', p_meta, 'persisted_seq') or '0') >= need then return 0 end
-  return need
+  return s
 end
 -- every pending entry becomes re-claimable now (idle pushed past the timeout; delivery count unchanged)
 local function release_pending(stream, group, consumer, idle_ms)
@@ -326,7 +328,7 @@ for i = 10, #ARGV do
     repeated = repeated + 1
   end
 end
-redis.call('HSET', KEYS[12], batch, redis.call('HINCRBY', KEYS[10], 'seq', 1))
+redis.call('HINCRBY', KEYS[10], 'seq', 1)
 redis.call('HINCRBY', KEYS[4], 'prompts_completed_total', completed)
 if repeated > 0 then redis.call('HINCRBY', KEYS[4], 'prompts_repeated_total', repeated) end
 redis.call('SET', KEYS[1], ARGV[8], 'EX', ARGV[7])
@@ -337,8 +339,9 @@ return {'ok', completed, repeated}
 _CLAIM = Lua(
     _COMMON
     + """
--- KEYS: stream state counters entry remaining attempts settled meta p_meta bseq doomed pace channel
+-- KEYS: stream state counters entry remaining attempts settled meta p_meta bseq doomed pace channel owner request
 -- ARGV: group consumer n epoch idle_ms max_staleness min_version train_version sync_every groups_per_step
+--       request_id request_ttl_s release_id...
 local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
 local n, epoch, idle_ms, ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 if redis.call('HEXISTS', KEYS[8], 'ready') == 0 then return {'notready'} end
@@ -349,26 +352,58 @@ if epoch > tonumber(redis.call('HGET', KEYS[8], 'epoch') or '0') then
   release_pending(stream, group, consumer, idle_ms)
   redis.call('HSET', KEYS[8], 'epoch', epoch)
 end
+-- deliveries the trainer gives back untrained (held back): re-claimable now, by anyone
+for i = 13, #ARGV do
+  local d = ARGV[i]
+  local id = redis.call('HGET', KEYS[4], d)
+  if id and redis.call('HGET', KEYS[14], d) == ARGV[4] then
+    redis.call('HDEL', KEYS[14], d)
+    redis.call('XCLAIM', stream, group, consumer, 0, id, 'IDLE', idle_ms + 1, 'JUSTID')
+  end
+end
+-- a replayed claim (same request id: the answer of the first was lost) gets the first one's deliveries again
+if ARGV[11] ~= '' and redis.call('EXISTS', KEYS[15]) == 1 then
+  local out = {}
+  for _, d in ipairs(redis.call('LRANGE', KEYS[15], 0, -1)) do
+    local id = redis.call('HGET', KEYS[4], d)
+    if id and redis.call('HGET', KEYS[14], d) == ARGV[4] then
+      local e = redis.call('XRANGE', stream, id, id)[1]
+      if e then
+        local f, v, w = e[2], '0', ''
+        for i = 1, #f, 2 do
+          if f[i] == 'v' then v = f[i + 1] elseif f[i] == 'w' then w = f[i + 1] end
+        end
+        table.insert(out, {id, d, v, w, tonumber(redis.call('HGET', KEYS[6], d) or '1')})
+      end
+    end
+  end
+  return {'ok', 0, last_id(stream), out, {}, 0}
+end
 -- the run's rule (latest - max_staleness) or the trainer's own floor (ARGV[7], 0 = none), whichever is higher
 local latest = tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0')
 local min_version = math.max(latest - ms, tonumber(ARGV[7]))
-local out, finished, touched = {}, {}, {}
+local out, finished = {}, {}
 local dropped = 0
-local function take(entries)
+local function take(entries, redelivered)
   for _, e in ipairs(entries) do
     if type(e) == 'table' and type(e[2]) == 'table' then
       local id, f, d, v, w = e[1], e[2], '', '0', ''
       for i = 1, #f, 2 do
         if f[i] == 'd' then d = f[i + 1] elseif f[i] == 'v' then v = f[i + 1] elseif f[i] == 'w' then w = f[i + 1] end
       end
-      if tonumber(v) < min_version then
+      if redelivered and redis.call('HGET', KEYS[14], d) == ARGV[4] then
+        -- this live epoch holds it (trained, waiting for its checkpoint's ack): never hand it back to it;
+        -- XAUTOCLAIM reset its idle time, so it is looked at again only after another timeout
+      elseif tonumber(v) < min_version then
         redis.call('XACK', stream, group, id)
         redis.call('XDEL', stream, id)
         redis.call('HDEL', KEYS[4], d)
         redis.call('HDEL', KEYS[6], d)
+        redis.call('HDEL', KEYS[14], d)
         dropped = dropped + 1
-        settle(KEYS[5], KEYS[7], d, finished, touched)
+        settle(KEYS[5], KEYS[7], d, finished)
       else
+        redis.call('HSET', KEYS[14], d, ARGV[4])
         table.insert(out, {id, d, v, w, redis.call('HINCRBY', KEYS[6], d, 1)})
       end
     end
@@ -379,7 +414,7 @@ local start = '0-0'
 for _ = 1, 100000 do
   if #out >= n then break end
   local res = redis.call('XAUTOCLAIM', stream, group, consumer, idle_ms, start, 'COUNT', n - #out)
-  take(res[2])
+  take(res[2], true)
   start = res[1]
   if start == '0-0' then break end
 end
@@ -389,7 +424,7 @@ for _ = 1, 100000 do
   local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n - #out, 'STREAMS', stream, '>')
   if not got then break end
   local before = #out + dropped
-  take(got[1][2])
+  take(got[1][2], false)
   if #out + dropped == before then break end
 end
 if dropped > 0 then redis.call('HINCRBY', KEYS[3], 'dropped_stale_total', dropped) end
@@ -407,15 +442,18 @@ if tv > 0 then
   end
 end
 if changed then redis.call('PUBLISH', KEYS[13], '1') end
-return {'ok', dropped, last_id(stream), out, finished, partial_list(KEYS[7], touched),
-        persist_need(KEYS[10], KEYS[9], finished, KEYS[11])}
+if ARGV[11] ~= '' and #out > 0 then
+  for _, e in ipairs(out) do redis.call('RPUSH', KEYS[15], e[2]) end
+  redis.call('EXPIRE', KEYS[15], ARGV[12])
+end
+return {'ok', dropped, last_id(stream), out, finished, persist_need(KEYS[10], KEYS[9], finished, KEYS[11], dropped > 0)}
 """
 )
 
 _ACK = Lua(
     _COMMON
     + """
--- KEYS: stream state counters entry remaining attempts settled p_meta queue_meta bseq doomed
+-- KEYS: stream state counters entry remaining attempts settled p_meta queue_meta bseq doomed owner
 -- ARGV: group epoch counter delivery_id...   (epoch 0 = unfenced internal use)
 if redis.call('HEXISTS', KEYS[9], 'ready') == 0 then return {'notready'} end
 local stream, group, epoch = KEYS[1], ARGV[1], tonumber(ARGV[2])
@@ -423,7 +461,7 @@ if epoch > 0 then
   local cur = tonumber(redis.call('HGET', KEYS[2], 'trainer_epoch') or '0')
   if epoch ~= cur then return {'fenced', cur} end
 end
-local n, finished, touched = 0, {}, {}
+local n, finished = 0, {}
 for i = 4, #ARGV do
   local d = ARGV[i]
   local id = redis.call('HGET', KEYS[4], d)
@@ -432,12 +470,13 @@ for i = 4, #ARGV do
     redis.call('XDEL', stream, id)
     redis.call('HDEL', KEYS[4], d)
     redis.call('HDEL', KEYS[6], d)
+    redis.call('HDEL', KEYS[12], d)
     n = n + 1
-    settle(KEYS[5], KEYS[7], d, finished, touched)
+    settle(KEYS[5], KEYS[7], d, finished)
   end
 end
 if n > 0 then redis.call('HINCRBY', KEYS[3], ARGV[3], n) end
-return {'ok', n, persist_need(KEYS[10], KEYS[8], finished, KEYS[11]), finished, partial_list(KEYS[7], touched)}
+return {'ok', n, persist_need(KEYS[10], KEYS[8], finished, KEYS[11], n > 0), finished}
 """
 )
 
@@ -459,10 +498,14 @@ return 0
 _REQUEUE = Lua(
     _COMMON
     + """
--- KEYS: stream ; ARGV: group idle_ms stream_id...   (claimed, but the bucket read failed: hand out again)
+-- KEYS: stream owner ; ARGV: group idle_ms (stream_id delivery_id)...
+-- (claimed, but the bucket read failed: hand out again, to the same epoch too)
 ensure_group(KEYS[1], ARGV[1])
 local args = {KEYS[1], ARGV[1], 'requeue', 0}
-for i = 3, #ARGV do table.insert(args, ARGV[i]) end
+for i = 3, #ARGV, 2 do
+  table.insert(args, ARGV[i])
+  redis.call('HDEL', KEYS[2], ARGV[i + 1])
+end
 table.insert(args, 'IDLE')
 table.insert(args, tonumber(ARGV[2]) + 1)
 table.insert(args, 'JUSTID')
@@ -735,6 +778,8 @@ async def claim(
     train_version: int | None = None,
     sync_every: int = 1,
     cleaner: cleanup.BatchCleaner | None = None,
+    request_id: str | None = None,
+    release: list[str] | None = None,
 ) -> ClaimOutcome:
     """Up to ``max_groups`` deliveries; waits up to ``wait_s`` for the first one (long-poll).
 
@@ -748,18 +793,25 @@ async def claim(
     deadline = time.monotonic() + wait_s
     idle_ms = max(1, int(redelivery_timeout_s * 1000))
     total = ClaimOutcome([])
+    if request_id is not None and not CLAIM_REQUEST_ID_RE.match(request_id):
+        raise errors.Invalid("request_id: must be 1..64 characters of [A-Za-z0-9_.-]")
+    release_ids = list(dict.fromkeys(release or []))
+    validate_delivery_ids(release_ids, "release")
     while True:
         res = await _CLAIM(
             r,
             [
                 *(k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled),
-                *(k.meta, k.p.meta, k.bseq, k.doomed, k.p.pace, k.p.channel),
+                *(k.meta, k.p.meta, k.bseq, k.doomed, k.p.pace, k.p.channel, k.owner),
+                k.claim_request(run, epoch, request_id),
             ],
             [
                 *(GROUP, consumer, max_groups, epoch, idle_ms, spec.max_staleness, min_version or 0),
-                *(train_version or 0, sync_every, spec.groups_per_step),
+                *(train_version or 0, sync_every, spec.groups_per_step, request_id or "", CLAIM_REPLAY_TTL_S),
+                *release_ids,
             ],
         )
+        release_ids = []  # given back by the first pass
         if _s(res[0]) == "notready":
             await ensure_ready(r, store, run, spec)
             continue
@@ -767,7 +819,7 @@ async def claim(
             raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
         dropped, last, entries = int(res[1]), _s(res[2]), res[3]
         total.dropped += dropped
-        await _settle_objects(r, store, run, spec, res[4], res[5], int(res[6]), cleaner)
+        await _settle_objects(r, store, run, spec, res[4], int(res[5]), cleaner)
         if entries:
             got = await _deliveries(r, store, run, spec, entries, idle_ms, cleaner)
             total.claimed.extend(got.claimed)
@@ -805,7 +857,8 @@ async def _deliveries(
         loaded = await asyncio.to_thread(lambda: [_load_groups_json(store, run, b) for b in batch_ids])
     except BaseException:
         # Claimed in Redis but not handed out: make them re-claimable now instead of after the timeout.
-        await _REQUEUE(r, [QueueKeys.of(run).stream], [GROUP, idle_ms, *(sid for sid, *_ in parsed)])
+        k = QueueKeys.of(run)
+        await _REQUEUE(r, [k.stream, k.owner], [GROUP, idle_ms, *(x for sid, d, *_ in parsed for x in (sid, d))])
         raise
     batches = dict(zip(batch_ids, loaded, strict=True))
     out = ClaimOutcome([])
@@ -876,10 +929,10 @@ def _load_groups_json(store: BucketStore, run: str, batch_id: str) -> StoredGrou
 # -- ack -----------------------------------------------------------------------------------------------
 
 
-def validate_delivery_ids(ids: list[str]) -> None:
+def validate_delivery_ids(ids: list[str], field: str = "delivery_ids") -> None:
     for i, d in enumerate(ids):
         if not DELIVERY_ID_RE.match(d):
-            raise errors.Invalid(f"delivery_ids[{i}]: {d[:80]!r} is not a delivery id from a claim")
+            raise errors.Invalid(f"{field}[{i}]: {d[:80]!r} is not a delivery id from a claim")
 
 
 async def ack(
@@ -920,7 +973,7 @@ async def _settle(
             r,
             [
                 *(k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled),
-                *(k.p.meta, k.meta, k.bseq, k.doomed),
+                *(k.p.meta, k.meta, k.bseq, k.doomed, k.owner),
             ],
             [GROUP, epoch, counter, *ids],
         )
@@ -932,7 +985,7 @@ async def _settle(
         raise _not_ready(run)
     if _s(res[0]) == "fenced":
         raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
-    await _settle_objects(r, store, run, spec, res[3], res[4], int(res[2]), cleaner)
+    await _settle_objects(r, store, run, spec, res[3], int(res[2]), cleaner)
     return int(res[1])
 
 
@@ -946,16 +999,15 @@ async def _settle_objects(
     run: str,
     spec: RunSpec | SpecLoader,
     finished: list[Any],
-    partial: list[Any],
     persist_seq: int,
     cleaner: cleanup.BatchCleaner | None,
 ) -> None:
     """The bucket side of a script's settles (``state/cleanup.py``): in the background with a cleaner."""
-    done, marks = [_s(b) for b in finished], cleanup.pairs(partial)
+    done = [_s(b) for b in finished]
     if cleaner is not None:
-        cleaner.submit(run, spec, done, marks, persist_seq)
+        cleaner.submit(run, spec, done, persist_seq)
     else:
-        await cleanup.settle_objects(r, store, run, spec, done, marks, persist_seq)
+        await cleanup.settle_objects(r, store, run, spec, done, persist_seq)
 
 
 # -- trainer epochs, status, rebuild -------------------------------------------------------------------
@@ -992,6 +1044,7 @@ async def queue_status(r: Any, run: str, spec: RunSpec) -> QueueStatus:
         dropped_stale_total=c["dropped_stale_total"],
         rejected_stale_total=c["rejected_stale_total"],
         backpressure_total=c["backpressure_total"],
+        lost_total=c["lost_total"],
     )
 
 
@@ -1015,12 +1068,14 @@ async def ensure_ready(r: Any, store: BucketStore, run: str, spec: RunSpec) -> d
     q_ready, p_ready = await r.hexists(k.meta, "ready"), await r.hexists(k.p.meta, "ready")
     if q_ready and p_ready:
         return out
+    raw = await asyncio.to_thread(prompts.read_snapshot, store, run)
+    snap = json.loads(raw) if raw else None
     loaded = await _load_settled_batches(store, run)
     completed = {p for _, _, obj, _ in loaded for p in summarize(obj).prompt_ids}
     if not q_ready:
-        out.update(await _requeue(r, run, k, loaded))
+        out.update(await _requeue(r, run, k, loaded, snap.get("queue") if isinstance(snap, dict) else None))
     if not p_ready:
-        out["prompt_cursor"] = await prompts.restore(r, store, run, spec, completed) or 0
+        out["prompt_cursor"] = await prompts.restore(r, run, spec, completed, raw) or 0
     if out["groups"] or out["prompt_cursor"]:
         log.warning("run %r: rebuilt from the bucket: %s", run, out)
     return out
@@ -1048,9 +1103,26 @@ async def _load_settled_batches(store: BucketStore, run: str) -> list[tuple[floa
 
 
 async def _requeue(
-    r: Any, run: str, k: QueueKeys, loaded: list[tuple[float, str, dict[str, Any], set[int]]]
+    r: Any,
+    run: str,
+    k: QueueKeys,
+    loaded: list[tuple[float, str, dict[str, Any], set[int]]],
+    snap: dict[str, Any] | None,
 ) -> dict[str, int]:
+    """Enqueue the live groups of the bucket's batch objects; restore the lifetime counters.
+
+    ``snap``: the queue section of the newest snapshot (``prompts.json``; None when it has none, or was written
+    by an older proxy). With one, the counters continue from it and a batch it shows live is re-enqueued minus
+    the groups it shows settled; a batch it shows finished is only deleted (``queue:doomed``); a batch it does
+    not know was accepted after it (its groups count as accepted now); a batch it shows live whose object is
+    gone is counted lost. So ``accepted = acked + dropped + lost + queued + pending`` holds over the run's whole
+    life. Groups settled after the snapshot was written come back (the trainer holds repeats: its ledger).
+    Without one, markers name the settled groups and the counters start from the rebuild.
+    """
     out = {"batches": 0, "groups": 0}
+    live_s: dict[str, Any] = snap.get("live", {}) if snap else {}
+    doomed_s = set(snap.get("doomed", [])) if snap else set()
+    accepted = lost = 0
     # Explicit stream ids (accept order), so the delivery-id map is written in the same transaction.
     base_ms = int(time.time() * 1000)
     seq = 0
@@ -1059,6 +1131,9 @@ async def _requeue(
             await pipe.watch(k.meta, k.stream)
             if await pipe.hexists(k.meta, "ready"):
                 return out  # another caller (replica) did it meanwhile
+            # Counters this Redis kept (only its queue keys were lost) are the truth; after a wipe only the
+            # refusal counters (which need no ready state) can be there, and the snapshot's add to them.
+            restored_counters = await pipe.hexists(k.counters, "accepted_total")
             if await pipe.exists(k.stream):
                 # A stream without the flag: Redis kept its queue (state from before the flag existed).
                 pipe.multi()
@@ -1068,12 +1143,20 @@ async def _requeue(
             pipe.multi()
             pipe.xgroup_create(k.stream, GROUP, id="0", mkstream=True)
             entry_map: dict[str, str] = {}
-            for _, b, obj, settled in loaded:
+            present = set()
+            for _, b, obj, marked in loaded:
+                present.add(b)
                 summary = summarize(obj)
                 n_groups = len(summary.prompt_ids)
+                if b in doomed_s:  # settled before the snapshot; its deletion had not happened
+                    pipe.hset(k.doomed, b, 0)
+                    continue
+                settled = set(marked) if snap is None else {int(g) for g in live_s.get(b, {}).get("settled", [])}
                 live = [g for g in range(n_groups) if g not in settled]
                 if not live:
                     continue
+                if snap is None or b not in live_s:  # not in the snapshot's counters yet
+                    accepted += len(live)
                 for g in live:
                     d, sid = f"{b}:{g}", f"{base_ms}-{seq}"
                     seq += 1
@@ -1085,9 +1168,24 @@ async def _requeue(
                 if obj.get("idem"):
                     answer = SubmitResponse(batch_id=b, accepted_groups=n_groups)
                     pipe.set(k.idem(run, str(obj["idem"])), answer.model_dump_json(), ex=IDEMPOTENCY_TTL_S)
-                pipe.hincrby(k.counters, "accepted_total", len(live))
                 out["batches"] += 1
                 out["groups"] += len(live)
+            missing = {b: int(v.get("remaining", 0)) for b, v in live_s.items() if b not in present}
+            if missing:
+                lost = sum(missing.values())
+                log.error(
+                    "run %r: the snapshot lists %d live batches (%d groups) that are not in the bucket; counted "
+                    "as lost: %s",
+                    run,
+                    len(missing),
+                    lost,
+                    sorted(missing)[:5],
+                )
+            if snap is not None and not restored_counters:
+                for name, value in snap.get("counters", {}).items():
+                    pipe.hincrby(k.counters, name, int(value))
+            pipe.hincrby(k.counters, "accepted_total", accepted)
+            pipe.hincrby(k.counters, "lost_total", lost)
             if entry_map:
                 pipe.hset(k.entry, mapping=entry_map)
             pipe.hset(k.meta, "ready", 1)

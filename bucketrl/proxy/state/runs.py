@@ -129,6 +129,11 @@ async def put_spec(r: Any, run: str, spec: RunSpec) -> tuple[bool, bool]:
                 continue
 
 
+def epoch_record_key(run: str, epoch: int) -> str:
+    """The bucket's record of a registered trainer epoch (its content: the trainer's worker id)."""
+    return f"runs/{run}/trainer-epochs/{epoch:012d}"
+
+
 async def register_trainer(r: Any, run: str) -> int:
     """A new, strictly larger epoch. Every trainer write with a smaller one is fenced from now on."""
     state_key = keys.run_key(run, keys.STATE)

@@ -25,7 +25,7 @@ from typing import Any
 
 from bucketrl import errors
 from bucketrl.proxy import keys
-from bucketrl.proxy.state.locks import WriteLock
+from bucketrl.proxy.state.locks import WriteLock, fenced_or_restoring
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.proxy.state.uploads import spool_verified
 from bucketrl.storage import dirs
@@ -156,8 +156,10 @@ async def publish(
                     version=version, sha256=spooled.sha256, bytes=spooled.size, published_at=float(detail)
                 )
             if status == "fenced":
-                ctx.telemetry.fenced_writes.labels(run=run).inc()
-                raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} was fenced by epoch {detail} during publish")
+                err = await fenced_or_restoring(ctx.redis, run, epoch, int(detail), "during publish")
+                if isinstance(err, errors.Fenced):
+                    ctx.telemetry.fenced_writes.labels(run=run).inc()
+                raise err
             if status == "conflict":
                 raise errors.Conflict(
                     f"run {run!r}: version {version} is not latest+1 (latest is {detail})", code="version_conflict"

@@ -1,0 +1,85 @@
+"""Which deliveries this trainer's lineage took for training: a delivery is never trained twice in it.
+
+A delivery can reach the trainer again although the trainer already has it: after a Redis wipe the proxy
+rebuilds the queue from the bucket, and groups trained since the last checkpoint are still unacked (acks wait
+for the checkpoint that holds their effect), so they are queued again; so are groups acked just before the
+wipe whose bucket settlement had not landed yet. Such a repeat is not trained again: it is *held* and acked
+with the next checkpoint (its effect is in the weights that checkpoint saves, or in an earlier one).
+
+A trainer restarted from a checkpoint starts a new ledger from that checkpoint's list: what the dead
+process trained after the checkpoint is gone from the weights, so it is trained again (correctly).
+
+Memory is bounded: the ids of the last ``remember_checkpoints`` checkpoints are kept (a repeat comes within
+seconds of a wipe, long before that many checkpoints pass).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from bucketrl.wire import Delivery
+
+# How many checkpoints' worth of trained ids a ledger remembers beyond the open interval.
+REMEMBER_CHECKPOINTS = 16
+
+
+class DeliveryLedger:
+    """Thread-safe: the claim helper thread admits, the main thread trains, gives back and checkpoints."""
+
+    def __init__(self, remember_checkpoints: int = REMEMBER_CHECKPOINTS) -> None:
+        self._lock = threading.Lock()
+        self._taken: set[str] = set()
+        self._open: list[str] = []  # taken since the last checkpoint
+        self._closed: deque[list[str]] = deque()
+        self._remember = max(1, remember_checkpoints)
+        self._release: list[str] = []
+
+    def seed(self, ids: list[str]) -> None:
+        """The resumed checkpoint's deliveries: trained in this lineage."""
+        with self._lock:
+            self._taken.update(ids)
+            self._closed.append(list(ids))
+            self._prune()
+
+    def admit(self, deliveries: list[Delivery]) -> tuple[list[Delivery], list[str]]:
+        """Split claimed deliveries into new ones (now taken) and repeats of taken ones (their ids)."""
+        fresh: list[Delivery] = []
+        repeats: list[str] = []
+        with self._lock:
+            for d in deliveries:
+                if d.delivery_id in self._taken:
+                    repeats.append(d.delivery_id)
+                else:
+                    self._taken.add(d.delivery_id)
+                    self._open.append(d.delivery_id)
+                    fresh.append(d)
+        return fresh, repeats
+
+    def give_back(self, ids: list[str]) -> None:
+        """Taken but not trained (held back as too stale): forget them, and have the next claim release them."""
+        with self._lock:
+            self._taken.difference_update(ids)
+            gone = set(ids)
+            self._open = [d for d in self._open if d not in gone]
+            self._release.extend(ids)
+
+    def take_release(self) -> list[str]:
+        with self._lock:
+            out, self._release = self._release, []
+        return out
+
+    def checkpointed(self) -> None:
+        """A checkpoint now holds everything taken so far (trained before it)."""
+        with self._lock:
+            self._closed.append(self._open)
+            self._open = []
+            self._prune()
+
+    def __contains__(self, delivery_id: object) -> bool:
+        with self._lock:
+            return delivery_id in self._taken
+
+    def _prune(self) -> None:
+        while len(self._closed) > self._remember:
+            self._taken.difference_update(self._closed.popleft())

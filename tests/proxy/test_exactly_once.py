@@ -1,0 +1,103 @@
+"""Issue 10 (state half) on real proxies over HTTP: run counters from shared state, the lifetime identity across
+a Redis wipe (lost counted from the snapshot), a live trainer keeping its epoch across a wipe, and writes that
+race a wipe answered 503 (retry) instead of a non-retryable 409."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bucketrl import errors
+from bucketrl.proxy import keys, rebuild
+from bucketrl.proxy.state import prompts, queue
+from bucketrl.proxy.state.locks import WriteLock
+from tests.proxy.harness import ProxyHarness, adapter_tar, running
+from tests.proxy.test_queue_state import run
+from tests.proxy.test_rollouts_routes import Setup
+from tests.support.services import RedisServer
+
+
+def _metrics(proxy: ProxyHarness) -> str:
+    return httpx.get(f"{proxy.url}/metrics", headers={"Authorization": "Bearer tok-viewer"}).text
+
+
+def test_every_replica_reports_the_run_counters_from_shared_state(redis_server: RedisServer, tmp_path: Path) -> None:
+    bucket = f"file://{tmp_path / 'bucket'}"
+    with running(redis_server.url, bucket) as a, running(redis_server.url, bucket) as b:
+        s = Setup(a, groups_per_step=8)
+        s.g.submit_rollouts(s.batch(3), "k1")
+        got = s.t.claim("trainer-0", max_groups=2)
+        s.t.ack([d.delivery_id for d in got.deliveries])
+        for replica in (a, b):  # b served none of it: its totals are the run's all the same
+            text = _metrics(replica)
+            assert 'bucketrl_accepted_groups_total{run="r1"} 3.0' in text
+            assert 'bucketrl_acked_groups_total{run="r1"} 2.0' in text
+            assert 'bucketrl_lost_groups_total{run="r1"} 0.0' in text
+        st = b.client("r1", "viewer").status().queue
+        assert (st.accepted_total, st.acked_total, st.lost_total, st.groups) == (3, 2, 0, 1)
+
+
+def test_lifetime_identity_holds_across_a_wipe_with_a_vanished_batch(
+    proxy_file: ProxyHarness, redis_server: RedisServer
+) -> None:
+    """The snapshot shows batch b live; its object then vanishes (behind the proxy's back) before a wipe: the
+    rebuild counts b's groups lost (visible in status and /metrics) and the identity holds exactly."""
+    s = Setup(proxy_file, groups_per_step=8)
+    a = s.g.submit_rollouts(s.batch(2), "a")
+    b = s.g.submit_rollouts(s.batch(3), "b")
+    got = s.t.claim("trainer-0", max_groups=2)  # a:0 a:1
+    assert s.t.ack([d.delivery_id for d in got.deliveries]) == 2
+    assert proxy_file.call(lambda ctx: ctx.cleaner.drain(10.0))
+    snap = proxy_file.call(lambda ctx: _snapshot(ctx, "r1"))
+    assert snap["queue"]["live"] == {b.batch_id: {"remaining": 3, "settled": []}}
+    assert a.batch_id not in snap["queue"]["live"]
+    proxy_file.ctx.store.delete([queue.batch_key("r1", b.batch_id)])
+    redis_server.wipe()
+    redis_server.start()
+    assert any(proxy_file.call(rebuild.rebuild_if_wiped) for _ in range(3))
+    q = proxy_file.client("r1", "viewer").status().queue
+    assert (q.accepted_total, q.acked_total, q.lost_total, q.groups + q.pending) == (5, 2, 3, 0)
+    assert q.accepted_total == q.acked_total + q.dropped_stale_total + q.lost_total + q.groups + q.pending
+    assert 'bucketrl_lost_groups_total{run="r1"} 3.0' in _metrics(proxy_file)
+
+
+async def _snapshot(ctx: object, run: str) -> dict:
+    import json
+
+    raw = prompts.read_snapshot(ctx.store, run)  # type: ignore[attr-defined]
+    assert raw is not None
+    return json.loads(raw)
+
+
+def test_a_live_trainer_keeps_its_epoch_across_a_wipe(proxy_file: ProxyHarness, redis_server: RedisServer) -> None:
+    """A trainer that registered (epoch 2) but published nothing yet: after a wipe its writes are neither
+    "never issued" nor fenced (the registration is recorded in the bucket); the older trainer stays fenced."""
+    s = Setup(proxy_file, groups_per_step=8)
+    t2 = proxy_file.client("r1", "trainer")
+    assert t2.register_trainer("trainer-1").epoch == 2
+    s.g.submit_rollouts(s.batch(2), "a")
+    redis_server.wipe()
+    redis_server.start()
+    assert any(proxy_file.call(rebuild.rebuild_if_wiped) for _ in range(3))
+    assert len(t2.claim("trainer-1", max_groups=8).deliveries) == 2
+    assert t2.publish_adapter(2, adapter_tar(2)).version == 2
+    with pytest.raises(errors.Fenced):
+        s.t.claim("trainer-0", max_groups=1)
+
+
+def test_a_bundle_write_reaching_a_wiped_redis_is_retryable_not_fenced(redis_server: RedisServer) -> None:
+    """The write lock's epoch check against a Redis that lost the run (current epoch 0, no state at all) is a
+    503 to retry (the retry's run lookup rebuilds), not 409 ``fenced`` (which stops the trainer for good)."""
+
+    async def body(r: Any) -> None:
+        lock = WriteLock(r, "r1", "v2", 3, ttl_s=5, expected_next=2)
+        with pytest.raises(errors.Unavailable):
+            await lock.acquire()
+        await r.hset(keys.run_key("r1", keys.STATE), mapping={"trainer_epoch": 4, "latest_version": 1})
+        with pytest.raises(errors.Fenced):
+            await WriteLock(r, "r1", "v2", 3, ttl_s=5, expected_next=2).acquire()
+
+    run(redis_server, body)

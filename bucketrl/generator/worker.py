@@ -196,7 +196,10 @@ class GeneratorWorker:
                 prompts = self._next_prompts(s.prompts_per_request if budget is None else max(1, budget))
                 if not prompts:
                     continue
-                # Versions loaded (and old ones retired) while waiting for the prompts: sample with the newest.
+                # Versions loaded (and old ones retired) while waiting for the prompts: sample with the newest. The
+                # lease was asked for the newest FETCHED version (admission control judged it by that one): load
+                # it now if the wait did not (strict on-policy drops every group of an older version).
+                self._sync_versions()
                 slot = self.book.current() or slot
                 # Lease the next prompts while these are sampled: the engine never waits on the proxy.
                 after = self._budget()

@@ -224,10 +224,15 @@ def test_pace_grants_only_what_the_trainer_reaches_within_staleness(redis_server
         with pytest.raises(prompts.PacedOut) as exc:
             await prompts.lease(r, store, RUN, spec, "g2", 1, 60, version=3)
         assert exc.value.newer_version_exists
-        # ... except that an empty pipeline always gets a step of work (a run never stalls on the rule).
+        # ... except that an empty pipeline always gets a step of work (a run never stalls on the rule), from a
+        # caller whose groups can still be trained (v3: 6 - 3 = max_staleness), never from one whose groups could
+        # only be dropped (v2).
         await prompts.release(r, RUN, "g1", ids(a)[3:])
         assert await prompts.prompts_inflight(r, RUN) == 0
-        live = await prompts.lease(r, store, RUN, spec, "g2", 10, 60, version=2)
+        with pytest.raises(prompts.PacedOut) as exc:
+            await prompts.lease(r, store, RUN, spec, "g2", 10, 60, version=2)
+        assert exc.value.newer_version_exists
+        live = await prompts.lease(r, store, RUN, spec, "g2", 10, 60, version=3)
         assert len(live.prompts) == spec.groups_per_step
         # No version (or one newer than latest) means the latest: v5, room 4 less the 2 in flight.
         d = await prompts.lease(r, store, RUN, spec, "g3", 10, 60, version=99)
@@ -245,7 +250,55 @@ def test_pace_grants_only_what_the_trainer_reaches_within_staleness(redis_server
         c = await prompts.lease(r, store, RUN, spec, "g1", 10, 60, version=6)  # spare 1 -> 2 + 1 * 2 * 2 = 6
         assert len(c.prompts) == 6
         counts = await queue.counters(r, RUN)
-        assert counts["prompts_backpressure_total"] == 2
+        assert counts["prompts_backpressure_total"] == 3
+
+    run(redis_server, body)
+
+
+def test_strict_on_policy_grants_only_the_version_the_next_step_trains_with(
+    redis_server: RedisServer, tmp_path: Any
+) -> None:
+    """max_staleness 0: the slack is min(slack, 0) = 0, so every generator holding the version the step being
+    filled trains with shares its room; a lease for an older version is refused even into an empty pipeline
+    (its groups could only be dropped), until the caller asks with the version the trainer publishes next."""
+    store = open_store(f"file://{tmp_path / 'b'}")
+    spec = make_spec(groups_per_step=4, max_staleness=0, dataset={"uri": "toy:add", "size": 50})
+    assert prompts.PACE_SLACK_VERSIONS == 1 and prompts.effective_slack(prompts.PACE_SLACK_VERSIONS, spec) == 0
+
+    async def body(r: Any) -> None:
+        from tests.proxy.test_queue_state import make_batch
+
+        await runs.put_spec(r, RUN, spec)
+        await r.hset(f"brl:{RUN}:state", mapping={"latest_version": 5})
+        epoch = await runs.register_trainer(r, RUN)
+
+        async def claim(train_version: int) -> int:
+            got = await queue.claim(
+                r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=4, wait_s=0, redelivery_timeout_s=60,
+                min_version=train_version, train_version=train_version,
+            )  # fmt: skip
+            return len(got.deliveries)
+
+        assert await claim(5) == 0  # the trainer waits for the 4 groups of the step it trains with v5
+        a = await prompts.lease(r, store, RUN, spec, "g1", 2, 60, version=5)
+        b = await prompts.lease(r, store, RUN, spec, "g2", 2, 60, version=5)  # both generators work on the step
+        assert (len(a.prompts), len(b.prompts)) == (2, 2)
+        with pytest.raises(prompts.PacedOut):  # the step's room is taken
+            await prompts.lease(r, store, RUN, spec, "g3", 1, 60, version=5)
+        await queue.submit(r, store, RUN, spec, make_batch(spec, a.prompts + b.prompts, version=5), "k1")
+        assert await claim(5) == 4
+        # The trainer trains that step and claims the next one ahead: it trains with v6, not yet published.
+        assert await claim(6) == 0
+        assert await prompts.prompts_inflight(r, RUN) == 0
+        with pytest.raises(prompts.PacedOut) as exc:  # v5 groups would be dropped: refused, empty pipeline or not
+            await prompts.lease(r, store, RUN, spec, "g1", 2, 60, version=5)
+        assert not exc.value.newer_version_exists  # the long-poll waits for v6
+        await r.hset(f"brl:{RUN}:state", mapping={"latest_version": 6})
+        with pytest.raises(prompts.PacedOut) as exc:
+            await prompts.lease(r, store, RUN, spec, "g1", 2, 60, version=5)
+        assert exc.value.newer_version_exists  # answered at once: ask again with v6
+        c = await prompts.lease(r, store, RUN, spec, "g1", 10, 60, version=6)
+        assert len(c.prompts) == 4
 
     run(redis_server, body)
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from bucketrl.trainer.settings import TrainerSettings
@@ -98,3 +99,38 @@ def test_a_redis_wipe_mid_interval_trains_nothing_twice_and_keeps_the_lifetime_c
     assert q.lost_total == 0
     assert q.accepted_total == q.acked_total + q.dropped_stale_total + q.lost_total + q.groups + q.pending, q
     assert q.acked_total >= 16
+
+
+def test_the_trainer_retries_a_retryable_conflict_and_stops_on_a_fence(monkeypatch: Any) -> None:
+    """Item 9: a checkpoint write outlasting the lock wait answers 409 ``write_in_progress`` (retryable): the
+    trainer retries it instead of exiting; a fence or a non-retryable conflict still ends it at once."""
+    from bucketrl import errors
+    from bucketrl.trainer import worker as worker_mod
+    from tests.trainer.helpers import settings
+
+    monkeypatch.setattr(worker_mod.time, "sleep", lambda _s: None)
+    w = TrainerWorker(settings(proxy_url="http://127.0.0.1:9", run="r1"))
+    try:
+        answers: list[Any] = [errors.Conflict("busy", retryable=True, code="write_in_progress")] * 2 + ["ok"]
+
+        def call() -> str:
+            a = answers.pop(0)
+            if isinstance(a, Exception):
+                raise a
+            return a
+
+        assert w._retrying(call) == "ok" and answers == []
+        for err in (errors.Fenced("fenced"), errors.Conflict("version_conflict", code="version_conflict")):
+            calls: list[int] = []
+
+            def failing(err: errors.BucketRLError = err, calls: list[int] = calls) -> str:
+                calls.append(1)
+                raise err
+
+            with pytest.raises(type(err)):
+                w._retrying(failing)
+            assert calls == [1]
+    finally:
+        w._prefetch.shutdown()
+        for c in (w.client, w.claim_client, w.write_client):
+            c.close()

@@ -80,14 +80,15 @@ async def publish(
 ) -> AdapterVersionInfo:
     sha = check_sha_header(sha256)
     body.check_content_length(request, ctx.settings.max_adapter_bytes, "adapter tar")
-    existing = await versions.get_record(ctx.redis, ref.run, version)
-    if existing is not None and existing.get("sha256") == sha and existing.get("epoch") == str(epoch):
-        return versions.to_info(version, existing)  # a retried PUT whose first answer was lost
+    if same := await versions.committed_same(ctx.redis, ref.run, version, sha, epoch):
+        return same  # a retried PUT whose first answer was lost
     latest_now = await runs.latest_version(ctx.redis, ref.run)
     if latest_now == 0 and version > 1 and not await ctx.redis.exists(keys.run_key(ref.run, keys.STATE)):
         # Redis lost the run after this request found it (wiped, not rebuilt yet): retryable, not a conflict.
         raise errors.Unavailable(f"run {ref.run!r}: its state is being restored from the bucket; retry")
     if version != latest_now + 1:  # fail before reading the body; the commit re-checks atomically
+        if same := await versions.committed_same(ctx.redis, ref.run, version, sha, epoch):
+            return same  # its first attempt committed since the check above
         raise errors.Conflict(
             f"run {ref.run!r}: can only publish version {latest_now + 1} (latest is {latest_now}), not {version}",
             code="version_conflict",

@@ -5,9 +5,11 @@ epoch). The protocol is the adapters' (``versions.py``): spool + hash, take the 
 the epoch check, commit the tar (manifest last), then ONE Lua script re-checks lock and epoch and
 records the step. A fenced trainer's files are removed and it gets 409 ``fenced``.
 
-Writing a step that already exists: the same bytes again is a no-op (a retried PUT); different bytes
-from the current epoch replace it (a resumed trainer redoing a step of a dead timeline) — the index
-entry is dropped before the files change, so ``latest`` never points at a half-written step.
+Writing a step that already exists: the same bytes again is a no-op (a retried PUT) answered 200 only
+when the step's files are in the bucket, checked again after the write lock is taken (a retry that waited
+for the lock while its first attempt committed must not take the committed step for leftovers);
+different bytes from the current epoch replace it (a resumed trainer redoing a step of a dead timeline) —
+the index entry is dropped before the files change, so ``latest`` never points at a half-written step.
 
 Retention (:func:`prune`, run by the maintenance loop): all but the newest ``checkpoint_keep`` steps are
 un-indexed, then their files deleted (manifest first, so a crash in between leaves nothing a rebuild
@@ -81,15 +83,21 @@ async def put(
     s = ctx.settings
     spooled = await spool_verified(chunks, s.max_checkpoint_bytes, expected_sha256)
     with spooled:
-        existing = await get_info(ctx.redis, run, step)
-        if existing is not None and existing.sha256 == spooled.sha256:
-            return existing
+        prefix = checkpoint_prefix(run, step)
+        done = await _committed(ctx, run, step, spooled.sha256)
+        if done is not None:
+            return done
         lock = WriteLock(ctx.redis, run, f"step-{step}", epoch, ttl_s=s.publish_lock_s)
         await lock.acquire()
-        prefix = checkpoint_prefix(run, step)
         # Files are removed on failure only while their fate is known (see versions.publish).
         keep_files = False
         try:
+            # Again under the lock: another attempt of this PUT may have committed while this one waited.
+            done = await _committed(ctx, run, step, spooled.sha256)
+            if done is not None:
+                keep_files = True
+                return done
+            existing = await get_info(ctx.redis, run, step)
             if existing is not None:
                 # Un-index first: `latest` must never name a step whose files are being replaced.
                 pipe = ctx.redis.pipeline(transaction=True)
@@ -124,6 +132,15 @@ async def put(
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(dirs.delete_dir, ctx.store, prefix)
             await lock.release()
+
+
+async def _committed(ctx: Any, run: str, step: int, sha256: str) -> CheckpointInfo | None:
+    """The step's record if it holds these bytes AND its files are in the bucket (a retried PUT), else None."""
+    existing = await get_info(ctx.redis, run, step)
+    if existing is None or existing.sha256 != sha256:
+        return None
+    manifest = await asyncio.to_thread(dirs.read_manifest, ctx.store, checkpoint_prefix(run, step))
+    return existing if manifest is not None and manifest.bundle.sha256 == sha256 else None
 
 
 # KEYS: checkpoints, ckpt:k, lock of step k. ARGV: step. Un-index the step unless it is being written.

@@ -72,6 +72,7 @@ import hashlib
 import json
 import logging
 import re
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -108,6 +109,10 @@ CLAIM_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # How long a claim's answer is kept for a replay of the same request id (a client retry after a lost answer
 # comes within its backoff: seconds to minutes).
 CLAIM_REPLAY_TTL_S = 600
+# A batch's write lock (one attempt of a batch writes its object at a time): longer than any object PUT; how
+# long a retry waits for an earlier attempt before answering 503.
+SUBMIT_LOCK_TTL_MS = 120_000
+SUBMIT_LOCK_WAIT_S = 20.0
 # Retry-After (s) of a submit refused because the queue is at capacity.
 RETRY_AFTER_S = 1.0
 # A claim long-poll re-evaluates redeliveries at least this often while it blocks on new entries.
@@ -288,15 +293,22 @@ return {redis.call('GET', KEYS[1]) or '', tonumber(redis.call('HGET', KEYS[2], '
 _ENQUEUE = Lua(
     _COMMON
     + """
--- KEYS: idem state stream counters entry remaining p_open p_inflight p_owner p_meta queue_meta bseq
--- ARGV: batch_id group version max_staleness capacity worker idem_ttl idem_value n_groups pid...
+-- KEYS: idem state stream counters entry remaining p_open p_inflight p_owner p_meta queue_meta bseq write_lock
+-- ARGV: batch_id group version max_staleness capacity worker idem_ttl idem_value n_groups lock_token pid...
+-- (the batch's write lock is released here when the object stays: enqueued, or a duplicate's)
 if redis.call('HEXISTS', KEYS[11], 'ready') == 0 or redis.call('HEXISTS', KEYS[10], 'ready') == 0 then
   return {'notready'}
 end
 local batch, group, version = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local ms, cap, worker, n = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[9])
+local function unlock()
+  if redis.call('GET', KEYS[13]) == ARGV[10] then redis.call('DEL', KEYS[13]) end
+end
 local existing = redis.call('GET', KEYS[1])
-if existing then return {'duplicate', existing} end
+if existing then
+  unlock()
+  return {'duplicate', existing}
+end
 local latest = tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0')
 if version > latest then return {'newer', latest} end
 if version < latest - ms then
@@ -318,7 +330,7 @@ end
 redis.call('HSET', KEYS[6], batch, n)
 redis.call('HINCRBY', KEYS[4], 'accepted_total', n)
 local completed, repeated = 0, 0
-for i = 10, #ARGV do
+for i = 11, #ARGV do
   local pid = ARGV[i]
   if redis.call('SREM', KEYS[7], pid) == 1 then
     redis.call('ZREM', KEYS[8], pid)
@@ -332,9 +344,23 @@ redis.call('HINCRBY', KEYS[10], 'seq', 1)
 redis.call('HINCRBY', KEYS[4], 'prompts_completed_total', completed)
 if repeated > 0 then redis.call('HINCRBY', KEYS[4], 'prompts_repeated_total', repeated) end
 redis.call('SET', KEYS[1], ARGV[8], 'EX', ARGV[7])
+unlock()
 return {'ok', completed, repeated}
 """
 )
+
+# KEYS: idem write_lock ; ARGV: token ttl_ms. Take the batch's write lock unless the batch is already accepted.
+_BEGIN_WRITE = Lua("""
+local seen = redis.call('GET', KEYS[1])
+if seen then return {'duplicate', seen} end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'ok'} end
+return {'busy'}
+""")
+
+_UNLOCK = Lua("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+""")
 
 _CLAIM = Lua(
     _COMMON
@@ -660,42 +686,73 @@ async def submit(
         "sampling": (batch.sampling or spec.sampling).model_dump(mode="json"),
     }
     obj_bytes = msgpack.packb(obj, use_bin_type=True)
-    await asyncio.to_thread(store.put_bytes, batch_key(run, batch_id), obj_bytes)
+    # One attempt at a time writes (and, when refused, deletes) this batch's object: a retry arriving while
+    # an earlier attempt of the same batch is still writing waits for it, so a refused attempt can never
+    # delete the object another attempt has just enqueued (issue 10 item 8).
+    lock_key, token = keys.run_key(run, f"queue:writing:{batch_id}"), secrets.token_hex(8)
+    deadline = time.monotonic() + SUBMIT_LOCK_WAIT_S
+    while True:
+        got = await _BEGIN_WRITE(r, [idem_key, lock_key], [token, SUBMIT_LOCK_TTL_MS])
+        if _s(got[0]) == "duplicate":
+            return SubmitResponse.model_validate_json(got[1]).model_copy(update={"duplicate": True})
+        if _s(got[0]) == "ok":
+            break
+        if time.monotonic() > deadline:
+            raise errors.Unavailable(f"run {run!r}: an earlier attempt of this batch is still being written; retry")
+        await asyncio.sleep(0.05)
     answer = SubmitResponse(batch_id=batch_id, accepted_groups=n)
-    res = await _ENQUEUE(
-        r,
-        [k_ for k_ in (idem_key, k.state, k.stream, k.counters, k.entry, k.remaining)]
-        + [k.p.open, k.p.inflight, k.p.owner, k.p.meta, k.meta, k.bseq],
-        [
-            batch_id,
-            GROUP,
-            batch.version,
-            spec.max_staleness,
-            spec.queue_capacity_groups,
-            batch.worker_id,
-            IDEMPOTENCY_TTL_S,
-            answer.model_dump_json(),
-            n,
-            *(g.prompt_id for g in batch.groups),
-        ],
-    )
-    status = _s(res[0])
-    if status == "ok":
-        return answer
-    if status == "duplicate":  # a concurrent retry with the same key won
-        first = SubmitResponse.model_validate_json(res[1])
-        if first.batch_id != batch_id:  # same key, other content: ours is an orphan
-            await asyncio.to_thread(store.delete, [batch_key(run, batch_id)])
-        return first.model_copy(update={"duplicate": True})
-    if status == "notready":  # Redis was wiped between the checks and the commit
-        raise _not_ready(run)
-    # Refused after the write (latest moved or the queue filled meanwhile): the object must not stay.
-    await asyncio.to_thread(store.delete, [batch_key(run, batch_id)])
+    released = False  # the enqueue script releases the lock when the object stays
+    try:
+        await asyncio.to_thread(store.put_bytes, batch_key(run, batch_id), obj_bytes)
+        res = await _ENQUEUE(
+            r,
+            [k_ for k_ in (idem_key, k.state, k.stream, k.counters, k.entry, k.remaining)]
+            + [k.p.open, k.p.inflight, k.p.owner, k.p.meta, k.meta, k.bseq, lock_key],
+            [
+                batch_id,
+                GROUP,
+                batch.version,
+                spec.max_staleness,
+                spec.queue_capacity_groups,
+                batch.worker_id,
+                IDEMPOTENCY_TTL_S,
+                answer.model_dump_json(),
+                n,
+                token,
+                *(g.prompt_id for g in batch.groups),
+            ],
+        )
+        status = _s(res[0])
+        released = status in ("ok", "duplicate")
+        if status == "ok":
+            return answer
+        if status == "duplicate":  # a concurrent retry with the same key won
+            first = SubmitResponse.model_validate_json(res[1])
+            if first.batch_id != batch_id:  # same key, other content: ours is an orphan (and stays refused)
+                await asyncio.to_thread(store.delete, [batch_key(run, batch_id)])
+            return first.model_copy(update={"duplicate": True})
+        if status == "notready":  # Redis was wiped between the checks and the commit
+            raise _not_ready(run)
+        # Refused after the write (latest moved or the queue filled meanwhile): the object must not stay.
+        await _delete_if_held(r, store, run, batch_id, lock_key, token)
+    finally:
+        if not released:
+            await _UNLOCK(r, [lock_key], [token])
     if status == "stale":
         raise _stale(run, batch.version, int(res[1]), spec)
     if status == "full":
         raise _full(run, int(res[1]), n, spec)
     raise errors.Invalid(f"version: {batch.version} is newer than the latest published version {int(res[1])}")
+
+
+async def _delete_if_held(r: Any, store: BucketStore, run: str, batch_id: str, lock_key: str, token: str) -> None:
+    """Delete a refused attempt's object, unless its write lock expired meanwhile (then another attempt of the
+    batch may own the object now: leaving an orphan is the lesser harm)."""
+    held = await r.get(lock_key)
+    if held is not None and _s(held) == token:
+        await asyncio.to_thread(store.delete, [batch_key(run, batch_id)])
+    else:
+        log.warning("run %r: batch %s: write lock expired before its refused object could be deleted", run, batch_id)
 
 
 # -- claim ---------------------------------------------------------------------------------------------

@@ -120,6 +120,14 @@ async def wait_newer(ctx: Any, run: str, after: int, wait_s: float) -> AdapterVe
                 await asyncio.wait_for(event.wait(), remaining)
 
 
+async def committed_same(r: Any, run: str, version: int, sha256: str, epoch: int) -> AdapterVersionInfo | None:
+    """The version's info if it is committed with these bytes by this epoch: a retried publish answers it (200)."""
+    rec = await get_record(r, run, version)
+    if rec is None or rec.get("sha256") != sha256 or rec.get("epoch") != str(epoch):
+        return None
+    return to_info(version, rec)
+
+
 async def publish(
     ctx: Any, run: str, version: int, epoch: int, expected_sha256: str, chunks: AsyncIterator[bytes]
 ) -> AdapterVersionInfo:
@@ -128,7 +136,15 @@ async def publish(
     spooled = await spool_verified(chunks, s.max_adapter_bytes, expected_sha256)
     with spooled:
         lock = WriteLock(ctx.redis, run, f"v{version}", epoch, ttl_s=s.publish_lock_s, expected_next=version)
-        await lock.acquire()
+        try:
+            await lock.acquire()
+        except errors.Conflict as exc:
+            # A retry that waited for the lock while its first attempt committed the same bytes: that is success.
+            if exc.code == "version_conflict" and (
+                same := await committed_same(ctx.redis, run, version, spooled.sha256, epoch)
+            ):
+                return same
+            raise
         prefix = adapter_prefix(run, version)
         # Files are removed on failure only while their fate is known: before the commit is attempted, or
         # after a 'fenced' answer. A Redis error mid-commit (it may have been recorded) or a lost lock
@@ -161,6 +177,8 @@ async def publish(
                     ctx.telemetry.fenced_writes.labels(run=run).inc()
                 raise err
             if status == "conflict":
+                if same := await committed_same(ctx.redis, run, version, spooled.sha256, epoch):
+                    return same
                 raise errors.Conflict(
                     f"run {run!r}: version {version} is not latest+1 (latest is {detail})", code="version_conflict"
                 )

@@ -16,6 +16,8 @@ The :class:`VersionBook` only decides; the worker performs the engine and HTTP c
 from __future__ import annotations
 
 import hashlib
+import logging
+import re
 import shutil
 import threading
 import uuid
@@ -25,6 +27,34 @@ from pathlib import Path
 from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.tarball import unpack
+
+log = logging.getLogger("bucketrl.generator.adapters")
+
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+def clear_stale_tmp(cache_root: Path) -> int:
+    """Remove ``.tmp-v*`` unpack directories a crashed fetch left (at start: no fetch of ours is running).
+    The cache directory belongs to one generator (``up`` and the Helm chart give each its own)."""
+    stale = [p for p in cache_root.glob(".tmp-v*") if p.is_dir()]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    if stale:
+        log.info("removed %d unpack directories a crashed fetch left in %s", len(stale), cache_root)
+    return len(stale)
+
+
+def gc_cache(cache_root: Path, keep: set[int], newest_known: int) -> list[int]:
+    """Delete the unpacked versions this generator no longer needs: every ``v{N}`` not in ``keep`` (the book's
+    versions: loaded, pending, in use; an engine may re-read a resident adapter's files) and older than
+    ``newest_known`` (a newer one may be being fetched right now). Returns the versions deleted."""
+    gone = []
+    for p in cache_root.iterdir():
+        m = _VERSION_DIR.match(p.name)
+        if m and p.is_dir() and int(m[1]) not in keep and int(m[1]) < newest_known:
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(int(m[1]))
+    return sorted(gone)
 
 
 def fetch_adapter(client: ProxyClient, version: int, cache_root: Path, expected_sha256: str | None = None) -> Path:
@@ -140,6 +170,11 @@ class VersionBook:
             slot = self._slots.get(version)
             if slot is not None:
                 slot.inflight = max(0, slot.inflight - 1)
+
+    def versions(self) -> set[int]:
+        """Every version on the book (fetched, loading, loaded)."""
+        with self._lock:
+            return set(self._slots)
 
     def loaded_versions(self) -> list[int]:
         with self._lock:

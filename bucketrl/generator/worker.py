@@ -36,7 +36,7 @@ from typing import Any
 from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.datasets import Example, examples_for_run, prompt_token_ids
-from bucketrl.generator.adapters import VersionBook, VersionSlot, fetch_adapter
+from bucketrl.generator.adapters import VersionBook, VersionSlot, clear_stale_tmp, fetch_adapter, gc_cache
 from bucketrl.generator.engines.base import Engine, check_reproducible, make_engine
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.settings import GeneratorSettings
@@ -77,6 +77,7 @@ class GeneratorWorker:
         self._threads: list[threading.Thread] = []
         self._cache_dir: Path | None = None
         self._own_cache_dir = False
+        self._cache_gc_at = 0  # newest_known at the last cache GC
         self._version_ready = threading.Event()
         self._leaser = ThreadPoolExecutor(1, thread_name_prefix="prompt-lease")
         self._prefetch: tuple[Future[list[PromptLeaseItem]], int] | None = None
@@ -128,6 +129,7 @@ class GeneratorWorker:
         if s.adapter_cache_dir:
             self._cache_dir = Path(s.adapter_cache_dir) / s.run
             self._cache_dir.mkdir(parents=True, exist_ok=True)
+            clear_stale_tmp(self._cache_dir)
         else:
             self._cache_dir = Path(tempfile.mkdtemp(prefix=f"bucketrl-{s.run}-adapters-"))
             self._own_cache_dir = True
@@ -354,14 +356,20 @@ class GeneratorWorker:
         assert self.engine is not None and self.spec is not None
         capacity = getattr(self.engine, "max_loras", None) or (self.spec.max_staleness + 2)
         reserve = 1 if self.book.pending() is not None else 0
-        for slot in self.book.retire(self.spec.max_staleness, capacity, reserve):
+        retired = self.book.retire(self.spec.max_staleness, capacity, reserve)
+        for slot in retired:
             self.engine.unload_adapter(slot.name)
             self._release_version_lease(slot.lease_id)
-            if self._own_cache_dir:
-                shutil.rmtree(slot.path, ignore_errors=True)
             log.info("unloaded %s", slot.name)
         for lease_id in self.book.take_idle_leases():
             self._release_version_lease(lease_id)
+        if self._cache_dir is not None and (retired or self.book.newest_known > self._cache_gc_at):
+            # Superseded (fetched, never loaded) and retired versions leave the disk: the cache stays bounded
+            # (issue 10 item 11: a long run filled the chart's emptyDir).
+            self._cache_gc_at = self.book.newest_known
+            gone = gc_cache(self._cache_dir, self.book.versions(), self.book.newest_known)
+            if gone:
+                log.debug("deleted cached adapters %s", gone)
 
     def _release_version_lease(self, lease_id: str) -> None:
         if not lease_id:

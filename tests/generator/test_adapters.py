@@ -61,3 +61,22 @@ def test_idle_leases_are_handed_out_once_and_no_longer_renewed() -> None:
     assert book.loaded_versions() == [1, 2]  # the weights stay until they leave the window
     assert not book.replace_lease(1, "L1", "L1b")  # released on purpose: do not resurrect it
     assert book.replace_lease(2, "L2", "L2b") and book.leases() == {2: "L2b"}
+
+
+def test_the_adapter_cache_keeps_only_the_books_versions_and_newer(tmp_path: Path) -> None:
+    """Issue 10 item 11: superseded and retired versions leave the disk; a crashed fetch's .tmp goes at start."""
+    from bucketrl.generator.adapters import clear_stale_tmp, gc_cache
+
+    for name in ("v1", "v2", "v3", "v4", "v5", ".tmp-v6-dead", "notes"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    assert clear_stale_tmp(tmp_path) == 1 and not (tmp_path / ".tmp-v6-dead").exists()
+    book = _book(2, 3)
+    book.begin(2)  # v2 still sampled from, v3 current
+    superseded = book.add(5, "L5", tmp_path / "v5", 0.1)  # v5 fetched (pending); v4 was superseded before
+    assert superseded == []
+    # v1 retired, v4 superseded: gone. v2, v3 (on the book) and v5 (pending) stay; so does anything newer
+    # than the newest known version (it may be being fetched) and what is not a version directory.
+    (tmp_path / "v7").mkdir()
+    assert gc_cache(tmp_path, book.versions(), book.newest_known) == [1, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "v2", "v3", "v5", "v7"]

@@ -101,3 +101,32 @@ def test_a_bundle_write_reaching_a_wiped_redis_is_retryable_not_fenced(redis_ser
             await WriteLock(r, "r1", "v2", 3, ttl_s=5, expected_next=2).acquire()
 
     run(redis_server, body)
+
+
+def test_prompt_leases_follow_redis_time_not_a_replicas_clock(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 10: a replica whose clock runs 400 s ahead must not expire another generator's live prompt leases
+    (reissuing them), and the holder's renew must still succeed."""
+    import time
+
+    from bucketrl.storage import open_store
+    from tests.proxy.test_queue_state import RUN, make_spec, setup_run
+
+    store = open_store(f"file://{tmp_path / 'b'}")
+    spec = make_spec()
+    real_time = time.time
+
+    async def body(r: Any) -> None:
+        await setup_run(r, spec)
+        held = (await prompts.lease(r, store, RUN, spec, "gen-1", 2, 60)).prompts
+        monkeypatch.setattr(time, "time", lambda: real_time() + 400)  # this "replica" is 400 s ahead
+        other = (await prompts.lease(r, store, RUN, spec, "gen-2", 2, 60)).prompts
+        assert not {p.prompt_id for p in held} & {p.prompt_id for p in other}
+        monkeypatch.setattr(time, "time", real_time)
+        renewed = await prompts.renew(r, RUN, "gen-1", [p.prompt_id for p in held], 60)
+        assert [p.prompt_id for p in renewed.prompts] == [p.prompt_id for p in held]
+        assert abs(renewed.expires_at - (real_time() + 60)) < 30  # Redis time, not the skewed clock
+        assert await prompts.prompts_inflight(r, RUN) == 4
+
+    run(redis_server, body)

@@ -22,6 +22,7 @@ from typing import Any
 
 from bucketrl import errors
 from bucketrl.proxy import keys
+from bucketrl.proxy.state.clock import redis_now
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.wire import VersionLease
 
@@ -190,8 +191,7 @@ async def mark_collectable(r: Any, run: str, max_staleness: int, limit: int = 10
 
 async def live_counts(r: Any, run: str) -> dict[int, int]:
     """Live (unexpired) leases per live version, from Redis' clock."""
-    sec, usec = await r.time()
-    now = sec + usec / 1e6
+    now = await redis_now(r)
     versions = [int(_s(v)) for v in await r.zrange(keys.run_key(run, keys.VERSIONS), 0, -1)]
     if not versions:
         return {}

@@ -97,6 +97,7 @@ from redis import exceptions as redis_exc
 
 from bucketrl import errors
 from bucketrl.proxy import keys
+from bucketrl.proxy.state.clock import redis_now
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.storage.base import BucketStore
 from bucketrl.wire import PromptLease, PromptLeaseItem, RunSpec
@@ -193,11 +194,15 @@ _LEASE = Lua(
     QUEUED_LUA
     + """
 -- KEYS: cursor inflight owner reissue open meta stream counters queue_meta state pace
--- ARGV: now n expires_at worker size limit group version groups_per_step max_staleness slack
+-- ARGV: ttl_s n (unused) worker size limit group version groups_per_step max_staleness slack
+-- Lease times are Redis TIME: every replica agrees on when a lease expires, whatever its own clock says.
 if redis.call('HEXISTS', KEYS[6], 'ready') == 0 or redis.call('HEXISTS', KEYS[9], 'ready') == 0 then
   return {-1}
 end
-local now, n, exp, worker = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local t = redis.call('TIME')
+local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
+local exp = string.format('%.6f', tonumber(now) + tonumber(ARGV[1]))
+local n, worker = tonumber(ARGV[2]), ARGV[4]
 local size, limit, group = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
 -- 1. expired leases go back on the reissue list (unless their group arrived meanwhile)
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. now, 'LIMIT', 0, 10000)
@@ -264,7 +269,7 @@ for _, pid in ipairs(out) do
 end
 local seq = redis.call('HINCRBY', KEYS[6], 'seq', 1)
 local reserved = tonumber(redis.call('HGET', KEYS[6], 'persisted_reserved') or '0')
-local result = {1, seq, cursor, reserved}
+local result = {1, seq, cursor, reserved, exp}
 for _, pid in ipairs(out) do table.insert(result, pid) end
 return result
 """
@@ -272,13 +277,16 @@ return result
 
 _RENEW = Lua(
     """
--- KEYS: inflight owner ; ARGV: expires_at worker now pid...   (an expired lease cannot be revived)
-local out = {}
-for i = 4, #ARGV do
+-- KEYS: inflight owner ; ARGV: ttl_s worker pid...   (an expired lease cannot be revived; Redis TIME)
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local exp = string.format('%.6f', now + tonumber(ARGV[1]))
+local out = {exp}
+for i = 3, #ARGV do
   local pid = ARGV[i]
   local score = redis.call('ZSCORE', KEYS[1], pid)
-  if score and tonumber(score) > tonumber(ARGV[3]) and redis.call('HGET', KEYS[2], pid) == ARGV[2] then
-    redis.call('ZADD', KEYS[1], ARGV[1], pid)
+  if score and tonumber(score) > now and redis.call('HGET', KEYS[2], pid) == ARGV[2] then
+    redis.call('ZADD', KEYS[1], exp, pid)
     table.insert(out, pid)
   end
 end
@@ -431,8 +439,6 @@ async def _lease_once(
     count_refusal: bool = True,
 ) -> PromptLease:
     k = PromptKeys.of(run)
-    now = time.time()
-    expires_at = now + ttl_s
     limit = admission_limit(spec)
     for _ in range(3):
         res = await _LEASE(
@@ -442,7 +448,7 @@ async def _lease_once(
                 *(k.stream, k.counters, k.queue_meta, k.state, k.pace),
             ],
             [
-                *(repr(now), n, repr(expires_at), worker_id, spec.dataset.size, limit, STREAM_GROUP),
+                *(repr(float(ttl_s)), n, "", worker_id, spec.dataset.size, limit, STREAM_GROUP),
                 *(version or 0, spec.groups_per_step, spec.max_staleness, effective_slack(slack, spec)),
             ],
         )
@@ -472,8 +478,8 @@ async def _lease_once(
                 "more would be trained too stale. Retry after the trainer consumed a step."
             )
         raise PacedOut(message, retry_after=RETRY_AFTER_S, newer_version_exists=bool(paced) and latest > used)
-    seq, cursor, reserved = int(res[1]), int(res[2]), int(res[3])
-    pids = [_s(p) for p in res[4:]]
+    seq, cursor, reserved, expires_at = int(res[1]), int(res[2]), int(res[3]), float(res[4])
+    pids = [_s(p) for p in res[5:]]
     if cursor > reserved:
         # Positions past the persisted high-water mark are about to leave: record them first.
         await persist(r, store, run, spec, min_reserved=cursor, min_seq=seq)
@@ -483,10 +489,8 @@ async def _lease_once(
 async def renew(r: Any, run: str, worker_id: str, prompt_ids: list[str], ttl_s: float) -> PromptLease:
     """Extend the leases this worker still holds; the answer lists those renewed. 410 if none was."""
     k = PromptKeys.of(run)
-    now = time.time()
-    expires_at = now + ttl_s
-    args = [repr(expires_at), worker_id, repr(now), *prompt_ids]
-    renewed = [_s(p) for p in await _RENEW(r, [k.inflight, k.owner], args)]
+    res = await _RENEW(r, [k.inflight, k.owner], [repr(float(ttl_s)), worker_id, *prompt_ids])
+    expires_at, renewed = float(res[0]), [_s(p) for p in res[1:]]
     if prompt_ids and not renewed:
         raise errors.Gone(
             f"run {run!r}: worker {worker_id!r} holds none of these prompt leases any more "
@@ -508,7 +512,7 @@ async def cursor(r: Any, run: str) -> int:
 
 async def prompts_inflight(r: Any, run: str, now: float | None = None) -> int:
     """Prompts under a live lease (for ``RunStatus.prompts_inflight``)."""
-    now = time.time() if now is None else now
+    now = await redis_now(r) if now is None else now
     return int(await r.zcount(PromptKeys.of(run).inflight, f"({now!r}", "+inf"))
 
 
@@ -662,15 +666,18 @@ async def restore(r: Any, run: str, spec: RunSpec, completed: set[str], raw: byt
                 await pipe.execute()
                 return None if raw is None else 0
             snap = json.loads(raw)
+            now = await redis_now(pipe)  # (immediate while watching: not queued)
             pipe.multi()
-            _restore_commands(pipe, k, snap, spec, completed)
+            _restore_commands(pipe, k, snap, spec, completed, now)
             await pipe.execute()
             return int(snap["reserved"])
         except redis_exc.WatchError:
             return None
 
 
-def _restore_commands(pipe: Any, k: PromptKeys, snap: dict[str, Any], spec: RunSpec, completed: set[str]) -> None:
+def _restore_commands(
+    pipe: Any, k: PromptKeys, snap: dict[str, Any], spec: RunSpec, completed: set[str], now: float
+) -> None:
     size = spec.dataset.size
     if int(snap.get("dataset_size", size)) != size:
         raise errors.Conflict(f"prompts.json was written for dataset size {snap['dataset_size']}, the run has {size}")
@@ -678,7 +685,6 @@ def _restore_commands(pipe: Any, k: PromptKeys, snap: dict[str, Any], spec: RunS
     open_ids = [p for p in snap.get("open", []) if parse_prompt_id(p) is not None]
     # Positions handed out after the snapshot was written, at most up to the reserved mark.
     open_ids += [f"{pos // size}-{pos % size}" for pos in range(snap_cursor, reserved)]
-    now = time.time()
     leases = {p: v for p, v in snap.get("leases", {}).items() if float(v[0]) > now}
     pipe.delete(k.inflight, k.owner, k.reissue, k.open)
     pipe.set(k.cursor, reserved)

@@ -8,10 +8,10 @@ newest last, for the dashboard's time series).
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from bucketrl.proxy import keys
+from bucketrl.proxy.state.clock import redis_now
 from bucketrl.wire import MetricsPush, WorkerStatus
 
 STREAM_MAXLEN = 20_000
@@ -19,7 +19,7 @@ STREAM_MAXLEN = 20_000
 
 async def record_push(r: Any, run: str, role: str, push: MetricsPush) -> None:
     workers_key = keys.run_key(run, keys.WORKERS)
-    now = time.time()
+    now = await redis_now(r)  # liveness is a TTL: measured by Redis TIME, like every lease
     loaded = push.loaded_versions
     if loaded is None:
         prev = await r.hget(workers_key, push.worker_id)
@@ -40,7 +40,7 @@ async def record_push(r: Any, run: str, role: str, push: MetricsPush) -> None:
 
 async def live_workers(r: Any, run: str, ttl_s: float) -> tuple[list[WorkerStatus], dict[str, dict[str, float]]]:
     """Workers heard from within ``ttl_s`` and their latest metrics (``{worker: {name: value, "_step": k}}``)."""
-    now = time.time()
+    now = await redis_now(r)
     raw = await r.hgetall(keys.run_key(run, keys.WORKERS))
     workers: list[WorkerStatus] = []
     steps: dict[str, Any] = {}

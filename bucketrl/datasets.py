@@ -13,7 +13,10 @@
                           (no download: HF_DATASETS_OFFLINE is forced)
 
 Fields come from ``dataset.prompt_field`` / ``dataset.answer_field`` (an answer is optional; numbers
-become strings). A row without a prompt is an error naming the line. The prompt cursor on the proxy
+become strings). Chat format: the prompt field (or ``messages`` when the row has no prompt field) is a list
+of ``{"role", "content"}`` messages; a final assistant message is the reference answer when the row has no
+answer field, and the conversation before it goes through the model's chat template. A row without a
+prompt is an error naming the line. The prompt cursor on the proxy
 hands out indices ``0..size-1``, so an example's ``index`` is its position in the file.
 
 :func:`describe_dataset` builds a :class:`DatasetSpec` with ``size`` counted (the trainer uses it when it
@@ -39,8 +42,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Example:
     index: int
+    # The text the reward function gets as ``prompt``: the row's prompt, or a chat row's last user turn.
     prompt: str
     answer: str | None
+    # Chat format: the conversation up to the policy's turn ({"role", "content"} dicts), rendered through the
+    # model's chat template; None for a plain-text prompt.
+    messages: tuple[tuple[str, str], ...] | None = None
+
+    def chat(self) -> list[dict[str, str]] | None:
+        return None if self.messages is None else [{"role": r, "content": c} for r, c in self.messages]
 
 
 def _as_answer(value: Any) -> str | None:
@@ -53,15 +63,59 @@ def _as_answer(value: Any) -> str | None:
     return json.dumps(value, sort_keys=True)
 
 
+# A chat-format row holds its conversation here when the prompt field is absent.
+CHAT_FIELD = "messages"
+
+
+def _chat_turns(value: Any, where: str) -> tuple[tuple[str, str], ...] | None:
+    """``value`` as ((role, content), ...) if it is a list of chat messages, else None (not chat format)."""
+    if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
+        return None
+    turns = []
+    for j, m in enumerate(value):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise errors.Invalid(f"{where}: message {j + 1} needs string 'role' and 'content' fields")
+        turns.append((role, content))
+    return tuple(turns)
+
+
+def _chat_example(index: int, turns: tuple[tuple[str, str], ...], answer: Any, where: str) -> Example:
+    """A conversation ending with an assistant turn: that turn is the reference answer (unless the row has one)
+    and the policy answers the conversation before it."""
+    if turns[-1][0] == "assistant":
+        if answer is None:
+            answer = turns[-1][1]
+        turns = turns[:-1]
+    users = [c for r, c in turns if r == "user"]
+    if not users:
+        raise errors.Invalid(f"{where}: the conversation has no 'user' message for the policy to answer")
+    return Example(index=index, prompt=users[-1], answer=_as_answer(answer), messages=turns)
+
+
 def _rows_to_examples(rows: list[dict[str, Any]], spec: DatasetSpec, where: str) -> list[Example]:
+    """Plain rows (``prompt_field`` a string) or chat rows (``prompt_field``, or ``messages`` when that field is
+    absent, a list of {"role", "content"} messages)."""
     out: list[Example] = []
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise errors.Invalid(f"{where}: row {i + 1} is not a JSON object")
         prompt = row.get(spec.prompt_field)
+        if prompt is None and spec.prompt_field not in row:
+            prompt = row.get(CHAT_FIELD)
+        answer = row.get(spec.answer_field)
+        turns = _chat_turns(prompt, f"{where}: row {i + 1}")
+        if turns is not None:
+            out.append(_chat_example(i, turns, answer, f"{where}: row {i + 1}"))
+            continue
         if not isinstance(prompt, str) or not prompt:
-            raise errors.Invalid(f"{where}: row {i + 1} has no non-empty string field {spec.prompt_field!r}")
-        out.append(Example(index=i, prompt=prompt, answer=_as_answer(row.get(spec.answer_field))))
+            found = ", ".join(repr(k) for k in list(row)[:20]) or "none"
+            raise errors.Invalid(
+                f"{where}: row {i + 1} has no non-empty string field {spec.prompt_field!r} (nor chat messages); "
+                f"its fields are {found}",
+                code="dataset_prompt_field",
+            )
+        out.append(Example(index=i, prompt=prompt, answer=_as_answer(answer)))
     return out
 
 
@@ -202,12 +256,15 @@ def describe_dataset(
     return probe.model_copy(update={"size": size})
 
 
-def prompt_token_ids(tokenizer: Any, prompt: str) -> list[int]:
+def prompt_token_ids(tokenizer: Any, prompt: str, messages: list[dict[str, str]] | None = None) -> list[int]:
     """Token ids of ``prompt`` as the policy sees it: the chat template (user turn + generation prompt) when the
-    tokenizer has one, the plain text otherwise. Never empty."""
-    if getattr(tokenizer, "chat_template", None):
+    tokenizer has one, the plain text otherwise; a chat-format example's ``messages`` always go through the
+    template (the preflight refuses a chat dataset for a model without one). Never empty."""
+    if messages is not None or getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            messages if messages is not None else [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]

@@ -4,7 +4,9 @@ A reward function has one signature::
 
     fn(completion: str, answer: str | None, *, prompt: str, **kwargs) -> float | None
 
-``kwargs`` are the run spec's ``reward.kwargs``. ``None`` means "cannot score this one". Names the
+``kwargs`` are the run spec's ``reward.kwargs``. ``None`` means "cannot score this one". Anything else
+that is not a finite number (a string such as ``"1.0"``, NaN) is an error, counted by kind
+(:data:`FAILURE_KINDS`) like an exception or a timeout. Names the
 run spec may use (``reward.name``):
 
     math             final answer from the last \\boxed{...} (else the last number) vs the reference:
@@ -14,7 +16,9 @@ run spec may use (``reward.name``):
                      given, group 1 == answer); without pattern the answer is the pattern (fullmatch).
                      kwargs: pattern, ignore_case
     toy              the built-in toy task's graded reward (bucketrl.tasks.toy.toy_reward)
-    module:function  any importable function with the signature above
+    module:function  any function with the signature above, from a module importable from PYTHONPATH,
+                     the installed packages, or the current directory (``myreward.py`` beside you:
+                     ``myreward:score``)
 
 :class:`RewardPool` runs the function in separate processes: one that raises, returns garbage or runs
 past ``timeout_s`` yields ``None`` for that completion (counted), and a hung or crashed process is
@@ -32,7 +36,9 @@ import inspect
 import logging
 import math
 import multiprocessing as mp
+import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -175,6 +181,10 @@ def resolve_reward(name: str) -> RewardFn:
     if ":" not in name:
         raise errors.Invalid(f"reward.name {name!r} is not one of {sorted(BUILTIN)} and not 'module:function'")
     module_name, _, attr = name.partition(":")
+    # The user's module lives where they run the command: the current directory is searched (after
+    # PYTHONPATH and installed packages), also under the `bucketrl` console script, whose sys.path lacks it.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or the module raising at import time
@@ -213,14 +223,38 @@ def _toy_target() -> RewardFn | None:
 
 def coerce_reward(value: Any) -> float | None:
     """A reward function's result as a finite float, or None (bool counts as 0/1; anything else is None)."""
+    return classify_reward(value)[0]
+
+
+# Why a completion could not be scored (``reward: null``): the kinds counted per step and shown with the first
+# message of each (live view, dashboard, status, summary).
+FAILURE_KINDS = ("exception", "timeout", "non_numeric", "non_finite", "none")
+
+
+def classify_reward(value: Any) -> tuple[float | None, str | None, str | None]:
+    """``(reward, None, None)`` for a usable value, else ``(None, kind, message)``. A string such as ``"1.0"``
+    is an error (``non_numeric``), never silently read as a number or dropped."""
     if value is None:
-        return None
+        return None, "none", "the reward function returned None (cannot score)"
     if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, int | float) or type(value).__name__ in ("float32", "float64", "int64"):
+        return float(value), None, None
+    if isinstance(value, int | float) or type(value).__name__ in ("float16", "float32", "float64", "int32", "int64"):
         f = float(value)
-        return f if math.isfinite(f) else None
-    return None
+        if math.isfinite(f):
+            return f, None, None
+        return None, "non_finite", f"the reward function returned {f!r}"
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return None, "non_numeric", f"the reward function returned {type(value).__name__} {shown}, not a number"
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One completion's outcome: ``value``, or ``kind`` + ``message`` saying why there is none."""
+
+    value: float | None
+    kind: str | None = None
+    message: str | None = None
 
 
 # -- the pool ---------------------------------------------------------------------------------------
@@ -249,8 +283,8 @@ def _worker_main(conn: Any, name: str, kwargs: dict[str, Any]) -> None:
             return
         for idx, completion, answer, prompt in msg:
             try:
-                value = coerce_reward(fn(completion, answer, prompt=prompt, **kwargs))
-                conn.send((idx, True, value))
+                value, kind, message = classify_reward(fn(completion, answer, prompt=prompt, **kwargs))
+                conn.send((idx, True, Scored(value, kind, message)))
             except BaseException as exc:  # a reward's failure must never take the process down
                 conn.send((idx, False, f"{type(exc).__name__}: {exc}"[:500]))
 
@@ -281,7 +315,8 @@ class RewardPool:
     Items go out in chunks (one pipe message per process per round: the IPC cost stays small next to the
     engine's), but every item has its own deadline: a hung item is None, the rest of its chunk is sent
     again to a fresh process. ``score`` may be called from any one thread at a time (it holds a lock).
-    Counters: ``unscorable_total`` (every None), ``timeouts_total``, ``errors_total``, ``crashes_total``.
+    Counters: ``unscorable_total`` (every None), ``timeouts_total``, ``errors_total``, ``crashes_total``;
+    :meth:`score_detailed` says for each item why it has no value.
     """
 
     MAX_CHUNK = 64
@@ -310,13 +345,17 @@ class RewardPool:
 
         Setting ``cancel`` (a shutdown) stops within ~0.2 s: items not scored yet are None, busy processes
         are replaced."""
+        return [r.value for r in self.score_detailed(items, cancel)]
+
+    def score_detailed(self, items: list[RewardItem], cancel: threading.Event | None = None) -> list[Scored]:
+        """Like :meth:`score`, with the failure kind and message of every item that has no value."""
         if not items:
             return []
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
             results = self._score(items, cancel)
-        self.unscorable_total += sum(r is None for r in results)
+        self.unscorable_total += sum(r.value is None for r in results)
         return results
 
     def _dispatch(self, items: list[RewardItem], todo: list[int]) -> None:
@@ -335,10 +374,13 @@ class RewardPool:
                 continue
             p.jobs, p.deadline = chunk, time.monotonic() + self.timeout_s
 
-    def _score(self, items: list[RewardItem], cancel: threading.Event | None) -> list[float | None]:
+    def _score(self, items: list[RewardItem], cancel: threading.Event | None) -> list[Scored]:
         from multiprocessing.connection import wait
 
-        results: list[float | None] = [None] * len(items)
+        # Until scored: what an item that never gets an answer is (a cancel, or start-up failures).
+        results: list[Scored] = [Scored(None, "timeout", "not scored: the scoring processes did not answer")] * len(
+            items
+        )
         todo = list(range(len(items)))
         failed_starts = 0
         while todo or any(p.jobs for p in self._procs):
@@ -367,6 +409,7 @@ class RewardPool:
                         if not p.ready:
                             failed_starts += 1
                         elif p.jobs:  # the item being scored killed the process: it alone is lost
+                            results[p.jobs[0]] = Scored(None, "exception", "the reward function killed its process")
                             todo[:0] = p.jobs[1:]
                         self._replace(p, crashed=True)
                         break
@@ -380,6 +423,7 @@ class RewardPool:
                         results[tag] = value
                     else:
                         self.errors_total += 1
+                        results[tag] = Scored(None, "exception", value)
                         log.warning("reward %s raised: %s", self.spec.name, value)
             now = time.monotonic()
             for p in list(self._procs):
@@ -388,6 +432,9 @@ class RewardPool:
                 if p.jobs:
                     self.timeouts_total += 1
                     log.warning("reward %s exceeded %.1fs; replacing its process", self.spec.name, self.timeout_s)
+                    results[p.jobs[0]] = Scored(
+                        None, "timeout", f"the reward function ran past {self.timeout_s:g}s (BUCKETRL_REWARD_TIMEOUT_S)"
+                    )
                     todo[:0] = p.jobs[1:]  # only the hung item is lost
                 else:
                     failed_starts += 1

@@ -61,3 +61,16 @@ class WorkerSettings(BaseSettings):
 
         host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:60]
         return f"{role}-{host}-{os.getpid()}"
+
+
+def warn_if_proxy_url_unset(command: str, settings: WorkerSettings) -> None:
+    """A worker started without BUCKETRL_PROXY_URL (or --proxy-url) says which address it is trying."""
+    import os
+    import sys
+
+    default = WorkerSettings.model_fields["proxy_url"].default
+    if "BUCKETRL_PROXY_URL" not in os.environ and settings.proxy_url == default:
+        print(
+            f"bucketrl {command}: BUCKETRL_PROXY_URL is unset (and no --proxy-url): trying {settings.proxy_url}",
+            file=sys.stderr,
+        )

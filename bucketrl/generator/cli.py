@@ -59,12 +59,20 @@ def generator_command(
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"
     )
+    from bucketrl import preflight
     from bucketrl.generator.worker import GeneratorWorker
+    from bucketrl.settings import warn_if_proxy_url_unset
 
+    warn_if_proxy_url_unset("generator", settings)
     worker = GeneratorWorker(settings)
     worker.install_signal_handlers()
     try:
         code = worker.run()
+    except preflight.ConfigError as exc:
+        # One line, exit 2: `bucketrl up` stops the run on it and shows this reason; status shows the note.
+        typer.echo(f"bucketrl generator: {preflight.CONFIG_ERROR_PREFIX}{exc}", err=True)
+        worker.announce("stopped: configuration error", {"config_error": str(exc)[:1000]})
+        raise typer.Exit(code=preflight.EXIT_CONFIG) from None
     except errors.BucketRLError as exc:
         typer.echo(f"generator: {exc.code}: {exc.message}", err=True)
         raise typer.Exit(code=1) from exc

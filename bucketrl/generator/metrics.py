@@ -7,7 +7,9 @@ Names follow TRL's AsyncGRPOTrainer where one exists (TEAM.md):
                                  the last push
     rollout/inflight             groups being generated, scored or submitted right now
     reward                       mean reward of the completions submitted since the last push (scored ones)
-    rollout/unscorable_total     completions whose reward raised, hung or returned garbage (cumulative)
+    rollout/unscorable_total     completions whose reward raised, hung or returned garbage (cumulative);
+                                 rollout/unscorable_<kind>_total per kind (bucketrl.rewards.FAILURE_KINDS),
+                                 and the first message of each kind in ``reward_errors`` (pushed as notes)
     sync/adapter_load_s          download + verify + engine load time of the latest adapter version
     sync/adapter_version         that version
     policy/version               the version new prompts are sampled with
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import threading
 import time
+
+from bucketrl.rewards import Scored
 
 
 class GeneratorMetrics:
@@ -42,6 +46,8 @@ class GeneratorMetrics:
             "sync/adapter_failures_total": 0,
         }
         self.gauges: dict[str, float] = {}
+        # The first message of each reward failure kind (what status and the dashboard show).
+        self.reward_errors: dict[str, str] = {}
 
     def add(self, name: str, value: float = 1.0) -> None:
         with self._lock:
@@ -63,6 +69,17 @@ class GeneratorMetrics:
     def backpressure(self, seconds: float) -> None:
         with self._lock:
             self._window_backpressure_s += seconds
+
+    def unscorable(self, scored: list[Scored]) -> None:
+        """Count the completions without a reward, by kind, keeping each kind's first message."""
+        with self._lock:
+            for r in scored:
+                if r.kind is None:
+                    continue
+                self.totals["rollout/unscorable_total"] += 1
+                name = f"rollout/unscorable_{r.kind}_total"
+                self.totals[name] = self.totals.get(name, 0.0) + 1
+                self.reward_errors.setdefault(r.kind, r.message or r.kind)
 
     def rewards(self, values: list[float | None]) -> None:
         scored = [v for v in values if v is not None]

@@ -190,17 +190,16 @@ class Submitter:
             for ex, group in zip(b.examples, b.samples, strict=True)
             for s in group
         ]
-        before = self.pool.unscorable_total
-        rewards = self.pool.score(items, cancel=self.abandon)
+        scored = self.pool.score_detailed(items, cancel=self.abandon)
         if self.abandon.is_set():
             self.release(b, "shutdown")
             return
-        self.metrics.add("rollout/unscorable_total", self.pool.unscorable_total - before)
+        self.metrics.unscorable(scored)
+        rewards = iter(scored)
         groups: list[RolloutGroup] = []
         bad: list[PromptLeaseItem] = []
-        it = iter(rewards)
         for p, ids, group in zip(b.prompts, b.prompt_token_ids, b.samples, strict=True):
-            group_rewards = [next(it) for _ in group]
+            group_scored = [next(rewards) for _ in group]
             if not well_formed(group):
                 bad.append(p)
                 continue
@@ -208,13 +207,23 @@ class Submitter:
                 Completion(
                     token_ids=s.token_ids,
                     logprobs=[min(lp, 0.0) for lp in s.logprobs],  # fp rounding can give +1e-8
-                    reward=r,
+                    reward=r.value,
                     finish_reason=s.finish_reason,
                 )
-                for s, r in zip(group, group_rewards, strict=True)
+                for s, r in zip(group, group_scored, strict=True)
             ]
+            reward_errors: dict[str, str] = {}
+            for r in group_scored:
+                if r.kind is not None and r.kind not in reward_errors:
+                    reward_errors[r.kind] = r.message or r.kind
             groups.append(
-                RolloutGroup(prompt_id=p.prompt_id, prompt_index=p.index, prompt_token_ids=ids, completions=completions)
+                RolloutGroup(
+                    prompt_id=p.prompt_id,
+                    prompt_index=p.index,
+                    prompt_token_ids=ids,
+                    completions=completions,
+                    reward_errors=reward_errors,
+                )
             )
         if bad:
             log.error("%d group(s) had malformed samples; releasing their prompts", len(bad))

@@ -33,9 +33,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bucketrl import errors
+from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
-from bucketrl.datasets import Example, examples_for_run, prompt_token_ids
+from bucketrl.datasets import Example, prompt_token_ids
 from bucketrl.generator.adapters import VersionBook, VersionSlot, clear_stale_tmp, fetch_adapter, gc_cache
 from bucketrl.generator.engines.base import Engine, check_reproducible, make_engine
 from bucketrl.generator.metrics import GeneratorMetrics
@@ -81,10 +81,12 @@ class GeneratorWorker:
         self._version_ready = threading.Event()
         self._leaser = ThreadPoolExecutor(1, thread_name_prefix="prompt-lease")
         self._prefetch: tuple[Future[list[PromptLeaseItem]], int] | None = None
+        self.phase = "starting"
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
     def request_stop(self, *_: object) -> None:
+        self.phase = "stopping"
         if not self.stop_event.is_set():
             log.info("stop requested: no new leases; finishing what is in flight")
         self.stop_event.set()
@@ -113,15 +115,30 @@ class GeneratorWorker:
             return False
         self.spec = spec
         model = s.model_path or spec.base_model
-        self.examples = examples_for_run(spec.dataset, self.client)
+        self.announce("checking configuration")
+        examples = self._load_examples(spec)
+        if examples is None:
+            return False
+        # The same checks as `bucketrl up`'s, against this worker's model and dataset: a mistake is one line and
+        # exit code 2 (preflight.ConfigError), never a crash loop.
+        preflight.check_run(
+            spec,
+            model=model,
+            names=preflight.SPEC_NAMES,
+            client=self.client,
+            max_model_len=s.max_model_len,
+            examples=examples,
+        )
+        self.examples = examples[: spec.dataset.size]
         from transformers import AutoTokenizer
 
+        self.announce("loading model")
         self._tokenizer = AutoTokenizer.from_pretrained(model)
         # The engine first: vLLM forks its engine core, which must happen before this process has threads.
         if self.engine is None:
             self.engine = make_engine(s, spec)
         if self.engine.max_model_len <= spec.sampling.max_new_tokens:
-            raise errors.Invalid(
+            raise preflight.ConfigError(
                 f"the engine holds {self.engine.max_model_len} tokens (BUCKETRL_MAX_MODEL_LEN, capped by the model), "
                 f"no room for a prompt before sampling.max_new_tokens={spec.sampling.max_new_tokens}"
             )
@@ -160,6 +177,33 @@ class GeneratorWorker:
             len(self.examples),
         )
         return True
+
+    def announce(self, phase: str, notes: dict[str, str] | None = None) -> None:
+        """Tell the proxy what this worker is doing (status, dashboard, live view); best effort."""
+        self.phase = phase
+        try:
+            self.client.push_metrics(MetricsPush(worker_id=self.worker_id, phase=phase, notes=notes or {}))
+        except errors.BucketRLError as exc:
+            log.debug("phase push failed: %s", exc.message)
+
+    def _load_examples(self, spec: RunSpec) -> list[Example] | None:
+        """The run's examples; a ``bucket:`` dataset the trainer has not uploaded yet is waited for."""
+        delay = 0.5
+        while not self.stop_event.is_set():
+            try:
+                examples = preflight.check_dataset(spec.dataset, self.client, preflight.SPEC_NAMES)
+            except (errors.NotFound, errors.Unavailable) as exc:
+                log.info("waiting for the run's dataset %s: %s", spec.dataset.uri, exc.message)
+                self.stop_event.wait(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            if len(examples) < spec.dataset.size:
+                raise preflight.ConfigError(
+                    f"{preflight.SPEC_NAMES['dataset']} {spec.dataset.uri}: {len(examples)} examples but the run was "
+                    f"created with dataset.size={spec.dataset.size}"
+                )
+            return examples
+        return None
 
     def _wait_for_run(self) -> RunSpec | None:
         delay = 0.5
@@ -281,7 +325,8 @@ class GeneratorWorker:
     def _prompt_ids(self, index: int) -> list[int]:
         ids = self._prompt_cache.get(index)
         if ids is None:
-            ids = prompt_token_ids(self._tokenizer, self.examples[index].prompt)
+            example = self.examples[index]
+            ids = prompt_token_ids(self._tokenizer, example.prompt, example.chat())
             room = self.engine.max_model_len - self.spec.sampling.max_new_tokens  # type: ignore[union-attr]
             if len(ids) > room:
                 # Keep the end of the prompt (where the question is) so the completion always fits.
@@ -481,8 +526,14 @@ class GeneratorWorker:
                 log.warning("renewing prompt leases: %s", exc.message)
 
     def push_metrics(self) -> None:
+        if self.phase not in ("stopping",):
+            self.phase = "generating" if self.book.current() is not None else "waiting for the first version"
         push = MetricsPush(
-            worker_id=self.worker_id, metrics=self.metrics.snapshot(), loaded_versions=self.book.loaded_versions()
+            worker_id=self.worker_id,
+            metrics=self.metrics.snapshot(),
+            loaded_versions=self.book.loaded_versions(),
+            phase=self.phase,
+            notes={f"reward_error/{kind}": text for kind, text in self.metrics.reward_errors.items()},
         )
         try:
             self.client.push_metrics(push)

@@ -55,6 +55,8 @@ def trainer_command(
         typer.echo(f"bucketrl trainer: bad settings:\n{exc}", err=True)
         raise typer.Exit(code=2) from exc
 
+    from bucketrl.settings import warn_if_proxy_url_unset
     from bucketrl.trainer.worker import main
 
+    warn_if_proxy_url_unset("trainer", settings)
     raise typer.Exit(code=main(settings))

@@ -47,12 +47,16 @@ def resolve_device(device: str) -> torch.device:
 
 
 def all_linear_targets(model: torch.nn.Module) -> list[str]:
-    """Suffixes of every ``nn.Linear`` except the output head: peft's ``all-linear``, spelled out."""
+    """Suffixes of every linear layer (``nn.Linear``, GPT-2's ``Conv1D``) except the output head: peft's
+    ``all-linear``, spelled out."""
+    from bucketrl.preflight import linear_types
+
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear = linear_types()
     names = {
         name.rsplit(".", 1)[-1]
         for name, mod in model.named_modules()
-        if isinstance(mod, torch.nn.Linear) and mod is not head and name
+        if isinstance(mod, linear) and mod is not head and name
     }
     if not names:
         raise ValueError("the base model has no linear layers for LoRA to target")

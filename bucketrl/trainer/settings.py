@@ -65,6 +65,13 @@ class TrainerSettings(WorkerSettings):
         description="BUCKETRL_MICRO_TOKEN_BUDGET: padded tokens (sequences x longest) per micro-batch; "
         "lower it on out-of-memory errors.",
     )
+    max_unscorable_fraction: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="BUCKETRL_MAX_UNSCORABLE_FRACTION: stop the run (exit 2, with the reward's first error of each "
+        "kind) when more than this share of the completions of the last 3 steps had no reward (1 = never stop).",
+    )
     claim_wait_s: float = Field(
         2.0, gt=0.0, le=60.0, description="BUCKETRL_CLAIM_WAIT_S: long-poll of one claim (bounds SIGTERM latency)."
     )

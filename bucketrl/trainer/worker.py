@@ -48,7 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bucketrl import errors
+from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
 from bucketrl.trainer.ledger import DeliveryLedger
 from bucketrl.trainer.settings import TrainerSettings
@@ -63,6 +63,8 @@ EXIT_CONFIG = 2
 EXIT_FENCED = 3
 
 BUCKET_DATASET_URI = "bucket:dataset.jsonl"
+# Steps over which the share of completions without a reward is compared with max_unscorable_fraction.
+UNSCORABLE_WINDOW = 3
 
 T = TypeVar("T")
 
@@ -107,6 +109,9 @@ class TrainerWorker:
         self._audit_lock = threading.Lock()
         self.run_created_at = 0.0  # the run's creation time on the proxy: names the tracker run
         self.trackers: Any = None
+        self.phase = "starting"
+        self.unscorable: list[tuple[int, int]] = []  # (completions, without a reward) of the last steps
+        self.reward_errors: dict[str, str] = {}  # the first message of each reward failure kind seen
 
     def _new_client(self) -> ProxyClient:
         return self.settings.proxy_client(self.outage)
@@ -132,8 +137,10 @@ class TrainerWorker:
                 f"(epoch {self.epoch}); this trainer stops without publishing anything more. ({exc.message})"
             )
             return EXIT_FENCED
-        except ConfigError as exc:
-            self.echo(f"bucketrl trainer: {exc}")
+        except (ConfigError, preflight.ConfigError) as exc:
+            # One line with the prefix `bucketrl up` looks for; status shows the note.
+            self.echo(f"bucketrl trainer: {preflight.CONFIG_ERROR_PREFIX}{exc}")
+            self._announce("stopped: configuration error", {"config_error": str(exc)[:1000]})
             return EXIT_CONFIG
         except errors.BucketRLError as exc:
             self.echo(f"bucketrl trainer: proxy error {exc.code}: {exc.message}")
@@ -149,12 +156,18 @@ class TrainerWorker:
                 c.close()
 
     def _make_learner(self, spec: RunSpec) -> Any:
-        """The policy, optimizer and step counter (the simulated trainer, ``bucketrl.sim.trainer``, swaps it)."""
+        """The policy, optimizer and step counter (the simulated trainer, ``bucketrl.sim.trainer``, swaps it),
+        after `bucketrl up`'s checks of the model, dataset, LoRA targets and context (a production trainer has no
+        `up` in front of it): a mistake is one line and exit 2 (preflight.ConfigError). The reward is not checked:
+        the trainer never runs it."""
         from bucketrl.trainer.learner import Learner
 
+        preflight.check_run(spec, names=preflight.SPEC_NAMES, client=self.client, reward="skip")
+        self._announce("loading model")
         return Learner(spec, self.settings)
 
     def _run(self) -> int:
+        self._announce("checking configuration")
         self.spec = self._ensure_run()
         self._seed()
         self.learner = self._make_learner(self.spec)
@@ -170,6 +183,7 @@ class TrainerWorker:
         self._open_trackers()
         self._ensure_published()
         self._audit({"event": "start", "epoch": self.epoch, "step": self.learner.step})
+        self._announce("waiting for rollouts")
         pending = self._claim_ahead(steps_ahead=1)
         while self.learner.step < self.settings.max_steps and not self.stop_requested.is_set():
             t0 = time.perf_counter()
@@ -333,7 +347,9 @@ class TrainerWorker:
         self._uploader().check()  # a failed background write (e.g. fenced) ends the run before more work
         deliveries, held_back = self._within_staleness(deliveries)
         groups = [StepGroup(g, d.version, d.worker_id, d.sampling) for d in deliveries for g in d.groups]
+        self._check_rewards(deliveries)
         stats = self.learner.train_step(groups, policy_version=self.policy_version)
+        stats["reward/unscorable_frac"] = self.unscorable[-1][1] / max(1, self.unscorable[-1][0])
         # Repeats of deliveries this lineage already trained (their claims came after the ones that trained
         # them, so they are trained by now): not trained again, acked with the next checkpoint.
         self.consumed += [d.delivery_id for d in deliveries] + list(repeats or [])
@@ -379,6 +395,36 @@ class TrainerWorker:
             wait_s,
             stats["perf/step_s"],
         )
+
+    def _check_rewards(self, deliveries: list[Delivery]) -> None:
+        """Count the step's completions without a reward (keeping each failure kind's first message); stop the
+        run (exit 2) when over the last few steps more than ``max_unscorable_fraction`` of them had none."""
+        total = unscorable = 0
+        for d in deliveries:
+            for g in d.groups:
+                total += len(g.completions)
+                unscorable += sum(c.reward is None for c in g.completions)
+                for kind, message in g.reward_errors.items():
+                    self.reward_errors.setdefault(kind, message)
+        self.unscorable = [*self.unscorable[-(UNSCORABLE_WINDOW - 1) :], (total, unscorable)]
+        seen = sum(t for t, _ in self.unscorable)
+        bad = sum(u for _, u in self.unscorable)
+        limit = self.settings.max_unscorable_fraction
+        if seen and bad / seen > limit:
+            kinds = "; ".join(f"{k}: {m}" for k, m in self.reward_errors.items()) or "no message"
+            raise preflight.ConfigError(
+                f"the reward ({self.spec.reward.name if self.spec else '?'}) could not score {bad}/{seen} completions "
+                f"of the last {len(self.unscorable)} step(s), over BUCKETRL_MAX_UNSCORABLE_FRACTION={limit:g}: "
+                f"{kinds}"
+            )
+
+    def _announce(self, phase: str, notes: dict[str, str] | None = None) -> None:
+        """Tell the proxy what this trainer is doing (status, dashboard, live view); best effort."""
+        self.phase = phase
+        try:
+            self.client.push_metrics(MetricsPush(worker_id=self.worker_id, phase=phase, notes=notes or {}))
+        except errors.BucketRLError as exc:
+            log.debug("phase push failed: %s", exc.message)
 
     def _claim_ahead(self, steps_ahead: int) -> Future[tuple[list[Delivery], int, list[str]]]:
         """Start claiming (helper thread) the groups of the step ``steps_ahead`` steps from now.
@@ -536,7 +582,8 @@ class TrainerWorker:
 
     def _push(self, step: int, stats: dict[str, float]) -> None:
         metrics = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(v)}
-        push = MetricsPush(worker_id=self.worker_id, step=step, metrics=metrics)
+        notes = {f"reward_error/{kind}": text for kind, text in self.reward_errors.items()}
+        push = MetricsPush(worker_id=self.worker_id, step=step, metrics=metrics, phase="training", notes=notes)
 
         trackers = self.trackers
 

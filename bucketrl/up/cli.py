@@ -20,18 +20,30 @@ import typer
 
 
 def up_command(
-    run: Annotated[str, typer.Option(help="Run id.")] = "demo",
+    run: Annotated[str | None, typer.Option(help="Run id (default demo).")] = None,
     dir: Annotated[Path | None, typer.Option("--dir", help="Run directory (default ./runs/<run>).")] = None,
-    generators: Annotated[int, typer.Option(help="Generator processes.")] = 2,
-    engine: Annotated[str, typer.Option(help="Generator engine: transformers or vllm.")] = "transformers",
+    run_spec: Annotated[
+        Path | None, typer.Option("--run-spec", help="Run spec JSON file (the trainer's); options override it.")
+    ] = None,
+    generators: Annotated[int | None, typer.Option(help="Generator processes (default 2).")] = None,
+    engine: Annotated[str | None, typer.Option(help="Generator engine: transformers (default) or vllm.")] = None,
     model: Annotated[
         str | None, typer.Option(help="Base model (path or hub name); default: the built-in tiny model.")
     ] = None,
     dataset: Annotated[
-        str | None, typer.Option(help="Dataset: toy:<task>, a .jsonl path, or a datasets name; default toy:digits.")
+        str | None,
+        typer.Option(help="Dataset: toy:<task>, a .jsonl file (uploaded to the run's bucket), a local HF dataset."),
     ] = None,
+    prompt_field: Annotated[str | None, typer.Option(help="Dataset field with the prompt (default prompt).")] = None,
+    answer_field: Annotated[str | None, typer.Option(help="Dataset field with the answer (default answer).")] = None,
     reward: Annotated[
         str | None, typer.Option(help="Reward: toy, math, exact, regex or module:function (default per dataset).")
+    ] = None,
+    reward_kwargs: Annotated[
+        str | None, typer.Option(help='Reward keyword arguments as JSON, e.g. \'{"pattern": "\\\\d+"}\'.')
+    ] = None,
+    lora_target_modules: Annotated[
+        str | None, typer.Option(help="Comma-separated module names LoRA wraps (default all linear layers).")
     ] = None,
     max_steps: Annotated[int | None, typer.Option(help="Trainer steps (demo default 100).")] = None,
     lr: Annotated[float | None, typer.Option(help="Peak learning rate (demo default 3e-4).")] = None,
@@ -39,53 +51,93 @@ def up_command(
     groups_per_step: Annotated[int | None, typer.Option(help="Groups per optimizer step.")] = None,
     max_staleness: Annotated[int | None, typer.Option(help="Versions a rollout may lag the policy.")] = None,
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature.")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens per completion.")] = None,
+    max_new_tokens: Annotated[
+        int | None, typer.Option(help="Tokens per completion (default: 512, lowered to fit the model's context).")
+    ] = None,
     lora_r: Annotated[int | None, typer.Option(help="LoRA rank (alpha = 2r).")] = None,
-    sync_every: Annotated[int, typer.Option(help="Publish an adapter every N steps.")] = 1,
-    checkpoint_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 10,
+    sync_every: Annotated[int | None, typer.Option(help="Publish an adapter every N steps (default 1).")] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(help="Checkpoint every N steps (default 10).")] = None,
     port: Annotated[int | None, typer.Option(help="Proxy port (default: a free one).")] = None,
-    threads: Annotated[int, typer.Option(help="torch threads per worker process.")] = 1,
-    seed: Annotated[int, typer.Option(help="Trainer seed.")] = 0,
+    threads: Annotated[int | None, typer.Option(help="torch threads per worker process (default 1).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Trainer seed (default 0).")] = None,
     live: Annotated[bool | None, typer.Option("--live/--no-live", help="Live view (default: when a terminal).")] = None,
 ) -> None:
-    """Run proxy + Redis + trainer + generators locally; live view; summary and plots at the end."""
+    """Run proxy + Redis + trainer + generators locally; live view; summary and plots at the end.
+
+    Running again with the same --dir resumes with the options saved there (options given override them)."""
+    import json
+
     from pydantic import ValidationError
 
-    from bucketrl.up.config import UpConfig
+    from bucketrl.preflight import EXIT_CONFIG
+    from bucketrl.up.config import UpConfig, load_saved_options
 
+    given = {
+        k: v
+        for k, v in {
+            "run": run,
+            "dir": dir,
+            "run_spec": run_spec,
+            "generators": generators,
+            "engine": engine,
+            "model": model,
+            "dataset": dataset,
+            "prompt_field": prompt_field,
+            "answer_field": answer_field,
+            "reward": reward,
+            "max_steps": max_steps,
+            "lr": lr,
+            "group_size": group_size,
+            "groups_per_step": groups_per_step,
+            "max_staleness": max_staleness,
+            "temperature": temperature,
+            "max_new_tokens": max_new_tokens,
+            "lora_r": lora_r,
+            "sync_every": sync_every,
+            "checkpoint_every": checkpoint_every,
+            "port": port,
+            "threads": threads,
+            "seed": seed,
+        }.items()
+        if v is not None
+    }
+
+    def fail(message: str) -> typer.Exit:
+        typer.echo(f"bucketrl up: {message}", err=True)
+        return typer.Exit(code=EXIT_CONFIG)
+
+    if reward_kwargs is not None:
+        try:
+            given["reward_kwargs"] = json.loads(reward_kwargs)
+        except json.JSONDecodeError as exc:
+            raise fail(f"--reward-kwargs is not JSON: {exc.msg} (column {exc.colno})") from None
+        if not isinstance(given["reward_kwargs"], dict):
+            raise fail("--reward-kwargs must be a JSON object, e.g. '{\"rel_tol\": 0.01}'") from None
+    if lora_target_modules is not None:
+        given["lora_target_modules"] = [m.strip() for m in lora_target_modules.split(",") if m.strip()]
     try:
-        cfg = UpConfig(
-            run=run,
-            dir=dir,
-            generators=generators,
-            engine=engine,  # type: ignore[arg-type]
-            model=model,
-            dataset=dataset,
-            reward=reward,
-            max_steps=max_steps,
-            lr=lr,
-            group_size=group_size,
-            groups_per_step=groups_per_step,
-            max_staleness=max_staleness,
-            temperature=temperature,
-            max_new_tokens=max_new_tokens,
-            lora_r=lora_r,
-            sync_every=sync_every,
-            checkpoint_every=checkpoint_every,
-            port=port,
-            threads=threads,
-            seed=seed,
-        )
+        options = {**load_saved_options(given.get("run"), given.get("dir")), **given}
+        cfg = UpConfig(**options)
     except ValidationError as exc:
-        typer.echo(f"bucketrl up: bad option:\n{exc}", err=True)
-        raise typer.Exit(code=2) from exc
+        first = exc.errors()[0]
+        where = "--" + "-".join(str(p) for p in first["loc"][:1]).replace("_", "-")
+        raise fail(f"{where}: {first['msg']}") from None
+    except ValueError as exc:
+        raise fail(str(exc)) from None
 
+    from bucketrl.preflight import ConfigError
     from bucketrl.up.cluster import RunDirBusy
     from bucketrl.up.launcher import run_up
 
     try:
         code = run_up(cfg, live=live)
-    except (RunDirBusy, ValueError) as exc:
-        typer.echo(f"bucketrl up: {exc}", err=True)
-        raise typer.Exit(code=2) from exc
+    except (RunDirBusy, ConfigError, ValueError) as exc:
+        raise fail(str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else _first(exc)) from None
     raise typer.Exit(code=code)
+
+
+def _first(exc: Exception) -> str:
+    """A pydantic error of the run spec as one line: the field and what is wrong."""
+    errs = exc.errors()  # type: ignore[attr-defined]
+    loc = ".".join(str(p) for p in errs[0]["loc"])
+    return f"run spec field {loc}: {errs[0]['msg']}"

@@ -30,7 +30,7 @@ import httpx
 
 from bucketrl.client import ProxyClient
 from bucketrl.trainer.trackers import default_report_to
-from bucketrl.up.config import UpConfig, build_run_spec
+from bucketrl.up.config import UpConfig, build_run_spec, save_options
 from bucketrl.up.processes import Service, bucketrl_command, free_port, port_open, redis_server_binary, wait_until
 
 ROLES = ("admin", "trainer", "generator", "viewer")
@@ -50,6 +50,7 @@ class LocalCluster:
         self.redis_port = free_port()
         self.proxy_port = cfg.port or free_port()
         self.model_dir: Path | None = None
+        self.report: Any = None  # what the preflight found
         self._lock: IO[str] | None = None
 
     # -- paths and addresses -------------------------------------------------------------------------
@@ -95,7 +96,37 @@ class LocalCluster:
 
             self.model_dir = build_tiny_model(self.dir / "model")
         spec = build_run_spec(self.cfg, self.model_dir)
+        if self.cfg.preflight:
+            self.report = self._preflight(spec)
+            spec = build_run_spec(
+                self.cfg,
+                self.model_dir,
+                vocab_size=self.report.vocab_size,
+                max_new_tokens=self.report.max_new_tokens if self.report.chose_max_new_tokens else None,
+            )
         (self.dir / "run_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
+        save_options(self.cfg)
+
+    def _preflight(self, spec: dict[str, Any]) -> Any:
+        """The checks every worker repeats at its start, here before any process starts (ConfigError)."""
+        from bucketrl import preflight
+        from bucketrl.generator.settings import GeneratorSettings
+        from bucketrl.up.config import max_new_tokens_given
+        from bucketrl.wire import RunSpec
+
+        probe = json.loads(json.dumps(spec))
+        upload = self.cfg.upload_path
+        if upload is not None:  # check the local file that will be uploaded
+            probe["dataset"]["uri"] = str(upload)
+        probe["dataset"].setdefault("size", 1)
+        max_len = self.cfg.generator_env.get("BUCKETRL_MAX_MODEL_LEN") or self.cfg.worker_env.get(
+            "BUCKETRL_MAX_MODEL_LEN"
+        )
+        return preflight.check_run(
+            RunSpec.model_validate(probe),
+            max_model_len=int(max_len) if max_len else GeneratorSettings.model_fields["max_model_len"].default,
+            choose_max_new_tokens=not max_new_tokens_given(self.cfg),
+        )
 
     def _load_or_create_tokens(self) -> dict[str, str]:
         path = self.dir / "tokens"
@@ -208,6 +239,7 @@ class LocalCluster:
             # BUCKETRL_REPORT_TO wins); `tensorboard --logdir <dir>/tensorboard` shows them.
             "BUCKETRL_REPORT_TO": os.environ.get("BUCKETRL_REPORT_TO") or default_report_to(),
             "BUCKETRL_TRACKER_DIR": os.environ.get("BUCKETRL_TRACKER_DIR") or str(self.dir),
+            **({"BUCKETRL_DATASET_FILE": str(cfg.upload_path)} if cfg.upload_path is not None else {}),
             **cfg.trainer_env,
         }
         return self._service("trainer", bucketrl_command("trainer"), env).start()

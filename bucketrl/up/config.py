@@ -34,6 +34,14 @@ class UpConfig(BaseModel):
     dataset: str | None = Field(None, description="Dataset URI; None = toy:<DEFAULT_TASK>.")
     reward: str | None = Field(None, description="Reward name; None = toy for toy datasets, else math.")
     reward_kwargs: dict[str, Any] = Field(default_factory=dict)
+    run_spec: Path | None = Field(
+        None, description="A run spec JSON file (what the trainer takes in production); options override it."
+    )
+    prompt_field: str | None = Field(None, min_length=1, description="The dataset's prompt field (default prompt).")
+    answer_field: str | None = Field(None, min_length=1, description="The dataset's answer field (default answer).")
+    lora_target_modules: list[str] | None = Field(
+        None, description="Module-name suffixes LoRA wraps (default all-linear)."
+    )
     max_steps: int | None = Field(None, ge=1)
     lr: float | None = Field(None, gt=0)
     group_size: int | None = Field(None, ge=2)
@@ -61,6 +69,8 @@ class UpConfig(BaseModel):
     trainer_env: dict[str, str] = Field(default_factory=dict)
     generator_env: dict[str, str] = Field(default_factory=dict)
     proxy_env: dict[str, str] = Field(default_factory=dict)
+    # Check model, dataset, LoRA targets, context and reward before starting anything (bucketrl.preflight).
+    preflight: bool = True
 
     @field_validator("generator_engines")
     @classmethod
@@ -86,7 +96,16 @@ class UpConfig(BaseModel):
     @property
     def is_demo(self) -> bool:
         """The measured default: tiny model on a toy task."""
-        return self.builtin_model and self.dataset_uri.startswith("toy:")
+        return self.builtin_model and self.run_spec is None and self.dataset_uri.startswith("toy:")
+
+    @property
+    def upload_path(self) -> Path | None:
+        """A local JSONL dataset: ``up`` uploads it to the run's bucket (generators elsewhere read it there)."""
+        uri = self.dataset
+        if uri is None or uri.startswith(("toy:", "bucket:")):
+            return None
+        path = Path(uri.removeprefix("file://")).expanduser()
+        return path.resolve() if path.suffix in (".jsonl", ".json") else None
 
     @property
     def restart_policy(self) -> RestartPolicy:
@@ -110,38 +129,98 @@ class UpConfig(BaseModel):
         return self.lr or (DEMO_LR if self.is_demo else 1e-5)
 
 
-def _vocab_size(model: str) -> int:
-    from transformers import AutoConfig  # only for a user-named model
-
-    config = AutoConfig.from_pretrained(model)
-    text = getattr(config, "get_text_config", lambda: config)()
-    return int(text.vocab_size)
+SAVED_OPTIONS = "up_options.json"
 
 
-def build_run_spec(cfg: UpConfig, model_dir: Path | None) -> dict[str, Any]:
-    """The run spec as a dict (``dataset.size`` is left out for non-toy datasets: the trainer counts them)."""
+def load_saved_options(run: str | None, dir: Path | None) -> dict[str, Any]:
+    """The options of the run directory's first ``bucketrl up`` (a resume without options repeats them)."""
+    run_dir = dir if dir is not None else Path("runs") / (run or "demo")
+    path = run_dir / SAVED_OPTIONS
+    if not path.exists():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {k: v for k, v in saved.items() if k in UpConfig.model_fields and k not in ("dir", "port")}
+
+
+def save_options(cfg: UpConfig) -> None:
+    """Write what :func:`load_saved_options` reads (only the options that differ from the defaults)."""
+    data = cfg.model_dump(mode="json", exclude_defaults=True, exclude={"dir", "port"})
+    if cfg.upload_path is not None:
+        data["dataset"] = str(cfg.upload_path)
+    if cfg.run_spec is not None:
+        data["run_spec"] = str(cfg.run_spec.expanduser().resolve())
+    (cfg.run_dir / SAVED_OPTIONS).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _read_run_spec(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.expanduser().read_text())
+    except OSError as exc:
+        raise ValueError(f"--run-spec {path}: cannot read it: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--run-spec {path}: not JSON: {exc.msg} (line {exc.lineno})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"--run-spec {path}: not a JSON object")
+    return data
+
+
+def build_run_spec(
+    cfg: UpConfig, model_dir: Path | None, *, vocab_size: int | None = None, max_new_tokens: int | None = None
+) -> dict[str, Any]:
+    """The run spec as a dict (``dataset.size`` is left out for non-toy datasets: the trainer counts them).
+
+    Starts from ``--run-spec`` when given, else from the toy task's spec (or common GRPO defaults for a real
+    dataset); every option given overrides. ``vocab_size`` / ``max_new_tokens``: what the preflight found in
+    the model (used when neither the file nor an option sets them)."""
     from bucketrl.tasks.tiny_model import VOCAB_SIZE
     from bucketrl.tasks.toy import DEFAULT_SIZE, TASKS, default_run_spec
 
-    uri = cfg.dataset_uri
+    given = _read_run_spec(cfg.run_spec) if cfg.run_spec is not None else {}
+    uri = cfg.dataset or (given.get("dataset") or {}).get("uri") or cfg.dataset_uri
+    upload = cfg.upload_path
+    if uri.startswith("bucket:") and upload is None and cfg.dataset is not None:
+        raise ValueError(
+            f"--dataset {uri}: pass the local .jsonl file instead; bucketrl up uploads it to the run's bucket "
+            "(as bucket:dataset.jsonl) for the generators"
+        )
     toy_task = uri.removeprefix("toy:") if uri.startswith("toy:") else None
     if toy_task is not None and toy_task not in TASKS:
         raise ValueError(f"--dataset {uri}: unknown toy task; choose one of {', '.join('toy:' + t for t in TASKS)}")
-    base_model = str(model_dir) if cfg.builtin_model else str(cfg.model)
+    if cfg.model is not None:
+        base_model = str(cfg.model)
+    elif "base_model" in given:
+        base_model = str(given["base_model"])
+    else:
+        base_model = str(model_dir)
     spec: dict[str, Any] = default_run_spec(base_model, task=toy_task or "digits").model_dump(mode="json")
-    spec["vocab_size"] = VOCAB_SIZE if cfg.builtin_model else _vocab_size(base_model)
     if toy_task is None:
         # A real dataset: the toy's sampling settings make no sense; use common GRPO defaults.
-        spec["dataset"] = {"uri": uri, "prompt_field": "prompt", "answer_field": "answer"}
-        spec["sampling"] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 512}
-        spec["reward"] = {"name": cfg.reward or "math", "kwargs": dict(cfg.reward_kwargs)}
+        spec["sampling"] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new_tokens or 512}
+        spec["reward"] = {"name": "math", "kwargs": {}}
         spec["queue_capacity_groups"] = 256
-    else:
-        spec["dataset"]["size"] = DEFAULT_SIZE
-        if cfg.reward:
-            spec["reward"] = {"name": cfg.reward, "kwargs": dict(cfg.reward_kwargs)}
-        elif cfg.reward_kwargs:
-            spec["reward"]["kwargs"].update(cfg.reward_kwargs)
+    for key, value in given.items():  # the file's settings over the defaults (nested dicts merged)
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) and isinstance(spec.get(key), dict) else value
+    spec["base_model"] = base_model
+    dataset = dict(spec["dataset"]) if toy_task is None else {**spec["dataset"], "size": DEFAULT_SIZE}
+    if toy_task is None:
+        dataset = {k: v for k, v in dataset.items() if k != "size"}
+        dataset.setdefault("prompt_field", "prompt")
+        dataset.setdefault("answer_field", "answer")
+    dataset["uri"] = "bucket:dataset.jsonl" if upload is not None else uri
+    if cfg.prompt_field is not None:
+        dataset["prompt_field"] = cfg.prompt_field
+    if cfg.answer_field is not None:
+        dataset["answer_field"] = cfg.answer_field
+    spec["dataset"] = dataset
+    if "vocab_size" not in given or cfg.model is not None:
+        spec["vocab_size"] = VOCAB_SIZE if base_model == str(model_dir) else vocab_size or spec["vocab_size"]
+    if cfg.reward:
+        spec["reward"] = {"name": cfg.reward, "kwargs": dict(cfg.reward_kwargs)}
+    elif cfg.reward_kwargs:
+        spec["reward"]["kwargs"].update(cfg.reward_kwargs)
     if cfg.group_size is not None:
         spec["group_size"] = cfg.group_size
     if cfg.groups_per_step is not None:
@@ -157,11 +236,21 @@ def build_run_spec(cfg: UpConfig, model_dir: Path | None) -> dict[str, Any]:
     if cfg.lora_r is not None:
         spec["lora"]["r"] = cfg.lora_r
         spec["lora"]["alpha"] = 2.0 * cfg.lora_r
+    if cfg.lora_target_modules is not None:
+        spec["lora"]["target_modules"] = list(cfg.lora_target_modules)
     if cfg.queue_capacity is not None:
         spec["queue_capacity_groups"] = cfg.queue_capacity
     spec["queue_capacity_groups"] = max(spec["queue_capacity_groups"], spec["groups_per_step"])
     _validate(spec)
     return spec
+
+
+def max_new_tokens_given(cfg: UpConfig) -> bool:
+    """Whether the user chose max_new_tokens (an option, or the run-spec file), or the preflight may."""
+    if cfg.max_new_tokens is not None or (cfg.dataset_uri.startswith("toy:") and cfg.run_spec is None):
+        return True
+    given = _read_run_spec(cfg.run_spec) if cfg.run_spec is not None else {}
+    return "max_new_tokens" in (given.get("sampling") or {})
 
 
 def _validate(spec: dict[str, Any]) -> None:

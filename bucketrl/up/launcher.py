@@ -12,6 +12,7 @@ first (generators release their prompts, the trainer checkpoints), the proxy and
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import time
 from pathlib import Path
@@ -19,11 +20,14 @@ from typing import Any
 
 from rich.console import Console
 
+from bucketrl.preflight import CONFIG_ERROR_PREFIX, EXIT_CONFIG
 from bucketrl.up.cluster import LocalCluster
 from bucketrl.up.config import UpConfig
 from bucketrl.up.watch import RunWatcher
 
-TRAINER_FATAL = {2: "bad configuration", 3: "fenced by a newer trainer"}
+TRAINER_FATAL = {3: "fenced by a newer trainer"}
+# Why the last `bucketrl up` of a run directory stopped on a configuration error (`bucketrl status` shows it).
+STOPPED_FILE = "stopped.json"
 
 
 class _Stop:
@@ -44,8 +48,17 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
     console = console or Console()
     live = console.is_terminal if live is None else live
     cluster = LocalCluster(cfg)
-    console.print(f"[bold]bucketrl up[/] run [cyan]{cfg.run}[/] in {cluster.dir}")
-    cluster.prepare()
+    console.print(f"[bold]bucketrl up[/] run [cyan]{cfg.run}[/] in {cluster.dir}", soft_wrap=True)
+    console.print("  checking   model, dataset, LoRA targets, context, reward…")
+    try:
+        cluster.prepare()  # the preflight: a ConfigError here stops before any process starts
+    except BaseException:
+        cluster.release()
+        raise
+    (cluster.dir / STOPPED_FILE).unlink(missing_ok=True)
+    if cluster.report is not None:
+        for line in cluster.report.lines():
+            console.print(f"  {line}", soft_wrap=True)
     stop = _Stop()
     old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     watcher = RunWatcher(cluster.proxy_url, cfg.run, cluster.tokens["viewer"])
@@ -53,9 +66,10 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
     started = time.monotonic()
     code = 0
     try:
-        cluster.start_all(lambda text: console.print(f"  starting {text}"))
-        console.print(f"  dashboard  {cluster.dashboard_url}")
-        console.print(f"  logs       {cluster.logs}")
+        # soft_wrap: an address or a token is never broken over lines (it stays copyable in any width).
+        cluster.start_all(lambda text: console.print(f"  starting {text}", soft_wrap=True))
+        console.print(f"  dashboard  {cluster.dashboard_url}", soft_wrap=True)
+        console.print(f"  logs       {cluster.logs}", soft_wrap=True)
         code = _supervise(cluster, watcher, stop, console, live, started)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted again: killing the services[/]")
@@ -91,7 +105,9 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
             console.print("plots: " + ", ".join(str(p) for p in paths))
         except Exception as exc:  # a plot must never hide the summary
             console.print(f"[yellow]plots failed: {exc}[/]")
-        console.print(f"summary: {cluster.dir / 'summary.json'}   resume: bucketrl up --dir {cluster.dir}")
+        console.print(
+            f"summary: {cluster.dir / 'summary.json'}   resume: bucketrl up --dir {cluster.dir}", soft_wrap=True
+        )
     return code
 
 
@@ -143,6 +159,8 @@ def _supervise(
                     note = "trainer finished"
                     watcher.poll()
                     break
+                if rc == EXIT_CONFIG:
+                    return _config_stop(cluster, "trainer", console)
                 looping = rc not in TRAINER_FATAL and trainer.record_death(policy)
                 if rc in TRAINER_FATAL or looping:
                     why = TRAINER_FATAL.get(rc) or f"crash loop: {policy.describe()}"
@@ -155,6 +173,8 @@ def _supervise(
                 svc = cluster.services.get(name)
                 if svc is None or svc.alive:
                     continue
+                if svc.returncode == EXIT_CONFIG and name.startswith("gen-"):
+                    return _config_stop(cluster, name, console)
                 if svc.record_death(policy):
                     raise RuntimeError(
                         f"{name} keeps exiting ({svc.returncode}; {policy.describe()}); see {svc.log_path}"
@@ -170,10 +190,30 @@ def _supervise(
     return 0
 
 
+def config_error_reason(svc: Any) -> str:
+    """The one-line reason a worker printed before exiting with EXIT_CONFIG (else its last log line)."""
+    lines = svc.log_tail(200).splitlines()
+    for line in reversed(lines):
+        if CONFIG_ERROR_PREFIX in line:
+            return line[line.index(CONFIG_ERROR_PREFIX) + len(CONFIG_ERROR_PREFIX) :].strip()
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def _config_stop(cluster: LocalCluster, name: str, console: Console) -> int:
+    """A worker exited with EXIT_CONFIG: print its reason, record it for `bucketrl status`, stop the run."""
+    svc = cluster.services[name]
+    reason = config_error_reason(svc)
+    console.print(f"[red]{name} stopped on a configuration error:[/] {reason}", soft_wrap=True)
+    console.print(f"  (log: {svc.log_path})", soft_wrap=True)
+    record = {"service": name, "reason": reason, "ts": time.time()}
+    (cluster.dir / STOPPED_FILE).write_text(json.dumps(record) + "\n")
+    return EXIT_CONFIG
+
+
 def _print_line(console: Console, watcher: RunWatcher, max_steps: int) -> None:
     s = watcher.status
     if s is None:
-        console.print(f"waiting for the proxy ({watcher.last_error})")
+        console.print(f"starting: {watcher.waiting_for()}", soft_wrap=True)
         return
     reward = watcher.rolling_reward(10)
     shown = "–" if reward is None else f"{reward:.3f}"

@@ -17,6 +17,16 @@ def _f(v: float | None, fmt: str = ".3f", unit: str = "") -> str:
     return "–" if v is None else f"{v:{fmt}}{unit}"
 
 
+def reward_errors(watcher: RunWatcher) -> dict[str, str]:
+    """The first message of each reward failure kind any worker reported (``reward_error/<kind>`` notes)."""
+    out: dict[str, str] = {}
+    for w in watcher.status.workers if watcher.status else []:
+        for name, text in w.notes.items():
+            if name.startswith("reward_error/"):
+                out.setdefault(name.removeprefix("reward_error/"), text)
+    return out
+
+
 def render(
     watcher: RunWatcher,
     *,
@@ -63,8 +73,17 @@ def render(
         "generated tokens/s",
         f"{toks:,.0f}",
     )
+    unscorable = watcher.latest(trainer or "", "reward/unscorable_frac")
+    errors = reward_errors(watcher)
+    if unscorable or errors:
+        head.add_row(
+            "unscorable rewards",
+            Text(f"{_f(unscorable, '.0%')} of the last step", style="bold red" if unscorable else ""),
+            "first errors",
+            Text("; ".join(f"{k}: {m}" for k, m in errors.items())[:200], style="red"),
+        )
     workers = Table(show_edge=False, box=None, header_style="dim")
-    for col in ("service", "state", "loaded versions", "heartbeat", "tok/s"):
+    for col in ("service", "state", "phase", "loaded versions", "heartbeat", "tok/s"):
         workers.add_column(col)
     seen = {w.worker_id: w for w in (s.workers if s else [])}
     for name, state in services.items():
@@ -72,14 +91,20 @@ def render(
         workers.add_row(
             name,
             state,
+            (w.phase or "") if w else "",
             ", ".join(f"v{v}" for v in w.loaded_versions) if w and w.loaded_versions else "",
             f"{w.last_seen_s:.1f} s ago" if w else "",
             _f(watcher.latest(name, "rollout/generated_tok_s"), ",.0f") if w and w.role == "generator" else "",
         )
-    footer = Text(f"dashboard {dashboard}\nCtrl-C stops everything cleanly; run again with the same --dir to resume.")
-    footer.stylize("dim")
+    # The address is one unbroken line (cropped, never wrapped: a wrapped token cannot be copied).
+    footer = Text(f"dashboard {dashboard}", no_wrap=True, overflow="ignore", style="dim")
+    hint = Text("Ctrl-C stops everything cleanly; run again with the same --dir to resume.", style="dim")
     parts: list = [head, Text(""), workers, Text("")]
-    if note or watcher.last_error:
-        parts.append(Text(note or f"proxy: {watcher.last_error}", style="yellow"))
-    parts.append(footer)
+    if note:
+        parts.append(Text(note, style="yellow"))
+    elif s is None:
+        parts.append(Text(f"starting: {watcher.waiting_for()}", style="dim"))
+    elif watcher.last_error:
+        parts.append(Text(f"proxy: {watcher.last_error}", style="yellow"))
+    parts += [footer, hint]
     return Panel(Group(*parts), title=f"bucketrl up · run {run} · {elapsed:,.0f} s", title_align="left")

@@ -81,6 +81,15 @@ class RunWatcher:
         if added:
             self.pushes.sort(key=lambda p: p["ts"])
 
+    def waiting_for(self) -> str:
+        """What a start is waiting for, in words: a run the trainer has not created yet is normal, not an alarm."""
+        err = self.last_error or ""
+        if "unknown_run" in err:
+            return "the trainer is creating the run"
+        if not err or "ConnectError" in err or "ConnectTimeout" in err:
+            return "the proxy is starting"
+        return f"the proxy answered {err}"
+
     # -- series ---------------------------------------------------------------------------------------
 
     def trainer_series(self, metric: str) -> list[tuple[int, float]]:

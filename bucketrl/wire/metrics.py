@@ -13,6 +13,19 @@ class MetricsPush(WireModel):
     metrics: dict[str, float] = Field(default_factory=dict, max_length=512)
     # Generators report the adapter versions resident in their engine (delivery is loud).
     loaded_versions: list[int] | None = None
+    # What the worker is doing (loading model, waiting for the first version, generating, training, stopped:
+    # configuration error, ...) and short messages for people (the first reward error of each kind, a
+    # configuration error): shown by `bucketrl status`, the dashboard and `bucketrl up`'s live view.
+    phase: str | None = Field(None, max_length=64)
+    notes: dict[str, str] = Field(default_factory=dict, max_length=16)
+
+    @field_validator("notes")
+    @classmethod
+    def _short_notes(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, text in v.items():
+            if not (1 <= len(name) <= 64) or len(text) > 1000:
+                raise ValueError(f"note {name[:40]!r}: names are 1..64 characters, texts at most 1000")
+        return v
 
     @field_validator("metrics")
     @classmethod

@@ -47,6 +47,14 @@ class RolloutGroup(WireModel):
     prompt_index: int = Field(..., ge=0)
     prompt_token_ids: list[int] = Field(..., min_length=1)
     completions: list[Completion] = Field(..., min_length=1)
+    # Why completions have ``reward: null``: the first message of each failure kind in this group
+    # (exception, timeout, non_numeric, non_finite, none). The trainer counts and reports them.
+    reward_errors: dict[str, str] = Field(default_factory=dict, max_length=8)
+
+    @field_validator("reward_errors")
+    @classmethod
+    def _short_messages(cls, v: dict[str, str]) -> dict[str, str]:
+        return {k[:32]: m[:500] for k, m in v.items()}
 
     @field_validator("prompt_token_ids")
     @classmethod

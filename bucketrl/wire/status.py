@@ -32,6 +32,8 @@ class WorkerStatus(WireModel):
     role: str
     loaded_versions: list[int] = Field(default_factory=list)
     last_seen_s: float
+    phase: str | None = None
+    notes: dict[str, str] = Field(default_factory=dict)
 
 
 class TrainerStatus(WireModel):

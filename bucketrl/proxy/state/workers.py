@@ -1,6 +1,6 @@
 """Workers' metrics pushes (which double as heartbeats) and what the status shows of them.
 
-Redis per run: ``workers`` (hash worker_id -> JSON {role, loaded_versions, last_seen, step}),
+Redis per run: ``workers`` (hash worker_id -> JSON {role, loaded_versions, last_seen, step, phase, notes}),
 ``wmetrics:{worker}`` (hash metric -> latest value) and ``metrics:stream`` (capped stream of every push,
 newest last, for the dashboard's time series).
 """
@@ -21,10 +21,21 @@ async def record_push(r: Any, run: str, role: str, push: MetricsPush) -> None:
     workers_key = keys.run_key(run, keys.WORKERS)
     now = await redis_now(r)  # liveness is a TTL: measured by Redis TIME, like every lease
     loaded = push.loaded_versions
-    if loaded is None:
+    prev_entry: dict[str, Any] = {}
+    if loaded is None or push.phase is None or not push.notes:
         prev = await r.hget(workers_key, push.worker_id)
-        loaded = json.loads(prev).get("loaded_versions", []) if prev else []
-    entry = {"role": role, "loaded_versions": sorted(set(loaded)), "last_seen": now, "step": push.step}
+        prev_entry = json.loads(prev) if prev else {}
+    if loaded is None:
+        loaded = prev_entry.get("loaded_versions", [])
+    entry = {
+        "role": role,
+        "loaded_versions": sorted(set(loaded)),
+        "last_seen": now,
+        "step": push.step,
+        # A push without them keeps the last phase and notes (metrics-only pushes).
+        "phase": push.phase if push.phase is not None else prev_entry.get("phase"),
+        "notes": push.notes or prev_entry.get("notes", {}),
+    }
     pipe = r.pipeline(transaction=True)
     pipe.hset(workers_key, push.worker_id, json.dumps(entry))
     if push.metrics:
@@ -53,7 +64,14 @@ async def live_workers(r: Any, run: str, ttl_s: float) -> tuple[list[WorkerStatu
                 await r.delete(keys.run_key(run, keys.WORKER_METRICS.format(worker=wid)))
             continue
         workers.append(
-            WorkerStatus(worker_id=wid, role=entry["role"], loaded_versions=entry["loaded_versions"], last_seen_s=age)
+            WorkerStatus(
+                worker_id=wid,
+                role=entry["role"],
+                loaded_versions=entry["loaded_versions"],
+                last_seen_s=age,
+                phase=entry.get("phase"),
+                notes=entry.get("notes") or {},
+            )
         )
         steps[wid] = entry.get("step")
     workers.sort(key=lambda w: (w.role, w.worker_id))

@@ -1,0 +1,352 @@
+"""Preflight: check a run's configuration in seconds, before anything starts, with one line saying what to change.
+
+``bucketrl up`` runs :func:`check_run` before it starts a process; every worker runs it again at its start
+(with the run spec it got from the proxy), and exits with :data:`EXIT_CONFIG` (2) on a :class:`ConfigError`.
+The checks, in the order a user meets them:
+
+1. the model: its config and tokenizer are readable (a local directory, or a name in the Hugging Face cache);
+2. the dataset: it parses, the prompt field exists (the message lists the fields a row has), a chat-format
+   dataset has a model with a chat template;
+3. LoRA: every target module exists in the model (built on the meta device: no weights are read), and
+   ``all-linear`` finds layers (GPT-2's ``Conv1D`` counts as linear);
+4. the context window: the longest prompt plus ``max_new_tokens`` fits the model's context (and the
+   generator's ``BUCKETRL_MAX_MODEL_LEN``); :func:`default_max_new_tokens` picks a default that fits;
+5. the reward: it imports, accepts ``reward.kwargs``, and one call on the first dataset row (with the row's
+   answer as the completion) returns a number or None within the reward timeout.
+
+``names`` maps each check to what the user changes: ``bucketrl up`` passes its flags (``--reward``), the
+workers the run spec's fields (``reward.name``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bucketrl import errors
+
+EXIT_CONFIG = 2
+# The line a worker prints before it exits 2; `bucketrl up` shows the worker's reason from it.
+CONFIG_ERROR_PREFIX = "configuration error: "
+
+UP_NAMES = {
+    "model": "--model",
+    "dataset": "--dataset",
+    "prompt_field": "--prompt-field",
+    "answer_field": "--answer-field",
+    "reward": "--reward",
+    "reward_kwargs": "--reward-kwargs",
+    "lora": "--lora-target-modules",
+    "max_new_tokens": "--max-new-tokens",
+    "context": "--max-new-tokens",
+}
+SPEC_NAMES = {
+    "model": "base_model (run spec) or BUCKETRL_MODEL_PATH",
+    "dataset": "dataset.uri (run spec)",
+    "prompt_field": "dataset.prompt_field (run spec)",
+    "answer_field": "dataset.answer_field (run spec)",
+    "reward": "reward.name (run spec)",
+    "reward_kwargs": "reward.kwargs (run spec)",
+    "lora": "lora.target_modules (run spec)",
+    "max_new_tokens": "sampling.max_new_tokens (run spec)",
+    "context": "sampling.max_new_tokens (run spec) or BUCKETRL_MAX_MODEL_LEN",
+}
+# A model without a known context: what the longest prompt plus max_new_tokens may use.
+FALLBACK_CONTEXT = 2048
+DEFAULT_MAX_NEW_TOKENS = 512
+REWARD_CALL_TIMEOUT_S = 10.0
+# Prompts (the longest by characters) tokenized to find the longest in tokens.
+LONGEST_CANDIDATES = 256
+
+
+class ConfigError(ValueError):
+    """A user's configuration is wrong; the message names what to change."""
+
+
+@dataclass
+class Report:
+    """What the preflight found (``bucketrl up`` prints it)."""
+
+    rows: int = 0
+    chat: bool = False
+    fields: list[str] = field(default_factory=list)
+    context: int | None = None
+    longest_prompt_tokens: int = 0
+    longest_prompt_row: int = 0
+    lora_targets: list[str] = field(default_factory=list)
+    reward_value: float | None = None
+    vocab_size: int = 0
+    max_new_tokens: int = 0
+    chose_max_new_tokens: bool = False
+
+    def lines(self) -> list[str]:
+        out = [
+            f"dataset    {self.rows} rows, {'chat messages' if self.chat else 'text prompts'}; fields "
+            + ", ".join(self.fields),
+            f"context    longest prompt {self.longest_prompt_tokens} tokens (row {self.longest_prompt_row}) + "
+            f"max_new_tokens {self.max_new_tokens}{' (chosen to fit)' if self.chose_max_new_tokens else ''} "
+            f"<= {self.context or FALLBACK_CONTEXT}",
+            f"lora       {', '.join(self.lora_targets)}",
+        ]
+        return out
+
+
+# -- the model -----------------------------------------------------------------------------------------
+
+
+def _hf_load(loader: Any, model: str, what: str, names: dict[str, str]) -> Any:
+    """``loader.from_pretrained(model)``: a local directory, else the Hugging Face cache, else a download."""
+    local = Path(model).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise ConfigError(f"{names['model']} {model}: not a model directory")
+        try:
+            return loader.from_pretrained(str(local))
+        except Exception as exc:  # transformers raises OSError/ValueError/KeyError for unreadable models
+            raise ConfigError(f"{names['model']} {model}: cannot read its {what}: {_short(exc)}") from exc
+    if model.startswith(("/", "./", "../", "~")):
+        raise ConfigError(f"{names['model']} {model}: no such directory")
+    try:
+        return loader.from_pretrained(model, local_files_only=True)
+    except Exception:
+        pass
+    try:  # not cached: a download, unless HF_HUB_OFFLINE forbids it
+        return loader.from_pretrained(model)
+    except Exception as exc:
+        raise ConfigError(
+            f"{names['model']} {model}: not a local directory and its {what} cannot be loaded from the Hugging "
+            f"Face hub or cache ({_short(exc)})"
+        ) from exc
+
+
+def load_config_and_tokenizer(model: str, names: dict[str, str] = UP_NAMES) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = _hf_load(AutoConfig, model, "config", names)
+    tokenizer = _hf_load(AutoTokenizer, model, "tokenizer", names)
+    return config, tokenizer
+
+
+def model_context(config: Any) -> int | None:
+    """The model's context window (``max_position_embeddings`` or its kin), None when it does not say."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def vocab_size(config: Any) -> int:
+    text = getattr(config, "get_text_config", lambda: config)()
+    return int(text.vocab_size)
+
+
+def linear_types() -> tuple[type, ...]:
+    import torch
+
+    types: list[type] = [torch.nn.Linear]
+    try:
+        from transformers.pytorch_utils import Conv1D  # GPT-2 style layers: linear, stored transposed
+
+        types.append(Conv1D)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def lora_targets(config: Any, targets: list[str] | str, names: dict[str, str] = UP_NAMES) -> list[str]:
+    """The module-name suffixes LoRA will wrap; ConfigError when one does not exist or none is linear.
+
+    The model is built on the meta device from its config (no weights read, no memory used)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:
+        raise ConfigError(
+            f"{names['model']}: not a causal language model transformers can build ({_short(exc)})"
+        ) from exc
+    linear = linear_types()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    available = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and isinstance(m, linear) and m is not head}
+    )
+    if targets == "all-linear":
+        if not available:
+            raise ConfigError(f"{names['model']}: the model has no linear layers for LoRA to target")
+        return available
+    all_names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n}
+    missing = [t for t in targets if t not in all_names]
+    if missing:
+        raise ConfigError(
+            f"{names['lora']}: {', '.join(missing)} not in the model; its linear layers are {', '.join(available)}"
+        )
+    return list(targets)
+
+
+# -- the dataset and the context --------------------------------------------------------------------------
+
+
+def check_dataset(spec: Any, client: Any = None, names: dict[str, str] = UP_NAMES) -> list[Any]:
+    """Load the examples (``spec``: a DatasetSpec); ConfigError naming the flag to change."""
+    from bucketrl.datasets import load_examples
+
+    try:
+        examples = load_examples(spec, client)
+    except errors.Invalid as exc:
+        hint = f"; set {names['prompt_field']}" if exc.code == "dataset_prompt_field" else ""
+        raise ConfigError(f"{names['dataset']} {spec.uri}: {exc.message}{hint}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{names['dataset']} {spec.uri}: cannot read it: {_short(exc)}") from exc
+    if not examples:
+        raise ConfigError(f"{names['dataset']} {spec.uri}: no rows")
+    return examples
+
+
+def longest_prompt(tokenizer: Any, examples: list[Any], names: dict[str, str] = UP_NAMES) -> tuple[int, int]:
+    """(tokens, 1-based row) of the longest prompt as the policy sees it (chat template applied)."""
+    from bucketrl.datasets import prompt_token_ids
+
+    if any(e.messages is not None for e in examples) and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"{names['dataset']}: chat-format rows (messages lists) need a model whose tokenizer has a chat "
+            f"template; {names['model']} has none (use text prompts, or a model with a chat template)"
+        )
+    # Token counts follow character counts closely: tokenize only the longest texts (a big dataset stays quick).
+    by_chars = sorted(examples, key=lambda e: -sum(len(c) for _, c in e.messages or (("", e.prompt),)))
+    best, row = 0, 1
+    for e in by_chars[:LONGEST_CANDIDATES]:
+        try:
+            n = len(prompt_token_ids(tokenizer, e.prompt, e.chat()))
+        except Exception as exc:  # a template that rejects the conversation (roles it does not know, ...)
+            raise ConfigError(
+                f"{names['dataset']}: row {e.index + 1} does not go through the model's chat template: {_short(exc)}"
+            ) from exc
+        if n > best:
+            best, row = n, e.index + 1
+    return best, row
+
+
+def default_max_new_tokens(context: int | None, longest: int) -> int:
+    """``DEFAULT_MAX_NEW_TOKENS``, lowered so the longest prompt still fits (at least 1)."""
+    room = (context or FALLBACK_CONTEXT) - longest
+    return max(1, min(DEFAULT_MAX_NEW_TOKENS, room))
+
+
+def check_context(
+    context: int | None, longest: int, row: int, max_new_tokens: int, names: dict[str, str] = UP_NAMES
+) -> None:
+    ctx = context or FALLBACK_CONTEXT
+    if longest + max_new_tokens > ctx:
+        room = ctx - longest
+        fix = (
+            f"lower {names['context']} to at most {room}"
+            if room >= 1
+            else f"shorten the prompts ({names['dataset']}) or use a model with a longer context"
+        )
+        raise ConfigError(
+            f"the longest prompt (row {row}, {longest} tokens) plus max_new_tokens {max_new_tokens} exceeds the "
+            f"context of {ctx} tokens: {fix}"
+        )
+
+
+# -- the reward ---------------------------------------------------------------------------------------------
+
+
+def check_reward(
+    reward: Any, example: Any, names: dict[str, str] = UP_NAMES, timeout_s: float = REWARD_CALL_TIMEOUT_S
+) -> float | None:
+    """Resolve ``reward`` (a RewardSpec), check its signature, call it once on ``example``; return the value."""
+    from bucketrl.rewards import classify_reward, validate_reward
+
+    try:
+        fn = validate_reward(reward)
+    except errors.Invalid as exc:
+        which = names["reward_kwargs"] if "reward.kwargs" in exc.message else names["reward"]
+        raise ConfigError(f"{which}: {exc.message}") from exc
+    try:
+        inspect.signature(fn).bind("completion", "answer", prompt="prompt", **reward.kwargs)
+    except TypeError as exc:
+        raise ConfigError(
+            f"{names['reward']} {reward.name}: its signature does not take (completion, answer, *, prompt, "
+            f"**kwargs): {exc}"
+        ) from exc
+    except ValueError:  # a builtin without a signature: the call below decides
+        pass
+    completion = example.answer if example.answer is not None else ""
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["value"] = fn(completion, example.answer, prompt=example.prompt, **reward.kwargs)
+        except BaseException as exc:  # the user's function: anything may come out
+            box["error"] = exc
+
+    # A daemon thread: a reward that hangs is reported, and this process exits without waiting for it.
+    t = threading.Thread(target=call, name="preflight-reward", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    where = f"{names['reward']} {reward.name}"
+    if t.is_alive():
+        raise ConfigError(f"{where}: no answer within {timeout_s:g}s on dataset row {example.index + 1}")
+    if "error" in box:
+        exc = box["error"]
+        raise ConfigError(f"{where} raised on dataset row {example.index + 1}: {type(exc).__name__}: {exc}"[:600])
+    value, kind, message = classify_reward(box.get("value"))
+    if kind in ("non_numeric", "non_finite"):
+        raise ConfigError(f"{where}: {message} on dataset row {example.index + 1}; return a float (or None)")
+    return value
+
+
+# -- everything -------------------------------------------------------------------------------------------------
+
+
+def check_run(
+    spec: Any,
+    *,
+    model: str | None = None,
+    names: dict[str, str] = UP_NAMES,
+    client: Any = None,
+    max_model_len: int | None = None,
+    examples: list[Any] | None = None,
+    choose_max_new_tokens: bool = False,
+) -> Report:
+    """Every check on a RunSpec (``model`` overrides ``spec.base_model``); ConfigError on the first problem.
+
+    ``choose_max_new_tokens``: the user did not set it; pick :func:`default_max_new_tokens` (in the report)."""
+    model = model or spec.base_model
+    config, tokenizer = load_config_and_tokenizer(model, names)
+    report = Report()
+    examples = examples if examples is not None else check_dataset(spec.dataset, client, names)
+    report.rows = len(examples)
+    report.chat = any(e.messages is not None for e in examples)
+    report.fields = [spec.dataset.prompt_field if not report.chat else "messages"] + (
+        [spec.dataset.answer_field] if any(e.answer is not None for e in examples) else []
+    )
+    report.lora_targets = lora_targets(config, spec.lora.target_modules, names)
+    report.longest_prompt_tokens, report.longest_prompt_row = longest_prompt(tokenizer, examples, names)
+    context = model_context(config)
+    if max_model_len is not None:
+        context = min(context or max_model_len, max_model_len)
+    report.context = context
+    report.vocab_size = vocab_size(config)
+    report.max_new_tokens = spec.sampling.max_new_tokens
+    if choose_max_new_tokens:
+        report.max_new_tokens = default_max_new_tokens(context, report.longest_prompt_tokens)
+        report.chose_max_new_tokens = True
+    check_context(context, report.longest_prompt_tokens, report.longest_prompt_row, report.max_new_tokens, names)
+    report.reward_value = check_reward(spec.reward, examples[0], names)
+    return report
+
+
+def _short(exc: BaseException) -> str:
+    """The first line of an exception's message, at most 300 characters (never a traceback)."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    return first[:300]

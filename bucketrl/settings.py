@@ -41,6 +41,13 @@ class WorkerSettings(BaseSettings):
 
         return ProxyClient(self.proxy_url, self.run, self.token, timeout_s=self.http_timeout_s, outage=outage)
 
+    def phase_client(self) -> ProxyClient:
+        """A client that tries once, briefly: for phase and note pushes, which must never hold up a start or an
+        exit (a configuration error reported while the proxy is down)."""
+        from bucketrl.client import ProxyClient
+
+        return ProxyClient(self.proxy_url, self.run, self.token, timeout_s=5.0, retries=0)
+
     def outage(self, who: str) -> Outage:
         from bucketrl.client import Outage
 

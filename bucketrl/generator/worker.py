@@ -182,7 +182,8 @@ class GeneratorWorker:
         """Tell the proxy what this worker is doing (status, dashboard, live view); best effort."""
         self.phase = phase
         try:
-            self.client.push_metrics(MetricsPush(worker_id=self.worker_id, phase=phase, notes=notes or {}))
+            with self.settings.phase_client() as client:
+                client.push_metrics(MetricsPush(worker_id=self.worker_id, phase=phase, notes=notes or {}))
         except errors.BucketRLError as exc:
             log.debug("phase push failed: %s", exc.message)
 

@@ -9,6 +9,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
+    from bucketrl.export import export_command
     from bucketrl.generator.cli import generator_command
     from bucketrl.proxy.cli import proxy_command
     from bucketrl.status_cli import status_command
@@ -20,6 +21,7 @@ def _register() -> None:
     app.command("generator")(generator_command)
     app.command("up")(up_command)
     app.command("status")(status_command)
+    app.command("export")(export_command)
 
 
 _register()

@@ -263,22 +263,9 @@ def check_reward(
     reward: Any, example: Any, names: dict[str, str] = UP_NAMES, timeout_s: float = REWARD_CALL_TIMEOUT_S
 ) -> float | None:
     """Resolve ``reward`` (a RewardSpec), check its signature, call it once on ``example``; return the value."""
-    from bucketrl.rewards import classify_reward, validate_reward
+    from bucketrl.rewards import classify_reward
 
-    try:
-        fn = validate_reward(reward)
-    except errors.Invalid as exc:
-        which = names["reward_kwargs"] if "reward.kwargs" in exc.message else names["reward"]
-        raise ConfigError(f"{which}: {exc.message}") from exc
-    try:
-        inspect.signature(fn).bind("completion", "answer", prompt="prompt", **reward.kwargs)
-    except TypeError as exc:
-        raise ConfigError(
-            f"{names['reward']} {reward.name}: its signature does not take (completion, answer, *, prompt, "
-            f"**kwargs): {exc}"
-        ) from exc
-    except ValueError:  # a builtin without a signature: the call below decides
-        pass
+    fn = resolve_reward_checked(reward, names)
     completion = example.answer if example.answer is not None else ""
     box: dict[str, Any] = {}
 
@@ -294,7 +281,10 @@ def check_reward(
     t.join(timeout_s)
     where = f"{names['reward']} {reward.name}"
     if t.is_alive():
-        raise ConfigError(f"{where}: no answer within {timeout_s:g}s on dataset row {example.index + 1}")
+        raise ConfigError(
+            f"{where}: no answer within {timeout_s:g}s on dataset row {example.index + 1} "
+            "(BUCKETRL_REWARD_TIMEOUT_S is the limit per completion)"
+        )
     if "error" in box:
         exc = box["error"]
         raise ConfigError(f"{where} raised on dataset row {example.index + 1}: {type(exc).__name__}: {exc}"[:600])
@@ -302,6 +292,27 @@ def check_reward(
     if kind in ("non_numeric", "non_finite"):
         raise ConfigError(f"{where}: {message} on dataset row {example.index + 1}; return a float (or None)")
     return value
+
+
+def resolve_reward_checked(reward: Any, names: dict[str, str] = UP_NAMES) -> Any:
+    """The reward function, importable and accepting (completion, answer, *, prompt, **reward.kwargs)."""
+    from bucketrl.rewards import validate_reward
+
+    try:
+        fn = validate_reward(reward)
+    except errors.Invalid as exc:
+        which = names["reward_kwargs"] if "reward.kwargs" in exc.message else names["reward"]
+        raise ConfigError(f"{which}: {exc.message}") from exc
+    try:
+        inspect.signature(fn).bind("completion", "answer", prompt="prompt", **reward.kwargs)
+    except TypeError as exc:
+        raise ConfigError(
+            f"{names['reward']} {reward.name}: its signature does not take (completion, answer, *, prompt, "
+            f"**kwargs): {exc}"
+        ) from exc
+    except ValueError:  # a builtin without a signature: the call decides
+        pass
+    return fn
 
 
 # -- everything -------------------------------------------------------------------------------------------------
@@ -316,10 +327,15 @@ def check_run(
     max_model_len: int | None = None,
     examples: list[Any] | None = None,
     choose_max_new_tokens: bool = False,
+    reward: str = "call",
+    reward_timeout_s: float = REWARD_CALL_TIMEOUT_S,
 ) -> Report:
     """Every check on a RunSpec (``model`` overrides ``spec.base_model``); ConfigError on the first problem.
 
-    ``choose_max_new_tokens``: the user did not set it; pick :func:`default_max_new_tokens` (in the report)."""
+    ``choose_max_new_tokens``: the user did not set it; pick :func:`default_max_new_tokens` (in the report).
+    ``reward``: "call" (resolve, check the signature, call once: `bucketrl up`), "resolve" (no call: a generator,
+    whose reward may legitimately take its whole BUCKETRL_REWARD_TIMEOUT_S; failures at run time are counted
+    and stop the run past a threshold), "skip" (the trainer, which never runs the reward)."""
     model = model or spec.base_model
     config, tokenizer = load_config_and_tokenizer(model, names)
     report = Report()
@@ -341,7 +357,10 @@ def check_run(
         report.max_new_tokens = default_max_new_tokens(context, report.longest_prompt_tokens)
         report.chose_max_new_tokens = True
     check_context(context, report.longest_prompt_tokens, report.longest_prompt_row, report.max_new_tokens, names)
-    report.reward_value = check_reward(spec.reward, examples[0], names)
+    if reward == "call":
+        report.reward_value = check_reward(spec.reward, examples[0], names, timeout_s=reward_timeout_s)
+    elif reward == "resolve":
+        resolve_reward_checked(spec.reward, names)
     return report
 
 

@@ -2,6 +2,7 @@
 
     bucketrl status --proxy http://proxy:8000 --run demo --token $VIEWER_TOKEN
     bucketrl status --dir runs/demo            # a `bucketrl up` run: proxy address and token from the dir
+    bucketrl status                            # the last `bucketrl up` started from this directory
     bucketrl status --json | jq .queue
 
 Shows versions and their live leases, the rollout queue, prompts in flight, the workers with their loaded
@@ -13,6 +14,7 @@ of each worker (``--all-metrics`` for every one). Options default to ``BUCKETRL_
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -38,6 +40,7 @@ KEY_METRICS = (
     "rollout/backpressure_s",
     "rollout/inflight",
     "rollout/unscorable_total",
+    "reward/unscorable_frac",
     "sync/adapter_load_s",
 )
 
@@ -50,6 +53,51 @@ def _from_run_dir(run_dir: Path) -> tuple[str, str, str]:
     info = json.loads(endpoint.read_text())
     tokens = dict(line.split(":", 1) for line in (run_dir / "tokens").read_text().split() if ":" in line)
     return info["proxy_url"], info["run"], tokens.get("viewer", "")
+
+
+LAST_UP_FILE = "last-up.json"
+
+
+def _state_dir() -> Path:
+
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "bucketrl"
+
+
+def record_last_up(run_dir: Path) -> None:
+    """Remember ``run_dir`` as the last `bucketrl up` started from this working directory (best effort)."""
+
+    path = _state_dir() / LAST_UP_FILE
+    try:
+        known = json.loads(path.read_text()) if path.exists() else {}
+        known = known if isinstance(known, dict) else {}
+        known[os.getcwd()] = str(run_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known) + "\n")
+        tmp.replace(path)
+    except (OSError, ValueError):
+        pass
+
+
+def last_up_dir() -> Path | None:
+    """The run directory of the last `bucketrl up` started from this working directory, if recorded."""
+
+    try:
+        known = json.loads((_state_dir() / LAST_UP_FILE).read_text())
+        return Path(known[os.getcwd()])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _stopped_reason(run_dir: Path | None) -> str | None:
+    """Why the run directory's last `bucketrl up` stopped on a configuration error (its stopped.json)."""
+    if run_dir is None:
+        return None
+    try:
+        info = json.loads((run_dir / "stopped.json").read_text())
+        return f"{info['service']} stopped on a configuration error: {info['reason']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def status_command(
@@ -69,6 +117,16 @@ def status_command(
     from bucketrl.client import ProxyClient
     from bucketrl.settings import WorkerSettings
 
+    if dir is None and proxy is None and "BUCKETRL_PROXY_URL" not in os.environ:
+        dir = last_up_dir()
+        if dir is None:
+            typer.echo(
+                "bucketrl status: no `bucketrl up` was started from this directory: pass --dir <run directory> "
+                "(or --proxy, --run and --token for a deployed proxy)",
+                err=True,
+            )
+            raise typer.Exit(code=2)
+    stopped = _stopped_reason(dir)
     try:
         if dir is not None:
             url, dir_run, dir_token = _from_run_dir(dir)
@@ -85,10 +143,14 @@ def status_command(
         typer.echo(f"bucketrl status: {exc.message} (pass --token or set BUCKETRL_TOKEN)", err=True)
         raise typer.Exit(code=1) from exc
     except errors.BucketRLError as exc:
+        if stopped:
+            typer.echo(f"bucketrl status: {dir}: {stopped}", err=True)
         typer.echo(f"bucketrl status: {settings.proxy_url}: {exc.code}: {exc.message}", err=True)
         raise typer.Exit(code=1) from exc
     finally:
         client.close()
+    if stopped:
+        typer.echo(f"bucketrl status: {dir}: {stopped}", err=True)
     if as_json:
         typer.echo(status.model_dump_json(indent=2))
         return
@@ -141,13 +203,20 @@ def render_status(status: Any, *, all_metrics: bool = False) -> list[Any]:
         versions.add_row(f"v{v.version}", str(v.leases), f"{_age(now - v.published_at)} ago")
 
     workers = Table(title="workers", title_justify="left")
-    for col in ("worker", "role", "loaded versions", "heartbeat age", "step"):
+    for col in ("worker", "role", "phase", "loaded versions", "heartbeat age", "step"):
         workers.add_column(col)
+    notes = Table(title="notes (configuration errors, first reward error of each kind)", title_justify="left")
+    notes.add_column("worker")
+    notes.add_column("note")
+    notes.add_column("message", overflow="fold")
     for w in status.workers:
+        for name, text in sorted(w.notes.items()):
+            notes.add_row(w.worker_id, name, text)
         step = status.metrics.get(w.worker_id, {}).get("_step")
         workers.add_row(
             w.worker_id,
             w.role,
+            w.phase or "–",
             ", ".join(f"v{v}" for v in w.loaded_versions) or "–",
             _age(w.last_seen_s),
             "–" if step is None else str(int(step)),
@@ -164,4 +233,4 @@ def render_status(status: Any, *, all_metrics: bool = False) -> list[Any]:
         names = [n for n in KEY_METRICS if n in names] + sorted(n for n in names if n.startswith("mismatch/"))
     for name in names:
         metrics.add_row(name, *(_num(status.metrics[wid][name]) if name in status.metrics[wid] else "" for wid in ids))
-    return [head, versions, workers, metrics]
+    return [head, versions, workers, *([notes] if notes.row_count else []), metrics]

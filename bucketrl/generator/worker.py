@@ -128,6 +128,7 @@ class GeneratorWorker:
             client=self.client,
             max_model_len=s.max_model_len,
             examples=examples,
+            reward="resolve",
         )
         self.examples = examples[: spec.dataset.size]
         from transformers import AutoTokenizer

@@ -126,6 +126,10 @@ class LocalCluster:
             RunSpec.model_validate(probe),
             max_model_len=int(max_len) if max_len else GeneratorSettings.model_fields["max_model_len"].default,
             choose_max_new_tokens=not max_new_tokens_given(self.cfg),
+            reward_timeout_s=float(
+                self.cfg.generator_env.get("BUCKETRL_REWARD_TIMEOUT_S")
+                or GeneratorSettings.model_fields["reward_timeout_s"].default
+            ),
         )
 
     def _load_or_create_tokens(self) -> dict[str, str]:

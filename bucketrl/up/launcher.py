@@ -21,6 +21,7 @@ from typing import Any
 from rich.console import Console
 
 from bucketrl.preflight import CONFIG_ERROR_PREFIX, EXIT_CONFIG
+from bucketrl.status_cli import record_last_up
 from bucketrl.up.cluster import LocalCluster
 from bucketrl.up.config import UpConfig
 from bucketrl.up.watch import RunWatcher
@@ -28,6 +29,7 @@ from bucketrl.up.watch import RunWatcher
 TRAINER_FATAL = {3: "fenced by a newer trainer"}
 # Why the last `bucketrl up` of a run directory stopped on a configuration error (`bucketrl status` shows it).
 STOPPED_FILE = "stopped.json"
+SAVE_EVERY_S = 15.0
 
 
 class _Stop:
@@ -56,6 +58,7 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
         cluster.release()
         raise
     (cluster.dir / STOPPED_FILE).unlink(missing_ok=True)
+    record_last_up(cluster.dir)  # what `bucketrl status` with no options shows
     if cluster.report is not None:
         for line in cluster.report.lines():
             console.print(f"  {line}", soft_wrap=True)
@@ -97,17 +100,20 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
     if watcher.pushes:
         sync = measure(cluster.logs, cfg.run)
         figures = report.summarize(watcher, wall, sync)
+        figures["adapter"] = _adapter_location(cluster, figures.get("latest_version"))
         watcher.save(cluster.dir)
         report.write_summary(figures, cluster.dir)
         console.print(report.summary_table(figures, title=f"bucketrl up · run {cfg.run}"))
         try:
             paths = report.plot(watcher, cluster.dir, title=f"(run {cfg.run})")
-            console.print("plots: " + ", ".join(str(p) for p in paths))
+            console.print("plots: " + ", ".join(str(p) for p in paths), soft_wrap=True)
         except Exception as exc:  # a plot must never hide the summary
             console.print(f"[yellow]plots failed: {exc}[/]")
         console.print(
             f"summary: {cluster.dir / 'summary.json'}   resume: bucketrl up --dir {cluster.dir}", soft_wrap=True
         )
+        if figures.get("adapter"):
+            console.print(f"final adapter: {figures['adapter']}", soft_wrap=True)
     return code
 
 
@@ -130,7 +136,7 @@ def _supervise(
     policy = cfg.restart_policy
     max_steps = cfg.effective_max_steps()
     note = ""
-    last_print = 0.0
+    last_print = last_save = 0.0
 
     def view() -> Any:
         return render(
@@ -181,6 +187,9 @@ def _supervise(
                     )
                 note = f"{name} exited {svc.returncode}: restarting"
                 cluster.restart(name)
+            if time.monotonic() - last_save > SAVE_EVERY_S:
+                last_save = time.monotonic()
+                watcher.save(cluster.dir)  # a killed `up` keeps its history for the next one's summary
             if live:
                 lv.update(view(), refresh=True)
             elif time.monotonic() - last_print > 10:
@@ -188,6 +197,16 @@ def _supervise(
                 _print_line(console, watcher, max_steps)
             _sleep(1.0, stop)
     return 0
+
+
+def _adapter_location(cluster: LocalCluster, version: int | None) -> str | None:
+    """Where the run's latest adapter is, and the command that copies it out as a PEFT folder."""
+    if not version:
+        return None
+    where = f"in the bucket {cluster.bucket_url}"
+    if cluster.bucket_url.startswith("file://"):
+        where = f"at {cluster.bucket_url.removeprefix('file://')}/runs/{cluster.cfg.run}/adapters/v{version}/files"
+    return f"v{version} {where}; as a PEFT folder: bucketrl export adapter-v{version} --dir {cluster.dir}"
 
 
 def config_error_reason(svc: Any) -> str:
@@ -211,17 +230,30 @@ def _config_stop(cluster: LocalCluster, name: str, console: Console) -> int:
 
 
 def _print_line(console: Console, watcher: RunWatcher, max_steps: int) -> None:
+    """One progress line (--no-live): the step and key figures, or each service's phase while it starts."""
+    from bucketrl.up.live import reward_errors
+
     s = watcher.status
     if s is None:
         console.print(f"starting: {watcher.waiting_for()}", soft_wrap=True)
         return
+    phases = ", ".join(f"{w.worker_id}: {w.phase}" for w in s.workers if w.phase)
+    if s.trainer.step == 0:
+        console.print(f"step 0/{max_steps}  v{s.latest_version}  {phases}", soft_wrap=True)
+        return
     reward = watcher.rolling_reward(10)
     shown = "–" if reward is None else f"{reward:.3f}"
-    console.print(
+    line = (
         f"step {s.trainer.step}/{max_steps}  v{s.latest_version}  reward {shown}"
         f"  queue {s.queue.groups}/{s.queue.capacity}  workers "
         + ", ".join(f"{w.worker_id}:{w.loaded_versions}" for w in s.workers)
     )
+    trainer = watcher.trainer_id()
+    unscorable = watcher.latest(trainer or "", "reward/unscorable_frac")
+    if unscorable:
+        errors = "; ".join(f"{k}: {m}" for k, m in reward_errors(watcher).items())
+        line += f"  UNSCORABLE {unscorable:.0%} ({errors})"
+    console.print(line, soft_wrap=True)
 
 
 def _sleep(seconds: float, stop: _Stop) -> None:

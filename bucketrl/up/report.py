@@ -14,19 +14,38 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from bucketrl.up.live import reward_errors
 from bucketrl.up.synclatency import SyncLatency
 from bucketrl.up.watch import RunWatcher
 
 WINDOW = 20  # the "first/last 20 steps" of the demo target
+STARTUP_STEPS = 3  # left out of the summary's averages (start-up is not the steady state)
 
 
 def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def windows(values: list[float]) -> tuple[list[float], list[float]]:
+    """The first and last ``WINDOW`` values; halves for a run shorter than two windows (never overlapping)."""
+    n = len(values)
+    w = min(WINDOW, n // 2) if n >= 2 else n
+    return values[:w], values[n - w :] if w else []
+
+
+def steady(series: list[tuple[int, float]]) -> list[float]:
+    """Values without the start-up steps (model loads, generators' first adapter, the first claim wait)."""
+    skip = min(STARTUP_STEPS, len(series) // 4)
+    return [v for _, v in series[skip:]]
+
+
 def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = None) -> dict[str, Any]:
+    # Over the run's whole history (every session of a resumed run; the latest push of a repeated step).
     rewards = [v for _, v in watcher.trainer_series("reward")]
-    first, last = _mean(rewards[:WINDOW]), _mean(rewards[-WINDOW:])
+    head, tail = windows(rewards)
+    first, last = _mean(head), _mean(tail)
+    steps = {s for s, _ in watcher.trainer_series("perf/step_s")} | {s for s, _ in watcher.trainer_series("reward")}
+    unscorable = [v for _, v in watcher.trainer_series("reward/unscorable_frac")]
     status = watcher.status
     gen_tokens = sum(
         counter_total([v for _, v in series])
@@ -34,16 +53,20 @@ def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = Non
     )
     dropped = [v for _, v in watcher.trainer_series("sample/dropped_stale_total")]
     figures: dict[str, Any] = {
-        "steps": len(rewards),
+        "steps": len(steps),
+        "window": len(head),
         "last_step": status.trainer.step if status else None,
         "latest_version": status.latest_version if status else None,
         "wall_s": round(wall_s, 1),
         "reward_first20": first,
         "reward_last20": last,
         "reward_ratio": (last / first) if first and last is not None else None,
-        "step_s_mean": _mean([v for _, v in watcher.trainer_series("perf/step_s")]),
-        "rollout_wait_s_mean": _mean([v for _, v in watcher.trainer_series("perf/rollout_wait_s")]),
-        "weight_sync_s_mean": _mean([v for _, v in watcher.trainer_series("perf/weight_sync_s")]),
+        "step_s_mean": _mean(steady(watcher.trainer_series("perf/step_s"))),
+        "rollout_wait_s_mean": _mean(steady(watcher.trainer_series("perf/rollout_wait_s"))),
+        "weight_sync_s_mean": _mean(steady(watcher.trainer_series("perf/weight_sync_s"))),
+        "unscorable_frac_mean": _mean(unscorable),
+        "unscorable_frac_max": max(unscorable) if unscorable else None,
+        "reward_errors": reward_errors(watcher),
         "staleness_mean": _mean([v for _, v in watcher.trainer_series("sample/staleness_mean")]),
         "ratio_mean": _mean([v for _, v in watcher.trainer_series("ratio")]),
         # The proxy's counter (the trainer's restarts with the trainer).
@@ -55,6 +78,11 @@ def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = Non
         "sync_latency_versions": sync.count if sync else 0,
     }
     return figures
+
+
+def _frac(figures: dict[str, Any]) -> str:
+    mean, worst = figures.get("unscorable_frac_mean"), figures.get("unscorable_frac_max")
+    return "–" if mean is None else f"{mean:.1%} / {worst:.1%}"
 
 
 def counter_total(values: list[float]) -> float:
@@ -80,14 +108,15 @@ def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary"):
     t = Table(title=title, show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")
+    window = figures.get("window", WINDOW)
     rows = [
         ("trainer steps", fmt(figures["steps"])),
         ("policy versions published", fmt(figures["latest_version"])),
-        ("wall time", fmt(figures["wall_s"], " s", 1)),
-        (f"reward, first {WINDOW} steps", fmt(figures["reward_first20"])),
-        (f"reward, last {WINDOW} steps", fmt(figures["reward_last20"])),
+        ("wall time (this session)", fmt(figures["wall_s"], " s", 1)),
+        (f"reward, first {window} steps", fmt(figures["reward_first20"])),
+        (f"reward, last {window} steps", fmt(figures["reward_last20"])),
         ("improvement (last / first)", fmt(figures["reward_ratio"], "x", 2)),
-        ("step time (mean)", fmt(figures["step_s_mean"], " s")),
+        ("step time (mean, after start-up)", fmt(figures["step_s_mean"], " s")),
         ("rollout wait per step (mean)", fmt(figures["rollout_wait_s_mean"], " s")),
         ("adapter publish (mean)", fmt(figures["weight_sync_s_mean"], " s")),
         ("staleness (mean, versions)", fmt(figures["staleness_mean"], "", 2)),
@@ -95,7 +124,11 @@ def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary"):
         ("groups dropped as stale", fmt(figures["dropped_stale_total"])),
         ("groups accepted by the proxy", fmt(figures["queue_accepted_total"])),
         ("generated tokens", fmt(int(figures["generated_tokens"]))),
+        ("completions without a reward (mean / worst step)", _frac(figures)),
     ]
+    for kind, message in (figures.get("reward_errors") or {}).items():
+        rows.append((f"  first reward error: {kind}", message[:120]))
+
     if figures.get("sync_latency_p50_s") is not None:
         rows.append(
             (

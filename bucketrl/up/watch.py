@@ -128,18 +128,30 @@ class RunWatcher:
 
     def save(self, run_dir: Path) -> None:
         """``metrics.jsonl`` (every push) and ``status_history.jsonl`` (every poll) in ``run_dir``."""
-        with open(run_dir / "metrics.jsonl", "w") as f:
-            for p in self.pushes:
-                f.write(json.dumps(p) + "\n")
-        with open(run_dir / "status_history.jsonl", "w") as f:
-            for s in self.status_history:
-                f.write(json.dumps(s) + "\n")
+        # Written aside and renamed: `up` saves every few seconds, and a kill mid-write must not lose history.
+        for name, rows in (("metrics.jsonl", self.pushes), ("status_history.jsonl", self.status_history)):
+            tmp = run_dir / f".{name}.tmp"
+            with open(tmp, "w") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+            tmp.replace(run_dir / name)
 
     def load_history(self, run_dir: Path) -> None:
-        """Start from the status samples of an earlier session of this run directory (a resumed run)."""
+        """Start from what earlier sessions of this run directory saw (a resumed run): their pushes and status
+        samples. The proxy's stream keeps only the recent pushes, so the summary of a resumed run is over the
+        whole run only with these."""
         path = run_dir / "status_history.jsonl"
         if path.exists():
             self.status_history = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        path = run_dir / "metrics.jsonl"
+        if path.exists():
+            pushes = []
+            for line in path.read_text().splitlines():
+                try:
+                    pushes.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut short by a kill mid-write
+                    continue
+            self._merge(pushes)
 
 
 def _describe(exc: BaseException) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REWARD_MODULE = '''
+REWARD_MODULE = """
 import time
 
 
@@ -34,7 +34,7 @@ def string(completion, answer, *, prompt):
 
 def hangs(completion, answer, *, prompt):
     time.sleep(600)
-'''
+"""
 
 # (case name, up options, text the one-line message must contain)
 CASES: list[tuple[str, list[str], list[str]]] = [

@@ -1,4 +1,4 @@
-"""Behaviour logprobs, computed one way everywhere (DESIGN invariant 6).
+"""Behaviour logprobs, computed one way everywhere (docs/design.md invariant 6).
 
 The trainer and the transformers engine both call :func:`sampled_token_logprobs`; the vLLM engine is
 asked for ``logprobs_mode="processed_logprobs"``, which applies the same temperature (and top-k/top-p

@@ -1,7 +1,7 @@
 """Adapter versions on one generator: download + verify + unpack, and the book of which versions are
 leased, loaded, and used by work in flight.
 
-Rules (issue 3, DESIGN invariants 1 and 3):
+Rules (issue 3, docs/design.md invariants 1 and 3):
 
 - A version is sampled from under the name ``{run}-v{N}`` and only while this worker holds a version
   lease on it (the lease id travels with every rollout batch).

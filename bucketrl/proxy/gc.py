@@ -1,4 +1,4 @@
-"""The maintenance loop: version garbage collection (DESIGN invariant 1) and wiped-Redis detection.
+"""The maintenance loop: version garbage collection (docs/design.md invariant 1) and wiped-Redis detection.
 
 Every ``gc_interval_s`` (``BUCKETRL_GC_INTERVAL_S``), for each run:
 1. ``leases.mark_collectable`` (one Lua script) drops expired leases and marks ``deleting`` every

@@ -1,4 +1,4 @@
-"""Group-relative advantages (DESIGN section 5): ``A_i = r_i - mean(r)``, optionally ``/ (std(r) + eps)``.
+"""Group-relative advantages (docs/design.md section 5): ``A_i = r_i - mean(r)``, optionally ``/ (std(r) + eps)``.
 
 Unscorable completions (``reward is None``: the reward function raised or timed out) are EXCLUDED from
 their group: they do not enter the group's mean and std and they are not trained on (weight 0). Why not

@@ -12,7 +12,7 @@ The LR schedule has no state beyond ``step`` (see :mod:`bucketrl.trainer.learner
 
 ``consumed_delivery_ids`` are the rollout deliveries trained on since the previous checkpoint. The worker
 acknowledges them only AFTER this checkpoint is stored, and a resumed trainer acknowledges them again
-(idempotent) before it claims anything (DESIGN invariant 4): a crash between the two can never train a
+(idempotent) before it claims anything (docs/design.md invariant 4): a crash between the two can never train a
 group twice against the same checkpointed state, and unacknowledged deliveries come back to be trained
 on from exactly the state that has not seen them.
 

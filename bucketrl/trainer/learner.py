@@ -10,7 +10,7 @@ step's totals, backward (gradients accumulate) -> clip the global norm -> AdamW 
 The proximal logprobs of the decoupled objective are the detached logprobs of this very forward: the
 weights have not moved yet, so they are the trainer's logprobs "at the start of the step" for free.
 
-The per-generator mismatch ``mismatch/logprob_abs_diff/{worker}`` (DESIGN invariant 6) compares behaviour
+The per-generator mismatch ``mismatch/logprob_abs_diff/{worker}`` (docs/design.md invariant 6) compares behaviour
 logprobs with the trainer's under the SAME weights: for samples of the current version from the training
 forward (free), for up to ``mismatch_max_samples`` stale ones from a no-grad forward with the weights of
 their version swapped in (the worker records each version it publishes with :meth:`remember_version`).
@@ -179,7 +179,7 @@ class Learner:
         """|trainer - behaviour| for up to ``mismatch_max_samples`` stale samples, each under the weights of the
         version that generated it (swapped in for a no-grad, eval-mode forward, then swapped back bit-exactly).
 
-        Round-robin over generators, so each one's delivery is checked every step (DESIGN invariant 6).
+        Round-robin over generators, so each one's delivery is checked every step (docs/design.md invariant 6).
         """
         budget = self.settings.mismatch_max_samples
         acc: dict[str, list[float]] = {}  # worker -> [abs diff sum, tokens]
@@ -278,7 +278,7 @@ def _add_mismatch(
     weights of the version that generated them.
 
     From the training forward only samples of ``only_version`` (the current weights) count: only there are the
-    weights identical, so any gap is a numerical or delivery problem (DESIGN invariant 6), not policy change.
+    weights identical, so any gap is a numerical or delivery problem (docs/design.md invariant 6), not policy change.
     """
     diff = ((lp.float() - behaviour.float()).abs() * mask).sum(-1)
     counts = mask.sum(-1)

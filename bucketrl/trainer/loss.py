@@ -1,4 +1,4 @@
-"""The GRPO loss (DESIGN section 5): a pure function over a typed batch of per-token tensors.
+"""The GRPO loss (docs/design.md section 5): a pure function over a typed batch of per-token tensors.
 
 Three objectives, chosen per run by ``LossSpec.objective`` (README "Training" compares them with TRL and AReaL):
 
@@ -89,7 +89,7 @@ def grpo_loss(
     token_normalizer: float | None = None,
     sequence_normalizer: float | None = None,
 ) -> LossOutput:
-    """The loss of DESIGN section 5 and the sums behind its stats (see :func:`finalize_stats`).
+    """The loss of docs/design.md section 5 and the sums behind its stats (see :func:`finalize_stats`).
 
     ``token_normalizer`` (token aggregation) and ``sequence_normalizer`` (sequence aggregation) default to
     this batch's own unmasked-token and sequence counts.

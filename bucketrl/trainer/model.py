@@ -2,7 +2,7 @@
 
 Only the LoRA parameters train. Logprobs of sampled tokens go through
 :func:`bucketrl.logprobs.sampled_token_logprobs` with the temperature / top-k / top-p each group was sampled
-with (its batch records them), exactly as the generators compute behaviour logprobs (DESIGN invariant 6), so at
+with (its batch records them), exactly as the generators compute behaviour logprobs (docs/design.md invariant 6), so at
 identical weights ``ratio`` is 1.
 The reference pass for the KL term runs the same model with the adapter disabled (no second model); the KL
 compares temperature-only logprobs (TRL's), never the top-k/top-p processed ones.

@@ -226,6 +226,8 @@ class TrainerWorker:
         if upload is not None:
             try:
                 info = self.client.upload_dataset(upload)
+            except errors.Invalid as exc:
+                raise ConfigError(f"BUCKETRL_DATASET_FILE {self.settings.dataset_file}: {exc.message}") from exc
             except errors.Conflict as exc:
                 raise ConfigError(
                     f"BUCKETRL_DATASET_FILE differs from the dataset run {self.settings.run!r} already has: "
@@ -433,7 +435,7 @@ class TrainerWorker:
         The proxy only knows its own ``latest``, which lags the version this trainer will train those groups
         with: the claim runs a step ahead, and the publish at the end of the step in between is asynchronous.
         So the claim carries ``min_version`` = that train-time version - max_staleness, and the proxy drops (and
-        counts) every group below it: no trained group is staler than max_staleness (DESIGN section 4).
+        counts) every group below it: no trained group is staler than max_staleness (docs/design.md section 4).
         """
         assert self.spec is not None
         train_version = self._train_version(steps_ahead)

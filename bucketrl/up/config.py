@@ -190,7 +190,10 @@ def build_run_spec(
     if toy_task is not None and toy_task not in TASKS:
         raise ValueError(f"--dataset {uri}: unknown toy task; choose one of {', '.join('toy:' + t for t in TASKS)}")
     if cfg.model is not None:
-        base_model = str(cfg.model)
+        local = Path(cfg.model).expanduser()
+        # A local directory by its absolute path: workers started elsewhere (or a resume from another
+        # directory) find the same model.
+        base_model = str(local.resolve()) if local.exists() else str(cfg.model)
     elif "base_model" in given:
         base_model = str(given["base_model"])
     else:

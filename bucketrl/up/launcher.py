@@ -1,8 +1,9 @@
 """``bucketrl up``'s main loop: start the local cluster, watch and supervise it, stop it, report.
 
 Supervision: a generator, the proxy or Redis that dies is started again (that is what a container
-orchestrator would do; the run loses nothing, see DESIGN section 4); a trainer that fails with exit code 1
-is restarted and resumes from its checkpoint; exit 2 (bad configuration) or 3 (fenced) ends the run. A
+orchestrator would do; the run loses nothing, see docs/design.md section 4); a trainer that fails with exit code 1
+is restarted and resumes from its checkpoint; exit 2 (a configuration error, from any worker: its one-line
+reason is printed and kept in ``<dir>/stopped.json``) or 3 (fenced trainer) ends the run. A
 service is given up on only when it keeps dying quickly (``UpConfig.restart_policy``: 5 deaths within 60 s
 by default), never for the number of restarts over a long run. The
 run ends when the trainer exits 0 (``max_steps`` reached) or on Ctrl-C / SIGTERM: workers get SIGTERM
@@ -63,7 +64,9 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
         for line in cluster.report.lines():
             console.print(f"  {line}", soft_wrap=True)
     stop = _Stop()
-    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP: the terminal closed. Stop as cleanly as for Ctrl-C (a SIGKILL of `up` itself is covered by the
+    # children's parent-death signal, bucketrl.up.processes).
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     watcher = RunWatcher(cluster.proxy_url, cfg.run, cluster.tokens["viewer"])
     watcher.load_history(cluster.dir)
     started = time.monotonic()

@@ -1,4 +1,4 @@
-"""The REST contract's wire shapes (DESIGN.md section 3), one module per concept.
+"""The REST contract's wire shapes (docs/design.md section 3), one module per concept.
 
 Everything here imports with pydantic alone: no torch, no FastAPI, no Redis.
 """

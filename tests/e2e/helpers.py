@@ -1,4 +1,4 @@
-"""End-to-end helpers: a real local cluster (:class:`bucketrl.up.cluster.LocalCluster`) and the DESIGN
+"""End-to-end helpers: a real local cluster (:class:`bucketrl.up.cluster.LocalCluster`) and docs/design.md
 section 4 invariants, checked from the outside: the proxy's status, the bucket, the trainer's logs.
 
 What each check reads and why it would fail if the system were wrong:
@@ -189,7 +189,7 @@ class InvariantReport:
 
 
 def check_invariants(cluster: LocalCluster, watch: Watch | None = None, *, final: bool = True) -> InvariantReport:
-    """Assert DESIGN section 4's invariants from status + bucket + trainer logs (see the module docstring).
+    """Assert docs/design.md section 4's invariants from status + bucket + trainer logs (see the module docstring).
 
     ``final``: the workers are stopped, so the queue is still and its counters can be compared exactly (a live
     submit between the status's reads of the counters and of the stream would skew them by a batch)."""
@@ -227,7 +227,7 @@ def check_invariants(cluster: LocalCluster, watch: Watch | None = None, *, final
         if r["event"] in ("checkpoint", "resume"):
             acked.update(r.get("acked") or [])
     assert acked <= set(trained), f"{len(acked - set(trained))} acked deliveries were never trained"
-    # Staleness bound (DESIGN sections 3-5): no trainer push, of any epoch, reports a trained group staler than
+    # Staleness bound (docs/design.md sections 3-5): no trainer push, of any epoch, reports a trained group staler than
     # the run's max_staleness (the trainer's claims carry min_version = its train-time version - max_staleness).
     staleness = _all_trainer_values(cluster, "sample/staleness_max")
     with cluster.client("viewer", retries=3) as c:

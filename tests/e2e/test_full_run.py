@@ -1,5 +1,5 @@
 """A whole run through real processes, real Redis and real HTTP: proxy + trainer + 2 generators learn the toy
-task, publish versions, and every DESIGN section 4 invariant holds at the end (file:// and s3:// buckets).
+task, publish versions, and every docs/design.md section 4 invariant holds at the end (file:// and s3:// buckets).
 
     .venv/bin/python -m pytest -q -s tests/e2e/test_full_run.py
 """

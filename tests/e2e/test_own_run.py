@@ -174,7 +174,7 @@ def _logprobs_match_the_trainer(work: Path, spec_dict: dict, adapter: Path) -> N
     from bucketrl.wire import RunSpec
     from bucketrl.wire.rollouts import Completion, RolloutGroup
 
-    spec_dict = {**spec_dict, "base_model": str(work / "my-llama")}
+    assert spec_dict["base_model"] == str((work / "my-llama").resolve())  # a local model by its absolute path
     spec_dict["dataset"] = {**spec_dict["dataset"], "size": spec_dict["dataset"].get("size", 24)}
     spec = RunSpec.model_validate(spec_dict)
     bucket = f"file://{work / 'runs/mine/bucket'}"

@@ -1,5 +1,5 @@
 """The production engine end to end: a generator on vLLM (the CPU build here, the same code on GPUs) feeds
-the trainer through the proxy; its behaviour logprobs agree with the trainer's (DESIGN invariant 6).
+the trainer through the proxy; its behaviour logprobs agree with the trainer's (docs/design.md invariant 6).
 
     .venv/bin/python -m pytest -q -s tests/e2e/test_vllm_run.py
 """

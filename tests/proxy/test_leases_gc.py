@@ -1,4 +1,4 @@
-"""Version leases and garbage collection (DESIGN invariant 1), including a concurrent race of publishes,
+"""Version leases and garbage collection (docs/design.md invariant 1), including a concurrent race of publishes,
 leases, renewals, releases, expiries and GC passes that asserts no leased version was ever deleted."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Run specs (create/confirm/update/immutable) and trainer fencing, including a publish racing a new
-registration (DESIGN invariant 2: a fenced trainer can never publish)."""
+registration (docs/design.md invariant 2: a fenced trainer can never publish)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 
 Both engines return, for every sampled token, the behaviour logprob computed exactly as the trainer's
 :func:`bucketrl.logprobs.sampled_token_logprobs` computes it: temperature, then top-k / top-p masking,
-then log-softmax (DESIGN invariant 6). Sampling settings the trainer could not reproduce are refused by
+then log-softmax (docs/design.md invariant 6). Sampling settings the trainer could not reproduce are refused by
 :func:`check_reproducible` before an engine is built.
 
 Engines are not thread-safe: the worker calls every method from one thread.

@@ -27,6 +27,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from bucketrl import errors
+from bucketrl.datasets import CHAT_FIELD
 from bucketrl.proxy import body
 from bucketrl.proxy.deps import AnyRole, CtxDep, RunDep, TrainerRole
 from bucketrl.proxy.errors import responses
@@ -81,8 +82,10 @@ class _JsonlChecker:
             raise errors.Invalid(f"body: line {self.lineno}: not UTF-8 JSON ({str(exc)[:80]})") from None
         if not isinstance(row, dict):
             raise errors.Invalid(f"body: line {self.lineno}: a row must be a JSON object")
-        if self.prompt_field not in row:
-            raise errors.Invalid(f"body: line {self.lineno}: missing the prompt field {self.prompt_field!r}")
+        if self.prompt_field not in row and CHAT_FIELD not in row:  # a chat row holds "messages"
+            raise errors.Invalid(
+                f"body: line {self.lineno}: missing the prompt field {self.prompt_field!r} (or chat {CHAT_FIELD!r})"
+            )
         self.rows += 1
 
 

@@ -1,4 +1,4 @@
-"""Version leases and the garbage collector's decision: race-free by construction (DESIGN invariant 1).
+"""Version leases and the garbage collector's decision: race-free by construction (docs/design.md invariant 1).
 
 Redis per run: ``leases`` (zset lease_id -> expires_at, all leases), ``vleases:{N}`` (zset lease_id ->
 expires_at, the leases of version N), ``lease:{id}`` (hash version, worker_id, expires_at). Times are

@@ -6,7 +6,7 @@ What a generator sees
 ``prompt_id = "{pass}-{index}"`` (``index`` in ``0..dataset.size-1``; ``pass`` counts trips over the
 dataset). A prompt is *completed* when a rollout group for it is accepted (202, see ``state/queue.py``).
 A lease that expires or is released before completion puts the prompt back on the *reissue list*, and
-reissues are handed out before any never-issued position (DESIGN invariant 5: no prompt is skipped, and a
+reissues are handed out before any never-issued position (docs/design.md invariant 5: no prompt is skipped, and a
 completed one is never issued again within its pass).
 
 Admission control (the pacing rule)

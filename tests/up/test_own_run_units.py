@@ -1,0 +1,126 @@
+"""The pieces of a user's own run that need no services: chat datasets, reward failure kinds, the preflight's
+model checks, the trainer's stop on unscorable rewards, and the summary over a resumed run's whole history."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from bucketrl import errors
+from bucketrl.datasets import parse_jsonl, prompt_token_ids
+from bucketrl.preflight import ConfigError, check_context, default_max_new_tokens, lora_targets
+from bucketrl.rewards import RewardItem, RewardPool, classify_reward
+from bucketrl.up.report import summarize, windows
+from bucketrl.up.watch import RunWatcher
+from bucketrl.wire import DatasetSpec, RewardSpec
+
+FIX = "tests.generator.reward_fixtures"
+
+
+def test_chat_rows_become_conversations_with_the_last_assistant_turn_as_answer(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    rows = [
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+        {"prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}], "answer": 7},
+        {"prompt": "plain text", "answer": "x"},
+    ]
+    spec = DatasetSpec(uri="x.jsonl", size=3)
+    ex = parse_jsonl("\n".join(json.dumps(r) for r in rows), spec, "x.jsonl")
+    assert ex[0].prompt == "2+2?" and ex[0].answer == "4" and ex[0].chat() == [{"role": "user", "content": "2+2?"}]
+    assert ex[1].prompt == "hi" and ex[1].answer == "7" and len(ex[1].chat() or []) == 2
+    assert ex[2].messages is None and ex[2].prompt == "plain text"
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    assert prompt_token_ids(tok, ex[1].prompt, ex[1].chat()) == tok.encode("<system>Be terse.<user>hi")
+    with pytest.raises(errors.Invalid, match="no 'user' message"):
+        parse_jsonl(json.dumps({"messages": [{"role": "assistant", "content": "4"}]}), spec, "x")
+    with pytest.raises(errors.Invalid, match="its fields are 'question', 'solution'"):
+        parse_jsonl(json.dumps({"question": "q", "solution": "s"}), spec, "x")
+
+
+def test_reward_results_are_classified_and_strings_are_errors() -> None:
+    assert classify_reward(0.5) == (0.5, None, None)
+    assert classify_reward(True)[0] == 1.0
+    assert classify_reward("1.0")[:2] == (None, "non_numeric")
+    assert classify_reward(float("nan"))[:2] == (None, "non_finite")
+    assert classify_reward(None)[:2] == (None, "none")
+
+
+def test_pool_says_why_each_completion_has_no_reward() -> None:
+    with RewardPool(RewardSpec(name=f"{FIX}:garbage"), workers=1) as pool:
+        got = pool.score_detailed([RewardItem(c, None, "") for c in ("nan", "str", "fine")])
+    assert [r.kind for r in got] == ["non_finite", "non_numeric", None]
+    assert "str '1.0'" in (got[1].message or "") and got[2].value == 0.5
+    with RewardPool(RewardSpec(name=f"{FIX}:raises"), workers=1) as pool:
+        got = pool.score_detailed([RewardItem("bad", None, ""), RewardItem("ok", None, "")])
+    assert got[0].kind == "exception" and "this reward always fails" in (got[0].message or "")
+    assert got[1].value == 1.0
+
+
+def test_lora_targets_exist_and_gpt2_conv1d_counts_as_linear() -> None:
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    assert lora_targets(cfg, "all-linear") == ["c_attn", "c_fc", "c_proj"]
+    with pytest.raises(ConfigError, match="--lora-target-modules: q_proj not in the model; its linear layers"):
+        lora_targets(cfg, ["q_proj"])
+    assert lora_targets(cfg, ["c_attn"]) == ["c_attn"]
+
+
+def test_context_default_and_check() -> None:
+    assert default_max_new_tokens(512, 40) == 472
+    assert default_max_new_tokens(32768, 40) == 512
+    check_context(512, 40, 3, 472)
+    with pytest.raises(ConfigError, match=r"row 3, 40 tokens.*lower --max-new-tokens to at most 472"):
+        check_context(512, 40, 3, 473)
+
+
+def _delivery(rewards: list[float | None], errors_: dict[str, str]):  # -> Delivery
+    from bucketrl.wire import Delivery
+
+    comps = [{"token_ids": [1], "logprobs": [-1.0], "reward": r} for r in rewards]
+    group = {"prompt_id": "0-0", "prompt_index": 0, "prompt_token_ids": [1], "completions": comps}
+    group["reward_errors"] = errors_
+    return Delivery.model_validate({"delivery_id": "d", "version": 1, "groups": [group], "worker_id": "g"})
+
+
+def test_trainer_stops_when_most_completions_have_no_reward() -> None:
+    from bucketrl.trainer.settings import TrainerSettings
+    from bucketrl.trainer.worker import TrainerWorker
+
+    worker = TrainerWorker(TrainerSettings(max_unscorable_fraction=0.5), echo=lambda _t: None)
+    worker._check_rewards([_delivery([1.0, None, 0.0, 1.0], {"exception": "ValueError: x"})])  # 25 %: trains
+    with pytest.raises(ConfigError, match=r"could not score 5/8 .*exception: ValueError: x; non_numeric: str"):
+        worker._check_rewards([_delivery([None] * 4, {"non_numeric": "str"})])
+    never = TrainerWorker(TrainerSettings(max_unscorable_fraction=1.0), echo=lambda _t: None)
+    never._check_rewards([_delivery([None] * 4, {"timeout": "t"})])  # 1 = never stop
+
+
+def test_windows_never_overlap_on_short_runs() -> None:
+    assert windows(list(range(10))) == ([0, 1, 2, 3, 4], [5, 6, 7, 8, 9])
+    assert windows(list(range(100)))[0] == list(range(20)) and windows(list(range(100)))[1] == list(range(80, 100))
+    assert windows([1.0]) == ([1.0], [1.0]) and windows([]) == ([], [])
+
+
+def _push(step: int, reward: float, ts: float) -> dict:
+    return {"worker_id": "trainer", "role": "trainer", "ts": ts, "step": step, "metrics": {"reward": reward}}
+
+
+def test_summary_covers_every_session_of_a_resumed_run(tmp_path: Path) -> None:
+    """The first session saw steps 1-30; the proxy's stream only keeps the last pushes, so the second session
+    sees 31-50 there: its summary must still be over steps 1-50 (the issue's 319 of 400 steps)."""
+    now = time.time()
+    first = RunWatcher("http://127.0.0.1:9", "demo", "t")
+    first._merge([_push(k, 0.1, now + k) for k in range(1, 31)])
+    first.save(tmp_path)
+    second = RunWatcher("http://127.0.0.1:9", "demo", "t")
+    second.load_history(tmp_path)
+    second._merge([_push(k, 0.9, now + 100 + k) for k in range(25, 51)])  # repeats 25-30 after a resume
+    figures = summarize(second, wall_s=1.0)
+    assert figures["steps"] == 50
+    assert figures["reward_first20"] == pytest.approx(0.1)  # the run's own first steps, not the session's
+    assert figures["reward_last20"] == pytest.approx(0.9)

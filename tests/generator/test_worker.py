@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from bucketrl import errors
 from bucketrl.generator.worker import GeneratorWorker
+from bucketrl.preflight import ConfigError
 from bucketrl.tarball import pack_dir
 from bucketrl.wire import Delivery, RewardSpec, RunSpec, SamplingSpec
 from tests.generator.helpers import make_adapter, teacher_forced_logprobs
@@ -271,6 +271,7 @@ def test_worker_waits_for_its_run_and_refuses_a_config_it_cannot_serve(
     assert time.monotonic() - t0 < 10
     create_run(proxy, "w5", tiny_model_dir, adapters[1], sampling=SamplingSpec(max_new_tokens=16))
     cramped = GeneratorWorker(worker_settings(proxy, "w5", "gen-c", max_model_len=16))
-    with pytest.raises(errors.Invalid, match="max_new_tokens=16"):
+    # The preflight's one line (the CLI prints it and exits 2): what does not fit and what to change.
+    with pytest.raises(ConfigError, match="max_new_tokens 16 exceeds the context of 16 tokens: lower sampling"):
         cramped.run()
     assert proxy.client("w5", "viewer").status().prompts_inflight == 0

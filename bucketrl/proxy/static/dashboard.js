@@ -405,9 +405,14 @@
     for (const w of status.workers) {
       const row = wbody.insertRow();
       const step = (status.metrics[w.worker_id] || {})._step;
-      for (const v of [w.worker_id, w.role, w.loaded_versions.join(", ") || "–", w.last_seen_s.toFixed(1) + " s", step ?? "–"]) {
+      // Notes: a configuration error, the first reward error of each kind (textContent: never markup).
+      const notes = Object.entries(w.notes || {}).map(([k, v]) => k + ": " + v).join("\n");
+      const cells = [w.worker_id, w.role, w.phase || "–", w.loaded_versions.join(", ") || "–",
+        w.last_seen_s.toFixed(1) + " s", step ?? "–", notes];
+      for (const v of cells) {
         row.insertCell().textContent = v;
       }
+      if (notes) row.classList.add("has-notes");
     }
     const vbody = $("versions").querySelector("tbody");
     vbody.innerHTML = "";

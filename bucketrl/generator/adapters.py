@@ -109,6 +109,7 @@ class VersionBook:
         self._slots: dict[int, VersionSlot] = {}
         self.newest_known = 0  # the newest version the proxy announced
         self._loading: int | None = None  # the version pending() handed to the main thread to load
+        self._fetching: dict[int, str] = {}  # version -> lease id, while its adapter downloads
 
     def name(self, version: int) -> str:
         from bucketrl.generator.engines.base import adapter_name
@@ -180,14 +181,30 @@ class VersionBook:
         with self._lock:
             return sorted(s.version for s in self._slots.values() if s.loaded)
 
-    def leases(self) -> dict[int, str]:
-        """Leases to keep renewing: every version still on the book."""
+    def begin_fetch(self, version: int, lease_id: str) -> None:
+        """A version's adapter is downloading under ``lease_id``: renew that lease meanwhile (a slow download
+        must not outlive it: the version could be collected under the fetch)."""
         with self._lock:
-            return {s.version: s.lease_id for s in self._slots.values() if s.lease_id}
+            self._fetching[version] = lease_id
+
+    def end_fetch(self, version: int) -> str:
+        """The download is over: its lease id now (the keeper may have replaced an expired one)."""
+        with self._lock:
+            return self._fetching.pop(version, "")
+
+    def leases(self) -> dict[int, str]:
+        """Leases to keep renewing: every version still on the book, and those downloading."""
+        with self._lock:
+            out = {v: lease_id for v, lease_id in self._fetching.items() if lease_id}
+            out.update({s.version: s.lease_id for s in self._slots.values() if s.lease_id})
+            return out
 
     def replace_lease(self, version: int, old_id: str, new_id: str) -> bool:
         """Swap an expired lease for a fresh one, unless the version was retired meanwhile (then False)."""
         with self._lock:
+            if self._fetching.get(version) == old_id:
+                self._fetching[version] = new_id
+                return True
             slot = self._slots.get(version)
             if slot is None or slot.lease_id != old_id:
                 return False

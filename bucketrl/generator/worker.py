@@ -455,11 +455,12 @@ class GeneratorWorker:
         t0 = time.monotonic()
         # Lease "the latest" rather than the announced number: never Gone, and maybe one newer already.
         lease = self.client.lease_version(self.worker_id, None, ttl_s=s.version_lease_ttl_s)
+        self.book.begin_fetch(lease.version, lease.lease_id)  # the keeper renews it during the download
         try:
             expected = sha256 if lease.version == announced else None
             path = fetch_adapter(self.client, lease.version, self._cache_dir, expected)
         except errors.Invalid as exc:
-            self._release_version_lease(lease.lease_id)
+            self._release_version_lease(self.book.end_fetch(lease.version) or lease.lease_id)
             if exc.retryable:  # a corrupted transfer: try again
                 raise
             log.error("adapter v%d is unusable, skipping it: %s", lease.version, exc.message)
@@ -467,12 +468,13 @@ class GeneratorWorker:
             self.book.newest_known = max(self.book.newest_known, lease.version)
             return
         except BaseException:
-            self._release_version_lease(lease.lease_id)
+            self._release_version_lease(self.book.end_fetch(lease.version) or lease.lease_id)
             raise
-        for old in self.book.add(lease.version, lease.lease_id, path, time.monotonic() - t0):
+        lease_id = self.book.end_fetch(lease.version) or lease.lease_id
+        for old in self.book.add(lease.version, lease_id, path, time.monotonic() - t0):
             self._release_version_lease(old.lease_id)  # fetched but never loaded: superseded
         if self.stop_event.is_set():  # shutdown may have released the book's leases already
-            self._release_version_lease(lease.lease_id)
+            self._release_version_lease(lease_id)
         self._version_ready.set()
 
     def _refresh_spec(self) -> None:

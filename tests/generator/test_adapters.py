@@ -80,3 +80,13 @@ def test_the_adapter_cache_keeps_only_the_books_versions_and_newer(tmp_path: Pat
     (tmp_path / "v7").mkdir()
     assert gc_cache(tmp_path, book.versions(), book.newest_known) == [1, 4]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "v2", "v3", "v5", "v7"]
+
+
+def test_a_downloading_versions_lease_is_renewed_and_can_be_replaced() -> None:
+    """Plausible-list item: the lease taken before a (slow) download is renewed during it, like the book's."""
+    book = _book(1)
+    book.begin_fetch(2, "L2")
+    assert book.leases() == {1: "L1", 2: "L2"}
+    assert book.replace_lease(2, "L2", "L2b")  # it expired during the download: the keeper leased again
+    assert book.end_fetch(2) == "L2b" and book.leases() == {1: "L1"}
+    assert book.end_fetch(2) == ""

@@ -74,7 +74,7 @@ def test_ack_answers_before_the_bucket_work_which_then_completes(redis_server: R
         assert not await r.hexists(cleanup.doomed_key(RUN), a.batch_id)
         # The snapshot written first shows a's prompts completed (the object was their other record), a
         # settled (not live), b's settled group and the counters with all three acks.
-        snap = json.loads(store.get_bytes(prompts.snapshot_key(RUN)))
+        snap = json.loads(prompts.read_snapshot(store, RUN))
         assert not {"0-0", "0-1"} & set(snap["open"])  # a's prompts, the first two leased
         assert snap["queue"]["live"] == {b.batch_id: {"remaining": 1, "settled": [int(ids[2].rsplit(":", 1)[1])]}}
         assert snap["queue"]["counters"]["acked_total"] == 3
@@ -106,7 +106,7 @@ def test_the_sweep_finishes_what_a_failed_cleaner_left(redis_server: RedisServer
         assert store.list_keys(f"runs/{RUN}/rollouts/") == []
         assert await r.hlen(cleanup.doomed_key(RUN)) == 0
         assert await cleanup.sweep(r, store, RUN, spec) == 0  # nothing left: a no-op
-        snap = json.loads(store.get_bytes(prompts.snapshot_key(RUN)))
+        snap = json.loads(prompts.read_snapshot(store, RUN))
         assert not {"0-0", "0-1"} & set(snap["open"])
 
     run(redis_server, later)

@@ -4,6 +4,7 @@ race a wipe answered 503 (retry) instead of a non-retryable 409."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,6 @@ def test_lifetime_identity_holds_across_a_wipe_with_a_vanished_batch(
 
 
 async def _snapshot(ctx: object, run: str) -> dict:
-    import json
-
     raw = prompts.read_snapshot(ctx.store, run)  # type: ignore[attr-defined]
     assert raw is not None
     return json.loads(raw)
@@ -128,5 +127,58 @@ def test_prompt_leases_follow_redis_time_not_a_replicas_clock(
         assert [p.prompt_id for p in renewed.prompts] == [p.prompt_id for p in held]
         assert abs(renewed.expires_at - (real_time() + 60)) < 30  # Redis time, not the skewed clock
         assert await prompts.prompts_inflight(r, RUN) == 4
+
+    run(redis_server, body)
+
+
+@pytest.mark.timeout(60)  # the old code spun here for ever without yielding
+def test_persist_does_not_spin_on_a_finished_write_it_still_sees(redis_server: RedisServer, tmp_path: Path) -> None:
+    """Plausible-list item: a finished persist whose done callback has not run yet (awaiting a finished task
+    does not yield on Python >= 3.12) must not be waited on forever: the caller writes its own snapshot."""
+    import asyncio
+
+    from bucketrl.storage import open_store
+    from tests.proxy.test_queue_state import RUN, make_spec, setup_run
+
+    store = open_store(f"file://{tmp_path / 'b'}")
+    spec = make_spec()
+
+    async def body(r: Any) -> None:
+        await setup_run(r, spec)
+        await prompts.lease(r, store, RUN, spec, "g", 2, 60)
+        finished: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        finished.set_result((0, 0))  # done, covers nothing, and nobody will ever pop it
+        prompts._RUNNING.setdefault(r, {})[RUN] = finished
+        seq = int(await r.hget(prompts.PromptKeys.of(RUN).meta, "seq"))
+        await asyncio.wait_for(prompts.persist(r, store, RUN, spec, min_seq=seq), 10)
+        assert json.loads(prompts.read_snapshot(store, RUN) or b"{}")["seq"] >= seq
+
+    run(redis_server, body)
+
+
+def test_a_late_older_snapshot_never_replaces_a_newer_one(redis_server: RedisServer, tmp_path: Path) -> None:
+    """Plausible-list item: a slow writer whose lock expired lands an older snapshot after a newer one was
+    written; the restore must still read the newer one (each snapshot is its own object, named by its seq)."""
+    from bucketrl.storage import open_store
+    from tests.proxy.test_queue_state import RUN, make_spec, setup_run
+
+    store = open_store(f"file://{tmp_path / 'b'}")
+    spec = make_spec()
+
+    async def body(r: Any) -> None:
+        await setup_run(r, spec)
+        await prompts.lease(r, store, RUN, spec, "g", 2, 60)
+        await prompts.persist(r, store, RUN, spec, min_seq=1)
+        older = prompts.read_snapshot(store, RUN)
+        assert older is not None
+        old_seq = json.loads(older)["seq"]
+        await prompts.lease(r, store, RUN, spec, "g", 2, 60)
+        seq = int(await r.hget(prompts.PromptKeys.of(RUN).meta, "seq"))
+        await prompts.persist(r, store, RUN, spec, min_seq=seq)
+        newer = json.loads(prompts.read_snapshot(store, RUN) or b"{}")
+        assert newer["seq"] > old_seq
+        # The slow writer's PUT of its (older) snapshot lands now.
+        store.put_bytes(prompts.numbered_snapshot_key(RUN, old_seq), older)
+        assert json.loads(prompts.read_snapshot(store, RUN) or b"{}") == newer
 
     run(redis_server, body)

@@ -180,7 +180,7 @@ class CountingStore:
         self.snapshot_writes = 0
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        if key == prompts.snapshot_key(RUN):
+        if key.startswith(prompts.snapshot_prefix(RUN)):
             self.snapshot_writes += 1
         self.inner.put_bytes(key, data)
 
@@ -195,7 +195,7 @@ def test_an_ack_that_settles_persists_one_snapshot_before_the_object_goes(
     spec = make_spec(group_size=2, queue_capacity_groups=16, groups_per_step=8)
 
     def snapshot() -> dict[str, Any]:
-        return json.loads(store.inner.get_bytes(prompts.snapshot_key(RUN)))
+        return json.loads(prompts.read_snapshot(store.inner, RUN))
 
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
@@ -328,9 +328,8 @@ def test_concurrent_acks_share_one_prompts_snapshot(redis_server: RedisServer, b
         # Every ack needs a snapshot newer than its settle: the one being written when the others arrive, then
         # one that covers all of them (group commit), not twelve.
         assert store.snapshot_writes - before <= 2
-        snap = json.loads(store.inner.get_bytes(prompts.snapshot_key(RUN)))
+        snap = json.loads(prompts.read_snapshot(store.inner, RUN))
         assert snap["queue"]["counters"]["acked_total"] == 12 and snap["queue"]["live"] == {}
-        snap = json.loads(store.inner.get_bytes(prompts.snapshot_key(RUN)))
         assert not {i.prompt_id for i in items} & set(snap["open"])
         assert store.list_keys(f"runs/{RUN}/rollouts/") == []
 

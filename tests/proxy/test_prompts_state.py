@@ -77,7 +77,7 @@ def test_lease_order_reissue_first_and_pass_wrap(redis_server: RedisServer, buck
         d = await prompts.lease(r, store, RUN, spec, "g4", 2, 60)
         assert sorted(ids(d)) == ["0-0", "0-1"]
         # The snapshot was written before positions past the reserved mark left the proxy.
-        snap = json.loads(store.get_bytes(prompts.snapshot_key(RUN)))
+        snap = json.loads(prompts.read_snapshot(store, RUN))
         assert snap["reserved"] >= 6 and snap["dataset_size"] == 5
 
     run(redis_server, body)

@@ -129,7 +129,7 @@ def test_submit_claim_ack_idempotent(redis_server: RedisServer, bucket_url: str)
         assert await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=dids) == 2
         assert await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=dids) == 0  # idempotent
         assert store.exists(key)  # 1 of 3 left; prompts.json records which are settled
-        snap = json.loads(store.get_bytes(prompts.snapshot_key(RUN)))
+        snap = json.loads(prompts.read_snapshot(store, RUN))
         assert snap["queue"]["live"] == {first.batch_id: {"remaining": 1, "settled": [0, 1]}}
         assert snap["queue"]["counters"]["acked_total"] == 2
         rest = await claim(r, store, spec, epoch)

@@ -85,6 +85,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import secrets
 import time
@@ -104,6 +105,8 @@ from bucketrl.wire import PromptLease, PromptLeaseItem, RunSpec
 
 if TYPE_CHECKING:
     from bucketrl.proxy.notify import Notifier
+
+log = logging.getLogger("bucketrl.proxy.prompts")
 
 # The Redis consumer group of the rollout stream (shared with state/queue.py, which builds on this module).
 STREAM_GROUP = "trainer"
@@ -158,7 +161,27 @@ class PromptKeys:
 
 
 def snapshot_key(run: str) -> str:
+    """The single snapshot object older proxies wrote (read when the run has no numbered one yet)."""
     return f"runs/{run}/prompts.json"
+
+
+def snapshot_prefix(run: str) -> str:
+    return f"runs/{run}/prompts/"
+
+
+def numbered_snapshot_key(run: str, seq: int) -> str:
+    """Each snapshot is its own object, named by its state seq: a slow writer's older snapshot landing late can
+    never replace a newer one (a restore reads the highest seq), whatever happened to the writers' lock."""
+    return f"{snapshot_prefix(run)}{seq:016d}.json"
+
+
+def _numbered_snapshots(store: BucketStore, run: str) -> list[tuple[int, str]]:
+    out = []
+    for key in store.list_keys(snapshot_prefix(run)):
+        name = key.rsplit("/", 1)[1]
+        if name.endswith(".json") and name[:-5].isdigit():
+            out.append((int(name[:-5]), key))
+    return sorted(out)
 
 
 def admission_limit(spec: RunSpec) -> int:
@@ -546,6 +569,11 @@ async def persist(
             raise errors.Unavailable(f"run {run!r}: timed out waiting to persist the prompt cursor") from None
         except Exception:
             pass  # that caller's failure is reported to it; this one tries itself
+        finally:
+            # Awaiting a finished task need not yield (Python >= 3.12), so its done callback may not have run:
+            # forget it here, or this loop would spin on it forever without ever giving the loop a turn.
+            if task.done() and running.get(run) is task:
+                running.pop(run)
     task = asyncio.ensure_future(
         _persist(r, store, run, spec, min_reserved=min_reserved, min_seq=min_seq, deadline=deadline)
     )
@@ -596,11 +624,21 @@ async def _persist(
             "queue": _queue_section(counters, remaining, settled, doomed),
         }
         body = json.dumps(snapshot, separators=(",", ":")).encode()
-        await asyncio.to_thread(store.put_bytes, snapshot_key(run), body)
+        await asyncio.to_thread(store.put_bytes, numbered_snapshot_key(run, seq), body)
         marked = await _MARK_PERSISTED(r, [k.meta, k.lock], [new_reserved, seq, token])
+        await asyncio.to_thread(_prune_snapshots, store, run, seq)
         return (new_reserved, seq) if int(marked) else (0, 0)
     finally:
         await _UNLOCK(r, [k.lock], [token])
+
+
+def _prune_snapshots(store: BucketStore, run: str, seq: int) -> None:
+    """Delete the snapshots older than ``seq`` (now in the bucket), and the legacy single object."""
+    try:
+        old = [key for s, key in _numbered_snapshots(store, run) if s < seq]
+        store.delete([*old, snapshot_key(run)])
+    except errors.BucketRLError as exc:  # the next persist prunes them; a restore reads the newest anyway
+        log.warning("run %r: pruning old prompt snapshots failed: %s", run, exc.message)
 
 
 def _queue_keys(run: str) -> tuple[str, str, str]:
@@ -638,7 +676,15 @@ async def is_ready(r: Any, run: str) -> bool:
 
 
 def read_snapshot(store: BucketStore, run: str) -> bytes | None:
-    """The run's ``prompts.json`` (None when it has none). Blocking: call in a thread."""
+    """The run's newest snapshot (None when it has none). Blocking: call in a thread."""
+    for _ in range(5):
+        numbered = _numbered_snapshots(store, run)
+        if not numbered:
+            break
+        try:
+            return store.get_bytes(numbered[-1][1])
+        except errors.NotFound:
+            continue  # pruned by a writer of a newer one meanwhile: list again
     try:
         return store.get_bytes(snapshot_key(run))
     except errors.NotFound:

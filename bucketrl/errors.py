@@ -9,6 +9,7 @@
     │   └── Stale         409     a rollout batch is older than latest - max_staleness
     ├── Gone              410     an adapter was garbage-collected, a lease expired
     ├── PayloadTooLarge   413     body over the route's limit (refused before it is read whole)
+    ├── UnsupportedMedia  415     a Content-Type the route does not read
     ├── Invalid           422     schema or semantic validation failed; the message names the field
     ├── Backpressure      429     the pipeline holds enough work; retry after ``retry_after`` s
     └── Unavailable       503     Redis or the bucket is unreachable; retryable
@@ -79,6 +80,11 @@ class PayloadTooLarge(BucketRLError):
     code = "payload_too_large"
 
 
+class UnsupportedMedia(BucketRLError):
+    status = 415
+    code = "unsupported_media_type"
+
+
 class Invalid(BucketRLError):
     status = 422
     code = "invalid"
@@ -107,6 +113,7 @@ _BY_CODE: dict[str, type[BucketRLError]] = {
         Stale,
         Gone,
         PayloadTooLarge,
+        UnsupportedMedia,
         Invalid,
         Backpressure,
         Unavailable,
@@ -119,6 +126,7 @@ _BY_STATUS: dict[int, type[BucketRLError]] = {
     409: Conflict,
     410: Gone,
     413: PayloadTooLarge,
+    415: UnsupportedMedia,
     422: Invalid,
     429: Backpressure,
     503: Unavailable,

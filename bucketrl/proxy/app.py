@@ -69,7 +69,8 @@ class LatencyMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            found = scope.get("route")  # path_format: the template without convertors ({version}, not {version:int})
+            route = getattr(found, "path_format", None) or getattr(found, "path", None) or "unmatched"
             key = (scope["method"], route, status[0])
             child = self._children.get(key)
             if child is None:
@@ -200,6 +201,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    _document_415(schema)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     if body.DOCUMENTED_BODIES:
         _, defs = models_json_schema(
@@ -209,3 +211,19 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             components.setdefault(name, definition)
     app.openapi_schema = schema
     return schema
+
+
+def _document_415(schema: dict[str, Any]) -> None:
+    """Every operation reading a structured body answers 415 for another Content-Type (``body.decoded``)."""
+    ref = {"$ref": "#/components/schemas/ErrorBody"}
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            content = op.get("requestBody", {}).get("content", {})
+            if "application/json" in content:
+                op.setdefault("responses", {}).setdefault(
+                    "415",
+                    {
+                        "description": "A Content-Type the route does not read.",
+                        "content": {"application/json": {"schema": ref}},
+                    },
+                )

@@ -13,10 +13,23 @@ Two entry points:
 
 - :func:`stream_limited` — an async iterator over a raw body (tars) with the same 413 rule, for routes
   that spool to disk instead of holding the body in memory.
+
+Limits: rollout batches get ``max_rollout_bytes`` (the largest legal batch), every other structured body
+``max_json_bytes`` (sized to the largest legal control body: an ack of 100,000 delivery ids); only tar
+uploads get the large adapter/checkpoint limits. A Content-Type other than JSON or msgpack is 415 before the
+body is read.
+
+Memory and the event loop: the body is read into one buffer (no chunk list joined into a second copy) and
+decoded straight into the model (pydantic parses JSON without an intermediate tree; lists validate
+``fail_fast``, so a body of two million bad items costs one error). Bodies over :data:`INLINE_DECODE_BYTES` are
+decoded in a worker thread, at most :data:`DECODE_SLOTS` at a time, so a large body does not hold the event
+loop (``/healthz`` keeps answering) and concurrent large bodies do not multiply the decoding peak.
+``bench/proxy_memory.py`` measures both.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -31,6 +44,11 @@ M = TypeVar("M", bound=BaseModel)
 
 JSON_TYPES = ("application/json", "")
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+# Bodies up to this size decode on the event loop (a thread hop costs more than parsing them).
+INLINE_DECODE_BYTES = 256 * 1024
+# Large bodies decoding at once (per process); the others wait with their raw bytes only.
+DECODE_SLOTS = 2
 
 # Models documented as request bodies via openapi_body; app.py adds their schemas to the components.
 DOCUMENTED_BODIES: dict[str, type[BaseModel]] = {}
@@ -65,17 +83,29 @@ async def stream_limited(request: Request, limit: int, what: str = "body") -> As
         yield chunk
 
 
-async def read_limited(request: Request, limit: int, what: str = "body") -> bytes:
-    parts = [chunk async for chunk in stream_limited(request, limit, what)]
-    return b"".join(parts)
+async def read_limited(request: Request, limit: int, what: str = "body") -> bytearray:
+    """The whole body in one buffer (grown in place: never a list of chunks plus their joined copy)."""
+    buf = bytearray()
+    async for chunk in stream_limited(request, limit, what):
+        buf += chunk
+    return buf
 
 
 def media_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
-def decode_model(model: type[M], raw: bytes, ctype: str) -> M:
+def check_media_type(ctype: str) -> None:
+    """415 for a Content-Type a structured body route does not read (before the body is read)."""
+    if ctype not in JSON_TYPES and ctype not in MSGPACK_TYPES:
+        raise errors.UnsupportedMedia(
+            f"Content-Type {ctype[:80]!r} is not supported: send application/json or application/msgpack"
+        )
+
+
+def decode_model(model: type[M], raw: bytes | bytearray, ctype: str) -> M:
     """Bytes -> model, or :class:`errors.Invalid` naming the field (``body.<path>``)."""
+    check_media_type(ctype)
     if not raw:
         raise errors.Invalid(f"body: empty; expected a {model.__name__} as JSON or msgpack")
     try:
@@ -88,17 +118,45 @@ def decode_model(model: type[M], raw: bytes, ctype: str) -> M:
         if ctype in JSON_TYPES:
             return model.model_validate_json(raw)
     except ValidationError as exc:
-        raise errors.Invalid(describe_validation([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()])) from None
-    raise errors.Invalid(f"Content-Type {ctype!r} is not supported: send application/json or application/msgpack")
+        # Location and message only (no inputs: they can be megabytes); lists validate fail_fast, so a body
+        # holds a bounded number of errors whatever its size.
+        shown = exc.errors(include_url=False, include_context=False, include_input=False)[:5]
+        located = [{**e, "loc": ("body", *e["loc"])} for e in shown]
+        raise errors.Invalid(describe_validation(located, exc.error_count())) from None
+    except RecursionError:  # nesting deeper than the interpreter's stack (msgpack/pydantic recurse)
+        raise errors.Invalid("body: nested too deeply") from None
+    raise AssertionError("unreachable: check_media_type admitted the type")
+
+
+_DECODE_SLOTS: dict[int, asyncio.Semaphore] = {}
+
+
+def _slots() -> asyncio.Semaphore:
+    # One semaphore per event loop (tests run several apps on several loops in one process).
+    loop = asyncio.get_running_loop()
+    sem = _DECODE_SLOTS.get(id(loop))
+    if sem is None:
+        sem = _DECODE_SLOTS[id(loop)] = asyncio.Semaphore(DECODE_SLOTS)
+    return sem
+
+
+async def decode_off_loop(model: type[M], raw: bytes | bytearray, ctype: str) -> M:
+    """:func:`decode_model`, in a worker thread for bodies over :data:`INLINE_DECODE_BYTES`."""
+    if len(raw) <= INLINE_DECODE_BYTES:
+        return decode_model(model, raw, ctype)
+    async with _slots():
+        return await asyncio.to_thread(decode_model, model, raw, ctype)
 
 
 def decoded(model: type[M], limit_setting: str = "max_json_bytes") -> Callable[[Request], Coroutine[Any, Any, M]]:
     """Dependency: the request body decoded into ``model`` (limit = ``ctx.settings.<limit_setting>``)."""
 
     async def dependency(request: Request) -> M:
+        ctype = media_type(request)
+        check_media_type(ctype)
         limit = int(getattr(request.app.state.ctx.settings, limit_setting))
         raw = await read_limited(request, limit, f"{model.__name__} body")
-        return decode_model(model, raw, media_type(request))
+        return await decode_off_loop(model, raw, ctype)
 
     dependency.__name__ = f"decode_{model.__name__}"
     return dependency

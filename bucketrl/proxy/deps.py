@@ -45,7 +45,7 @@ from bucketrl import errors
 from bucketrl.proxy.auth import Principal
 from bucketrl.proxy.context import ProxyContext
 from bucketrl.wire import RunSpec
-from bucketrl.wire.common import ID_PATTERN
+from bucketrl.wire.common import ID_PATTERN, MAX_WIRE_INT
 
 
 async def get_ctx(request: Request) -> ProxyContext:
@@ -145,7 +145,9 @@ async def _resolve(ctx: ProxyContext, run: str) -> tuple[RunRef, int]:
     return RunRef(run, spec), epoch
 
 
-EpochHeader = Annotated[int | None, Header(ge=1, description="Fencing epoch from POST /v1/runs/{run}/trainer.")]
+EpochHeader = Annotated[
+    int | None, Header(ge=1, le=MAX_WIRE_INT, description="Fencing epoch from POST /v1/runs/{run}/trainer.")
+]
 
 
 def _require_epoch(run: str, x_trainer_epoch: int | None) -> int:

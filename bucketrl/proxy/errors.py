@@ -50,17 +50,19 @@ def error_response(
 
 def _route_of(request: Request) -> str:
     route = request.scope.get("route")
-    return getattr(route, "path", None) or "unmatched"
+    return getattr(route, "path_format", None) or getattr(route, "path", None) or "unmatched"
 
 
-def describe_validation(errs: list[Any] | tuple[Any, ...]) -> str:
-    """``body.groups.0.completions.1.logprobs: logprobs[3] = 0.5 is not a finite value <= 0; ...``"""
+def describe_validation(errs: list[Any] | tuple[Any, ...], total: int | None = None) -> str:
+    """``body.groups.0.completions.1.logprobs: logprobs[3] = 0.5 is not a finite value <= 0; ...``
+
+    The first five of ``errs``; ``total`` (default ``len(errs)``) counts them all for "and N more"."""
     parts = []
     for e in list(errs)[:5]:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "__root__") or "body"
         msg = str(e.get("msg", "invalid"))
         parts.append(f"{loc}: {msg}")
-    more = len(errs) - 5
+    more = (len(errs) if total is None else total) - 5
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
@@ -139,6 +141,7 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         409: "Conflict (see the error code: conflict, fenced, stale).",
         410: "Gone: garbage-collected version or expired lease.",
         413: "Body larger than the route's limit (refused before it was read whole).",
+        415: "A Content-Type the route does not read.",
         422: "Schema or semantic validation failed; the message names the field.",
         429: "Backpressure: retry after the Retry-After header's seconds.",
         503: "Redis or the bucket is unreachable; retryable.",

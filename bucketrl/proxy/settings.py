@@ -25,7 +25,18 @@ class ProxySettings(BaseSettings):
         description="Memory per proxy process for adapter tars recently downloaded (0 = off): after a publish every "
         "generator asks for the same version; one bucket read per version per process answers them all.",
     )
-    max_json_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Upper bound of a JSON/msgpack body.")
+    max_json_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=1,
+        description="Upper bound of a JSON/msgpack body other than a rollout batch (the largest legal one, an ack of "
+        "100,000 delivery ids, is ~4.3 MB).",
+    )
+    max_rollout_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1,
+        description="Upper bound of a rollout batch body (JSON or msgpack): 64 groups of 16 completions of 1,024 "
+        "tokens fit in JSON; the generator's batches are far smaller. Raise it for longer completions.",
+    )
     redelivery_timeout_s: float = Field(
         600.0, gt=0, description="Unacked deliveries are handed out again after this long."
     )

@@ -2,13 +2,13 @@
 
 from pydantic import Field
 
-from bucketrl.wire.common import LeaseId, WireModel, WorkerId
+from bucketrl.wire.common import LeaseId, ShortStr, Version, WireInt, WireModel, WorkerId
 
 
 class VersionLeaseRequest(WireModel):
     worker_id: WorkerId
     # None means "the latest published version".
-    version: int | None = Field(None, ge=1)
+    version: Version | None = None
     ttl_s: float = Field(60.0, gt=0.0, le=3600.0)
 
 
@@ -26,9 +26,8 @@ class PromptLeaseRequest(WireModel):
     worker_id: WorkerId
     n: int = Field(1, ge=1, le=4096)
     ttl_s: float = Field(300.0, gt=0.0, le=86_400.0)
-    version: int | None = Field(
+    version: Version | None = Field(
         None,
-        ge=1,
         description="The policy version the caller will sample these prompts with (default: the latest). Admission "
         "control grants only prompts whose groups the trainer will reach within max_staleness of it.",
     )
@@ -43,8 +42,8 @@ class PromptLeaseRequest(WireModel):
 
 class PromptLeaseItem(WireModel):
     prompt_id: str
-    index: int = Field(..., ge=0)
-    pass_: int = Field(..., ge=0, alias="pass")
+    index: WireInt
+    pass_: WireInt = Field(..., alias="pass")
 
 
 class PromptLease(WireModel):
@@ -58,5 +57,5 @@ class PromptReleaseRequest(WireModel):
     """Give prompts back before their lease expires (graceful shutdown) or extend them (renew)."""
 
     worker_id: WorkerId
-    prompt_ids: list[str] = Field(..., max_length=4096)
+    prompt_ids: list[ShortStr] = Field(..., max_length=4096, fail_fast=True)
     ttl_s: float = Field(300.0, gt=0.0, le=86_400.0)

@@ -4,15 +4,15 @@ import math
 
 from pydantic import Field, field_validator
 
-from bucketrl.wire.common import WireModel, WorkerId
+from bucketrl.wire.common import MAX_LOADED_VERSIONS, Version, WireInt, WireModel, WorkerId
 
 
 class MetricsPush(WireModel):
     worker_id: WorkerId
-    step: int | None = Field(None, ge=0)
+    step: WireInt | None = None
     metrics: dict[str, float] = Field(default_factory=dict, max_length=512)
     # Generators report the adapter versions resident in their engine (delivery is loud).
-    loaded_versions: list[int] | None = None
+    loaded_versions: list[Version] | None = Field(None, max_length=MAX_LOADED_VERSIONS, fail_fast=True)
     # What the worker is doing (loading model, waiting for the first version, generating, training, stopped:
     # configuration error, ...) and short messages for people (the first reward error of each kind, a
     # configuration error): shown by `bucketrl status`, the dashboard and `bucketrl up`'s live view.

@@ -1,20 +1,29 @@
 """Rollout batches (generator -> proxy) and deliveries (proxy -> trainer)."""
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from bucketrl.wire.common import LeaseId, WireModel, WorkerId
+from bucketrl.wire.common import (
+    MAX_COMPLETION_TOKENS,
+    MAX_PROMPT_TOKENS,
+    LeaseId,
+    Version,
+    WireInt,
+    WireModel,
+    WorkerId,
+)
 from bucketrl.wire.runs import SamplingSpec
 
 FinishReason = Literal["stop", "length", "abort"]
 
 
 class Completion(WireModel):
-    token_ids: list[int] = Field(..., min_length=1)
+    # At most the batch's sampling.max_new_tokens (checked per run in validate_batch); this is the static cap.
+    token_ids: list[int] = Field(..., min_length=1, max_length=MAX_COMPLETION_TOKENS, fail_fast=True)
     # logprobs[i] is the behaviour logprob of token_ids[i] (temperature applied before log-softmax).
-    logprobs: list[float] = Field(..., min_length=1)
+    logprobs: list[float] = Field(..., min_length=1, max_length=MAX_COMPLETION_TOKENS, fail_fast=True)
     # None = the reward function could not score this completion.
     reward: float | None
     finish_reason: FinishReason = "stop"
@@ -44,9 +53,10 @@ def _all_finite_non_positive(values: list[float]) -> bool:
 
 class RolloutGroup(WireModel):
     prompt_id: str = Field(..., min_length=1, max_length=200)
-    prompt_index: int = Field(..., ge=0)
-    prompt_token_ids: list[int] = Field(..., min_length=1)
-    completions: list[Completion] = Field(..., min_length=1)
+    prompt_index: WireInt
+    prompt_token_ids: list[int] = Field(..., min_length=1, max_length=MAX_PROMPT_TOKENS, fail_fast=True)
+    # Exactly the run's group_size (checked per run); 1024 is group_size's upper bound.
+    completions: list[Completion] = Field(..., min_length=1, max_length=1024, fail_fast=True)
     # Why completions have ``reward: null``: the first message of each failure kind in this group
     # (exception, timeout, non_numeric, non_finite, none). The trainer counts and reports them.
     reward_errors: dict[str, str] = Field(default_factory=dict, max_length=8)
@@ -70,8 +80,9 @@ class RolloutGroup(WireModel):
 class RolloutBatch(WireModel):
     worker_id: WorkerId
     lease_id: LeaseId
-    version: int = Field(..., ge=1)
-    groups: list[RolloutGroup] = Field(..., min_length=1, max_length=4096)
+    version: Version
+    # At most the run's queue_capacity_groups (checked per run); 4096 is a prompt lease's upper bound.
+    groups: list[RolloutGroup] = Field(..., min_length=1, max_length=4096, fail_fast=True)
     # The behaviour policy is the adapter version AND the sampling settings: the trainer recomputes each
     # group's logprobs with the settings it was sampled with, even after the run's spec changed them.
     sampling: SamplingSpec | None = Field(
@@ -95,16 +106,14 @@ class ClaimRequest(WireModel):
     # version its policy will have when it trains on this claim, minus max_staleness. It claims ahead and
     # publishes asynchronously, so that version can be ahead of the proxy's latest; without this floor a group
     # that passed ``latest - max_staleness`` at claim time could be trained with a staleness > max_staleness.
-    min_version: int | None = Field(
+    min_version: WireInt | None = Field(
         None,
-        ge=0,
         description="Drop groups older than this too (counted in dropped_stale): the trainer passes the version "
         "its policy will have when it trains on this claim, minus max_staleness.",
     )
     # Pacing: the proxy's admission control predicts from these the version a group leased now is trained with.
-    train_version: int | None = Field(
+    train_version: Version | None = Field(
         None,
-        ge=1,
         description="The policy version the trainer will train this claim's groups with (admission control uses it "
         "to pace prompt leases so that their groups are trained within max_staleness).",
     )
@@ -141,7 +150,10 @@ class ClaimResponse(WireModel):
 
 
 class AckRequest(WireModel):
-    delivery_ids: list[str] = Field(..., max_length=100_000)
+    # A delivery id is "b<32 hex>:<group>" (40 characters at most); 100,000 of them is ~4.3 MB of JSON.
+    delivery_ids: list[Annotated[str, StringConstraints(max_length=64)]] = Field(
+        ..., max_length=100_000, fail_fast=True
+    )
 
 
 class AckResponse(WireModel):

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from bucketrl.wire.common import StrictWireModel, WireModel
+from bucketrl.wire.common import MAX_WIRE_INT, ShortStr, StrictWireModel, WireModel
 
 IMMUTABLE_FIELDS: tuple[str, ...] = ("base_model", "lora", "group_size", "vocab_size", "dataset")
 
@@ -18,7 +18,7 @@ class LoraSpec(StrictWireModel):
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # "all-linear" is peft's shorthand for every linear layer except the output head.
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    target_modules: list[ShortStr] | Literal["all-linear"] = Field("all-linear", max_length=256)
 
 
 class SamplingSpec(StrictWireModel):
@@ -38,17 +38,17 @@ class SamplingSpec(StrictWireModel):
 class RewardSpec(StrictWireModel):
     # A registry name (math, exact, regex, toy) or a user function as "module:function".
     name: str = Field(..., min_length=1, max_length=200)
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: dict[str, Any] = Field(default_factory=dict, max_length=64)
 
 
 class DatasetSpec(StrictWireModel):
     # "toy:<name>" for a built-in task, a JSONL path/URI, or a Hugging Face datasets name.
     uri: str = Field(..., min_length=1, max_length=1000)
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    prompt_field: ShortStr = "prompt"
+    answer_field: ShortStr = "answer"
     # Number of prompts in one pass; the proxy's prompt cursor wraps passes with it.
-    size: int = Field(..., ge=1)
-    split: str = "train"
+    size: int = Field(..., ge=1, le=MAX_WIRE_INT)
+    split: ShortStr = "train"
 
 
 class LossSpec(StrictWireModel):

@@ -105,7 +105,9 @@ def test_path_parameters_cannot_escape_their_prefix(proxy_file: ProxyHarness) ->
         assert r.status_code == 422 and "run" in _error(r)["message"]
         r = a.post("/v1/runs/ok/leases/bad%21id/renew", json={})
         assert r.status_code == 422 and "lease_id" in _error(r)["message"]
-        r = a.get("/v1/runs/ok/adapters/abc")
+        # Versions are integer path segments: "abc" names no resource (and PUT .../adapters/latest is 405).
+        assert a.get("/v1/runs/ok/adapters/abc").status_code == 404
+        r = a.get("/v1/runs/ok/adapters/0")
         assert r.status_code == 422 and "version" in _error(r)["message"]
         r = a.get("/v1/runs/ok/adapters/latest", params={"wait_s": -1})
         assert r.status_code == 422 and "wait_s" in _error(r)["message"]
@@ -124,7 +126,7 @@ def test_garbage_bodies_are_422_naming_the_field_and_change_nothing(proxy_file: 
         r = a.put("/v1/runs/r2", content=b"", headers={"Content-Type": "application/json"})
         assert r.status_code == 422 and "empty" in _error(r)["message"]
         r = a.put("/v1/runs/r2", content=b"base_model=x", headers={"Content-Type": "text/plain"})
-        assert r.status_code == 422 and "Content-Type" in _error(r)["message"]
+        assert r.status_code == 415 and "Content-Type" in _error(r)["message"]
         bad = make_spec().model_dump()
         bad["lora"]["rank"] = 8  # typo of "r": the spec forbids unknown fields
         r = a.put("/v1/runs/r2", json=bad)

@@ -6,7 +6,7 @@ import asyncio
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from bucketrl import errors
@@ -16,21 +16,36 @@ from bucketrl.proxy.errors import responses
 from bucketrl.proxy.state import runs, versions
 from bucketrl.storage import dirs
 from bucketrl.wire import AdapterVersionInfo
+from bucketrl.wire.common import MAX_WIRE_INT
 
 router = APIRouter(prefix="/v1/runs/{run}/adapters", tags=["adapters"])
 
 TAR = "application/x-tar"
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
-VersionPath = Annotated[int, Path(ge=1, le=2**53, description="Adapter version (1, 2, 3, ...).")]
-Sha256Header = Annotated[str, Header(alias="X-Content-SHA256", description="sha256 (hex) of the request body.")]
+VersionPath = Annotated[int, Path(ge=1, le=MAX_WIRE_INT, description="Adapter version (1, 2, 3, ...).")]
 
 
-def check_sha_header(value: str) -> str:
+def check_sha_header(value: str | None) -> str:
+    if value is None:
+        raise errors.Invalid("header X-Content-SHA256 is required: the sha256 (hex) of the request body")
     sha = value.strip().lower()
     if not _SHA.match(sha):
         raise errors.Invalid(f"header X-Content-SHA256 must be 64 hex digits, got {value[:80]!r}")
     return sha
+
+
+async def sha256_header(
+    x_content_sha256: Annotated[
+        str | None, Header(alias="X-Content-SHA256", description="sha256 (hex) of the request body (required).")
+    ] = None,
+) -> str:
+    # A dependency that raises (not a required Header parameter, whose error FastAPI only collects): listed
+    # before EpochDep, a missing or malformed header is 422 before a stale epoch could answer 409 `fenced`.
+    return check_sha_header(x_content_sha256)
+
+
+Sha256Dep = Annotated[str, Depends(sha256_header)]
 
 
 @router.get(
@@ -47,7 +62,7 @@ async def latest(
     ctx: CtxDep,
     _: ViewerRole,
     ref: RunDep,
-    after: Annotated[int, Query(ge=0, description="Answer only with a version > after.")] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_WIRE_INT, description="Answer only with a version > after.")] = 0,
     wait_s: Annotated[float, Query(ge=0.0, le=3600.0, description="How long to wait for one.")] = 0.0,
 ) -> Response | AdapterVersionInfo:
     info = await versions.wait_newer(ctx, ref.run, after, min(wait_s, ctx.settings.max_wait_s))
@@ -57,7 +72,7 @@ async def latest(
 
 
 @router.put(
-    "/{version}",
+    "/{version:int}",
     response_model=AdapterVersionInfo,
     summary="Publish version N = latest+1 (epoch-fenced; sha256-checked; atomic).",
     description=(
@@ -74,11 +89,10 @@ async def publish(
     _: TrainerRole,
     ref: RunDep,
     version: VersionPath,
+    sha: Sha256Dep,
     epoch: EpochDep,
-    sha256: Sha256Header,
     request: Request,
 ) -> AdapterVersionInfo:
-    sha = check_sha_header(sha256)
     body.check_content_length(request, ctx.settings.max_adapter_bytes, "adapter tar")
     if same := await versions.committed_same(ctx.redis, ref.run, version, sha, epoch):
         return same  # a retried PUT whose first answer was lost
@@ -98,7 +112,7 @@ async def publish(
 
 
 @router.get(
-    "/{version}",
+    "/{version:int}",
     summary="The adapter tar of a version (streamed; `X-Content-SHA256` header). 410 once garbage-collected.",
     response_class=StreamingResponse,
     responses={

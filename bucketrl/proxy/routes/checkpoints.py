@@ -12,14 +12,15 @@ from bucketrl import errors
 from bucketrl.proxy import body
 from bucketrl.proxy.deps import CtxDep, EpochDep, RunDep, TrainerRole
 from bucketrl.proxy.errors import responses
-from bucketrl.proxy.routes.adapters import TAR, Sha256Header, check_sha_header
+from bucketrl.proxy.routes.adapters import TAR, Sha256Dep
 from bucketrl.proxy.state import checkpoints
 from bucketrl.storage import dirs
 from bucketrl.wire import CheckpointInfo
+from bucketrl.wire.common import MAX_WIRE_INT
 
 router = APIRouter(prefix="/v1/runs/{run}/checkpoints", tags=["checkpoints"])
 
-StepPath = Annotated[int, Path(ge=0, le=2**53, description="Optimizer step of the checkpoint.")]
+StepPath = Annotated[int, Path(ge=0, le=MAX_WIRE_INT, description="Optimizer step of the checkpoint.")]
 
 
 @router.get(
@@ -36,7 +37,7 @@ async def latest(ctx: CtxDep, _: TrainerRole, ref: RunDep) -> CheckpointInfo:
 
 
 @router.put(
-    "/{step}",
+    "/{step:int}",
     response_model=CheckpointInfo,
     summary="Write the checkpoint of a step (epoch-fenced, sha256-checked, atomic).",
     description=(
@@ -48,15 +49,14 @@ async def latest(ctx: CtxDep, _: TrainerRole, ref: RunDep) -> CheckpointInfo:
     openapi_extra=body.openapi_tar_body("The checkpoint directory as an uncompressed tar."),
 )
 async def put_checkpoint(
-    ctx: CtxDep, _: TrainerRole, ref: RunDep, step: StepPath, epoch: EpochDep, sha256: Sha256Header, request: Request
+    ctx: CtxDep, _: TrainerRole, ref: RunDep, step: StepPath, sha: Sha256Dep, epoch: EpochDep, request: Request
 ) -> CheckpointInfo:
-    sha = check_sha_header(sha256)
     chunks = body.stream_limited(request, ctx.settings.max_checkpoint_bytes, "checkpoint tar")
     return await checkpoints.put(ctx, ref.run, step, epoch, sha, chunks)
 
 
 @router.get(
-    "/{step}",
+    "/{step:int}",
     summary="The checkpoint tar of a step (streamed; `X-Content-SHA256` header).",
     response_class=StreamingResponse,
     responses={

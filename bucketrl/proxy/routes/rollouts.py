@@ -75,14 +75,14 @@ IdempotencyKey = Annotated[
         "max_staleness; 429 + Retry-After when the queue is at queue_capacity_groups. Accepting a group completes "
         "its prompt."
     ),
-    responses=responses(401, 403, 404, 409, 413, 422, 429, 503),
+    responses=responses(401, 403, 404, 409, 413, 415, 422, 429, 503),
     openapi_extra=body.openapi_body(RolloutBatch),
 )
 async def submit(
     ctx: CtxDep,
     _: GeneratorRole,
     run: RunId,
-    batch: Annotated[RolloutBatch, Depends(body.decoded(RolloutBatch))],
+    batch: Annotated[RolloutBatch, Depends(body.decoded(RolloutBatch, "max_rollout_bytes"))],
     idempotency_key: IdempotencyKey = None,
 ) -> SubmitResponse:
     _install_scrape_hook(ctx)

@@ -552,6 +552,7 @@ def validate_batch(batch: RolloutBatch, spec: RunSpec, cursor: int) -> None:
             f"{spec.queue_capacity_groups}); submit smaller batches"
         )
     seen: set[str] = set()
+    max_new = (batch.sampling or spec.sampling).max_new_tokens
     for i, group in enumerate(batch.groups):
         where = f"groups[{i}]"
         if len(group.completions) != g_size:
@@ -579,6 +580,11 @@ def validate_batch(batch: RolloutBatch, spec: RunSpec, cursor: int) -> None:
                 f"{where}.prompt_token_ids[{j}]: token id {group.prompt_token_ids[j]} >= vocab_size {vocab}"
             )
         for c, comp in enumerate(group.completions):
+            if len(comp.token_ids) > max_new:
+                raise errors.Invalid(
+                    f"{where}.completions[{c}].token_ids: {len(comp.token_ids)} tokens, more than the sampling's "
+                    f"max_new_tokens {max_new}"
+                )
             if max(comp.token_ids) >= vocab:
                 j = next(j for j, t in enumerate(comp.token_ids) if t >= vocab)
                 raise errors.Invalid(

@@ -4,7 +4,7 @@
 exists (see :data:`IMMUTABLE_FIELDS`); the rest can be changed by a later ``PUT /v1/runs/{run}``.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -18,7 +18,7 @@ class LoraSpec(StrictWireModel):
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # "all-linear" is peft's shorthand for every linear layer except the output head.
-    target_modules: list[ShortStr] | Literal["all-linear"] = Field("all-linear", max_length=256)
+    target_modules: Annotated[list[ShortStr], Field(max_length=256)] | Literal["all-linear"] = "all-linear"
 
 
 class SamplingSpec(StrictWireModel):

@@ -114,9 +114,9 @@ def decode_model(model: type[M], raw: bytes | bytearray, ctype: str) -> M:
                 obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
             except Exception as exc:  # msgpack raises several unrelated types for garbage
                 raise errors.Invalid(f"body: not valid msgpack ({type(exc).__name__}: {str(exc)[:120]})") from None
-            return model.model_validate(obj)
+            return model.model_validate(obj, strict=True)
         if ctype in JSON_TYPES:
-            return model.model_validate_json(raw)
+            return model.model_validate_json(raw, strict=True)  # strict: no bool for a number, no "1" for 1
     except ValidationError as exc:
         # Location and message only (no inputs: they can be megabytes); lists validate fail_fast, so a body
         # holds a bounded number of errors whatever its size.

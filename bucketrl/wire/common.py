@@ -3,8 +3,9 @@
 Run ids and worker ids end up in bucket keys and Redis keys, so they are restricted to a
 charset that can never escape a prefix (no ``/``, no ``..``, no whitespace).
 
-Every model on the wire is strict (a boolean is not a number, ``"1"`` is not an integer), refuses
-NaN/infinity, and every list on it has a length bound: static caps here (what no legal run can exceed),
+Every model on the wire refuses NaN/infinity, is validated strictly where it enters the proxy
+(``proxy/body.py``: a boolean is not a number, ``"1"`` is not an integer; code building models in Python stays
+lax), and every list on it has a length bound: static caps here (what no legal run can exceed),
 tightened per run where the spec says more (``proxy/state/queue.validate_batch``). Lists validate
 ``fail_fast``: a list of two million bad items costs one error, not two million materialised ones.
 """
@@ -35,12 +36,12 @@ LeaseId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 
 
 class WireModel(BaseModel):
-    """Base for wire models: unknown fields are ignored so newer clients can add fields; types are strict."""
+    """Base for wire models: unknown fields are ignored so newer clients can add fields."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
 
 
 class StrictWireModel(BaseModel):
     """Base for specs where a typo in a field name must be an error, not a silent default."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)

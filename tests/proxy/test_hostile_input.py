@@ -136,8 +136,8 @@ def test_booleans_and_strings_are_not_numbers(proxy_file: ProxyHarness) -> None:
             assert r.status_code == 422, (body_, r.text)
         r = g.post("/v1/runs/r1/prompts/lease", content=b'{"worker_id": "g", "ttl_s": Infinity}')
         assert r.status_code == 422, r.text
-    with pytest.raises(ValueError):
-        MetricsPush.model_validate({"worker_id": "g", "step": True})
+        r = g.post("/v1/runs/r1/metrics", json={"worker_id": "g", "step": True})
+        assert r.status_code == 422 and "step" in _error(r)["message"]
 
 
 def test_unsupported_content_type_is_415_and_wrong_method_is_405(proxy_file: ProxyHarness) -> None:

@@ -231,3 +231,32 @@ def test_large_bodies_are_decoded_off_the_event_loop() -> None:
     # Unsupported types never reach a decoder.
     with pytest.raises(Exception, match="Content-Type"):
         body.decode_model(RolloutBatch, b"{}", "text/plain")
+
+
+def test_concurrent_dataset_uploads_one_wins_and_the_hash_matches_the_bytes(proxy: ProxyHarness) -> None:
+    """Two concurrent PUTs of different datasets both answered 201 and could store one's bytes under the other's
+    sha256 (generators then retried forever). Now one 201, one 409, and the stored hash is the stored bytes'."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = make_spec(dataset={"uri": "bucket:dataset.jsonl", "size": 2})
+    bodies = [
+        b"".join(json.dumps({"prompt": f"{who}-{i}-{'y' * 2000}"}).encode() + b"\n" for i in range(400))
+        for who in ("a", "b")
+    ]
+    for trial in range(4):
+        run = f"ds{trial}"
+        proxy.client(run, "trainer").put_run(spec)
+        barrier = threading.Barrier(2)
+
+        def upload(data: bytes, run: str = run, barrier: threading.Barrier = barrier) -> int:
+            with proxy.http("trainer") as t:
+                barrier.wait()
+                return t.put(f"/v1/runs/{run}/dataset", content=data).status_code
+
+        with ThreadPoolExecutor(2) as pool:
+            statuses = sorted(pool.map(upload, bodies))
+        assert statuses == [201, 409], (trial, statuses)
+        stored = proxy.client(run, "generator").download_dataset()
+        meta = json.loads(proxy.ctx.store.get_bytes(f"runs/{run}/dataset.json"))
+        assert stored in bodies and meta["sha256"] == hashlib.sha256(stored).hexdigest()

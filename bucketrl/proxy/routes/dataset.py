@@ -9,6 +9,17 @@ Bucket: ``runs/{run}/dataset.jsonl`` (the bytes), then ``runs/{run}/dataset.json
 written last, so a reader never sees a half-uploaded dataset as complete). The dataset is immutable like
 ``spec.dataset``: the same bytes again answer 200, different bytes 409 (create a new run instead).
 
+Create-if-absent is atomic: the check of the stored dataset and the two writes happen under the run's
+``dataset`` write lock (Redis, refreshed while held), so of two concurrent uploads of different bytes exactly
+one answers 201 and the other 409, and the stored sha256 always describes the stored bytes (two unlocked
+uploads both answered 201 and could leave one's bytes under the other's hash).
+
+No trainer epoch fence: the fence orders MUTABLE writes across trainer lifetimes (versions, checkpoints),
+so a fenced trainer cannot overwrite its successor's. The dataset is written once and every later upload is
+compared with it, so a fenced trainer can at most store the dataset first (which the current trainer's
+upload then has to match: it is the run's dataset either way) and there is nothing to order. Requiring an
+epoch would also forbid the ordinary flow of uploading the dataset before any trainer registers.
+
     curl -X PUT -H "Authorization: Bearer $T" --data-binary @train.jsonl $PROXY/v1/runs/demo/dataset
     curl -H "Authorization: Bearer $G" $PROXY/v1/runs/demo/dataset > train.jsonl
 """
@@ -31,6 +42,7 @@ from bucketrl.datasets import CHAT_FIELD
 from bucketrl.proxy import body
 from bucketrl.proxy.deps import AnyRole, CtxDep, RunDep, TrainerRole
 from bucketrl.proxy.errors import responses
+from bucketrl.proxy.state.locks import UNFENCED, WriteLock
 from bucketrl.storage.base import BucketStore
 from bucketrl.wire import RunSpec
 from bucketrl.wire.datasets import DatasetInfo
@@ -136,18 +148,23 @@ async def upload(ctx: CtxDep, _: TrainerRole, ref: RunDep, request: Request, res
                 f"body: {rows} rows, but the run's dataset.size is {ref.spec.dataset.size} (prompt indices "
                 f"0..{ref.spec.dataset.size - 1} must each name a row)"
             )
-        existing = await asyncio.to_thread(_read_meta, ctx.store, ref.run)
-        if existing is not None:
-            if existing.sha256 != sha:
-                raise errors.Conflict(
-                    f"run {ref.run!r} already has a dataset (sha256 {existing.sha256[:12]}...); it is immutable like "
-                    "spec.dataset: create a new run for a new dataset",
-                    code="immutable_field",
-                )
-            return existing
-        info = DatasetInfo(sha256=sha, bytes=size, rows=rows, uploaded_at=time.time())
-        await asyncio.to_thread(ctx.store.put_file, data_key(ref.run), spool, size)
-        await asyncio.to_thread(ctx.store.put_bytes, meta_key(ref.run), info.model_dump_json().encode())
+        lock = WriteLock(ctx.redis, ref.run, "dataset", UNFENCED, ttl_s=ctx.settings.publish_lock_s)
+        await lock.acquire()
+        try:
+            existing = await asyncio.to_thread(_read_meta, ctx.store, ref.run)
+            if existing is not None:
+                if existing.sha256 != sha:
+                    raise errors.Conflict(
+                        f"run {ref.run!r} already has a dataset (sha256 {existing.sha256[:12]}...); it is immutable "
+                        "like spec.dataset: create a new run for a new dataset",
+                        code="immutable_field",
+                    )
+                return existing
+            info = DatasetInfo(sha256=sha, bytes=size, rows=rows, uploaded_at=time.time())
+            await asyncio.to_thread(ctx.store.put_file, data_key(ref.run), spool, size)
+            await asyncio.to_thread(ctx.store.put_bytes, meta_key(ref.run), info.model_dump_json().encode())
+        finally:
+            await lock.release()
     response.status_code = 201
     return info
 

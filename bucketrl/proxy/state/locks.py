@@ -20,10 +20,14 @@ from bucketrl import errors
 from bucketrl.proxy import keys
 from bucketrl.proxy.state.lua import Lua
 
-# KEYS: state, lock. ARGV: epoch, owner, ttl_ms, expected_next (0 = no check).
+# Epoch of a lock that is not fenced (the run's dataset: write-once and content-checked, see routes/dataset.py).
+UNFENCED = -1
+
+# KEYS: state, lock. ARGV: epoch (UNFENCED = no check), owner, ttl_ms, expected_next (0 = no check).
 _RESERVE = Lua("""
 local cur = tonumber(redis.call('HGET', KEYS[1], 'trainer_epoch') or '0')
-if tonumber(ARGV[1]) ~= cur then return {'fenced', cur} end
+local epoch = tonumber(ARGV[1])
+if epoch >= 0 and epoch ~= cur then return {'fenced', cur} end
 local latest = tonumber(redis.call('HGET', KEYS[1], 'latest_version') or '0')
 local want = tonumber(ARGV[4])
 if want > 0 and want ~= latest + 1 then return {'conflict', latest} end
@@ -37,7 +41,8 @@ return {'ok', latest}
 _REFRESH = Lua("""
 if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 'lost' end
 local cur = tonumber(redis.call('HGET', KEYS[1], 'trainer_epoch') or '0')
-if tonumber(ARGV[1]) ~= cur then return 'fenced' end
+local epoch = tonumber(ARGV[1])
+if epoch >= 0 and epoch ~= cur then return 'fenced' end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 'ok'
 """)

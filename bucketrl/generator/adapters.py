@@ -16,6 +16,7 @@ The :class:`VersionBook` only decides; the worker performs the engine and HTTP c
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import re
 import shutil
@@ -24,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from bucketrl import errors
+from bucketrl import bundles, errors
 from bucketrl.client import ProxyClient
 from bucketrl.tarball import unpack
 
@@ -72,12 +73,7 @@ def fetch_adapter(client: ProxyClient, version: int, cache_root: Path, expected_
         raise errors.Invalid(f"adapter v{version}: sha256 {got} != published {expected_sha256}", retryable=True)
     tmp = cache_root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
     try:
-        try:
-            names = unpack(data, tmp)
-        except (ValueError, OSError) as exc:  # tarfile.ReadError is an OSError... and a ValueError subclass here
-            raise errors.Invalid(f"adapter v{version}: not a usable tar: {exc}") from exc
-        if "adapter_config.json" not in names:
-            raise errors.Invalid(f"adapter v{version}: the tar has no adapter_config.json (files: {sorted(names)[:8]})")
+        _unpack_adapter(data, tmp, version)
         (tmp / ".sha256").write_text(got)
         if final.exists():
             shutil.rmtree(final)
@@ -86,6 +82,22 @@ def fetch_adapter(client: ProxyClient, version: int, cache_root: Path, expected_
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _unpack_adapter(data: bytes, dest: Path, version: int) -> None:
+    """Check that the tar is exactly a PEFT adapter (``bucketrl.bundles``: no pickle ever reaches the engine),
+    then unpack it. ANY failure, MemoryError and RecursionError included, is a bad version: ``Invalid``, not
+    retryable (the worker logs it, counts it and keeps serving the previous version), never a crash."""
+    try:
+        bundles.check_adapter_tar(io.BytesIO(data))
+        # Members stream to disk in chunks; together they cannot hold more than the tar itself.
+        unpack(data, dest, max_bytes=len(data))
+    except errors.Invalid as exc:
+        raise errors.Invalid(f"adapter v{version}: {exc.message}", retryable=False) from exc
+    except Exception as exc:  # a hostile tar: ValueError, tarfile errors, OSError, MemoryError, RecursionError...
+        raise errors.Invalid(
+            f"adapter v{version}: not a usable adapter tar ({type(exc).__name__}: {str(exc)[:200]})", retryable=False
+        ) from exc
 
 
 @dataclass

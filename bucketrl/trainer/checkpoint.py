@@ -5,8 +5,11 @@ A checkpoint is a directory packed as a tar (``PUT /v1/runs/{run}/checkpoints/{s
     state.json                       step, policy version (+ its step), consumed delivery ids, counters, epoch
     adapter/adapter_config.json      the LoRA weights (fp32 safetensors: bit-exact)
     adapter/adapter_model.safetensors
-    optimizer.pt                     AdamW state_dict (moments, step counts)
-    rng.pt                           python, numpy, torch (CPU and every CUDA device) RNG states
+    optimizer.json + .safetensors    AdamW state_dict (moments, step counts): structure + tensors
+    rng.json + rng.safetensors       python, numpy, torch (CPU and every CUDA device) RNG states
+
+Nothing in it is a pickle (``tensor_state.py``): a checkpoint comes back from the bucket, and the proxy
+refuses one that does not hold exactly these files (``bucketrl.bundles.CHECKPOINT_FILES``).
 
 The LR schedule has no state beyond ``step`` (see :mod:`bucketrl.trainer.learner`).
 
@@ -35,11 +38,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from bucketrl import bundles
 from bucketrl.tarball import pack_dir, unpack
 from bucketrl.trainer.learner import Learner
 from bucketrl.trainer.model import AdapterSnapshot
+from bucketrl.trainer.tensor_state import load_state, save_state
 
-FORMAT_VERSION = 1
+# 2: optimizer and RNG state as safetensors + JSON (1 held torch pickles, which are never loaded).
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -103,8 +109,8 @@ class CheckpointSnapshot:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         self.adapter.write(out / "adapter")
-        torch.save(self.optimizer, out / "optimizer.pt")
-        torch.save(self.rng, out / "rng.pt")
+        save_state(self.optimizer, out, "optimizer")
+        save_state(self.rng, out, "rng")
         (out / "state.json").write_text(json.dumps(asdict(self.state), indent=2, sort_keys=True) + "\n")
         return out
 
@@ -138,7 +144,11 @@ def pack_checkpoint(learner: Learner, state: TrainerState) -> bytes:
 def read_state(directory: str | Path) -> TrainerState:
     data = json.loads((Path(directory) / "state.json").read_text())
     if data.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint format {data.get('format_version')!r} is not {FORMAT_VERSION}")
+        raise ValueError(
+            f"checkpoint format {data.get('format_version')!r} is not {FORMAT_VERSION} (format 1 held pickled "
+            "optimizer state, which bucketrl no longer loads from the bucket): start the run from its latest adapter "
+            "in a new run"
+        )
     known = set(TrainerState.__dataclass_fields__)
     return TrainerState(**{k: v for k, v in data.items() if k in known})
 
@@ -154,13 +164,14 @@ def restore_checkpoint_dir(learner: Learner, directory: str | Path) -> TrainerSt
             f"not {learner.spec.base_model!r} {want_lora}"
         )
     learner.policy.load_adapter(root / "adapter")
-    learner.optimizer.load_state_dict(torch.load(root / "optimizer.pt", map_location="cpu", weights_only=True))
-    set_rng_state(torch.load(root / "rng.pt", map_location="cpu", weights_only=True))
+    learner.optimizer.load_state_dict(load_state(root, "optimizer"))
+    set_rng_state(load_state(root, "rng"))
     learner.step = state.step
     return state
 
 
 def restore_checkpoint(learner: Learner, tar_bytes: bytes) -> TrainerState:
     with tempfile.TemporaryDirectory(prefix="bucketrl-ckpt-") as tmp:
-        unpack(tar_bytes, tmp)
+        names = unpack(tar_bytes, tmp)
+        bundles.check_members(names, bundles.CHECKPOINT_FILES, "the checkpoint")
         return restore_checkpoint_dir(learner, tmp)

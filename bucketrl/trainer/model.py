@@ -32,7 +32,6 @@ from bucketrl.tarball import pack_dir
 from bucketrl.trainer.batching import MicroBatch
 from bucketrl.wire.runs import RunSpec
 
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 # Trainer logprobs below this are clamped: a sampled token that the trainer's top-k/top-p would exclude
 # (a tie at the boundary) gets a tiny but finite probability instead of -inf (which poisons KL and stats).
 LOGPROB_FLOOR = -1e4

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from bucketrl.generator.worker import GeneratorWorker
@@ -128,7 +130,9 @@ def test_broken_versions_are_skipped_and_the_previous_one_keeps_serving(
     viewer = proxy.client("w4", "viewer")
     garbage = tmp_path / "garbage"
     shutil.copytree(adapters[1], garbage)
-    (garbage / "adapter_model.safetensors").write_bytes(b"not safetensors" * 100)
+    # Well-formed PEFT files (the proxy's publish check passes them) whose tensors have the wrong shapes.
+    weights = garbage / "adapter_model.safetensors"
+    save_file({k: torch.zeros(1) for k in load_file(str(weights))}, str(weights))
 
     def failures() -> float:
         return viewer.status().metrics.get("gen-b", {}).get("sync/adapter_failures_total", 0)
@@ -139,14 +143,15 @@ def test_broken_versions_are_skipped_and_the_previous_one_keeps_serving(
         wait_until(lambda: failures() >= 1, 60, "v2 refused")
         n = len(consumer.deliveries)
         consumer.wait_for(lambda ds: len(ds) >= n + 2, 60)  # still producing on v1 (inside the window)
-        trainer.publish_adapter(3, make_tar({"README.md": b"no adapter here"}))  # not an adapter at all
-        wait_until(lambda: failures() >= 2, 60, "v3 refused")
+        # Not an adapter at all: refused at publish (issue 12), so generators never see it.
+        with pytest.raises(errors.Invalid, match=r"adapter_config\.json"):
+            trainer.publish_adapter(3, make_tar({"README.md": b"no adapter here"}))
         # v1 is now outside the staleness window: the worker waits instead of producing stale groups.
-        trainer.publish_adapter(4, pack_dir(adapters[2]))
-        consumer.wait_for(lambda ds: any(d.version == 4 for d in ds), 120)
-        assert {d.version for d in consumer.deliveries} == {1, 4}
+        trainer.publish_adapter(3, pack_dir(adapters[2]))
+        consumer.wait_for(lambda ds: any(d.version == 3 for d in ds), 120)
+        assert {d.version for d in consumer.deliveries} == {1, 3}
         wait_until(
-            lambda: any(w.worker_id == "gen-b" and w.loaded_versions == [4] for w in viewer.status().workers),
+            lambda: any(w.worker_id == "gen-b" and w.loaded_versions == [3] for w in viewer.status().workers),
             20,
             "v1 unloaded once out of the window and unused",
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
+import struct
 import tarfile
 import threading
 import time
@@ -58,9 +60,32 @@ def make_tar(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
+def safetensors_bytes(payload: bytes) -> bytes:
+    """A valid safetensors file holding ``payload`` as one uint8 tensor (what the proxy's check reads)."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [len(payload)], "data_offsets": [0, len(payload)]}}).encode()
+    return struct.pack("<Q", len(header)) + header + payload
+
+
+def adapter_files(tag: str, size: int = 256) -> dict[str, bytes]:
+    weights = hashlib.sha256(tag.encode()).digest() * (size // 32 + 1)
+    return {
+        "adapter_config.json": b'{"peft_type": "LORA", "r": 8}',
+        "adapter_model.safetensors": safetensors_bytes(weights[:size]),
+    }
+
+
 def adapter_tar(version: int, size: int = 256) -> bytes:
-    weights = hashlib.sha256(f"v{version}".encode()).digest() * (size // 32 + 1)
-    return make_tar({"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": weights[:size]})
+    return make_tar(adapter_files(f"v{version}", size))
+
+
+def checkpoint_tar(tag: bytes) -> bytes:
+    """A tar holding exactly a checkpoint's files (bucketrl.bundles.CHECKPOINT_FILES); ``tag`` makes it unique."""
+    files = {f"adapter/{name}": data for name, data in adapter_files(tag.decode(errors="replace")).items()}
+    files["state.json"] = json.dumps({"tag": tag.decode(errors="replace")}).encode()
+    for stem in ("optimizer", "rng"):
+        files[f"{stem}.json"] = b"{}"
+        files[f"{stem}.safetensors"] = safetensors_bytes(tag)
+    return make_tar(files)
 
 
 class ProxyHarness:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from bucketrl.client import ProxyClient
-from tests.proxy.harness import TOKENS, TOKENS_ENV, adapter_tar, make_spec, make_tar
+from tests.proxy.harness import TOKENS, TOKENS_ENV, adapter_tar, checkpoint_tar, make_spec
 from tests.support.services import RedisServer, free_port, wait_port
 
 
@@ -43,7 +43,7 @@ def test_proxy_subprocess_serves_and_rebuild_flag_restores(redis_server: RedisSe
         t.register_trainer("t0")
         t.publish_adapter(1, adapter_tar(1))
         t.publish_adapter(2, adapter_tar(2))
-        t.put_checkpoint(4, make_tar({"s": b"4"}))
+        t.put_checkpoint(4, checkpoint_tar(b"4"))
     finally:
         _stop(proc)
 

@@ -12,7 +12,7 @@ import pytest
 
 from bucketrl import errors
 from bucketrl.wire import MetricsPush
-from tests.proxy.harness import TOKENS, ProxyHarness, adapter_tar, make_spec, make_tar, running
+from tests.proxy.harness import TOKENS, ProxyHarness, adapter_tar, checkpoint_tar, make_spec, running
 from tests.support.services import RedisServer
 
 
@@ -84,7 +84,7 @@ def test_wiped_redis_is_rebuilt_from_the_bucket(redis_server: RedisServer, bucke
         deadline = time.monotonic() + 10  # the GC loop collects v1 (latest 3, staleness 1)
         while p.ctx.store.exists("runs/r1/adapters/v1/manifest.json") and time.monotonic() < deadline:
             time.sleep(0.05)
-        ck = make_tar({"state.json": b'{"step": 7}'})
+        ck = checkpoint_tar(b"step 7")
         old.put_checkpoint(7, ck)
         other = p.client("r2", "trainer")
         other.put_run(make_spec(base_model="other"))
@@ -143,7 +143,7 @@ def test_proxy_restart_loses_nothing(proxy: ProxyHarness) -> None:
     t.put_run(make_spec())
     t.register_trainer("t0")
     t.publish_adapter(1, adapter_tar(1))
-    t.put_checkpoint(3, make_tar({"s": b"3"}))
+    t.put_checkpoint(3, checkpoint_tar(b"3"))
     g = proxy.client("r1", "generator")
     lease = g.lease_version("g1", ttl_s=60)
     g.push_metrics(MetricsPush(worker_id="g1", metrics={"reward": 0.5}, loaded_versions=[1]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 from bucketrl.wire import MetricsPush
-from tests.proxy.harness import ProxyHarness, adapter_tar, make_spec, make_tar
+from tests.proxy.harness import ProxyHarness, adapter_tar, checkpoint_tar, make_spec
 
 
 def test_run_publish_lease_download_checkpoint_status(proxy: ProxyHarness) -> None:
@@ -27,7 +27,7 @@ def test_run_publish_lease_download_checkpoint_status(proxy: ProxyHarness) -> No
     assert g.download_adapter(1) == tar1
     assert g.renew_lease(lease.lease_id, ttl_s=30).expires_at > lease.expires_at - 60
 
-    ck = make_tar({"optimizer.pt": b"x" * 1000, "state.json": b"{}"})
+    ck = checkpoint_tar(b"x" * 1000)
     c = t.put_checkpoint(10, ck)
     assert c.step == 10 and c.epoch == 1
     assert t.latest_checkpoint() == c

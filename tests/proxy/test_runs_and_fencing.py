@@ -11,7 +11,7 @@ import pytest
 from bucketrl import errors
 from bucketrl.proxy.state import versions
 from bucketrl.wire import RunSpec
-from tests.proxy.harness import ProxyHarness, adapter_tar, make_spec, make_tar, running
+from tests.proxy.harness import ProxyHarness, adapter_files, adapter_tar, checkpoint_tar, make_spec, make_tar, running
 from tests.support.services import RedisServer
 
 
@@ -56,13 +56,13 @@ def test_registration_epochs_are_monotonic_and_old_epochs_are_fenced(proxy_file:
         old.publish_adapter(2, adapter_tar(2))
     assert exc.value.status == 409 and exc.value.code == "fenced"
     with pytest.raises(errors.Fenced):
-        old.put_checkpoint(5, make_tar({"s": b"old"}))
+        old.put_checkpoint(5, checkpoint_tar(b"old"))
     future = proxy_file.client("r1", "trainer")
     future.epoch = 99
     with pytest.raises(errors.Fenced, match="never issued"):
         future.publish_adapter(2, adapter_tar(2))
     assert new.publish_adapter(2, adapter_tar(2)).version == 2
-    assert new.put_checkpoint(5, make_tar({"s": b"new"})).epoch == 2
+    assert new.put_checkpoint(5, checkpoint_tar(b"new")).epoch == 2
     assert new.get_run().state.trainer_epoch == 2
     assert proxy_file.ctx.store.list_keys("runs/r1/checkpoints")[0].startswith("runs/r1/checkpoints/step-5/")
     with proxy_file.http("trainer") as t:
@@ -146,7 +146,7 @@ def test_publishes_racing_registrations_never_commit_a_fenced_version(proxy_file
     outcomes: list[str] = []
     for i in range(12):
         n = trainer.get_run().state.latest_version + 1
-        tar = make_tar({"adapter_model.safetensors": bytes([i]) * big})
+        tar = make_tar(adapter_files(f"race-{i}", size=big))
         result: dict[str, object] = {}
 
         def publish(client=trainer, n=n, tar=tar, result=result) -> None:
@@ -190,7 +190,7 @@ def test_old_checkpoints_are_pruned_keeping_the_newest(redis_server: RedisServer
         t.put_run(make_spec())
         t.register_trainer("a")
         for step in (5, 10, 15, 20):
-            t.put_checkpoint(step, make_tar({"s": f"step {step}".encode()}))
+            t.put_checkpoint(step, checkpoint_tar(f"step {step}".encode()))
         # Step 5 is being written again right now (its write lock is held): a pass leaves it alone.
         lock = keys.run_key("r1", keys.WRITE_LOCK.format(name="step-5"))
         h.call(lambda ctx: ctx.redis.set(lock, "someone", px=60_000))

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from bucketrl.bundles import ADAPTER_FILES
 from bucketrl.logprobs import process_logits
 from bucketrl.tarball import unpack
 from bucketrl.trainer.batching import collate, group_samples
-from bucketrl.trainer.model import ADAPTER_FILES, PolicyModel
+from bucketrl.trainer.model import PolicyModel
 from bucketrl.wire.rollouts import Completion, RolloutGroup
 from bucketrl.wire.runs import LoraSpec, SamplingSpec
 from tests.trainer.helpers import tiny_spec

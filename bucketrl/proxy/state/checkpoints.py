@@ -23,7 +23,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from bucketrl import errors
+from bucketrl import bundles, errors
 from bucketrl.proxy import keys
 from bucketrl.proxy.state.locks import WriteLock, fenced_or_restoring
 from bucketrl.proxy.state.lua import Lua
@@ -81,7 +81,7 @@ async def put(
     ctx: Any, run: str, step: int, epoch: int, expected_sha256: str, chunks: AsyncIterator[bytes]
 ) -> CheckpointInfo:
     s = ctx.settings
-    spooled = await spool_verified(chunks, s.max_checkpoint_bytes, expected_sha256)
+    spooled = await spool_verified(chunks, s.max_checkpoint_bytes, expected_sha256, bundles.check_checkpoint_tar)
     with spooled:
         prefix = checkpoint_prefix(run, step)
         done = await _committed(ctx, run, step, spooled.sha256)

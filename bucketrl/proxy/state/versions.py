@@ -23,7 +23,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from bucketrl import errors
+from bucketrl import bundles, errors
 from bucketrl.proxy import keys
 from bucketrl.proxy.state.locks import WriteLock, fenced_or_restoring
 from bucketrl.proxy.state.lua import Lua
@@ -133,7 +133,7 @@ async def publish(
 ) -> AdapterVersionInfo:
     """Publish ``version`` from a tar body stream; see the module docstring for the protocol."""
     s = ctx.settings
-    spooled = await spool_verified(chunks, s.max_adapter_bytes, expected_sha256)
+    spooled = await spool_verified(chunks, s.max_adapter_bytes, expected_sha256, bundles.check_adapter_tar)
     with spooled:
         lock = WriteLock(ctx.redis, run, f"v{version}", epoch, ttl_s=s.publish_lock_s, expected_next=version)
         try:

@@ -48,16 +48,25 @@ def unpack(
     existed = dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
     try:
-        if isinstance(source, bytes | bytearray):
-            return _extract(io.BytesIO(source), dest, max_bytes, expected)
-        if isinstance(source, str | Path):
-            with open(source, "rb") as fh:
-                return _extract(fh, dest, max_bytes, expected)
-        return _extract(source, dest, max_bytes, expected)
+        try:
+            return _open_and_extract(source, dest, max_bytes, expected)
+        except tarfile.TarError as exc:  # not a ValueError: callers get one exception type for a bad archive
+            raise ValueError(f"not a usable tar archive: {exc}") from exc
     except BaseException:
         if not existed:
             shutil.rmtree(dest, ignore_errors=True)
         raise
+
+
+def _open_and_extract(
+    source: bytes | str | Path | IO[bytes], dest: Path, max_bytes: int | None, expected: Mapping[str, int] | None
+) -> list[str]:
+    if isinstance(source, bytes | bytearray):
+        return _extract(io.BytesIO(source), dest, max_bytes, expected)
+    if isinstance(source, str | Path):
+        with open(source, "rb") as fh:
+            return _extract(fh, dest, max_bytes, expected)
+    return _extract(source, dest, max_bytes, expected)
 
 
 def _extract(fh: IO[bytes], dest: Path, max_bytes: int | None, expected: Mapping[str, int] | None) -> list[str]:

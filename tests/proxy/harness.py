@@ -78,14 +78,18 @@ def adapter_tar(version: int, size: int = 256) -> bytes:
     return make_tar(adapter_files(f"v{version}", size))
 
 
-def checkpoint_tar(tag: bytes) -> bytes:
-    """A tar holding exactly a checkpoint's files (bucketrl.bundles.CHECKPOINT_FILES); ``tag`` makes it unique."""
+def checkpoint_files(tag: bytes) -> dict[str, bytes]:
+    """Exactly a checkpoint's files (bucketrl.bundles.CHECKPOINT_FILES); ``tag`` makes them unique."""
     files = {f"adapter/{name}": data for name, data in adapter_files(tag.decode(errors="replace")).items()}
     files["state.json"] = json.dumps({"tag": tag.decode(errors="replace")}).encode()
     for stem in ("optimizer", "rng"):
         files[f"{stem}.json"] = b"{}"
         files[f"{stem}.safetensors"] = safetensors_bytes(tag)
-    return make_tar(files)
+    return files
+
+
+def checkpoint_tar(tag: bytes) -> bytes:
+    return make_tar(checkpoint_files(tag))
 
 
 class ProxyHarness:

@@ -15,9 +15,20 @@ import psutil
 import pytest
 from fastapi.routing import APIRoute
 
+from bucketrl import errors
 from bucketrl.proxy import body
 from bucketrl.wire import MetricsPush, RolloutBatch
-from tests.proxy.harness import ProxyHarness, adapter_tar, make_spec, running
+from tests.proxy.harness import (
+    ProxyHarness,
+    adapter_files,
+    adapter_tar,
+    checkpoint_files,
+    checkpoint_tar,
+    make_spec,
+    make_tar,
+    running,
+    safetensors_bytes,
+)
 from tests.support.services import RedisServer
 
 
@@ -260,3 +271,21 @@ def test_concurrent_dataset_uploads_one_wins_and_the_hash_matches_the_bytes(prox
         stored = proxy.client(run, "generator").download_dataset()
         meta = json.loads(proxy.ctx.store.get_bytes(f"runs/{run}/dataset.json"))
         assert stored in bodies and meta["sha256"] == hashlib.sha256(stored).hexdigest()
+
+
+def test_publish_refuses_what_is_not_an_adapter_or_a_checkpoint(proxy_file: ProxyHarness) -> None:
+    t = proxy_file.client("r1", "trainer")
+    t.put_run(make_spec())
+    t.register_trainer("t0")
+    with pytest.raises(errors.Invalid, match=r"adapter_config\.json"):
+        t.publish_adapter(1, make_tar({"adapter_model.safetensors": safetensors_bytes(b"w")}))
+    with pytest.raises(errors.Invalid, match=r"adapter_model\.bin"):
+        t.publish_adapter(1, make_tar({**adapter_files("x"), "adapter_model.bin": b"\x80\x04pickle"}))
+    with pytest.raises(errors.Invalid, match=r"optimizer\.pt"):
+        t.put_checkpoint(1, make_tar({**checkpoint_files(b"c"), "optimizer.pt": b"\x80\x04"}))
+    with pytest.raises(errors.Invalid, match="lacks"):
+        t.put_checkpoint(1, make_tar({"state.json": b"{}"}))
+    assert t.get_run().state.latest_version == 0 and t.latest_checkpoint() is None
+    assert proxy_file.ctx.store.list_keys("runs/r1/adapters") == []
+    assert t.publish_adapter(1, make_tar(adapter_files("ok"))).version == 1
+    assert t.put_checkpoint(1, checkpoint_tar(b"ok")).step == 1

@@ -5,7 +5,9 @@ An adapter is exactly the PEFT files::
     adapter_config.json          a JSON object naming its ``peft_type``
     adapter_model.safetensors    the weights (safetensors: a JSON header and raw tensor bytes, never a pickle)
 
-Anything else (an ``adapter_model.bin``, which PEFT and vLLM would ``torch.load``, i.e. unpickle) is refused.
+plus, optionally, the ``README.md`` model card ``PeftModel.save_pretrained`` writes beside them (text nobody
+loads: refusing it would only make every directory PEFT saves unpublishable). Anything else (an
+``adapter_model.bin``, which PEFT and vLLM would ``torch.load``, i.e. unpickle) is refused.
 A checkpoint (``bucketrl.trainer.checkpoint``) holds ``state.json``, the adapter under ``adapter/`` and the
 optimizer and RNG state as safetensors + JSON pairs; again nothing a loader would unpickle.
 
@@ -26,6 +28,7 @@ from bucketrl import errors
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+ADAPTER_OPTIONAL = ("README.md",)
 CHECKPOINT_FILES = (
     "state.json",
     f"adapter/{ADAPTER_CONFIG}",
@@ -85,11 +88,11 @@ def check_safetensors(read: Reader, size: int, where: str) -> None:
             raise errors.Invalid(f"{where}: tensor {name[:60]!r} points outside the file's {data} data bytes")
 
 
-def check_members(names: Iterable[str], required: Iterable[str], what: str) -> None:
+def check_members(names: Iterable[str], required: Iterable[str], what: str, optional: Iterable[str] = ()) -> None:
     have, want = set(names), set(required)
     if missing := sorted(want - have):
         raise errors.Invalid(f"{what} lacks {', '.join(missing)} (it must hold exactly {', '.join(sorted(want))})")
-    if extra := sorted(have - want):
+    if extra := sorted(have - want - set(optional)):
         raise errors.Invalid(
             f"{what} holds {', '.join(x[:80] for x in extra[:5])}, which is not allowed (it must hold exactly "
             f"{', '.join(sorted(want))}; weights only as safetensors, never a pickle)"
@@ -110,7 +113,7 @@ def _check_contents(files: dict[str, tuple[Reader, int]], prefix: str, what: str
 def check_adapter_tar(fileobj: IO[bytes]) -> None:
     """Invalid (naming the problem) unless the tar is exactly a PEFT adapter. Leaves ``fileobj`` at 0."""
     with _members(fileobj) as files:
-        check_members(files, ADAPTER_FILES, "the adapter")
+        check_members(files, ADAPTER_FILES, "the adapter", ADAPTER_OPTIONAL)
         _check_contents(files, "", "the adapter")
 
 

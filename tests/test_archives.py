@@ -70,9 +70,12 @@ def test_unpack_refuses_members_larger_than_expected_and_streams_from_a_file(tmp
 def test_an_adapter_is_exactly_the_peft_files() -> None:
     good = make_tar(adapter_files("g"))
     bundles.check_adapter_tar(io.BytesIO(good))
+    # PEFT's save_pretrained writes a README.md model card beside them: allowed (nobody loads it).
+    bundles.check_adapter_tar(io.BytesIO(make_tar({**adapter_files("r"), "README.md": b"# card"})))
     cases = {
         "lacks adapter_config.json": {"adapter_model.safetensors": safetensors_bytes(b"w")},
         "adapter_model.bin": {**adapter_files("p"), "adapter_model.bin": b"\x80\x04pickle"},
+        "notes.txt": {**adapter_files("n"), "notes.txt": b"x"},
         "peft_type": {**adapter_files("c"), "adapter_config.json": b'{"r": 8}'},
         "not JSON": {**adapter_files("j"), "adapter_config.json": b"{nope"},
         "not a safetensors file": {**adapter_files("s"), "adapter_model.safetensors": b"\xff" * 64},

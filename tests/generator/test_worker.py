@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
+from bucketrl import errors
 from bucketrl.generator.worker import GeneratorWorker
 from bucketrl.preflight import ConfigError
 from bucketrl.tarball import pack_dir

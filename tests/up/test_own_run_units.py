@@ -124,3 +124,27 @@ def test_summary_covers_every_session_of_a_resumed_run(tmp_path: Path) -> None:
     assert figures["steps"] == 50
     assert figures["reward_first20"] == pytest.approx(0.1)  # the run's own first steps, not the session's
     assert figures["reward_last20"] == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("command", ["trainer", "generator"])
+def test_a_worker_without_a_proxy_url_says_so(command: str, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "BUCKETRL_PROXY_URL"}
+    env.update({"BUCKETRL_OUTAGE_BUDGET_S": "1", "BUCKETRL_RUN_SPEC": ""})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bucketrl.cli", command],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        first = proc.stdout.readline() if proc.stdout else ""
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert f"bucketrl {command}: BUCKETRL_PROXY_URL is unset" in first and "trying http://127.0.0.1:8000" in first

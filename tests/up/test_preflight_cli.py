@@ -93,6 +93,7 @@ def _run_case(work: Path, name: str, args: list[str]) -> tuple[str, int, str, fl
     return name, out.returncode, out.stdout + out.stderr, time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_each_mistake_stops_at_once_with_one_line(tmp_path: Path, tiny_model_dir: Path) -> None:
     work = tmp_path
     (work / "myreward.py").write_text(REWARD_MODULE)

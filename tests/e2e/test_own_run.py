@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,6 +140,9 @@ def test_own_model_chat_dataset_and_reward_train_and_export(tmp_path: Path) -> N
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     assert "chat messages" in out  # the preflight saw the chat format
+    # Piped (80 columns): the dashboard address and its token stay on one line, whole (copyable).
+    viewer = dict(line.split(":", 1) for line in (work / "runs/mine/tokens").read_text().split())["viewer"]
+    assert re.search(rf"dashboard\s+http://127\.0\.0\.1:\d+/ui\?run=demo#token={re.escape(viewer)}\n", out), out[:3000]
     summary = json.loads((work / "runs/mine/summary.json").read_text())
     assert summary["steps"] == 4, summary
     assert "final adapter: v" in out and "bucketrl export" in out

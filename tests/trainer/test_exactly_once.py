@@ -55,7 +55,7 @@ def test_a_redis_wipe_mid_interval_trains_nothing_twice_and_keeps_the_lifetime_c
             token=TOKENS["trainer"],
             run="r-wipe",
             worker_id="trainer-a",
-            run_spec=spec_json(tiny_model_dir, {"uri": "toy:add", "size": 200}, max_staleness=16),
+            run_spec=spec_json(tiny_model_dir, {"uri": "toy:digits", "size": 200}, max_staleness=16),
             max_steps=8,
             sync_every=1,
             checkpoint_every=4,

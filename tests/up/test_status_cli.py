@@ -57,7 +57,17 @@ def test_tables_show_versions_workers_and_key_metrics(proxy: ProxyHarness, monke
     result = CliRunner().invoke(app, ["status", "--run", "st"])
     assert result.exit_code == 0, result.output
     text = result.output
-    for needle in ("latest version", "v2", "gen-a", "v1, v2", "trainer-a", "epoch 1, step 7", "0.625", "1234"):
+    for needle in (
+        "latest version",
+        "v2",
+        "gen-a",
+        "v1, v2",
+        "trainer-a",
+        "epoch 1, step 7",
+        "0.625",
+        "1234",
+        "lost 0",
+    ):
         assert needle in text, needle
 
 

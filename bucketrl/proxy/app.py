@@ -113,8 +113,13 @@ async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Te
     from bucketrl.storage import open_store
 
     store = open_store(settings.bucket_url, s3_endpoint_url=settings.s3_endpoint_url)
-    redis = aioredis.Redis.from_url(
+    # A blocking pool: past max_connections a request waits (up to redis_timeout_s) for a connection instead of
+    # failing at once. redis-py's default pool refuses more than 100 connections per process, which answered
+    # 503 on every route at 128+ simulated generators (bench/scale_sim.py).
+    pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=settings.redis_timeout_s,
         decode_responses=False,
         socket_connect_timeout=settings.redis_timeout_s,
         socket_timeout=settings.redis_timeout_s,
@@ -124,6 +129,7 @@ async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Te
         health_check_interval=1,
         retry=Retry(ExponentialBackoff(cap=0.25, base=0.02), 2),
     )
+    redis = aioredis.Redis.from_pool(pool)
     return ProxyContext(settings=settings, redis=redis, store=store, telemetry=telemetry, auth=auth)
 
 

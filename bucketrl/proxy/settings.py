@@ -53,6 +53,12 @@ class ProxySettings(BaseSettings):
     )
     log_level: str = Field("info", description="uvicorn log level.")
     redis_timeout_s: float = Field(5.0, gt=0, description="Redis connect/read timeout; a dead Redis answers 503.")
+    redis_max_connections: int = Field(
+        1024,
+        ge=4,
+        description="Redis connections per proxy process; past it a request waits (up to redis_timeout_s) for one. "
+        "Each long-polled claim holds one while it blocks.",
+    )
     publish_lock_s: float = Field(30.0, gt=0, description="Lease of the per-version write lock (refreshed while held).")
     max_wait_s: float = Field(300.0, gt=0, description="Upper bound of a long-poll's wait_s.")
     pace_slack_versions: int = Field(

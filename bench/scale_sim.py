@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -55,7 +56,7 @@ def scenario(args: argparse.Namespace, n: int, max_staleness: int, steps: int, c
     return SimScale(
         generators=n,
         steps=steps,
-        warmup_steps=2,
+        warmup_steps=1,
         step_s=args.step_s,
         groups_per_step=n * args.prompts_per_request,  # each generator's one call per step, on average
         max_staleness=max_staleness,
@@ -97,14 +98,18 @@ def plot(by_n: dict[int, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ns = sorted(by_n)
+
+    def ys(key: str) -> list[float]:  # a scenario without the figure (e.g. too few steps) is a gap
+        return [math.nan if by_n[n].get(key) is None else by_n[n][key] for n in ns]
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(ns, [by_n[n]["sync_p50_s"] for n in ns], "o-", label="p50")
-    a.plot(ns, [by_n[n]["sync_p99_s"] for n in ns], "s--", label="p99")
+    a.plot(ns, ys("sync_p50_s"), "o-", label="p50")
+    a.plot(ns, ys("sync_p99_s"), "s--", label="p99")
     a.set(xscale="log", xlabel="simulated generators N", ylabel="s", title="weight sync: publish -> all N loaded")
     a.set_xticks(ns, [str(n) for n in ns])
     a.legend()
-    b.plot(ns, [by_n[n]["steps_per_s"] for n in ns], "o-", label="measured")
-    b.plot(ns, [by_n[n]["ideal_steps_per_s"] for n in ns], "k:", label="ideal (1 / step time)")
+    b.plot(ns, ys("steps_per_s"), "o-", label="measured")
+    b.plot(ns, ys("ideal_steps_per_s"), "k:", label="ideal (1 / step time)")
     b.set(xscale="log", xlabel="simulated generators N", ylabel="trainer steps/s", title="trainer steps/s")
     b.set_xticks(ns, [str(n) for n in ns])
     b.set_ylim(bottom=0)
@@ -118,7 +123,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("--plot", type=Path, help="sync latency and steps/s vs N (default: the --json path, .png)")
     p.add_argument("--generators", default="8,32,128,256", help="comma-separated N")
-    p.add_argument("--steps", type=int, default=6, help="trainer steps per N (2 of them warm-up)")
+    p.add_argument("--steps", type=int, default=6, help="trainer steps per N (the first is warm-up)")
     p.add_argument("--step-s", type=float, default=5.0, help="seconds of one simulated trainer step")
     p.add_argument("--prompts-per-request", type=int, default=1)
     p.add_argument("--adapter-mb", type=float, default=1.0, help="published adapter size (bf16 LoRA tensors)")
@@ -126,13 +131,13 @@ def main() -> int:
     p.add_argument("--s3-latency-ms", type=float, default=20.0)
     p.add_argument("--s3-jitter-ms", type=float, default=10.0)
     p.add_argument("--speedup-generators", type=int, default=32)
-    p.add_argument("--speedup-steps", type=int, default=6)
+    p.add_argument("--speedup-steps", type=int, default=5)
     p.add_argument("--no-speedup", action="store_true", help="skip the strict vs async comparison")
-    p.add_argument("--scenario-timeout-s", type=float, default=300.0)
+    p.add_argument("--scenario-timeout-s", type=float, default=240.0)
     p.add_argument(
         "--max-train-s",
         type=float,
-        default=75.0,
+        default=60.0,
         help="stop a scenario's trainer after this long (fewer steps are then measured): bounds the run's wall time",
     )
     p.add_argument("--keep", action="store_true", help="keep the logs directory")
@@ -177,6 +182,7 @@ def main() -> int:
                 k: by_n[n].get(k)
                 for k in (
                     "sync_p50_s",
+                    "load_p50_s",
                     "sync_p99_s",
                     "steps_per_s",
                     "ideal_steps_per_s",
@@ -197,17 +203,23 @@ def main() -> int:
     }
     if "async" in results:
         s, a = results["strict"], results["async"]
-        out["async_speedup"] = round(s["train_wall_s"] / a["train_wall_s"], 3)
+        # Equal trained groups: both ran speedup_steps steps of the same size (a stalled run has no figure).
+        same = s["steps"] == a["steps"] == args.speedup_steps and not (s["timed_out"] or a["timed_out"])
+        out["async_speedup"] = round(s["train_wall_s"] / a["train_wall_s"], 3) if same else None
         out["strict_on_policy_waste"] = s["stale_drop_rate"]
         out["stale_drop_rate"] = a["stale_drop_rate"]
         out["speedup_runs"] = {
-            k: {f: results[k][f] for f in ("train_wall_s", "steps", "stale_drop_rate", "groups", "sync_p50_s")}
+            k: {
+                f: results[k][f]
+                for f in ("train_wall_s", "steps", "timed_out", "stale_drop_rate", "groups", "sync_p50_s", "errors")
+            }
             for k in ("strict", "async")
         }
         print(
-            f"\nasync speedup at N={args.speedup_generators}: {out['async_speedup']}x (strict {s['train_wall_s']}s, "
-            f"async {a['train_wall_s']}s for {a['steps']} steps); strict waste {s['stale_drop_rate']:.2%}, "
-            f"async stale drops {a['stale_drop_rate']:.2%}"
+            f"\nasync speedup at N={args.speedup_generators}: {out['async_speedup']}x (strict {s['train_wall_s']}s"
+            f"{' STALLED' if s['timed_out'] else ''} for {s['steps']} steps, "
+            f"async {a['train_wall_s']}s for {a['steps']} steps); strict waste {(s['stale_drop_rate'] or 0):.2%}, "
+            f"async stale drops {(a['stale_drop_rate'] or 0):.2%}"
         )
     out["config"] = {**vars(args), "json": str(args.json), "plot": str(args.plot), "gpu": GPU}
     out["scenarios"] = {str(n): by_n[n] for n in ns} | results

@@ -377,11 +377,13 @@ def run_scale_sim(
         wait_until(lambda: _audit_steps(audit)[0] is not None, 180, "the simulated trainer to start", trainer)
         cpu_run0 = backends.proxy_cpu_s()
         fleets = sc.start_fleet()
+        others = {"redis": backends.redis, "moto": backends.moto, "s3front": backends.front, "trainer": trainer}
+        cpu0 = {k: cpu_seconds(v.pid or 0) for k, v in others.items()}
         say(f"{run}: N={cfg.generators}, {len(fleets)} fleet processes, {cfg.steps} steps of {cfg.step_s}s")
         deadline = time.monotonic() + cfg.timeout_s
         first: dict[str, Any] | None = None
         started = time.monotonic()
-        capped = False
+        capped = timed_out = False
         while trainer.alive:
             if cfg.max_train_s is not None and not capped and time.monotonic() - started > cfg.max_train_s:
                 say(f"{run}: {cfg.max_train_s:.0f}s of training reached: stopping the trainer")
@@ -393,11 +395,20 @@ def run_scale_sim(
             dead = [f for f in fleets if not f.alive]
             if dead:
                 raise RuntimeError(f"{[f.name for f in dead]} exited early:\n" + "\n".join(f.log_tail() for f in dead))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{run}: the trainer did not finish {cfg.steps} steps in {cfg.timeout_s:.0f}s")
+            if time.monotonic() > deadline and not timed_out:
+                # A stalled pipeline is a result too (e.g. admission control never filling a step): stop the
+                # trainer cleanly and report what was trained, flagged.
+                say(f"{run}: the trainer did not finish {cfg.steps} steps in {cfg.timeout_s:.0f}s: stopping it")
+                trainer.signal(signal.SIGTERM)
+                timed_out = True
             time.sleep(0.1)
         last = snapshot()
         cpu_run1 = backends.proxy_cpu_s()
+        # Where this machine's CPU went over the run (fleet start -> trainer exit): what limits it at large N.
+        cpu_by = {k: round(cpu_seconds(v.pid or 0) - cpu0[k], 1) for k, v in others.items()}
+        cpu_by["fleet"] = round(sum(cpu_seconds(f.pid or 0) for f in fleets), 1)
+        cpu_by["proxy"] = round(cpu_run1 - cpu_run0, 1)
+        cpu_by["wall_s"] = round(time.monotonic() - started, 1)
         for f in fleets:
             f.signal(signal.SIGTERM)
         for f in fleets:
@@ -406,6 +417,9 @@ def run_scale_sim(
         counters = {k.decode(): int(v) for k, v in r.hgetall(counters_key).items()}
         in_stream = int(r.xlen(keys.run_key(run, keys.QUEUE_STREAM)))
         trainer_rc = trainer.returncode
+        if trainer_rc is None:  # stopped but not exited: its in-flight work is lost, so say it
+            trainer.stop(30)
+            trainer_rc = trainer.returncode
     finally:
         sc.stop_all()
         r.close()
@@ -427,6 +441,8 @@ def run_scale_sim(
         in_stream=in_stream,
         proxy_cpu_run_s=cpu_run1 - cpu_run0,
         wall_s=time.monotonic() - t_begin,
+        timed_out=timed_out,
+        cpu_s=cpu_by,
     )
 
 
@@ -444,6 +460,8 @@ def summarize(
     in_stream: int,
     proxy_cpu_run_s: float,
     wall_s: float,
+    timed_out: bool = False,
+    cpu_s: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     errors: list[str] = []
     if trainer_rc != 0:
@@ -493,11 +511,13 @@ def summarize(
         first_load[gen] = min(first_load.get(gen, math.inf), t)
         by_gen.setdefault(gen, []).append((version, t))
     sync: list[float] = []
+    each: list[float] = []  # publish -> one generator loaded, over (generator, version)
     for version, (called, _answered) in sorted(publishes.items()):
         if not (t0 <= called <= t1):
             continue
         serving = [g for g, t in first_load.items() if t < called]
         done = [min((t for v, t in by_gen[g] if v >= version), default=math.inf) for g in serving]
+        each += [d - called for d in done if math.isfinite(d)]
         if serving and all(math.isfinite(d) for d in done):
             sync.append(max(done) - called)
     wake = [
@@ -524,6 +544,8 @@ def summarize(
     out.update(
         generators=cfg.generators,
         steps=k1,
+        timed_out=timed_out,
+        cpu_s=cpu_s or {},
         wall_s=round(wall_s, 1),
         train_wall_s=round(steps[k1] - start, 2) if start is not None and k1 else None,
         steps_per_s=round(steps_per_s, 4) if steps_per_s else None,
@@ -531,6 +553,7 @@ def summarize(
         sync_p50_s=_r(statistics.median(sync) if sync else None),
         sync_p99_s=_r(pct(sync, 0.99)),
         sync_versions=len(sync),
+        load_p50_s=_r(statistics.median(each) if each else None),
         wakeup_p50_ms=_r(statistics.median(wake) if wake else None, 2),
         proxy_cpu_ms_per_request=round(1000 * proxy_cpu_run_s / max(requests, 1), 3),
         requests=requests,

@@ -61,6 +61,7 @@ PROMPT_WAIT_S = 2.0  # as the real worker's PROMPT_WAIT_S
 VERSION_LEASE_TTL_S = 60.0
 PROMPT_LEASE_TTL_S = 300.0
 MAX_ERRORS_KEPT = 50
+TRANSPORT_RETRIES = 3
 
 
 @dataclass
@@ -78,6 +79,7 @@ class FleetStats:
     groups_released: int = 0  # prompts given back without a group (shutdown, stale, rejected)
     prompts_leased: int = 0
     backpressure_waits: int = 0
+    transport_retries: int = 0
     gpu_busy_s: float = 0.0
     loads: list[tuple[str, int, float]] = field(default_factory=list)  # (worker, version, wall time loaded)
     wakes: list[tuple[str, int, float, float]] = field(default_factory=list)  # (worker, version, asked, answered)
@@ -105,17 +107,27 @@ class Api:
             base_url=settings.proxy_url, headers=headers, timeout=httpx.Timeout(60.0), limits=limits
         )
 
-    async def call(self, method: str, route: str, path: str, **kw: Any) -> httpx.Response:
-        """One request; an error answer raises the matching :mod:`bucketrl.errors` class."""
+    async def call(
+        self, method: str, route: str, path: str, *, expected: tuple[int, ...] = (), **kw: Any
+    ) -> httpx.Response:
+        """One request; an error answer raises the matching :mod:`bucketrl.errors` class. A transport error
+        (a keep-alive connection the server closed as it was reused) is retried like the real client does;
+        ``expected`` error statuses are not counted as refusals."""
         self.stats.requests[f"{method} {route}"] += 1
-        try:
-            resp = await self.http.request(method, self.base + path, **kw)
-        except httpx.TransportError as exc:
-            self.stats.statuses[f"{route} transport"] += 1
-            raise errors.Unavailable(f"proxy unreachable: {exc!r}") from exc
+        for attempt in range(TRANSPORT_RETRIES + 1):
+            try:
+                resp = await self.http.request(method, self.base + path, **kw)
+                break
+            except httpx.TransportError as exc:
+                if attempt == TRANSPORT_RETRIES:
+                    self.stats.statuses[f"{route} transport"] += 1
+                    raise errors.Unavailable(f"proxy unreachable: {exc!r}") from exc
+                self.stats.transport_retries += 1
+                await asyncio.sleep(0.2 * 2**attempt)
         if resp.status_code < 400:
             return resp
-        self.stats.statuses[f"{route} {resp.status_code}"] += 1
+        if resp.status_code not in expected:
+            self.stats.statuses[f"{route} {resp.status_code}"] += 1
         try:
             body: Any = resp.json()
         except ValueError:
@@ -391,10 +403,18 @@ class SimGenerator:
             try:
                 if time.monotonic() - last_renew >= VERSION_LEASE_TTL_S / 3:
                     last_renew = time.monotonic()
-                    for slot in list(self.versions.values()):
-                        await self.api.call(
-                            "POST", "leases/{id}/renew", f"/leases/{slot.lease_id}/renew", json={"ttl_s": 60.0}
-                        )
+                    for v, slot in list(self.versions.items()):
+                        try:
+                            await self.api.call(
+                                "POST",
+                                "leases/{id}/renew",
+                                f"/leases/{slot.lease_id}/renew",
+                                json={"ttl_s": 60.0},
+                                expected=(410,),
+                            )
+                        except errors.Gone:
+                            if self.versions.get(v) is slot:  # not released by a retire meanwhile: lost
+                                raise
                 push = {
                     "worker_id": self.worker_id,
                     "metrics": {"rollout/groups_submitted_total": float(self.stats.groups_submitted)},

@@ -554,6 +554,9 @@ def summarize(
         sync_p99_s=_r(pct(sync, 0.99)),
         sync_versions=len(sync),
         load_p50_s=_r(statistics.median(each) if each else None),
+        # the fewest distinct versions any generator loaded (every one of them followed the trainer if >= 2)
+        min_versions_loaded=min((len({v for v, _ in vs}) for vs in by_gen.values()), default=0),
+        generators_seen=len(by_gen),
         wakeup_p50_ms=_r(statistics.median(wake) if wake else None, 2),
         proxy_cpu_ms_per_request=round(1000 * proxy_cpu_run_s / max(requests, 1), 3),
         requests=requests,

@@ -54,8 +54,9 @@ def test_64_simulated_generators_every_group_accounted_for(tmp_path: Path) -> No
     assert r["accounting_ok"]
     # the only refusals were admission control's (429 on a long-polled prompt lease)
     assert set(r["non_2xx"]) <= {"prompts/lease 429"}
-    # every generator loaded the versions as they came: weight sync was measured, over several versions
-    assert r["sync_versions"] >= STEPS - cfg.warmup_steps - 1 and r["sync_p50_s"] is not None
+    # every generator followed the trainer's versions (loaded several), and weight sync was measured
+    assert r["generators_seen"] == GENERATORS and r["min_versions_loaded"] >= 2
+    assert r["sync_versions"] >= 1 and r["sync_p50_s"] is not None and r["load_p50_s"] is not None
     assert counts["PUT"] > 0 and counts["GET"] >= GENERATORS  # every generator fetched adapters through S3
     assert r["bucket_requests_per_step"]["GET"] > 0 and r["redis_commands_per_step"] > 0
 

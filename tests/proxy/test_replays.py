@@ -22,7 +22,7 @@ from bucketrl import errors
 from bucketrl.proxy.state import checkpoints, prompts, queue
 from bucketrl.storage import open_store
 from bucketrl.storage.base import BucketStore
-from tests.proxy.harness import ProxyHarness, adapter_tar, make_tar
+from tests.proxy.harness import ProxyHarness, adapter_tar, checkpoint_tar
 from tests.proxy.test_queue_state import RUN, lease_and_batch, make_spec, run, setup_run
 from tests.proxy.test_rollouts_routes import Setup
 from tests.support.services import RedisServer
@@ -32,23 +32,28 @@ CLIENT_TIMEOUT_S = 0.5
 
 
 class SlowStore:
-    """The real store; writes (and, when asked, the first ``slow_reads`` reads) take ``SLOW_S`` longer.
-    Records every write and deletion in order, so a test can see whether a committed object was deleted."""
+    """The real store; the writes that end an operation (a bundle's manifest, a batch object) and, when asked,
+    the first ``slow_reads`` reads take ``slow_s`` longer. Records every write and deletion in order, so a test
+    can see whether a committed object was deleted."""
 
-    def __init__(self, inner: BucketStore, *, slow_writes: bool = True, slow_reads: int = 0) -> None:
-        self.inner, self.slow_writes, self.slow_reads = inner, slow_writes, slow_reads
+    def __init__(
+        self, inner: BucketStore, *, slow_writes: bool = True, slow_reads: int = 0, slow_s: float = SLOW_S
+    ) -> None:
+        self.inner, self.slow_writes, self.slow_reads, self.slow_s = inner, slow_writes, slow_reads, slow_s
         self.log: list[tuple[str, str]] = []
         self._lock = threading.Lock()
 
+    def _write_delay(self, key: str) -> None:
+        if self.slow_writes and (key.endswith("/manifest.json") or "/rollouts/" in key):
+            time.sleep(self.slow_s)
+
     def put_bytes(self, key: str, data: bytes) -> None:
-        if self.slow_writes:
-            time.sleep(SLOW_S)
+        self._write_delay(key)
         self.inner.put_bytes(key, data)
         self.log.append(("put", key))
 
     def put_file(self, key: str, fileobj: BinaryIO, size: int | None = None) -> None:
-        if self.slow_writes:
-            time.sleep(SLOW_S)
+        self._write_delay(key)
         self.inner.put_file(key, fileobj, size)
         self.log.append(("put", key))
 
@@ -56,7 +61,7 @@ class SlowStore:
         with self._lock:
             slow, self.slow_reads = self.slow_reads > 0, max(0, self.slow_reads - 1)
         if slow:
-            time.sleep(SLOW_S)
+            time.sleep(self.slow_s)
         return self.inner.get_bytes(key)
 
     def delete(self, keys: Iterable[str]) -> None:
@@ -79,6 +84,7 @@ class SlowStore:
 
 
 def _slow(proxy: ProxyHarness, **kw: Any) -> SlowStore:
+    """Slow the proxy's bucket from now on (its cleaner keeps the real one: acks answer before it works)."""
     slow = SlowStore(proxy.ctx.store, **kw)
     proxy.ctx.store = slow  # type: ignore[assignment]
     return slow
@@ -95,7 +101,7 @@ def test_checkpoint_put_replayed_never_deletes_the_committed_step(proxy_file: Pr
     """Item 7: the retry waited for the step lock while its first attempt committed; it must answer that
     commit, not take the committed files for leftovers and delete them. And a 200 only when the files exist."""
     s = Setup(proxy_file)
-    tar = make_tar({"state.json": b'{"step": 2}', "weights.bin": b"w" * 512})
+    tar = checkpoint_tar(b"step-2")
     slow = _slow(proxy_file)
     info = _impatient(proxy_file, "trainer", epoch=1).put_checkpoint(2, tar)
     assert slow.after_commit(checkpoints.checkpoint_prefix("r1", 2)) == []  # not deleted, not rewritten
@@ -113,10 +119,10 @@ def test_adapter_publish_replayed_answers_the_commit(proxy_file: ProxyHarness) -
     """Item 9: the retry passed the route's checks, waited for the lock, and found the version committed by
     its first attempt: 200 with that version, not a non-retryable 409 version_conflict."""
     s = Setup(proxy_file)
-    _slow(proxy_file)
-    # The first attempt writes 4 objects (about 4 x SLOW_S); the client gives up on it after 4 s and its retry
-    # waits for the version's lock, then answers within its own 4 s: that answer is the one the client sees.
-    info = _impatient(proxy_file, "trainer", epoch=1, timeout_s=4.0).publish_adapter(2, adapter_tar(2))
+    _slow(proxy_file, slow_s=3.0)
+    # The first attempt's commit takes about 3 s; the client gives up on it after 2 s and its retry waits for the
+    # version's lock, then answers within its own 2 s: that answer is the one the client sees.
+    info = _impatient(proxy_file, "trainer", epoch=1, timeout_s=2.0).publish_adapter(2, adapter_tar(2))
     assert info.version == 2
     proxy_file.ctx.store.slow_writes = False  # type: ignore[attr-defined]
     assert s.t.publish_adapter(2, adapter_tar(2)) == info

@@ -337,14 +337,19 @@ def check_run(
     whose reward may legitimately take its whole BUCKETRL_REWARD_TIMEOUT_S; failures at run time are counted
     and stop the run past a threshold), "skip" (the trainer, which never runs the reward)."""
     model = model or spec.base_model
-    config, tokenizer = load_config_and_tokenizer(model, names)
     report = Report()
+    # Cheapest first: the dataset and the reward need no model (a mistake there stops in seconds).
     examples = examples if examples is not None else check_dataset(spec.dataset, client, names)
     report.rows = len(examples)
     report.chat = any(e.messages is not None for e in examples)
     report.fields = [spec.dataset.prompt_field if not report.chat else "messages"] + (
         [spec.dataset.answer_field] if any(e.answer is not None for e in examples) else []
     )
+    if reward == "call":
+        report.reward_value = check_reward(spec.reward, examples[0], names, timeout_s=reward_timeout_s)
+    elif reward == "resolve":
+        resolve_reward_checked(spec.reward, names)
+    config, tokenizer = load_config_and_tokenizer(model, names)
     report.lora_targets = lora_targets(config, spec.lora.target_modules, names)
     report.longest_prompt_tokens, report.longest_prompt_row = longest_prompt(tokenizer, examples, names)
     context = model_context(config)
@@ -357,10 +362,6 @@ def check_run(
         report.max_new_tokens = default_max_new_tokens(context, report.longest_prompt_tokens)
         report.chose_max_new_tokens = True
     check_context(context, report.longest_prompt_tokens, report.longest_prompt_row, report.max_new_tokens, names)
-    if reward == "call":
-        report.reward_value = check_reward(spec.reward, examples[0], names, timeout_s=reward_timeout_s)
-    elif reward == "resolve":
-        resolve_reward_checked(spec.reward, names)
     return report
 
 

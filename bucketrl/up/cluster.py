@@ -91,13 +91,24 @@ class LocalCluster:
         lock.flush()
         self._lock = lock
         self.tokens = self._load_or_create_tokens()
-        if self.cfg.builtin_model:
+        model_dir = self.dir / "model" if self.cfg.builtin_model else None
+        spec = build_run_spec(self.cfg, model_dir)
+        probe = self._probe(spec)
+        examples: list[Any] | None = None
+        reward_value = None
+        if self.cfg.preflight:
+            # Dataset and reward first: they need no torch, so their mistakes stop `up` in a few seconds.
+            from bucketrl import preflight
+
+            examples = preflight.check_dataset(probe.dataset)
+            reward_value = preflight.check_reward(probe.reward, examples[0], timeout_s=self._reward_timeout_s())
+        if model_dir is not None:
             from bucketrl.tasks.tiny_model import build_tiny_model
 
-            self.model_dir = build_tiny_model(self.dir / "model")
-        spec = build_run_spec(self.cfg, self.model_dir)
+            self.model_dir = build_tiny_model(model_dir)
         if self.cfg.preflight:
-            self.report = self._preflight(spec)
+            self.report = self._preflight(probe, examples)
+            self.report.reward_value = reward_value
             spec = build_run_spec(
                 self.cfg,
                 self.model_dir,
@@ -107,29 +118,38 @@ class LocalCluster:
         (self.dir / "run_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
         save_options(self.cfg)
 
-    def _preflight(self, spec: dict[str, Any]) -> Any:
-        """The checks every worker repeats at its start, here before any process starts (ConfigError)."""
-        from bucketrl import preflight
-        from bucketrl.generator.settings import GeneratorSettings
-        from bucketrl.up.config import max_new_tokens_given
+    def _probe(self, spec: dict[str, Any]) -> Any:
+        """The spec as the preflight checks it: a dataset to upload is checked as the local file it is now."""
         from bucketrl.wire import RunSpec
 
         probe = json.loads(json.dumps(spec))
         upload = self.cfg.upload_path
-        if upload is not None:  # check the local file that will be uploaded
+        if upload is not None:
             probe["dataset"]["uri"] = str(upload)
         probe["dataset"].setdefault("size", 1)
+        return RunSpec.model_validate(probe)
+
+    def _reward_timeout_s(self) -> float:
+        from bucketrl.generator.settings import GeneratorSettings
+
+        given = self.cfg.generator_env.get("BUCKETRL_REWARD_TIMEOUT_S")
+        return float(given or GeneratorSettings.model_fields["reward_timeout_s"].default)
+
+    def _preflight(self, probe: Any, examples: list[Any] | None) -> Any:
+        """The model checks every worker repeats at its start, here before any process starts (ConfigError)."""
+        from bucketrl import preflight
+        from bucketrl.generator.settings import GeneratorSettings
+        from bucketrl.up.config import max_new_tokens_given
+
         max_len = self.cfg.generator_env.get("BUCKETRL_MAX_MODEL_LEN") or self.cfg.worker_env.get(
             "BUCKETRL_MAX_MODEL_LEN"
         )
         return preflight.check_run(
-            RunSpec.model_validate(probe),
+            probe,
             max_model_len=int(max_len) if max_len else GeneratorSettings.model_fields["max_model_len"].default,
             choose_max_new_tokens=not max_new_tokens_given(self.cfg),
-            reward_timeout_s=float(
-                self.cfg.generator_env.get("BUCKETRL_REWARD_TIMEOUT_S")
-                or GeneratorSettings.model_fields["reward_timeout_s"].default
-            ),
+            examples=examples,
+            reward="skip",  # checked above
         )
 
     def _load_or_create_tokens(self) -> dict[str, str]:

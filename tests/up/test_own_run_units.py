@@ -148,3 +148,29 @@ def test_a_worker_without_a_proxy_url_says_so(command: str, tmp_path: Path) -> N
         proc.kill()
         proc.wait(30)
     assert f"bucketrl {command}: BUCKETRL_PROXY_URL is unset" in first and "trying http://127.0.0.1:8000" in first
+
+
+def test_status_without_options_finds_the_last_up_here_or_says_which_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from bucketrl.cli import app
+    from bucketrl.status_cli import last_up_dir, record_last_up
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("BUCKETRL_PROXY_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    out = CliRunner().invoke(app, ["status"])
+    assert out.exit_code == 2 and "pass --dir <run directory>" in out.output
+    run_dir = tmp_path / "runs" / "demo"
+    run_dir.mkdir(parents=True)
+    (run_dir / "endpoint.json").write_text(json.dumps({"proxy_url": "http://127.0.0.1:9", "run": "demo"}))
+    (run_dir / "tokens").write_text("viewer:v\n")
+    (run_dir / "stopped.json").write_text(json.dumps({"service": "gen-0", "reason": "--reward x: no callable"}))
+    record_last_up(run_dir)
+    assert last_up_dir() == run_dir
+    out = CliRunner().invoke(app, ["status"])
+    assert out.exit_code == 1, out.output
+    assert "gen-0 stopped on a configuration error: --reward x: no callable" in out.output
+    assert "http://127.0.0.1:9" in out.output

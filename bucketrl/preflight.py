@@ -123,6 +123,9 @@ def _hf_load(loader: Any, model: str, what: str, names: dict[str, str]) -> Any:
 
 
 def load_config_and_tokenizer(model: str, names: dict[str, str] = UP_NAMES) -> tuple[Any, Any]:
+    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().exists():
+        # Before importing transformers (seconds on a busy machine): a wrong path is the common mistake.
+        raise ConfigError(f"{names['model']} {model}: no such directory")
     from transformers import AutoConfig, AutoTokenizer
 
     config = _hf_load(AutoConfig, model, "config", names)
@@ -201,7 +204,8 @@ def check_dataset(spec: Any, client: Any = None, names: dict[str, str] = UP_NAME
         examples = load_examples(spec, client)
     except errors.Invalid as exc:
         hint = f"; set {names['prompt_field']}" if exc.code == "dataset_prompt_field" else ""
-        raise ConfigError(f"{names['dataset']} {spec.uri}: {exc.message}{hint}") from exc
+        # The message already names the file (and the row): prefix only the option to change.
+        raise ConfigError(f"{names['dataset']}: {exc.message}{hint}") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{names['dataset']} {spec.uri}: cannot read it: {_short(exc)}") from exc
     if not examples:

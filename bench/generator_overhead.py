@@ -43,7 +43,13 @@ from pathlib import Path
 from typing import Any
 
 RUN = "bench-gen"
-TOKENS = {"admin": "b-admin", "trainer": "b-trainer", "generator": "b-gen", "viewer": "b-view"}
+# Tokens must be 16+ characters (the proxy refuses shorter ones at start).
+TOKENS = {
+    "admin": "b-admin-0123456789abcdef",
+    "trainer": "b-trainer-0123456789abcdef",
+    "generator": "b-gen-0123456789abcdef",
+    "viewer": "b-view-0123456789abcdef",
+}
 
 
 def start_services(work: Path) -> tuple[list[subprocess.Popen], str]:

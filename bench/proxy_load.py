@@ -83,7 +83,13 @@ import msgpack
 from bucketrl.sim.cluster import cpu_seconds
 
 RUN = "bench"
-TOKENS = {"admin": "bench-admin", "trainer": "bench-trainer", "generator": "bench-gen", "viewer": "bench-view"}
+# Tokens must be 16+ characters (the proxy refuses shorter ones at start).
+TOKENS = {
+    "admin": "bench-admin-0123456789abcdef",
+    "trainer": "bench-trainer-0123456789abcdef",
+    "generator": "bench-gen-0123456789abcdef",
+    "viewer": "bench-view-0123456789abcdef",
+}
 VOCAB = 32_000
 
 

@@ -47,7 +47,12 @@ from bucketrl.wire import Completion, RolloutBatch, RolloutGroup, RunSpec
 from tests.support.services import free_port, redis_server_binary, wait_port
 
 RUN = "bench-trainer"  # one run per round: bench-trainer-0, -1, ...
-TOKENS = {"trainer": "bench-trainer", "generator": "bench-gen", "viewer": "bench-view"}
+# Tokens must be 16+ characters (the proxy refuses shorter ones at start).
+TOKENS = {
+    "trainer": "bench-trainer-0123456789abcdef",
+    "generator": "bench-gen-0123456789abcdef",
+    "viewer": "bench-view-0123456789abcdef",
+}
 
 
 def make_batches(n: int, groups_per_step: int, group_size: int, prompt_len: int, max_new: int, seed: int):

@@ -143,7 +143,9 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
     from bucketrl.proxy.routes import all_routers
 
     settings = settings or ProxySettings()
-    auth = TokenAuth.from_settings(settings.tokens, settings.tokens_file, settings.allow_anonymous, settings.host)
+    auth = TokenAuth.from_settings(
+        settings.tokens, settings.tokens_file, settings.allow_anonymous, settings.host, settings.insecure_dev_tokens
+    )
     telemetry = Telemetry()
 
     @contextlib.asynccontextmanager

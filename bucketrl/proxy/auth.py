@@ -12,6 +12,11 @@ every configured token (no early exit), so timing reveals nothing about which pr
 Without any token configured the proxy refuses to start unless ``BUCKETRL_ALLOW_ANONYMOUS=true`` AND it
 binds a loopback address (the embedded ``bucketrl up`` mode); then every caller is ``admin`` and a loud
 warning says so at start.
+
+Weak tokens are refused at start too: a known placeholder (``change-me...`` from ``.env.example``, ``changeme``,
+``secret``, ...) or anything shorter than :data:`MIN_TOKEN_CHARS` characters, with a message naming the role and
+how to generate one. ``BUCKETRL_INSECURE_DEV_TOKENS=true`` lifts that for a proxy bound to loopback only (a
+developer's laptop, tests); it is refused on any other address.
 """
 
 from __future__ import annotations
@@ -28,6 +33,42 @@ log = logging.getLogger("bucketrl.proxy.auth")
 
 ROLES = ("admin", "trainer", "generator", "viewer")
 ANONYMOUS = "anonymous"
+# 16 characters of secrets.token_urlsafe carry 96 bits; shorter tokens are guessable or typed by hand.
+MIN_TOKEN_CHARS = 16
+_PLACEHOLDERS = ("change-me", "changeme", "change_me", "replace-me", "replaceme", "your-token", "placeholder")
+_WEAK = {"secret", "password", "token", "admin", "trainer", "generator", "viewer", "test", "example"}
+GENERATE = 'python3 -c "import secrets; print(secrets.token_urlsafe(24))"'
+
+
+def weakness(token: str) -> str | None:
+    """Why ``token`` must not guard a proxy (None if it may)."""
+    low = token.lower()
+    if any(low.startswith(p) for p in _PLACEHOLDERS) or low in _WEAK:
+        return "is a placeholder"
+    if len(token) < MIN_TOKEN_CHARS:
+        return f"is shorter than {MIN_TOKEN_CHARS} characters"
+    return None
+
+
+def check_strength(pairs: list[tuple[str, str]], host: str, insecure_dev_tokens: bool) -> None:
+    """ValueError naming the first weak token's role, unless the insecure-dev switch is on AND ``host`` is
+    loopback (then a warning)."""
+    weak = [(role, why) for role, token in pairs if (why := weakness(token)) is not None]
+    if not weak:
+        return
+    role, why = weak[0]
+    if insecure_dev_tokens and is_loopback(host):
+        log.warning("BUCKETRL_INSECURE_DEV_TOKENS=true: accepting weak tokens (the %s token %s) on %s", role, why, host)
+        return
+    if insecure_dev_tokens:
+        raise ValueError(
+            f"BUCKETRL_INSECURE_DEV_TOKENS=true is refused on host {host!r}: weak tokens are only allowed when the "
+            "proxy binds a loopback address; set real tokens"
+        )
+    raise ValueError(
+        f"the {role} token {why}: every token must be a random secret of at least {MIN_TOKEN_CHARS} characters "
+        f"(generate one with {GENERATE}); for a loopback-only development proxy, BUCKETRL_INSECURE_DEV_TOKENS=true"
+    )
 
 
 @dataclass(frozen=True)
@@ -75,7 +116,9 @@ class TokenAuth:
         self.anonymous = anonymous
 
     @classmethod
-    def from_settings(cls, tokens: str, tokens_file: str | None, allow_anonymous: bool, host: str) -> TokenAuth:
+    def from_settings(
+        cls, tokens: str, tokens_file: str | None, allow_anonymous: bool, host: str, insecure_dev_tokens: bool = False
+    ) -> TokenAuth:
         pairs = parse_pairs(tokens, "BUCKETRL_TOKENS")
         if tokens_file:
             path = Path(tokens_file)
@@ -85,6 +128,7 @@ class TokenAuth:
                 raise ValueError(f"BUCKETRL_TOKENS_FILE={tokens_file!r} cannot be read: {exc}") from exc
             pairs += parse_pairs(text, f"BUCKETRL_TOKENS_FILE={tokens_file}")
         if pairs:
+            check_strength(pairs, host, insecure_dev_tokens)
             return cls(pairs)
         if not allow_anonymous:
             raise ValueError(

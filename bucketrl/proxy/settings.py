@@ -17,6 +17,11 @@ class ProxySettings(BaseSettings):
     allow_anonymous: bool = Field(
         False, description="Run without tokens. Refused unless bound to loopback (embedded mode)."
     )
+    insecure_dev_tokens: bool = Field(
+        False,
+        description="Accept placeholder or short tokens (refused at start otherwise). Refused unless bound to "
+        "loopback: for a development proxy only.",
+    )
     max_adapter_bytes: int = Field(512 * 1024 * 1024, ge=1, description="Upper bound of an adapter tar.")
     max_checkpoint_bytes: int = Field(4 * 1024**3, ge=1, description="Upper bound of a checkpoint tar.")
     adapter_cache_mb: int = Field(

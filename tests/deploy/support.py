@@ -298,6 +298,14 @@ def interpolate_tree(node: Any, env: dict[str, str]) -> Any:
     return node
 
 
+def with_secrets(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with every ``change-me`` placeholder replaced by a fresh secret, as an operator's ``.env`` has
+    them (the proxy refuses placeholder tokens at start)."""
+    import secrets
+
+    return {k: (f"t-{secrets.token_urlsafe(18)}" if v.startswith("change-me") else v) for k, v in env.items()}
+
+
 def read_env_file(path: Path) -> dict[str, str]:
     env: dict[str, str] = {}
     for raw in path.read_text().splitlines():

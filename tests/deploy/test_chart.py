@@ -290,6 +290,11 @@ def test_proxy_probes_ports_and_settings_agree(combo, monkeypatch: pytest.Monkey
     assert settings.redis_url.startswith(("redis://", "rediss://", "<"))
     assert "$(" not in settings.redis_url, "an env var referenced before it is defined is not expanded"
     assert settings.bucket_url.startswith("s3://")
+    # The /tmp spool holds what the proxy accepts: a 1Gi emptyDir under 4 GiB checkpoints filled the node's disk
+    # budget and evicted the pod mid-upload (issue 12).
+    (tmp_vol,) = [v for v in spec["volumes"] if v["name"] == "tmp"]
+    spool = int(tmp_vol["emptyDir"]["sizeLimit"])
+    assert spool >= settings.max_checkpoint_bytes + 2 * settings.max_adapter_bytes, (name, spool)
     auth = TokenAuth.from_settings(settings.tokens, settings.tokens_file, settings.allow_anonymous, "0.0.0.0")
 
     # Every worker in the release is pointed at this proxy's Service, with a token it accepts for its role.

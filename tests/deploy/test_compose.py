@@ -29,6 +29,7 @@ from tests.deploy.support import (
     read_env_file,
     referenced_variables,
     service_env,
+    with_secrets,
 )
 
 BASE, GPU = COMPOSE_FILES
@@ -199,13 +200,39 @@ def test_only_the_proxy_holds_bucket_and_redis_credentials(cpu: dict[str, Any]) 
     assert proxy["BUCKETRL_S3_ENDPOINT_URL"] == "http://minio:9000"
 
 
-def test_every_worker_token_is_accepted_by_the_proxy_for_its_role(cpu: dict[str, Any]) -> None:
+def test_every_worker_token_is_accepted_by_the_proxy_for_its_role(cpu: dict[str, Any], env: dict[str, str]) -> None:
     from bucketrl.proxy.auth import TokenAuth
 
-    auth = TokenAuth.from_settings(service_env(cpu["services"]["proxy"])["BUCKETRL_TOKENS"], None, False, "0.0.0.0")
+    # .env.example's placeholders are refused at start (issue 12): an operator must replace them.
+    with pytest.raises(ValueError, match="placeholder"):
+        TokenAuth.from_settings(service_env(cpu["services"]["proxy"])["BUCKETRL_TOKENS"], None, False, "0.0.0.0")
+    real = load_compose(BASE, env=with_secrets(env))
+    auth = TokenAuth.from_settings(service_env(real["services"]["proxy"])["BUCKETRL_TOKENS"], None, False, "0.0.0.0")
     for worker in WORKERS:
-        token = service_env(cpu["services"][worker])["BUCKETRL_TOKEN"]
+        token = service_env(real["services"][worker])["BUCKETRL_TOKEN"]
         assert auth.authenticate(f"Bearer {token}").role == worker
+
+
+def test_redis_has_a_password_and_only_the_proxy_reaches_redis_and_minio(cpu: dict[str, Any]) -> None:
+    """Any generator container could rewrite coordination state: Redis had no password and shared a network
+    with the workers."""
+    services = cpu["services"]
+    redis = services["redis"]
+    password = redis["command"][redis["command"].index("--requirepass") + 1]
+    assert password and service_env(redis)["REDISCLI_AUTH"] == password  # the health check authenticates
+    assert service_env(services["proxy"])["BUCKETRL_REDIS_URL"] == f"redis://:{password}@redis:6379/0"
+    assert cpu["networks"]["backend"].get("internal") is True
+
+    def networks(name: str) -> set[str]:
+        nets = services[name].get("networks") or ["default"]
+        return set(nets if isinstance(nets, list) else nets.keys())
+
+    assert {n for n in services if "backend" in networks(n)} == {"redis", "minio", "minio-init", "proxy"}
+    for store in ("redis", "minio"):
+        assert networks(store) == {"backend"}, store
+    assert networks("proxy") == {"backend", "default"}
+    for worker in (*WORKERS, "model-init"):
+        assert "backend" not in networks(worker), worker
 
 
 def test_the_tiny_model_is_built_where_the_run_spec_points(cpu: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from tests.deploy.support import (
     read_env_file,
     service_env,
     wait_http_ok,
+    with_secrets,
 )
 from tests.support.services import free_port
 
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_compose_services_train_together(redis_server, moto_server, tmp_path: Path) -> None:
-    compose = load_compose(ROOT / "docker-compose.yml", env=read_env_file(ENV_EXAMPLE))
+    compose = load_compose(ROOT / "docker-compose.yml", env=with_secrets(read_env_file(ENV_EXAMPLE)))
     services = compose["services"]
     volume_root = tmp_path / "volumes"
 

@@ -31,7 +31,13 @@ from tests.support.services import free_port
 
 T = TypeVar("T")
 
-TOKENS = {"admin": "tok-admin", "trainer": "tok-trainer", "generator": "tok-gen", "viewer": "tok-viewer"}
+# Long enough for the proxy's start-up check (placeholders and tokens under 16 characters are refused).
+TOKENS = {
+    "admin": "tok-admin-0123456789",
+    "trainer": "tok-trainer-0123456789",
+    "generator": "tok-gen-0123456789",
+    "viewer": "tok-viewer-0123456789",
+}
 TOKENS_ENV = ",".join(f"{role}:{tok}" for role, tok in TOKENS.items())
 
 

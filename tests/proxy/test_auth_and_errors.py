@@ -234,13 +234,14 @@ def test_error_table_backpressure_and_unexpected_errors() -> None:
 
 def test_token_configuration_rules(tmp_path: Path) -> None:
     f = tmp_path / "tokens"
-    f.write_text("# workers\ntrainer:abc\n\ngenerator: def \n")
-    auth = TokenAuth.from_settings("viewer:v1", str(f), False, "0.0.0.0")
-    assert auth.authenticate("Bearer abc").role == "trainer"
-    assert auth.authenticate("Bearer def").role == "generator"
-    assert auth.authenticate("bearer v1").role == "viewer"
+    abc, dfg, v1 = "abc" * 6, "def" * 6, "v1" * 8
+    f.write_text(f"# workers\ntrainer:{abc}\n\ngenerator: {dfg} \n")
+    auth = TokenAuth.from_settings(f"viewer:{v1}", str(f), False, "0.0.0.0")
+    assert auth.authenticate(f"Bearer {abc}").role == "trainer"
+    assert auth.authenticate(f"Bearer {dfg}").role == "generator"
+    assert auth.authenticate(f"bearer {v1}").role == "viewer"
     with pytest.raises(errors.Unauthorized):
-        auth.authenticate("Bearer ab")
+        auth.authenticate("Bearer " + abc[:-1])
     with pytest.raises(ValueError, match="unknown role"):
         parse_pairs("root:x", "BUCKETRL_TOKENS")
     with pytest.raises(ValueError, match="role:token"):

@@ -15,14 +15,14 @@ from bucketrl import errors
 from bucketrl.proxy import keys, rebuild
 from bucketrl.proxy.state import prompts, queue
 from bucketrl.proxy.state.locks import WriteLock
-from tests.proxy.harness import ProxyHarness, adapter_tar, running
+from tests.proxy.harness import TOKENS, ProxyHarness, adapter_tar, running
 from tests.proxy.test_queue_state import run
 from tests.proxy.test_rollouts_routes import Setup
 from tests.support.services import RedisServer
 
 
 def _metrics(proxy: ProxyHarness) -> str:
-    return httpx.get(f"{proxy.url}/metrics", headers={"Authorization": "Bearer tok-viewer"}).text
+    return httpx.get(f"{proxy.url}/metrics", headers={"Authorization": f"Bearer {TOKENS['viewer']}"}).text
 
 
 def test_every_replica_reports_the_run_counters_from_shared_state(redis_server: RedisServer, tmp_path: Path) -> None:

@@ -289,3 +289,30 @@ def test_publish_refuses_what_is_not_an_adapter_or_a_checkpoint(proxy_file: Prox
     assert proxy_file.ctx.store.list_keys("runs/r1/adapters") == []
     assert t.publish_adapter(1, make_tar(adapter_files("ok"))).version == 1
     assert t.put_checkpoint(1, checkpoint_tar(b"ok")).step == 1
+
+
+def test_placeholder_and_short_tokens_are_refused_at_start(tmp_path: Path) -> None:
+    """The proxy started with .env.example's change-me tokens; now it refuses them, and short ones, naming the
+    role; BUCKETRL_INSECURE_DEV_TOKENS allows them on loopback only."""
+    from bucketrl.proxy.app import create_app
+    from bucketrl.proxy.settings import ProxySettings
+
+    strong = "s" * 24
+    for tokens, why in (
+        ("trainer:change-me-trainer", "trainer token is a placeholder"),
+        (f"admin:{strong},generator:changeme", "generator token is a placeholder"),
+        (f"viewer:{strong[:15]}", "viewer token is shorter than 16"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            create_app(ProxySettings(tokens=tokens, host="0.0.0.0"))
+        with pytest.raises(ValueError, match=why):
+            create_app(ProxySettings(tokens=tokens, host="127.0.0.1"))
+        with pytest.raises(ValueError, match="loopback"):
+            create_app(ProxySettings(tokens=tokens, host="0.0.0.0", insecure_dev_tokens=True))
+        create_app(ProxySettings(tokens=tokens, host="127.0.0.1", insecure_dev_tokens=True))
+    create_app(ProxySettings(tokens=f"trainer:{strong}", host="0.0.0.0"))
+    # The file source is checked the same way; the CLI turns the refusal into one line and exit code 2.
+    f = tmp_path / "tokens"
+    f.write_text("generator:change-me-generator\n")
+    with pytest.raises(ValueError, match="generator token is a placeholder"):
+        create_app(ProxySettings(tokens_file=str(f)))

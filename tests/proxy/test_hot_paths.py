@@ -45,7 +45,7 @@ def _dependants(dependant: Dependant) -> list[Dependant]:
 
 
 def test_every_route_and_dependency_is_async() -> None:
-    app = create_app(ProxySettings(tokens="admin:x"))
+    app = create_app(ProxySettings(tokens="admin:" + "x" * 32))
     sync = {
         f"{route.path} -> {getattr(d.call, '__name__', d.call)}"
         for route in app.routes
@@ -387,7 +387,7 @@ def test_only_a_serving_app_tunes_the_garbage_collector(redis_server: RedisServe
     from bucketrl.proxy import runtime
 
     settings = ProxySettings(
-        redis_url=redis_server.url, bucket_url=f"file://{tmp_path / 'b'}", tokens="admin:a", host="127.0.0.1"
+        redis_url=redis_server.url, bucket_url=f"file://{tmp_path / 'b'}", tokens="admin:" + "a" * 32, host="127.0.0.1"
     )
     before = gc.get_threshold()
 

@@ -30,7 +30,7 @@ P2_ROUTES = {
 
 
 def test_openapi_documents_routes_bodies_and_errors() -> None:
-    app = create_app(ProxySettings(tokens="admin:x"))
+    app = create_app(ProxySettings(tokens="admin:" + "x" * 32))
     schema = app.openapi()
     comps = schema["components"]["schemas"]
     assert {"ErrorBody", "RunSpec", "VersionLeaseRequest", "MetricsPush", "LoraSpec", "RunStatus"} <= comps.keys()

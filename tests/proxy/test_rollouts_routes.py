@@ -19,7 +19,7 @@ from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.proxy import rebuild
 from bucketrl.wire import RolloutBatch, RunSpec
-from tests.proxy.harness import ProxyHarness, adapter_tar, make_spec
+from tests.proxy.harness import TOKENS, ProxyHarness, adapter_tar, make_spec
 from tests.proxy.test_queue_state import make_batch
 from tests.support.services import RedisServer
 
@@ -66,7 +66,7 @@ def test_submit_json_and_msgpack_claim_ack_status_metrics(proxy: ProxyHarness) -
     assert s.t.ack(ids) == 3 and s.t.ack(ids) == 0
     st = proxy.client(s.run, "viewer").status()
     assert (st.queue.pending, st.queue.acked_total, st.queue.capacity) == (0, 3, 32)
-    metrics = httpx.get(f"{proxy.url}/metrics", headers={"Authorization": "Bearer tok-viewer"}).text
+    metrics = httpx.get(f"{proxy.url}/metrics", headers={"Authorization": f"Bearer {TOKENS['viewer']}"}).text
     assert 'bucketrl_accepted_groups_total{run="r1"} 3.0' in metrics
     assert 'bucketrl_queue_depth_groups{run="r1"} 0.0' in metrics
 
@@ -223,7 +223,7 @@ def test_claim_min_version_drops_older_groups_and_counts_them(proxy_file: ProxyH
 
     q = proxy_file.client(s.run, "viewer").status().queue
     assert (q.accepted_total, q.acked_total, q.dropped_stale_total, q.groups, q.pending) == (3, 1, 2, 0, 0)
-    metrics = httpx.get(f"{proxy_file.url}/metrics", headers={"Authorization": "Bearer tok-viewer"}).text
+    metrics = httpx.get(f"{proxy_file.url}/metrics", headers={"Authorization": f"Bearer {TOKENS['viewer']}"}).text
     assert 'bucketrl_stale_dropped_groups_total{run="r1"} 2.0' in metrics
 
 
@@ -236,7 +236,7 @@ def test_redis_killed_mid_submit_is_503_and_nothing_is_lost(
     outcomes: list[str] = ["" for _ in batches]
 
     def submit(i: int) -> None:
-        c = ProxyClient(proxy_file.url, s.run, "tok-gen", retries=0, timeout_s=10)
+        c = ProxyClient(proxy_file.url, s.run, TOKENS["generator"], retries=0, timeout_s=10)
         try:
             c.submit_rollouts(batches[i], keys[i])
             outcomes[i] = "ok"

@@ -143,6 +143,10 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
     from bucketrl.proxy.routes import all_routers
 
     settings = settings or ProxySettings()
+    if serving:
+        from bucketrl.proxy import http_protocol
+
+        http_protocol.HEADER_TIMEOUT_S = settings.header_timeout_s
     auth = TokenAuth.from_settings(
         settings.tokens, settings.tokens_file, settings.allow_anonymous, settings.host, settings.insecure_dev_tokens
     )

@@ -64,7 +64,13 @@ def proxy_command(
     http = _http_protocol()
     if workers == 1:
         uvicorn.run(
-            app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False, http=http
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            access_log=False,
+            http=http,
+            limit_concurrency=settings.max_connections,
         )
         return
     # Several processes: each builds its own app from the environment, so pass the overrides that way.
@@ -79,6 +85,7 @@ def proxy_command(
         log_level=settings.log_level,
         access_log=False,
         http=http,
+        limit_concurrency=settings.max_connections,
     )
 
 

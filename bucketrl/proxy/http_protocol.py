@@ -10,6 +10,14 @@ uvicorn's flow control sees the real transport's buffer.
 
 ``bucketrl proxy`` serves with it (``cli.py`` passes ``http=HTTP_PROTOCOL``) whenever httptools is installed (it
 comes with ``uvicorn[standard]``); without httptools uvicorn's own choice stands.
+
+Slow clients: uvicorn closes idle keep-alive connections, but nothing bounds how long a client may take to send
+a request's HEADERS (1,000 connections trickling header bytes stayed open for 20 s, each holding a socket and
+a protocol object). The protocol closes a connection whose request line and headers are not complete within
+:data:`HEADER_TIMEOUT_S` of its opening or of the previous response (``BUCKETRL_HEADER_TIMEOUT_S``). Bodies
+are not timed here: a large upload legitimately takes long, and its reader is bounded by the body limits.
+The number of connections per process is bounded by uvicorn's ``limit_concurrency`` (``cli.py``,
+``BUCKETRL_MAX_CONNECTIONS``): beyond it a request is answered 503 at once.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 # Writes at least this big (or a gather reaching it) are sent at once instead of at the end of the pass.
 WRITE_THROUGH_BYTES = 64 * 1024
+# Seconds a client has to send a request's line and headers (set from the settings by create_app(serving=True)).
+HEADER_TIMEOUT_S = 10.0
 
 
 class CoalescingTransport:
@@ -66,8 +76,38 @@ class CoalescingTransport:
 
 
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
+    _header_timer: asyncio.TimerHandle | None = None
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_too_slow)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def on_headers_complete(self) -> None:
+        self._cancel_header_timer()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_header_timer()  # the next request on this keep-alive connection gets the same bound
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
 
 
 HTTP_PROTOCOL = f"{__name__}:CoalescingHttpToolsProtocol"

@@ -57,6 +57,12 @@ class ProxySettings(BaseSettings):
         True, description="Rebuild runs, versions and checkpoints from bucket manifests if Redis lost them."
     )
     log_level: str = Field("info", description="uvicorn log level.")
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="A client must send a request's line and headers within this many seconds."
+    )
+    max_connections: int = Field(
+        2048, ge=1, description="Concurrent connections per proxy process; requests beyond it answer 503 at once."
+    )
     redis_timeout_s: float = Field(5.0, gt=0, description="Redis connect/read timeout; a dead Redis answers 503.")
     redis_max_connections: int = Field(
         1024,

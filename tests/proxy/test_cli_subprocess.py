@@ -79,3 +79,45 @@ def test_refused_configuration_exits_2_naming_the_setting(redis_server: RedisSer
     )
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "loopback" in out
+
+
+def test_slow_headers_are_cut_off_and_connections_are_bounded(redis_server: RedisServer, tmp_path: Path) -> None:
+    """1,000 connections trickling header bytes stayed open for 20 s (issue 12). Now a connection whose headers
+    are not complete within BUCKETRL_HEADER_TIMEOUT_S is closed, and past BUCKETRL_MAX_CONNECTIONS a request
+    is answered 503 at once."""
+    import socket
+    import time
+
+    port = free_port()
+    proc = _start(
+        redis_server.url,
+        f"file://{tmp_path / 'b'}",
+        port,
+        BUCKETRL_HEADER_TIMEOUT_S="1",
+        BUCKETRL_MAX_CONNECTIONS="8",
+    )
+    try:
+        wait_port(port, timeout_s=60, proc=proc)
+        slow = socket.create_connection(("127.0.0.1", port), timeout=30)
+        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # ... and the rest never comes
+        t0 = time.monotonic()
+        assert slow.recv(1024) == b""  # closed by the proxy, without an answer
+        assert time.monotonic() - t0 < 20  # generous on a loaded machine; the setting is 1 s
+        # Idle connections count against the bound; a request beyond it is refused at once (503).
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(8)]
+        extra = socket.create_connection(("127.0.0.1", port), timeout=30)
+        extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert extra.recv(1024).split()[1] == b"503"
+        for s in [*idle, extra, slow]:
+            s.close()
+        # Once they are gone (or cut off), the proxy serves again.
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as ok:
+                ok.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                if ok.recv(1024).split()[1] == b"200":
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        _stop(proc)

@@ -62,6 +62,18 @@ class GeneratorSettings(WorkerSettings):
         description="Prompts leased and sampled per engine call (BUCKETRL_PROMPTS_PER_REQUEST); each prompt is one "
         "request with n=G, so one call produces this many complete groups.",
     )
+    allowed_reward_modules: str = Field(
+        "*",
+        description="Modules a run's reward.name may import as 'module:function' (BUCKETRL_ALLOWED_REWARD_MODULES): "
+        "comma-separated module names (a name also admits its submodules), '*' any (the default: trainers are "
+        "trusted), '' none (built-in rewards only). See the trust model in docs/deploy.md.",
+    )
+    allowed_dataset_locations: str = Field(
+        "*",
+        description="Dataset URIs a run may point this generator at (BUCKETRL_ALLOWED_DATASET_LOCATIONS): "
+        "comma-separated prefixes ('bucket:', 'toy:', a directory such as /data/, a hub namespace such as "
+        "openai/), '*' any (the default), '' none but 'toy:' and 'bucket:'.",
+    )
     reward_workers: int = Field(2, ge=1, le=256, description="Reward scoring processes (BUCKETRL_REWARD_WORKERS).")
     reward_timeout_s: float = Field(
         10.0,

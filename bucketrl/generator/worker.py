@@ -36,6 +36,7 @@ from typing import Any
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
 from bucketrl.datasets import Example, prompt_token_ids
+from bucketrl.generator import trust
 from bucketrl.generator.adapters import VersionBook, VersionSlot, clear_stale_tmp, fetch_adapter, gc_cache
 from bucketrl.generator.engines.base import Engine, check_reproducible, make_engine
 from bucketrl.generator.metrics import GeneratorMetrics
@@ -116,6 +117,8 @@ class GeneratorWorker:
         self.spec = spec
         model = s.model_path or spec.base_model
         self.announce("checking configuration")
+        # The operator's allow-lists first: nothing the spec names is imported or read unless they admit it.
+        trust.check_spec(spec, s.allowed_reward_modules, s.allowed_dataset_locations)
         examples = self._load_examples(spec)
         if examples is None:
             return False
@@ -482,6 +485,10 @@ class GeneratorWorker:
         try:
             spec = self.client.get_run().spec
             check_reproducible(spec.sampling, spec.vocab_size, self.settings.engine)
+            trust.check_spec(spec, self.settings.allowed_reward_modules, self.settings.allowed_dataset_locations)
+        except preflight.ConfigError as exc:  # a spec change the allow-lists refuse: keep the admitted one
+            log.error("keeping the current run spec: %s", exc)
+            return
         except errors.BucketRLError as exc:
             log.warning("keeping the current run spec: %s", exc.message)
             return

@@ -46,7 +46,13 @@ from bucketrl.up.processes import Service, free_port, port_open, redis_server_bi
 from bucketrl.up.synclatency import PUBLISHED, _ts
 
 RUN = "sim"
-TOKENS = {"admin": "sim-admin", "trainer": "sim-trainer", "generator": "sim-gen", "viewer": "sim-view"}
+# 16+ characters: the proxy refuses shorter tokens at start.
+TOKENS = {
+    "admin": "sim-admin-0123456789abcdef",
+    "trainer": "sim-trainer-0123456789abcdef",
+    "generator": "sim-gen-0123456789abcdef",
+    "viewer": "sim-view-0123456789abcdef",
+}
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",

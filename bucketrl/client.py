@@ -287,7 +287,14 @@ class ProxyClient:
         self._request("DELETE", self._path(f"/leases/{lease_id}"))
 
     def lease_prompts(
-        self, worker_id: str, n: int, ttl_s: float = 300.0, *, version: int | None = None, wait_s: float = 0.0
+        self,
+        worker_id: str,
+        n: int,
+        ttl_s: float = 300.0,
+        *,
+        version: int | None = None,
+        wait_s: float = 0.0,
+        request_id: str | None = None,
     ) -> PromptLease:
         """Raises ``Backpressure`` (with ``retry_after``) when the pipeline already holds enough work.
 
@@ -297,7 +304,9 @@ class ProxyClient:
             "POST",
             self._path("/prompts/lease"),
             PromptLease,
-            PromptLeaseRequest(worker_id=worker_id, n=n, ttl_s=ttl_s, version=version, wait_s=wait_s),
+            PromptLeaseRequest(
+                worker_id=worker_id, n=n, ttl_s=ttl_s, version=version, wait_s=wait_s, request_id=request_id
+            ),
             extra_timeout_s=wait_s,
         )
 

@@ -29,6 +29,7 @@ import signal
 import tempfile
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -301,6 +302,9 @@ class GeneratorWorker:
                 ttl_s=s.prompt_lease_ttl_s,
                 version=self.book.newest_known or None,
                 wait_s=PROMPT_WAIT_S,
+                # The client's retry after a lost answer gets the same prompts, not more (which would sit
+                # leased to this worker, unknown to it, until their leases expired).
+                request_id=uuid.uuid4().hex,
             )
         except errors.Backpressure as exc:
             # Retry-After 0 after a long-poll: ask again now (with the version loaded meanwhile).

@@ -38,6 +38,12 @@ class PromptLeaseRequest(WireModel):
         description="Long-poll: wait up to this long for admission instead of answering 429 at once. A 429 after "
         "a wait carries Retry-After 0: retry straight away (with the version loaded meanwhile).",
     )
+    request_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Unique per lease, the same on its retries: a replay answers the prompts the first attempt "
+        "leased (those the worker still holds) instead of leasing more.",
+    )
 
 
 class PromptLeaseItem(WireModel):

@@ -44,7 +44,7 @@ class SlowStore:
         self._lock = threading.Lock()
 
     def _write_delay(self, key: str) -> None:
-        if self.slow_writes and (key.endswith("/manifest.json") or "/rollouts/" in key):
+        if self.slow_writes and (key.endswith("/manifest.json") or "/rollouts/" in key or "/prompts/" in key):
             time.sleep(self.slow_s)
 
     def put_bytes(self, key: str, data: bytes) -> None:
@@ -163,6 +163,21 @@ def test_submit_and_ack_replayed_count_once(proxy_file: ProxyHarness) -> None:
     assert proxy_file.call(lambda ctx: ctx.cleaner.drain(30.0))
     q = s.t.status().queue
     assert (q.accepted_total, q.acked_total, q.lost_total, q.groups, q.pending) == (3, 3, 0, 0, 0)
+
+
+def test_prompt_lease_replayed_gets_the_same_prompts(proxy_file: ProxyHarness) -> None:
+    """The first lease of a run writes the prompt snapshot before it answers (slowed here past the client's
+    timeout): its retries, same request id, answer the prompts it leased instead of leasing more."""
+    s = Setup(proxy_file, groups_per_step=8)
+    _slow(proxy_file)
+    g = _impatient(proxy_file, "generator")
+    got = g.lease_prompts("gen-0", 3, request_id="lease-1")
+    assert len(got.prompts) == 3
+    proxy_file.ctx.store.slow_writes = False  # type: ignore[attr-defined]
+    again = s.g.lease_prompts("gen-0", 3, request_id="lease-1")  # after completion
+    assert again.prompts == got.prompts and abs(again.expires_at - got.expires_at) < 1e-3
+    assert s.t.status().prompts_inflight == 3  # not 3 per attempt
+    assert [p.prompt_id for p in s.g.lease_prompts("gen-0", 2, request_id="lease-2").prompts] == ["0-3", "0-4"]
 
 
 class GatedStore:

@@ -56,6 +56,7 @@ async def lease(
         wait_s=min(req.wait_s, ctx.settings.max_wait_s),
         notifier=ctx.notifier,
         slack=ctx.settings.pace_slack_versions,
+        request_id=req.request_id,
     )
 
 

@@ -216,8 +216,8 @@ end
 _LEASE = Lua(
     QUEUED_LUA
     + """
--- KEYS: cursor inflight owner reissue open meta stream counters queue_meta state pace
--- ARGV: ttl_s n (unused) worker size limit group version groups_per_step max_staleness slack
+-- KEYS: cursor inflight owner reissue open meta stream counters queue_meta state pace request
+-- ARGV: ttl_s n (unused) worker size limit group version groups_per_step max_staleness slack request_id
 -- Lease times are Redis TIME: every replica agrees on when a lease expires, whatever its own clock says.
 if redis.call('HEXISTS', KEYS[6], 'ready') == 0 or redis.call('HEXISTS', KEYS[9], 'ready') == 0 then
   return {-1}
@@ -226,6 +226,20 @@ local t = redis.call('TIME')
 local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
 local exp = string.format('%.6f', tonumber(now) + tonumber(ARGV[1]))
 local n, worker = tonumber(ARGV[2]), ARGV[4]
+-- a replay (same request id; the first answer was lost): the prompts that lease handed out this worker still holds
+if ARGV[12] ~= '' then
+  local prev = redis.call('LRANGE', KEYS[12], 0, -1)
+  if #prev > 0 then
+    local result = {1, tonumber(redis.call('HGET', KEYS[6], 'seq') or '0'), tonumber(redis.call('GET', KEYS[1]) or '0'),
+                    tonumber(redis.call('HGET', KEYS[6], 'persisted_reserved') or '0'), prev[1]}
+    for i = 2, #prev do
+      if redis.call('HGET', KEYS[3], prev[i]) == worker and redis.call('ZSCORE', KEYS[2], prev[i]) then
+        table.insert(result, prev[i])
+      end
+    end
+    return result
+  end
+end
 local size, limit, group = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
 -- 1. expired leases go back on the reissue list (unless their group arrived meanwhile)
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. now, 'LIMIT', 0, 10000)
@@ -294,6 +308,10 @@ local seq = redis.call('HINCRBY', KEYS[6], 'seq', 1)
 local reserved = tonumber(redis.call('HGET', KEYS[6], 'persisted_reserved') or '0')
 local result = {1, seq, cursor, reserved, exp}
 for _, pid in ipairs(out) do table.insert(result, pid) end
+if ARGV[12] ~= '' then
+  redis.call('RPUSH', KEYS[12], exp, unpack(out))
+  redis.call('EXPIRE', KEYS[12], math.ceil(tonumber(ARGV[1])))
+end
 return result
 """
 )
@@ -401,22 +419,27 @@ async def lease(
     wait_s: float = 0.0,
     notifier: Notifier | None = None,
     slack: int = PACE_SLACK_VERSIONS,
+    request_id: str | None = None,
 ) -> PromptLease:
     """Lease up to ``n`` prompts (fewer when admission control allows fewer). 429 when none may be.
+
+    ``request_id``: a replay of a lease that handed prompts out answers those (the ones the worker still holds).
 
     ``version``: the policy version the caller samples with (None: the latest). ``wait_s`` > 0 long-polls: a
     refused lease waits for the run's ``pipeline`` or ``versions`` announcements (or a lease expiry, checked
     every ``PACE_SLICE_S``) and tries again until ``wait_s`` passes; the 429 after a wait says Retry-After 0.
     """
     if wait_s <= 0 or notifier is None:
-        return await _lease_once(r, store, run, spec, worker_id, n, ttl_s, version, slack)
+        return await _lease_once(r, store, run, spec, worker_id, n, ttl_s, version, slack, request_id=request_id)
     t0 = time.monotonic()
     deadline = t0 + wait_s
     while True:
         # Registered BEFORE the attempt: an announcement between the refusal and the wait is not lost.
         with notifier.waiter(run, "pipeline", "versions") as event:
             try:
-                got = await _lease_once(r, store, run, spec, worker_id, n, ttl_s, version, slack, count_refusal=False)
+                got = await _lease_once(
+                    r, store, run, spec, worker_id, n, ttl_s, version, slack, count_refusal=False, request_id=request_id
+                )
                 got.waited_s = time.monotonic() - t0
                 return got
             except PacedOut as exc:
@@ -460,6 +483,7 @@ async def _lease_once(
     slack: int,
     *,
     count_refusal: bool = True,
+    request_id: str | None = None,
 ) -> PromptLease:
     k = PromptKeys.of(run)
     limit = admission_limit(spec)
@@ -469,10 +493,12 @@ async def _lease_once(
             [
                 *(k.cursor, k.inflight, k.owner, k.reissue, k.open, k.meta),
                 *(k.stream, k.counters, k.queue_meta, k.state, k.pace),
+                keys.run_key(run, f"prompts:leasereq:{worker_id}:{request_id or '-'}"),
             ],
             [
                 *(repr(float(ttl_s)), n, "", worker_id, spec.dataset.size, limit, STREAM_GROUP),
                 *(version or 0, spec.groups_per_step, spec.max_staleness, effective_slack(slack, spec)),
+                request_id or "",
             ],
         )
         if int(res[0]) != -1:

@@ -26,6 +26,7 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from bucketrl.trainer.model import AdapterSnapshot, PolicyModel
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.wire.rollouts import RolloutGroup
 from bucketrl.wire.runs import RunSpec, SamplingSpec
+
+if TYPE_CHECKING:
+    from bucketrl.trainer.distributed import Ranks
 
 log = logging.getLogger("bucketrl.trainer")
 
@@ -58,9 +62,12 @@ class StepGroup:
 class Learner:
     """The policy, its AdamW optimizer and the step counter."""
 
-    def __init__(self, spec: RunSpec, settings: TrainerSettings) -> None:
+    def __init__(self, spec: RunSpec, settings: TrainerSettings, *, ranks: Ranks | None = None) -> None:
         self.spec = spec
         self.settings = settings
+        # Data-parallel ranks (torchrun): each trains its share of the groups, gradients are summed over ranks
+        # (bucketrl/trainer/distributed.py). None: one process trains everything.
+        self.ranks = ranks
         self.policy = PolicyModel(
             spec,
             device=settings.device,
@@ -163,6 +170,11 @@ class Learner:
         stats["train/lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         if samples:
+            if self.ranks is not None:  # this rank's share; the statistics above cover the whole step
+                from bucketrl.trainer.distributed import shard_groups
+
+                share = shard_groups(groups, self.ranks.world)[self.ranks.rank]
+                samples, _ = self.build_samples([groups[i] for i in share])
             t_check = time.perf_counter()
             mismatch = self._stale_mismatch(samples, policy_version)
             stats["perf/mismatch_check_s"] = time.perf_counter() - t_check
@@ -219,6 +231,9 @@ class Learner:
         spec = self.spec.loss
         micro = make_micro_batches(samples, self.settings.micro_token_budget, self.policy.pad_id)
         tokens = float(sum(float(mb.mask.sum()) for mb in micro))
+        sequences = float(len(samples))
+        if self.ranks is not None:  # normalise by the whole step's totals, so the ranks' gradients add up
+            tokens, sequences = self.ranks.all_reduce_sum([tokens, sequences])
         outputs: list[LossOutput] = []
         total_loss = 0.0
         for mb in micro:
@@ -236,16 +251,21 @@ class Learner:
                 ref_logprobs=ref,
                 entropy=entropy,
             )
-            out = grpo_loss(batch, spec, token_normalizer=tokens, sequence_normalizer=float(len(samples)))
+            out = grpo_loss(batch, spec, token_normalizer=tokens, sequence_normalizer=sequences)
             out.loss.backward()
             total_loss += float(out.loss.detach())
             outputs.append(out)
             _add_mismatch(mismatch, lp.detach(), mb.behaviour, mb.mask, mb.versions, mb.worker_ids, policy_version)
+        n_micro = float(len(micro))
+        if self.ranks is not None:
+            self.ranks.all_reduce_grads(self.params)
+            mine = ([(o.sums, o.tokens) for o in outputs], total_loss, n_micro, mismatch)
+            outputs, total_loss, n_micro, mismatch = _merge_ranks(self.ranks.all_gather(mine))
         stats = finalize_stats(outputs)
         stats["train/loss"] = total_loss
         stats["train/tokens"] = tokens
-        stats["train/sequences"] = float(len(samples))
-        stats["train/micro_batches"] = float(len(micro))
+        stats["train/sequences"] = sequences
+        stats["train/micro_batches"] = n_micro
         for worker, (diff, n) in sorted(mismatch.items()):
             if n > 0:
                 stats[MISMATCH_PREFIX + (worker or "unknown")[:_MAX_WORKER_IN_NAME]] = diff / n
@@ -263,6 +283,21 @@ class Learner:
             group["lr"] = lr
         self.optimizer.step()
         return {"train/grad_norm": grad_norm}
+
+
+def _merge_ranks(
+    parts: list[tuple[list[tuple[dict[str, float], float]], float, float, dict[str, list[float]]]],
+) -> tuple[list[LossOutput], float, float, dict[str, list[float]]]:
+    """Every rank's loss sums, loss, micro-batch count and mismatch sums as one step's (merged in rank order, so
+    every rank computes the same floats)."""
+    outputs = [LossOutput(loss=torch.zeros(()), sums=sums, tokens=n) for p in parts for sums, n in p[0]]
+    mismatch: dict[str, list[float]] = {}
+    for _, _, _, acc in parts:
+        for worker, (diff, n) in acc.items():
+            slot = mismatch.setdefault(worker, [0.0, 0.0])
+            slot[0] += diff
+            slot[1] += n
+    return outputs, sum(p[1] for p in parts), sum(p[2] for p in parts), mismatch
 
 
 def _add_mismatch(

@@ -114,6 +114,20 @@ class TrainerSettings(WorkerSettings):
     gradient_checkpointing: bool = Field(
         False, description="BUCKETRL_GRADIENT_CHECKPOINTING: trade compute for activation memory."
     )
+    # Data parallelism (only read under torchrun; see bucketrl/trainer/distributed.py).
+    dist_timeout_s: float = Field(
+        900.0,
+        gt=0.0,
+        description="BUCKETRL_DIST_TIMEOUT_S: under torchrun, a collective that waits longer than this (a rank died "
+        "or hangs) ends the job; keep it above BUCKETRL_OUTAGE_BUDGET_S, which rank 0 may spend riding out a proxy "
+        "outage while the others wait.",
+    )
+    dist_heartbeat_s: float = Field(
+        10.0,
+        gt=0.0,
+        description="BUCKETRL_DIST_HEARTBEAT_S: under torchrun, rank 0 tells the other ranks it is alive this often "
+        "while it waits for rollouts (must be well below BUCKETRL_DIST_TIMEOUT_S).",
+    )
     work_dir: str = Field(
         "",
         description="BUCKETRL_WORK_DIR: local scratch where adapter/checkpoint files are written before they are "
@@ -143,6 +157,15 @@ class TrainerSettings(WorkerSettings):
 
         check_report_to(v)
         return v
+
+    @model_validator(mode="after")
+    def _heartbeat_below_timeout(self) -> TrainerSettings:
+        if self.dist_heartbeat_s * 2 > self.dist_timeout_s:
+            raise ValueError(
+                f"BUCKETRL_DIST_HEARTBEAT_S ({self.dist_heartbeat_s}) must be at most half of BUCKETRL_DIST_TIMEOUT_S "
+                f"({self.dist_timeout_s}): the other ranks would time out while rank 0 waits for rollouts"
+            )
+        return self
 
     @model_validator(mode="after")
     def _checkpoint_reachable(self) -> TrainerSettings:

@@ -77,11 +77,23 @@ class ConfigError(Exception):
     """A setting is wrong: the message says which one."""
 
 
+class RankFailure(RuntimeError):
+    """Under torchrun: a collective across the trainer's ranks failed (a rank died or timed out)."""
+
+
 class TrainerWorker:
     """One trainer process for one run. ``run()`` returns the exit code."""
 
-    def __init__(self, settings: TrainerSettings, *, echo: Callable[[str], None] = print) -> None:
+    def __init__(self, settings: TrainerSettings, *, echo: Callable[[str], None] = print, ranks: Any = None) -> None:
         self.settings = settings
+        # Under torchrun this is rank 0, which speaks for all ranks: ``speaker`` tells the others what to train
+        # (bucketrl/trainer/distributed.py). None: a single-process trainer.
+        self.ranks = ranks
+        self.speaker: Any = None
+        if ranks is not None:
+            from bucketrl.trainer.distributed import SpeakerHooks
+
+            self.speaker = SpeakerHooks(ranks, settings.dist_heartbeat_s)
         self.worker_id = settings.resolved_worker_id("trainer")
         # One client per thread (main, claim prefetch, uploader): each keeps its own connection. They share one
         # outage budget (BUCKETRL_OUTAGE_BUDGET_S) and log an outage once, whichever thread meets it first.
@@ -129,6 +141,15 @@ class TrainerWorker:
         signal.signal(signal.SIGINT, self.request_stop)
 
     def run(self) -> int:
+        code = EXIT_ERROR
+        try:
+            code = self._run_reporting()
+            return code
+        finally:
+            if self.speaker is not None:  # the other ranks exit with rank 0's code
+                self.speaker.stop(code)
+
+    def _run_reporting(self) -> int:
         try:
             return self._run()
         except errors.Fenced as exc:
@@ -144,6 +165,9 @@ class TrainerWorker:
             return EXIT_CONFIG
         except errors.BucketRLError as exc:
             self.echo(f"bucketrl trainer: proxy error {exc.code}: {exc.message}")
+            return EXIT_ERROR
+        except RankFailure as exc:
+            self.echo(f"bucketrl trainer: {exc}")
             return EXIT_ERROR
         finally:
             self.stop_requested.set()  # ends a prefetching claim within claim_wait_s
@@ -164,11 +188,13 @@ class TrainerWorker:
 
         preflight.check_run(spec, names=preflight.SPEC_NAMES, client=self.client, reward="skip")
         self._announce("loading model")
-        return Learner(spec, self.settings)
+        return Learner(spec, self.settings, ranks=self.ranks)
 
     def _run(self) -> int:
         self._announce("checking configuration")
         self.spec = self._ensure_run()
+        if self.speaker is not None:
+            self.speaker.spec(self.spec)
         self._seed()
         self.learner = self._make_learner(self.spec)
         if self.stop_requested.is_set():  # SIGTERM during the model load: leave the current trainer alone
@@ -181,6 +207,8 @@ class TrainerWorker:
         self.uploader = Uploader()
         self._resume()
         self._open_trackers()
+        if self.speaker is not None:  # every rank continues from rank 0's (restored) state
+            self.speaker.state(self.learner)
         self._ensure_published()
         self._audit({"event": "start", "epoch": self.epoch, "step": self.learner.step})
         self._announce("waiting for rollouts")
@@ -188,7 +216,7 @@ class TrainerWorker:
         while self.learner.step < self.settings.max_steps and not self.stop_requested.is_set():
             t0 = time.perf_counter()
             try:
-                deliveries, dropped, repeats = pending.result()
+                deliveries, dropped, repeats = pending.result() if self.speaker is None else self.speaker.wait(pending)
             except Stopped:
                 break
             wait_s = time.perf_counter() - t0
@@ -336,7 +364,7 @@ class TrainerWorker:
             log.info("latest v%d is not the restored weights (step %d): publishing them", self.latest_version, step)
             self._publish()
         if self.policy_version not in self.learner.versions:
-            self.learner.remember_version(self.policy_version, self.learner.policy.adapter_snapshot())
+            self._remember(self.policy_version, self.learner.policy.adapter_snapshot())
         self._uploader().drain()  # generators must find it before the first claim can be answered
 
     # -- one step -----------------------------------------------------------------------------------------
@@ -350,6 +378,8 @@ class TrainerWorker:
         deliveries, held_back = self._within_staleness(deliveries)
         groups = [StepGroup(g, d.version, d.worker_id, d.sampling) for d in deliveries for g in d.groups]
         self._check_rewards(deliveries)
+        if self.speaker is not None:
+            self.speaker.step(groups, self.policy_version)
         stats = self.learner.train_step(groups, policy_version=self.policy_version)
         stats["reward/unscorable_frac"] = self.unscorable[-1][1] / max(1, self.unscorable[-1][0])
         # Repeats of deliveries this lineage already trained (their claims came after the ones that trained
@@ -530,7 +560,7 @@ class TrainerWorker:
         snap = self.learner.policy.adapter_snapshot()
         version = self.latest_version + 1
         step = self.learner.step
-        self.learner.remember_version(version, snap)
+        self._remember(version, snap)
 
         def job() -> None:
             tar = snap.tar(self.scratch)
@@ -621,6 +651,12 @@ class TrainerWorker:
 
     # -- helpers ------------------------------------------------------------------------------------------------
 
+    def _remember(self, version: int, snap: Any) -> None:
+        """Record the current weights as ``version`` (on every rank: the stale-sample mismatch check)."""
+        self.learner.remember_version(version, snap)
+        if self.speaker is not None:
+            self.speaker.remember(version)
+
     def _retrying(self, call: Callable[[], T]) -> T:
         """Retry a call through proxy outages (503 / unreachable) and other retryable answers (409
         ``write_in_progress``: a slow write of the same bundle still holds its lock) for up to ``outage_budget_s``.
@@ -649,9 +685,19 @@ class TrainerWorker:
 
 
 def main(settings: TrainerSettings) -> int:
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or "1")  # torchrun sets it
+    where = f" [rank {os.environ.get('RANK', '?')}/{world}]" if world > 1 else ""
     logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s",
+        stream=sys.stderr,
     )
+    if world > 1:
+        from bucketrl.trainer.distributed import main as rank_main
+
+        return rank_main(settings)
     worker = TrainerWorker(settings)
     worker.install_signal_handlers()
     return worker.run()

@@ -1,0 +1,141 @@
+"""Ranks of a data-parallel trainer on CPU/gloo, started with ``torch.multiprocessing`` (what torchrun does for
+``bucketrl trainer``, minus the launcher): each rank joins through the same ``env://`` variables torchrun sets
+and runs the same scenario; rank 0 saves what the test compares with one process.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bucketrl.trainer.learner import Learner, StepGroup
+from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.wire.runs import LossSpec, RunSpec
+from tests.trainer.helpers import random_group, settings, tiny_spec
+
+STEPS = 3
+GROUPS_PER_STEP = 5
+
+
+def cfg(**overrides: Any) -> TrainerSettings:
+    """The tests' trainer settings: lr 1e-3 and AdamW eps 1e-6. AdamW moves a weight by up to lr / (4 eps) per
+    unit change of a near-zero gradient coordinate, so float-order differences of ~1e-9 in the summed gradient
+    (well within the 1e-6 the gradients are compared to) would shift the defaults' update (lr 1e-2, eps 1e-8)
+    by far more than 1e-6: a property of AdamW's conditioning, not of the ranks."""
+    return settings(**{"lr": 1e-3, "adam_eps": 1e-6, **overrides})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def specs(model_dir: Path) -> dict[str, RunSpec]:
+    """Both loss aggregations (their normalisers are the step's totals over all ranks), with and without KL."""
+    return {
+        "token": tiny_spec(model_dir),
+        "sequence_kl": tiny_spec(model_dir, loss=LossSpec(aggregation="sequence", kl_coef=0.05)),
+    }
+
+
+def batches(seed: int = 0) -> list[list[StepGroup]]:
+    """Groups of uneven sizes (prompts 2-6 tokens, completions 1-8): the token balance splits them unevenly."""
+    rng = random.Random(seed)
+    return [
+        [StepGroup(random_group(rng, index=GROUPS_PER_STEP * i + j), 1, f"g{j % 2}") for j in range(GROUPS_PER_STEP)]
+        for i in range(STEPS)
+    ]
+
+
+def grads(learner: Learner) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in learner.policy.model.named_parameters() if p.grad is not None}
+
+
+def trajectory(learner: Learner, steps: list[list[StepGroup]]) -> dict[str, Any]:
+    """Loss of every step, gradients of the first (after the all-reduce and clipping), the final adapter."""
+    losses: list[float] = []
+    first: dict[str, torch.Tensor] = {}
+    updated: dict[str, torch.Tensor] = {}
+    stats: dict[str, float] = {}
+    for i, groups in enumerate(steps):
+        stats = learner.train_step(groups, policy_version=1)
+        losses.append(stats["train/loss"])
+        if i == 0:
+            first = grads(learner)
+            updated = learner.policy.adapter_state()
+    return {
+        "losses": losses,
+        "grads": first,
+        "updated": updated,
+        "adapter": learner.policy.adapter_state(),
+        "stats": stats,
+    }
+
+
+def run_rank(rank: int, port: int, model_dir: str, out: str) -> None:
+    """Rank ``rank`` of a 3-rank job: the scenario on all 3 ranks, then on a 2-rank group of ranks 0 and 1 (one
+    set of processes for both sizes: starting them is what costs)."""
+    import torch.distributed as dist
+
+    from bucketrl.trainer.distributed import Ranks, init_ranks
+
+    torch.set_num_threads(1)
+    env = {"RANK": rank, "WORLD_SIZE": 3, "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    ranks, rank_cfg = init_ranks(cfg(dist_timeout_s=120.0))
+    try:
+        results = {3: scenario(ranks, rank_cfg, Path(model_dir))}
+        pair = dist.new_group([0, 1], backend="gloo")
+        if rank < 2:
+            two = Ranks(rank=rank, world=2, local_rank=rank, grads=pair, control=pair, timeout_s=120.0)
+            results[2] = scenario(two, rank_cfg, Path(model_dir))
+        if ranks.speaks:
+            torch.save(results, Path(out) / "results.pt")
+        dist.barrier()
+    finally:
+        ranks.close()
+
+
+def scenario(ranks: Any, rank_cfg: TrainerSettings, model_dir: Path) -> dict[str, Any]:
+    from bucketrl.trainer.checkpoint import TrainerState, pack_checkpoint, restore_checkpoint
+    from bucketrl.trainer.distributed import adopt_state, state_message
+
+    result: dict[str, Any] = {}
+    steps = batches()
+    for name, spec in specs(model_dir).items():
+        result[name] = trajectory(Learner(spec, rank_cfg, ranks=ranks), steps)
+
+    # One group: every sample on rank 0, nothing on the others (their gradients count as zeros).
+    spec = specs(model_dir)["token"]
+    lone = Learner(spec, rank_cfg, ranks=ranks)
+    lone.train_step(steps[0][:1], policy_version=1)
+    result["lone_adapter_tar"] = lone.policy.adapter_tar()
+
+    # Checkpoint after 2 steps (rank 0 writes it, as the worker does), then the uninterrupted 3rd step.
+    learner = Learner(spec, rank_cfg, ranks=ranks)
+    for groups in steps[:2]:
+        learner.train_step(groups, policy_version=1)
+    tar = pack_checkpoint(learner, TrainerState(step=0, policy_version=3)) if ranks.speaks else b""
+    learner.train_step(steps[2], policy_version=1)
+    result["checkpoint"] = tar
+    result["uninterrupted"] = learner.policy.adapter_state()
+
+    # A restarted job: fresh learners (another LoRA init), rank 0 restores the checkpoint and sends its state
+    # to the others (what TrainerWorker does after its resume), then the 3rd step again.
+    restarted = Learner(spec, cfg(dist_timeout_s=120.0, seed=7), ranks=ranks)
+    if ranks.speaks:
+        restore_checkpoint(restarted, tar)
+        ranks.broadcast(state_message(restarted))
+    else:
+        adopt_state(restarted, ranks.broadcast(None))
+    restarted.train_step(steps[2], policy_version=1)
+    result["restarted"] = restarted.policy.adapter_state()
+    # Every rank holds the same replica (rank 0's is what gets published).
+    result["replicas"] = ranks.all_gather(restarted.policy.adapter_state())
+    return result

@@ -1,0 +1,103 @@
+"""Data-parallel training on CPU/gloo: N ranks give the update of one process on the same claimed groups.
+
+Each world size runs as real processes joined over gloo (``tests/trainer/dist_support.py``); the single-process
+reference runs here. fp32 throughout, so agreement is to float summation order (1e-6).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from bucketrl.trainer.checkpoint import restore_checkpoint
+from bucketrl.trainer.distributed import group_tokens, shard_groups
+from bucketrl.trainer.learner import Learner, StepGroup
+from tests.trainer import dist_support
+from tests.trainer.helpers import random_group
+
+TOL = 1e-6
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, tol: float = TOL) -> None:
+    assert got.keys() == want.keys(), what
+    for k in want:
+        diff = float((got[k] - want[k]).abs().max())
+        assert diff <= tol, f"{what}: {k} differs by {diff}"
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir: Path) -> dict[str, dict]:
+    steps = dist_support.batches()
+    return {
+        name: dist_support.trajectory(Learner(spec, dist_support.cfg()), steps)
+        for name, spec in dist_support.specs(tiny_model_dir).items()
+    }
+
+
+@pytest.fixture(scope="module")
+def ranked(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """The scenario on 3 ranks and on 2, as real processes joined over gloo."""
+    out = tmp_path_factory.mktemp("ranks")
+    port = dist_support.free_port()
+    mp.start_processes(
+        dist_support.run_rank, args=(port, str(tiny_model_dir), str(out)), nprocs=3, start_method="spawn"
+    )
+    return torch.load(out / "results.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_train_like_one_process(world: int, tiny_model_dir: Path, ranked: dict, single: dict) -> None:
+    got = ranked[world]
+    steps = dist_support.batches()
+
+    for name, want in single.items():
+        have = got[name]
+        assert have["losses"] == pytest.approx(want["losses"], abs=TOL), name
+        assert_close(have["grads"], want["grads"], f"{name} gradients of step 1")
+        assert_close(have["updated"], want["updated"], f"{name} adapter updated by step 1")
+        assert_close(have["adapter"], want["adapter"], f"{name} adapter after {dist_support.STEPS} steps")
+        # The step's totals are the whole step's, not rank 0's share.
+        for key in ("train/tokens", "train/sequences", "reward", "ratio", "entropy"):
+            assert have["stats"][key] == pytest.approx(want["stats"][key], abs=TOL), (name, key)
+    assert got["sequence_kl"]["stats"]["kl"] == pytest.approx(single["sequence_kl"]["stats"]["kl"], abs=TOL)
+    # The loss really is split: every rank trained a share of the last step.
+    shares = shard_groups(steps[-1], world)
+    assert all(shares) and sorted(i for s in shares for i in s) == list(range(dist_support.GROUPS_PER_STEP))
+
+    # All samples on rank 0 (one group): the same float operations as one process, so the published adapter is
+    # byte-identical.
+    lone = Learner(dist_support.specs(tiny_model_dir)["token"], dist_support.cfg())
+    lone.train_step(steps[0][:1], policy_version=1)
+    assert got["lone_adapter_tar"] == lone.policy.adapter_tar()
+
+    # A restarted job resumes bit-exact from the checkpoint rank 0 wrote; every rank holds the same replica.
+    for k, v in got["uninterrupted"].items():
+        assert torch.equal(got["restarted"][k], v), k
+    for replica in got["replicas"]:
+        for k, v in replica.items():
+            assert torch.equal(v, got["restarted"][k]), k
+
+    # The checkpoint of N ranks resumes in one process: its next step matches the N-rank job's.
+    one = Learner(dist_support.specs(tiny_model_dir)["token"], dist_support.cfg(seed=3))
+    state = restore_checkpoint(one, got["checkpoint"])
+    assert state.step == 2
+    one.train_step(steps[2], policy_version=1)
+    assert_close(one.policy.adapter_state(), got["uninterrupted"], f"1 process resuming a {world}-rank checkpoint")
+
+
+def test_groups_are_split_balanced_by_tokens() -> None:
+    rng = random.Random(5)
+    groups = [StepGroup(random_group(rng, index=i), 1) for i in range(11)]
+    for world in (1, 2, 3, 4):
+        shares = shard_groups(groups, world)
+        assert sorted(i for s in shares for i in s) == list(range(11))
+        loads = [sum(group_tokens(groups[i]) for i in s) for s in shares]
+        # LPT's bound: no rank carries more than the average plus the largest group.
+        assert max(loads) <= sum(loads) / world + max(group_tokens(g) for g in groups)
+        assert shard_groups(groups, world) == shares  # deterministic: every rank computes the same split
+    # More ranks than groups: the extra ranks train nothing.
+    assert shard_groups(groups[:2], 3)[2] == []

@@ -59,6 +59,9 @@ def up_command(
     checkpoint_every: Annotated[int | None, typer.Option(help="Checkpoint every N steps (default 10).")] = None,
     port: Annotated[int | None, typer.Option(help="Proxy port (default: a free one).")] = None,
     threads: Annotated[int | None, typer.Option(help="torch threads per worker process (default 1).")] = None,
+    trainer_procs: Annotated[
+        int | None, typer.Option(help="Trainer ranks on this machine (default 1; >1: torchrun, CPU/gloo ranks).")
+    ] = None,
     seed: Annotated[int | None, typer.Option(help="Trainer seed (default 0).")] = None,
     live: Annotated[bool | None, typer.Option("--live/--no-live", help="Live view (default: when a terminal).")] = None,
 ) -> None:
@@ -97,6 +100,7 @@ def up_command(
             "checkpoint_every": checkpoint_every,
             "port": port,
             "threads": threads,
+            "trainer_procs": trainer_procs,
             "seed": seed,
         }.items()
         if v is not None

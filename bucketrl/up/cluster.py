@@ -31,7 +31,15 @@ import httpx
 from bucketrl.client import ProxyClient
 from bucketrl.trainer.trackers import default_report_to
 from bucketrl.up.config import UpConfig, build_run_spec, save_options
-from bucketrl.up.processes import Service, bucketrl_command, free_port, port_open, redis_server_binary, wait_until
+from bucketrl.up.processes import (
+    Service,
+    bucketrl_command,
+    free_port,
+    port_open,
+    redis_server_binary,
+    trainer_command,
+    wait_until,
+)
 
 ROLES = ("admin", "trainer", "generator", "viewer")
 
@@ -266,7 +274,7 @@ class LocalCluster:
             **({"BUCKETRL_DATASET_FILE": str(cfg.upload_path)} if cfg.upload_path is not None else {}),
             **cfg.trainer_env,
         }
-        return self._service("trainer", bucketrl_command("trainer"), env).start()
+        return self._service("trainer", trainer_command(cfg.trainer_procs), env).start()
 
     def start_generator(self, index: int) -> Service:
         name = f"gen-{index}"

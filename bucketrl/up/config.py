@@ -58,6 +58,9 @@ class UpConfig(BaseModel):
     bucket_url: str | None = Field(None, description="Default file://<dir>/bucket; s3://... works too.")
     redis_url: str | None = Field(None, description="External Redis; default an embedded redis-server.")
     threads: int = Field(1, ge=1, le=256, description="torch threads per worker process.")
+    trainer_procs: int = Field(
+        1, ge=1, le=64, description="Trainer ranks: >1 runs the trainer under torchrun as that many CPU ranks (gloo)."
+    )
     # everysec: a Redis crash may lose its last second (the proxy rebuilds from the bucket); always: none.
     redis_fsync: Literal["everysec", "always"] = "everysec"
     prompt_lease_ttl_s: float = Field(60.0, gt=1.0, description="A killed generator's prompts return after this.")

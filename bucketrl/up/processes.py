@@ -73,6 +73,15 @@ def bucketrl_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "bucketrl.cli", *args]
 
 
+def trainer_command(procs: int) -> list[str]:
+    """``bucketrl trainer``, or with ``procs > 1`` one trainer of that many ranks on this machine (torchrun through
+    :mod:`bucketrl.trainer.launch`, which keeps the trainer's exit codes)."""
+    if procs <= 1:
+        return bucketrl_command("trainer")
+    launch = [sys.executable, "-m", "bucketrl.trainer.launch", "--standalone", f"--nproc-per-node={procs}"]
+    return [*launch, "-m", "bucketrl.cli", "trainer"]
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     """When ``bucketrl up`` gives up on a service: only when it keeps dying quickly, ``max_deaths`` deaths

@@ -185,6 +185,8 @@ class Learner:
             stats.update({"train/loss": 0.0, "train/grad_norm": 0.0, "train/tokens": 0.0, "train/sequences": 0.0})
         self.step += 1
         stats["perf/fwd_bwd_s"] = time.perf_counter() - t0
+        if self.policy.device.type == "cuda":  # what bench/gpu_check.py reports
+            stats["perf/gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
         return stats
 
     def _stale_mismatch(self, samples: list[Sample], policy_version: int) -> dict[str, list[float]]:

@@ -242,6 +242,15 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _token_rate(series: list[tuple[float, float]]) -> float | None:
+    """Tokens per second between a generator's first and last push of its token counter (model loading and the
+    wait for v1 come before its first push)."""
+    series = sorted(series)
+    if len(series) < 2 or series[-1][0] <= series[0][0]:
+        return None
+    return (series[-1][1] - series[0][1]) / (series[-1][0] - series[0][0])
+
+
 def collect(
     watcher: RunWatcher,
     cluster: LocalCluster,
@@ -254,10 +263,8 @@ def collect(
     step_times = [t for t, _ in next(iter(watcher.timed_series("perf/step_s", role="trainer").values()), [])]
     steps_per_s = (len(step_times) - 1) / (step_times[-1] - step_times[0]) if len(step_times) > 2 else None
     fwd_bwd = [v for _, v in watcher.trainer_series("perf/fwd_bwd_s")][1:]  # the first step includes warm-up
-    tok_s = [
-        _mean([v for _, v in series][1:]) or 0.0
-        for series in watcher.timed_series("rollout/generated_tok_s", role="generator").values()
-    ]
+    tok_s = [_token_rate(series) for series in watcher.timed_series("rollout/tokens_total", role="generator").values()]
+    tok_s = [r for r in tok_s if r is not None]
     gaps = [
         v
         for p in watcher.pushes

@@ -1,147 +1,163 @@
-"""Chaos during one run: SIGKILL a generator, SIGKILL + restart the trainer, restart the proxy, kill + restart
-Redis (append-only file, fsync always). After each, the invariants hold; the run still finishes.
+"""Chaos on a real ``bucketrl up`` (issue 10): an 80-step run takes 25 faults and finishes with nothing lost and
+nothing trained twice; a second, shorter run on S3 rides out its endpoint going away.
 
-    .venv/bin/python -m pytest -q -s tests/e2e/test_chaos.py
+    .venv/bin/python -m pytest -q -s tests/e2e/test_chaos.py     # prints each fault and its recovery time
 
-What each fault must show:
-- generator SIGKILL: the prompts it held are issued again once their lease expires and get completed by the
-  surviving generator (read-only look at the proxy's Redis: they leave the ``open`` set while the killed
-  worker is still dead).
-- trainer SIGKILL: the restarted trainer gets a new epoch, resumes from its checkpoint (audit log ``resume``
-  with step > 0), versions stay dense, no delivery is trained twice in the final history.
-- proxy restart: workers ride it out (their HTTP clients retry); nothing accepted is lost.
-- Redis SIGKILL + restart: coordination state comes back from the append-only file (counters do not reset).
+The supervisor is ``bucketrl up``'s own (``run_up`` in a child process); the test hits its services from
+outside by pid (``tests/e2e/chaos.py``): SIGKILL of the trainer (6 times: more than the old "5 restarts over
+the run" allowed), the generators, the proxy and redis-server (all restarted by ``up``), SIGSTOP/SIGCONT of a
+generator, Redis ``FLUSHALL`` while the trainer holds unacked groups, and the ``file://`` bucket's directory
+renamed away for 20 s. At the end, from the trainer's own audit log (which deliveries each step trained) and
+the proxy's lifetime counters (Redis reopened from its append-only file):
+- ``up`` exited 0 after the trainer's last step;
+- no delivery was trained twice in the final lineage (the last execution of each step);
+- ``lost_total == 0`` and accepted = acked + dropped + lost + queued + pending, exactly;
+- the counters cover the whole run: at least every delivery trained was accepted and every one acked counted;
+- versions are dense (a record for each of 1..latest, epochs never go back), no leased version was deleted
+  (checked at every poll during the run and at the end), and the reward improved.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
+import uuid
 from pathlib import Path
 
 import pytest
 import redis
 
-from bucketrl.up.cluster import LocalCluster
-from tests.e2e.helpers import (
-    Watch,
-    audit,
-    check_invariants,
-    print_sync_latency,
-    reward_curve,
-    running_cluster,
-    status,
-    wait_for,
-)
+from bucketrl.proxy.state.queue import QueueKeys
+from tests.e2e.chaos import Chaos, UpProcess, reopen, rewards_by_step
+from tests.e2e.helpers import check_invariants, effective_history
+from tests.support.faults import TcpGate
+from tests.support.services import MotoServer
 
 pytestmark = pytest.mark.slow
 
-STEPS = 80  # the run must outlast four faults and the waits between them (steps take ~0.1 s here)
-GAP = 4  # steps the run must make between two faults (each fault hits a run that is moving)
-LEASE_TTL_S = 6.0
+STEPS = 80
+CHECKPOINT_EVERY = 5
+OUTAGE_S = 20.0
 
 
-def _owned_prompts(cluster: LocalCluster, worker: str) -> set[str]:
-    r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-    try:
-        owners = r.hgetall(f"brl:{cluster.cfg.run}:prompts:owner")
-        return {pid for pid, w in owners.items() if w == worker}
-    finally:
-        r.close()
+def _final_checks(up: UpProcess, rc: int, *, steps: int, reward_window: int) -> dict[str, int]:
+    assert rc == 0, up.output()[-4000:]
+    assert "trainer finished" in up.output() or "summary" in up.output(), up.output()[-2000:]
+    records = up.audit()
+    history = effective_history(records)
+    assert sorted(history) == list(range(1, steps + 1)), "the final lineage misses steps"
+    trained = [d for deliveries in history.values() for d in deliveries]
+    twice = {d for d in trained if trained.count(d) > 1}
+    assert not twice, f"{len(twice)} deliveries trained twice in the final lineage, e.g. {sorted(twice)[:5]}"
+    ever_trained = {d for r in records if r["event"] == "step" for d in r["deliveries"]}
+    ever_acked = {d for r in records if r["event"] in ("checkpoint", "resume") for d in r.get("acked") or []}
+
+    with reopen(up) as cluster:
+        r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+        try:
+            counters = {k: int(v) for k, v in r.hgetall(QueueKeys.of(up.cfg.run).counters).items()}
+        finally:
+            r.close()
+        with cluster.client("viewer", retries=3) as c:
+            q = c.status().queue
+        report = check_invariants(cluster)  # dense versions, leased versions kept, staleness bound
+    lost = counters.get("lost_total", 0)
+    assert lost == 0, counters
+    assert q.accepted_total == q.acked_total + q.dropped_stale_total + lost + q.groups + q.pending, (q, counters)
+    # Lifetime, not "since the last Redis wipe": the counters cover everything the trainer's log shows.
+    assert q.accepted_total >= len(ever_trained), (q.accepted_total, len(ever_trained))
+    assert q.acked_total >= len(ever_acked), (q.acked_total, len(ever_acked))
+    rewards = rewards_by_step(up)
+    steps = sorted(rewards)
+    first = statistics.fmean(rewards[s] for s in steps[:reward_window])
+    last = statistics.fmean(rewards[s] for s in steps[-reward_window:])
+    print(f"[chaos] {report}; lost {lost}; reward first {reward_window} steps {first:.3f} -> last {last:.3f}")
+    assert last > first, (first, last)
+    return {"accepted": q.accepted_total, "acked": q.acked_total, "lost": lost}
 
 
-def _still_open(cluster: LocalCluster, prompts: set[str]) -> set[str]:
-    r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-    try:
-        open_ = r.smembers(f"brl:{cluster.cfg.run}:prompts:open")
-        return prompts & set(open_)
-    finally:
-        r.close()
-
-
-def test_run_survives_kills_and_restarts(tmp_path: Path) -> None:
-    t0 = time.monotonic()
-    with running_cluster(
+def test_bucketrl_up_survives_25_faults_on_a_file_bucket(tmp_path: Path) -> None:
+    up = UpProcess(
         tmp_path,
         max_steps=STEPS,
         generators=2,
-        checkpoint_every=5,
-        prompt_lease_ttl_s=LEASE_TTL_S,
-        # Fewer prompts per engine call: the killed generator's leases are few and soon reissued.
+        checkpoint_every=CHECKPOINT_EVERY,
+        prompt_lease_ttl_s=6.0,
+        # Fewer prompts per engine call: a killed or frozen generator's leases are few and soon reissued.
         generator_env={"BUCKETRL_PROMPTS_PER_REQUEST": "4"},
-    ) as cluster:
-        watch = Watch(cluster)
-        watch.until_step(3, 240)
+    )
+    bucket, away = up.dir / "bucket", up.dir / "bucket.away"
+    up.start()
+    chaos = Chaos(up)
+    try:
+        chaos.until_step(2, 300)
+        chaos.kill("gen-0")
+        chaos.kill_trainer()
+        chaos.freeze("gen-1", 6)
+        chaos.kill("proxy")
+        flushed_at = chaos.flushall(CHECKPOINT_EVERY)
+        chaos.kill_trainer()
+        chaos.kill("redis")
+        chaos.kill("gen-1")
+        chaos.outage("file bucket gone", lambda: bucket.rename(away), lambda: away.rename(bucket), OUTAGE_S)
+        chaos.kill_trainer()
+        chaos.freeze("gen-0", 6)
+        chaos.kill("proxy")
+        chaos.kill("redis")
+        chaos.kill_trainer()
+        chaos.kill("gen-0")
+        chaos.flushall(CHECKPOINT_EVERY)
+        chaos.kill_trainer()
+        chaos.freeze("gen-1", 6)
+        chaos.kill("proxy")
+        chaos.kill("redis")
+        chaos.kill("gen-1")
+        chaos.kill_trainer()
+        chaos.kill("gen-0")
+        chaos.freeze("gen-1", 6)
+        chaos.kill("proxy")
+        last_fault_step = chaos.step()
+        rc = chaos.wait_for_exit()
+    finally:
+        up.stop()
+    print(chaos.report())
+    kinds = [f.kind for f in chaos.faults]
+    assert len(chaos.faults) >= 25 and sum(k == "SIGKILL trainer" for k in kinds) >= 6, kinds
+    assert flushed_at % CHECKPOINT_EVERY != 0
+    assert last_fault_step < STEPS, "the faults came too late to test recovery: raise STEPS"
+    assert chaos.leased_checks > 0
+    figures = _final_checks(up, rc, steps=STEPS, reward_window=10)
+    print(f"[chaos] file run: {figures}")
 
-        # 1. SIGKILL a generator while it holds prompt leases; it stays dead while the other faults happen.
-        held = wait_for(lambda: _owned_prompts(cluster, "gen-0"), 60, "gen-0 to hold prompt leases")
-        cluster.services["gen-0"].kill()
-        killed_gen_at = time.monotonic()
-        held |= _owned_prompts(cluster, "gen-0")  # leases granted just before the kill landed
-        print(f"\n[chaos] gen-0 SIGKILLed at step {watch.step()} holding {len(held)} prompts")
 
-        # 2. SIGKILL the trainer mid-run and start it again: it resumes from its checkpoint.
-        watch.until_step(watch.step() + GAP, 240)
-        # Checkpoints are stored on the trainer's uploader thread, behind its steps: wait for one to be stored.
-        wait_for(lambda: [r for r in audit(cluster) if r["event"] == "checkpoint"], 120, "a stored checkpoint")
-        epoch = status(cluster).trainer.epoch
-        cluster.services["trainer"].kill()
-        killed_at = watch.step()
-        cluster.services["trainer"].start()
-        wait_for(lambda: status(cluster).trainer.epoch > epoch, 120, "the restarted trainer to register")
-        wait_for(lambda: [r for r in audit(cluster) if r["event"] == "resume"], 120, "the trainer to resume")
-        resumes = [r for r in audit(cluster) if r["event"] == "resume"]
-        assert resumes[-1]["step"] > 0 and resumes[-1]["epoch"] > epoch, resumes
-        print(f"[chaos] trainer SIGKILLed at step {killed_at}; resumed from checkpoint step {resumes[-1]['step']}")
-        watch.until_step(killed_at + 2, 240)
-        check_invariants(cluster, watch, final=False)
-
-        # 3. Restart the proxy (same address): workers retry through the gap.
-        watch.until_step(watch.step() + GAP, 240)
-        before = status(cluster).queue.accepted_total
-        proxy_at = watch.step()
-        cluster.restart("proxy")
-        watch.until_step(watch.step() + GAP, 240)
-        assert status(cluster).queue.accepted_total > before
-        print(f"[chaos] proxy restarted at step {proxy_at}, {before} accepted groups; the run continued")
-        check_invariants(cluster, watch, final=False)
-
-        # The killed generator's prompts were issued again (its leases expired) and completed by gen-1.
-        wait_for(
-            lambda: not _still_open(cluster, held), 120, f"the {len(held)} prompts of the killed gen-0 to complete"
-        )
-        assert not cluster.services["gen-0"].alive
-        print(
-            f"[chaos] gen-0's prompts all completed by gen-1 within {time.monotonic() - killed_gen_at:.0f}s of the kill"
-        )
-        cluster.services["gen-0"].start()
-
-        # 4. SIGKILL Redis and start it again on its append-only file: the run continues where it was.
-        watch.until_step(watch.step() + GAP, 240)
-        before_q = status(cluster).queue
-        redis_at = watch.step()
-        cluster.restart("redis", kill=True)
-        after_q = wait_for(lambda: watch.poll() and watch.last.queue, 60, "the proxy to see Redis again")
-        assert after_q.accepted_total >= before_q.accepted_total, (before_q, after_q)
-        print(
-            f"[chaos] redis SIGKILLed at step {redis_at} and restarted: accepted {before_q.accepted_total} -> "
-            f"{after_q.accepted_total}"
-        )
-        assert redis_at < STEPS - GAP, "the faults came too late to test recovery: raise STEPS"
-
-        trainer = cluster.services["trainer"]
-        deadline = time.monotonic() + 300
-        while trainer.alive and time.monotonic() < deadline:
-            watch.poll()
-            time.sleep(1.0)
-        assert trainer.wait(5) == 0, trainer.log_tail()
-        for name in cluster.generator_names:
-            assert cluster.services[name].alive, f"{name} died: {cluster.services[name].log_tail()}"
-        cluster.stop_workers()
-        report = check_invariants(cluster, watch)
-        rewards = [r for _, r in reward_curve(cluster)]
-        print(f"[chaos] {report}; {time.monotonic() - t0:.0f}s")
-        first, last = statistics.fmean(rewards[:8]), statistics.fmean(rewards[-8:])
-        print(f"[chaos] reward first 8 steps {first:.3f} -> last 8 {last:.3f}")
-        print_sync_latency(cluster)
-    assert report.steps == STEPS and report.latest_version >= STEPS + 1
+def test_bucketrl_up_rides_out_an_s3_outage(tmp_path: Path, moto_server: MotoServer) -> None:
+    name = f"chaos-{uuid.uuid4().hex[:10]}"
+    moto_server.create_bucket(name)
+    # The endpoint the proxy uses goes through a gate: "refuse" is the S3 server stopped (connection refused),
+    # "open" the server back. moto keeps objects in memory only, so stopping moto itself would be a bucket
+    # wipe, not an outage (that case is the bucket identity check's: tests/proxy/test_bucket_outage.py).
+    gate = TcpGate(moto_server.port).start()
+    steps = 24
+    up = UpProcess(
+        tmp_path,
+        max_steps=steps,
+        generators=2,
+        checkpoint_every=CHECKPOINT_EVERY,
+        prompt_lease_ttl_s=6.0,
+        bucket_url=f"s3://{name}/chaos",
+        proxy_env={"BUCKETRL_S3_ENDPOINT_URL": gate.endpoint},
+        generator_env={"BUCKETRL_PROMPTS_PER_REQUEST": "4"},
+    )
+    up.start()
+    chaos = Chaos(up)
+    try:
+        chaos.until_step(2, 300)
+        chaos.outage("S3 endpoint down", lambda: gate.set_mode("refuse"), lambda: gate.set_mode("open"), OUTAGE_S)
+        chaos.outage("S3 answering 503", lambda: gate.set_mode("error"), lambda: gate.set_mode("open"), 8)
+        chaos.kill_trainer()
+        rc = chaos.wait_for_exit()
+        print(chaos.report())
+        figures = _final_checks(up, rc, steps=steps, reward_window=6)  # the reopened proxy goes through the gate
+        print(f"[chaos] s3 run: {figures}")
+    finally:
+        up.stop()
+        gate.stop()

@@ -24,9 +24,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-import redis
 
-from bucketrl.proxy.state.queue import QueueKeys
 from tests.e2e.chaos import Chaos, UpProcess, reopen, rewards_by_step
 from tests.e2e.helpers import check_invariants, effective_history
 from tests.support.faults import TcpGate
@@ -52,27 +50,32 @@ def _final_checks(up: UpProcess, rc: int, *, steps: int, reward_window: int) -> 
     ever_acked = {d for r in records if r["event"] in ("checkpoint", "resume") for d in r.get("acked") or []}
 
     with reopen(up) as cluster:
-        r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-        try:
-            counters = {k: int(v) for k, v in r.hgetall(QueueKeys.of(up.cfg.run).counters).items()}
-        finally:
-            r.close()
         with cluster.client("viewer", retries=3) as c:
             q = c.status().queue
         report = check_invariants(cluster)  # dense versions, leased versions kept, staleness bound
-    lost = counters.get("lost_total", 0)
-    assert lost == 0, counters
-    assert q.accepted_total == q.acked_total + q.dropped_stale_total + lost + q.groups + q.pending, (q, counters)
+    lost = q.lost_total
+    assert lost == 0, q
+    assert q.accepted_total == q.acked_total + q.dropped_stale_total + lost + q.groups + q.pending, q
     # Lifetime, not "since the last Redis wipe": the counters cover everything the trainer's log shows.
     assert q.accepted_total >= len(ever_trained), (q.accepted_total, len(ever_trained))
-    assert q.acked_total >= len(ever_acked), (q.acked_total, len(ever_acked))
+    # Every delivery the trainer acked is settled in the counters (a reset at a wipe would miss hundreds). Some may
+    # be settled as "dropped stale" rather than "acked": a group acked between the last snapshot and a FLUSHALL
+    # comes back with the rebuild and is dropped as stale on its next claim (printed below; see the README).
+    assert q.acked_total + q.dropped_stale_total >= len(ever_acked), (q, len(ever_acked))
+    print(f"[chaos] acked deliveries in the trainer's log {len(ever_acked)}, acked_total {q.acked_total}")
     rewards = rewards_by_step(up)
     steps = sorted(rewards)
     first = statistics.fmean(rewards[s] for s in steps[:reward_window])
     last = statistics.fmean(rewards[s] for s in steps[-reward_window:])
     print(f"[chaos] {report}; lost {lost}; reward first {reward_window} steps {first:.3f} -> last {last:.3f}")
     assert last > first, (first, last)
-    return {"accepted": q.accepted_total, "acked": q.acked_total, "lost": lost}
+    return {
+        "accepted": q.accepted_total,
+        "acked": q.acked_total,
+        "dropped_stale": q.dropped_stale_total,
+        "lost": lost,
+        "acked_in_trainer_log": len(ever_acked),
+    }
 
 
 def test_bucketrl_up_survives_25_faults_on_a_file_bucket(tmp_path: Path) -> None:
@@ -84,43 +87,50 @@ def test_bucketrl_up_survives_25_faults_on_a_file_bucket(tmp_path: Path) -> None
         prompt_lease_ttl_s=6.0,
         # Fewer prompts per engine call: a killed or frozen generator's leases are few and soon reissued.
         generator_env={"BUCKETRL_PROMPTS_PER_REQUEST": "4"},
+        # A crash loop is 5 deaths within 30 s here: a trainer takes ~7 s from its start to its first step on
+        # this machine, and the test kills it only after that step, with other faults in between. (The old
+        # policy, 5 restarts over the whole run, ended this run at the 6th trainer kill.)
+        restart_max_deaths=5,
+        restart_window_s=30.0,
     )
     bucket, away = up.dir / "bucket", up.dir / "bucket.away"
     up.start()
     chaos = Chaos(up)
     try:
         chaos.until_step(2, 300)
+        # Generator faults do not wait for their recovery: they overlap the next faults.
         chaos.kill("gen-0")
-        chaos.kill_trainer()
         chaos.freeze("gen-1", 6)
+        chaos.kill_trainer()  # 1
         chaos.kill("proxy")
         flushed_at = chaos.flushall(CHECKPOINT_EVERY)
-        chaos.kill_trainer()
-        chaos.kill("redis")
         chaos.kill("gen-1")
-        chaos.outage("file bucket gone", lambda: bucket.rename(away), lambda: away.rename(bucket), OUTAGE_S)
-        chaos.kill_trainer()
+        chaos.kill_trainer()  # 2
         chaos.freeze("gen-0", 6)
-        chaos.kill("proxy")
         chaos.kill("redis")
-        chaos.kill_trainer()
+        chaos.outage("file bucket gone", lambda: bucket.rename(away), lambda: away.rename(bucket), OUTAGE_S)
         chaos.kill("gen-0")
-        chaos.flushall(CHECKPOINT_EVERY)
-        chaos.kill_trainer()
+        chaos.kill_trainer()  # 3
         chaos.freeze("gen-1", 6)
         chaos.kill("proxy")
-        chaos.kill("redis")
         chaos.kill("gen-1")
-        chaos.kill_trainer()
+        chaos.kill("redis")
+        chaos.kill_trainer()  # 4
+        chaos.freeze("gen-0", 6)
+        chaos.flushall(CHECKPOINT_EVERY)
         chaos.kill("gen-0")
-        chaos.freeze("gen-1", 6)
         chaos.kill("proxy")
+        chaos.kill_trainer()  # 5
+        chaos.kill("gen-1")
+        chaos.kill("redis")
+        chaos.kill_trainer()  # 6
         last_fault_step = chaos.step()
         rc = chaos.wait_for_exit()
     finally:
         up.stop()
     print(chaos.report())
     kinds = [f.kind for f in chaos.faults]
+    assert all(f.recovered is not None for f in chaos.faults), [f.kind for f in chaos.faults if f.recovered is None]
     assert len(chaos.faults) >= 25 and sum(k == "SIGKILL trainer" for k in kinds) >= 6, kinds
     assert flushed_at % CHECKPOINT_EVERY != 0
     assert last_fault_step < STEPS, "the faults came too late to test recovery: raise STEPS"
@@ -136,7 +146,7 @@ def test_bucketrl_up_rides_out_an_s3_outage(tmp_path: Path, moto_server: MotoSer
     # "open" the server back. moto keeps objects in memory only, so stopping moto itself would be a bucket
     # wipe, not an outage (that case is the bucket identity check's: tests/proxy/test_bucket_outage.py).
     gate = TcpGate(moto_server.port).start()
-    steps = 24
+    steps = 16
     up = UpProcess(
         tmp_path,
         max_steps=steps,
@@ -153,10 +163,9 @@ def test_bucketrl_up_rides_out_an_s3_outage(tmp_path: Path, moto_server: MotoSer
         chaos.until_step(2, 300)
         chaos.outage("S3 endpoint down", lambda: gate.set_mode("refuse"), lambda: gate.set_mode("open"), OUTAGE_S)
         chaos.outage("S3 answering 503", lambda: gate.set_mode("error"), lambda: gate.set_mode("open"), 8)
-        chaos.kill_trainer()
         rc = chaos.wait_for_exit()
         print(chaos.report())
-        figures = _final_checks(up, rc, steps=steps, reward_window=6)  # the reopened proxy goes through the gate
+        figures = _final_checks(up, rc, steps=steps, reward_window=5)  # the reopened proxy goes through the gate
         print(f"[chaos] s3 run: {figures}")
     finally:
         up.stop()

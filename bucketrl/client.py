@@ -86,6 +86,11 @@ class Outage:
     def wait(self, seconds: float) -> None:
         self._changed.wait(seconds)
 
+    def spent(self) -> bool:
+        """An outage is going on and has lasted the whole budget."""
+        since = self.since
+        return since is not None and time.monotonic() - since >= self.budget_s
+
     def failed(self, err: errors.BucketRLError) -> float:
         """Record a transient failure; returns the seconds left of the budget (<= 0: give up)."""
         now = time.monotonic()

@@ -131,6 +131,7 @@ def test_the_budget_ends_the_retries_and_a_stop_cuts_it_short(scripted: list[Scr
     with pytest.raises(errors.Unavailable):
         c.download_adapter(1)
     assert time.monotonic() - t0 >= 3.0 and server.requests >= 3
+    assert c.outage is not None and c.outage.spent()  # the trainer's own retry loop stops on this too
 
     # A worker told to stop during an outage gives up within the stop grace, not after the whole budget.
     outage = Outage(600.0)

@@ -673,6 +673,8 @@ class TrainerWorker:
             except errors.BucketRLError as exc:
                 if not exc.retryable or isinstance(exc, errors.Fenced) or time.monotonic() > deadline:
                     raise
+                if isinstance(exc, errors.Unavailable) and self.outage.spent():
+                    raise  # the client rode this outage out for the whole budget already: do not double it
                 log.warning("proxy unavailable (%s); retrying", exc.message)
                 time.sleep(1.0)
 

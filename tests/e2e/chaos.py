@@ -9,6 +9,7 @@ end of the fault to the trainer's next step, read from its audit log); :func:`re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,7 +20,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,7 +212,7 @@ class Chaos:
         self.wait(f"trainer step {step}", lambda: self.step() >= step, timeout_s)
 
     # -- injecting -----------------------------------------------------------------------------------
-    @contextmanager
+    @contextlib.contextmanager
     def fault(
         self,
         kind: str,
@@ -291,7 +291,8 @@ class Chaos:
         pid = self.live_pid(service)
 
         def thaw(fault: Fault) -> None:
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # a later fault killed it while frozen: that ended this
+                os.kill(pid, signal.SIGCONT)
             fault.ended = time.monotonic()
 
         with self.fault(f"SIGSTOP {service} {seconds:.0f}s", block=False, ends_later=True) as fault:
@@ -358,7 +359,7 @@ def rewards_by_step(up: UpProcess) -> dict[int, float]:
     return out
 
 
-@contextmanager
+@contextlib.contextmanager
 def reopen(up: UpProcess) -> Iterator[LocalCluster]:
     """The finished run's Redis (from its append-only file) and proxy, started again to read the final state."""
     cluster = LocalCluster(up.cfg)

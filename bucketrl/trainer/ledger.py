@@ -64,9 +64,10 @@ class DeliveryLedger:
             self._open = [d for d in self._open if d not in gone]
             self._release.extend(ids)
 
-    def take_release(self) -> list[str]:
+    def take_release(self, limit: int = 4096) -> list[str]:
+        """Up to ``limit`` given-back ids (a claim's ``release`` is bounded) for the next claim to carry."""
         with self._lock:
-            out, self._release = self._release, []
+            out, self._release = self._release[:limit], self._release[limit:]
         return out
 
     def checkpointed(self) -> None:

@@ -134,3 +134,22 @@ def test_the_trainer_retries_a_retryable_conflict_and_stops_on_a_fence(monkeypat
         w._prefetch.shutdown()
         for c in (w.client, w.claim_client, w.write_client):
             c.close()
+
+
+def test_the_ledger_holds_repeats_gives_back_and_forgets_old_checkpoints() -> None:
+    from bucketrl.trainer.ledger import DeliveryLedger
+    from bucketrl.wire import Delivery
+
+    def d(i: int) -> Delivery:
+        return Delivery(delivery_id=f"b{i:032x}:0", version=1, groups=[])
+
+    ledger = DeliveryLedger(remember_checkpoints=2)
+    ledger.seed([d(0).delivery_id])  # the resumed checkpoint's
+    fresh, repeats = ledger.admit([d(0), d(1), d(1), d(2)])
+    assert [x.delivery_id for x in fresh] == [d(1).delivery_id, d(2).delivery_id]
+    assert repeats == [d(0).delivery_id, d(1).delivery_id]
+    ledger.give_back([d(2).delivery_id])  # held back as too stale: claimable again, released by the next claim
+    assert d(2).delivery_id not in ledger and ledger.take_release() == [d(2).delivery_id] and not ledger.take_release()
+    ledger.checkpointed()
+    ledger.checkpointed()
+    assert d(1).delivery_id in ledger and d(0).delivery_id not in ledger  # the seed is 2 checkpoints old

@@ -1120,11 +1120,11 @@ async def ensure_ready(r: Any, store: BucketStore, run: str, spec: RunSpec) -> d
     """Make this Redis hold the run's queue and prompt state, rebuilding both from the bucket if it lost them.
 
     Called by the proxy core's rebuild (``REBUILD_HOOKS``) and lazily by the first queue or prompt call of a
-    run that is not ``ready`` (a wiped Redis, or a new run): every batch object still in the bucket is
-    enqueued again (minus the groups its ``.done`` marker lists as settled), counted as accepted, and its
-    idempotency record restored; then the prompt cursor comes back from ``prompts.json`` (see
-    ``state/prompts.py``). A ``ready`` flag, set in the same transaction, makes it idempotent and safe for
-    several replicas at once. Returns what was restored.
+    run that is not ``ready`` (a wiped Redis, or a new run): the groups of the bucket's batch objects that the
+    newest snapshot does not show settled are enqueued again, the lifetime counters continue from it
+    (:func:`_requeue`), and the idempotency records are restored; then the prompt cursor comes back from the
+    same snapshot (see ``state/prompts.py``). A ``ready`` flag, set in the same transaction, makes it
+    idempotent and safe for several replicas at once. Returns what was restored.
     """
     k = QueueKeys.of(run)
     out = {"batches": 0, "groups": 0, "prompt_cursor": 0}

@@ -1,6 +1,9 @@
 {{/* The trainer pod, shared by the Job and the StatefulSet form (trainer.kind). */}}
 {{- define "bucketrl.trainerPod" -}}
 {{- $t := .Values.trainer -}}
+{{- $name := printf "%s-trainer" (include "bucketrl.fullname" .) -}}
+{{- $perPod := ternary (int $t.gpu.count) 1 $t.gpu.enabled -}}
+{{- $nodes := int $t.nodes -}}
 metadata:
   labels:
     {{- include "bucketrl.labels" (dict "ctx" $ "component" "trainer") | nindent 4 }}
@@ -19,13 +22,40 @@ spec:
   {{- end }}
   {{- include "bucketrl.podSecurityContext" . | nindent 2 }}
   restartPolicy: {{ ternary "Never" "Always" (eq $t.kind "Job") }}
+  {{- if and (gt $nodes 1) (eq $t.kind "Job") }}
+  # Pod i of the Indexed Job is <name>-i.<name>: pod 0 hosts the rendezvous.
+  subdomain: {{ $name }}
+  {{- end }}
   # SIGTERM -> finish the step, checkpoint, exit 0; the next pod resumes from that checkpoint.
   terminationGracePeriodSeconds: {{ $t.terminationGracePeriodSeconds }}
   containers:
     - name: trainer
       image: {{ include "bucketrl.image" (dict "ctx" $ "image" $t.image) }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
+      {{- if or (gt $perPod 1) (gt $nodes 1) }}
+      # One trainer of nodes x gpu.count data-parallel ranks (bucketrl/trainer/distributed.py): torchrun, keeping
+      # the trainer's exit codes. Rank 0 alone talks to the proxy.
+      command: ["python", "-m", "bucketrl.trainer.launch"]
+      args:
+        - --nproc-per-node={{ $perPod }}
+        {{- if gt $nodes 1 }}
+        - --nnodes={{ $nodes }}
+        - --rdzv-backend=c10d
+        - --rdzv-endpoint={{ $name }}-0.{{ $name }}:{{ $t.rendezvousPort }}
+        - --rdzv-id={{ .Values.run.id }}
+        {{- else }}
+        - --standalone
+        {{- end }}
+        - -m
+        - bucketrl.cli
+        - trainer
+      {{- if gt $nodes 1 }}
+      ports:
+        - {name: rendezvous, containerPort: {{ $t.rendezvousPort }}}
+      {{- end }}
+      {{- else }}
       args: ["trainer"]
+      {{- end }}
       env:
         {{- include "bucketrl.workerEnv" (dict "ctx" $ "role" "trainer") | nindent 8 }}
         - name: BUCKETRL_RUN_SPEC
@@ -47,6 +77,9 @@ spec:
         - {name: run-spec, mountPath: /etc/bucketrl/run, readOnly: true}
         - {name: cache, mountPath: /cache}
         - {name: tmp, mountPath: /tmp}
+        {{- if gt $perPod 1 }}
+        - {name: shm, mountPath: /dev/shm}
+        {{- end }}
   volumes:
     - name: run-spec
       configMap:
@@ -56,6 +89,10 @@ spec:
       emptyDir: {sizeLimit: {{ $t.cache.sizeLimit }}}
     - name: tmp
       emptyDir: {sizeLimit: 10Gi}
+    {{- if gt $perPod 1 }}
+    - name: shm
+      emptyDir: {medium: Memory, sizeLimit: {{ $t.shmSize }}}
+    {{- end }}
   {{- with $t.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}

@@ -16,7 +16,9 @@ import typer
 
 
 def generator_command(
-    engine: Annotated[str | None, typer.Option(help="vllm or transformers (BUCKETRL_ENGINE).")] = None,
+    engine: Annotated[
+        str | None, typer.Option(help="vllm, transformers or sim (no model: benchmarks) (BUCKETRL_ENGINE).")
+    ] = None,
     model_path: Annotated[
         str | None, typer.Option(help="Local base model path, overrides the run spec (BUCKETRL_MODEL_PATH).")
     ] = None,

@@ -383,7 +383,7 @@ def run_scale_sim(
         wait_until(lambda: _audit_steps(audit)[0] is not None, 180, "the simulated trainer to start", trainer)
         cpu_run0 = backends.proxy_cpu_s()
         fleets = sc.start_fleet()
-        others = {"redis": backends.redis, "moto": backends.moto, "s3front": backends.front, "trainer": trainer}
+        others = {"redis": backends.redis, "moto": backends.moto, "s3front": backends.front}
         cpu0 = {k: cpu_seconds(v.pid or 0) for k, v in others.items()}
         say(f"{run}: N={cfg.generators}, {len(fleets)} fleet processes, {cfg.steps} steps of {cfg.step_s}s")
         deadline = time.monotonic() + cfg.timeout_s
@@ -434,10 +434,12 @@ def run_scale_sim(
         path = workdir / f"fleet-{i}.json"
         fleet_reports.append(json.loads(path.read_text()) if path.exists() else None)
     report = workdir / "trainer-report.json"
+    trainer_report = json.loads(report.read_text()) if report.exists() else {"requests": {}}
+    cpu_by["trainer"] = round(float(trainer_report.get("cpu_s", 0.0)), 1)  # its whole life, start-up included
     return summarize(
         cfg,
         fleet_reports=fleet_reports,
-        trainer_report=json.loads(report.read_text()) if report.exists() else {"requests": {}},
+        trainer_report=trainer_report,
         trainer_rc=trainer_rc,
         audit=_audit_steps(audit),
         publishes=_publishes(trainer.log_path),

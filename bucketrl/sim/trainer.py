@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import resource
 import sys
 import threading
 import time
@@ -186,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     code = worker.run()
     if args.report:
         steps = getattr(worker.learner, "step", 0)
-        args.report.write_text(json.dumps({"requests": dict(worker.request_counts), "steps": steps}))
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        report = {"requests": dict(worker.request_counts), "steps": steps, "cpu_s": usage.ru_utime + usage.ru_stime}
+        args.report.write_text(json.dumps(report))
     return code
 
 

@@ -60,6 +60,11 @@ def main() -> int:
             f"weight sync (publish -> all generators loaded) p50 {s['sync_latency_p50_s'] * 1000:.0f} ms, "
             f"max {s['sync_latency_max_s'] * 1000:.0f} ms over {s['sync_latency_versions']} versions"
         )
+    if s.get("eval_versions"):
+        print(
+            f"eval reward (held-out)     first {s['eval_reward_first']:.3f} -> last {s['eval_reward_last']:.3f} over "
+            f"{s['eval_versions']} evaluated versions"
+        )
     print(f"target {'MET' if ok else 'MISSED'}")
     if args.keep or args.dir:
         print(f"run directory: {run_dir} (reward.png, pipeline.png, summary.json, logs/)")

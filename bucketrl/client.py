@@ -35,6 +35,12 @@ from bucketrl.wire import (
     CheckpointInfo,
     ClaimRequest,
     ClaimResponse,
+    EvalLease,
+    EvalLeaseRequest,
+    EvalResult,
+    EvalSubmit,
+    EvalSubmitResponse,
+    EvalVersionResult,
     MetricsPush,
     PromptLease,
     PromptLeaseRequest,
@@ -440,6 +446,21 @@ class ProxyClient:
 
     def status(self) -> RunStatus:
         return self._json("GET", self._path("/status"), RunStatus)
+
+    # -- evaluation during training ------------------------------------------------------------------
+
+    def lease_eval(self, worker_id: str, versions: list[int], n: int, ttl_s: float = 120.0) -> EvalLease:
+        """Eval prompts of one of ``versions`` (the caller's loaded ones); empty when there is nothing to do."""
+        req = EvalLeaseRequest(worker_id=worker_id, versions=versions, n=n, ttl_s=ttl_s)
+        return self._json("POST", self._path("/eval/lease"), EvalLease, req)
+
+    def submit_eval(self, worker_id: str, results: list[EvalResult]) -> EvalSubmitResponse:
+        req = EvalSubmit(worker_id=worker_id, results=results)
+        return self._json("POST", self._path("/eval/submit"), EvalSubmitResponse, req)
+
+    def eval_results(self) -> list[EvalVersionResult]:
+        resp = self._request("GET", self._path("/eval"))
+        return [EvalVersionResult.model_validate(x) for x in resp.json()]
 
     def iter_versions(self, after: int = 0, wait_s: float = 30.0) -> Iterator[AdapterVersionInfo]:
         """Yield every newly published version, forever (long-poll loop)."""

@@ -140,7 +140,8 @@ def _toy(spec: DatasetSpec) -> list[Example]:
     except ImportError as exc:
         raise errors.Invalid(f"dataset {spec.uri!r} needs bucketrl.tasks.toy: {exc}") from exc
     try:
-        rows = toy_examples(task or "", spec.size)
+        # Each split is its own deterministic draw ("train" keeps seed 0): a held-out split for evaluation.
+        rows = toy_examples(task or "", spec.size, seed=0 if spec.split == "train" else spec.split)
     except (KeyError, ValueError) as exc:
         raise errors.Invalid(f"dataset {spec.uri!r}: {exc}") from exc
     fields = spec.model_copy(update={"prompt_field": "prompt", "answer_field": "answer"})

@@ -233,4 +233,20 @@ def render_status(status: Any, *, all_metrics: bool = False) -> list[Any]:
         names = [n for n in KEY_METRICS if n in names] + sorted(n for n in names if n.startswith("mismatch/"))
     for name in names:
         metrics.add_row(name, *(_num(status.metrics[wid][name]) if name in status.metrics[wid] else "" for wid in ids))
-    return [head, versions, workers, *([notes] if notes.row_count else []), metrics]
+    out: list[Any] = [head, versions, workers, *([notes] if notes.row_count else []), metrics]
+    if status.eval:
+        evals = Table(title="evaluation (held-out, per version; newest 10)", title_justify="left")
+        for col in ("version", "prompts", "mean reward", "pass@1", "pass@k", "mean length", "unscorable"):
+            evals.add_column(col, justify="right")
+        for e in status.eval[-10:]:
+            evals.add_row(
+                f"v{e.version}",
+                str(e.prompts),
+                _num(e.reward_mean) if e.reward_mean is not None else "–",
+                _num(e.pass_at_1),
+                f"{_num(e.pass_at_k)} (k={e.k})",
+                _num(e.mean_length),
+                f"{100 * e.unscorable_frac:.1f} %",
+            )
+        out.append(evals)
+    return out

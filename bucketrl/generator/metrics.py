@@ -22,8 +22,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 from bucketrl.rewards import Scored
+from bucketrl.wire import SampleCompletion
+
+# Sample completions carried by one push (the newest; the proxy keeps the run's latest few dozen).
+SAMPLES_PER_PUSH = 3
 
 
 class GeneratorMetrics:
@@ -48,6 +53,7 @@ class GeneratorMetrics:
         self.gauges: dict[str, float] = {}
         # The first message of each reward failure kind (what status and the dashboard show).
         self.reward_errors: dict[str, str] = {}
+        self._samples: deque[SampleCompletion] = deque(maxlen=SAMPLES_PER_PUSH)
 
     def add(self, name: str, value: float = 1.0) -> None:
         with self._lock:
@@ -86,6 +92,18 @@ class GeneratorMetrics:
         with self._lock:
             self._window_reward_sum += sum(scored)
             self._window_reward_n += len(scored)
+
+    def sample(self, version: int, prompt: str, completion: str, reward: float | None) -> None:
+        """Remember a completion (text) with its reward for the next push."""
+        item = SampleCompletion(version=version, prompt=prompt[:2000], completion=completion[:4000], reward=reward)
+        with self._lock:
+            self._samples.append(item)
+
+    def take_samples(self) -> list[SampleCompletion]:
+        with self._lock:
+            out = list(self._samples)
+            self._samples.clear()
+            return out
 
     def snapshot(self) -> dict[str, float]:
         """The flat map to push; starts a new window for the windowed values."""

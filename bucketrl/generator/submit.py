@@ -243,6 +243,8 @@ class Submitter:
             self.groups_submitted += len(groups)
             self.metrics.add("rollout/groups_submitted_total", len(groups))
             self.metrics.rewards([c.reward for g in groups for c in g.completions])
+            # One completion of the batch as text, for people watching the run (the dashboard's samples).
+            self.metrics.sample(b.version, b.examples[0].prompt, items[0].completion, scored[0].value)
         else:
             self.release_prompts(ids)
         self.metrics.inflight(-len(b.prompts))

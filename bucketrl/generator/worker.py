@@ -36,15 +36,16 @@ from typing import Any
 
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
-from bucketrl.datasets import Example, prompt_token_ids
+from bucketrl.datasets import Example, examples_for_run, prompt_token_ids
 from bucketrl.generator import trust
 from bucketrl.generator.adapters import VersionBook, VersionSlot, clear_stale_tmp, fetch_adapter, gc_cache
 from bucketrl.generator.engines.base import Engine, check_reproducible, make_engine
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
-from bucketrl.rewards import RewardPool
-from bucketrl.wire import MetricsPush, PromptLeaseItem, RunSpec
+from bucketrl.rewards import RewardItem, RewardPool
+from bucketrl.wire import EvalResult, EvalSample, MetricsPush, PromptLeaseItem, RunSpec
+from bucketrl.wire.runs import DatasetSpec
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ class GeneratorWorker:
         self._prompt_cache: dict[int, list[int]] = {}
         self._tokenizer: Any = None
         self._pool: RewardPool | None = None
+        self._eval_examples: tuple[DatasetSpec, list[Example]] | None = None
+        self._eval_done: set[int] = set()  # versions whose eval prompts are all done or leased
+        self._eval_broken: DatasetSpec | None = None  # an eval set that could not be read
         self.submitter: Submitter | None = None
         self._threads: list[threading.Thread] = []
         self._cache_dir: Path | None = None
@@ -247,6 +251,8 @@ class GeneratorWorker:
                     continue
                 prompts = self._next_prompts(s.prompts_per_request if budget is None else max(1, budget))
                 if not prompts:
+                    # Training had nothing for us (admission control): the idle time evaluates, if the run asks.
+                    self._evaluate_some()
                     continue
                 # Versions loaded (and old ones retired) while waiting for the prompts: sample with the newest. The
                 # lease was asked for the newest FETCHED version (admission control judged it by that one): load
@@ -259,6 +265,9 @@ class GeneratorWorker:
                 if n_next > 0 and not self.stop_event.is_set():
                     self._prefetch = (self._leaser.submit(self._lease_prompts, n_next), n_next)
                 self._sample_and_hand_over(slot, prompts)
+                # At most one eval batch (greedy: one sample per prompt, against G per training prompt) per
+                # training batch, so an evaluated version is done while it is loaded, without starving training.
+                self._evaluate_some()
         finally:
             if self._prefetch is not None:  # its prompts land in the ledger and are released at shutdown
                 self._prefetch[0].result()
@@ -369,6 +378,87 @@ class GeneratorWorker:
             return
         self.metrics.generated(sum(len(smp.token_ids) for g in batch.samples for smp in g))
         self.submitter.put(batch, self.stop_event, self.settings.shutdown_timeout_s, idle=self._sync_versions)
+
+    # -- evaluation during training (bucketrl/proxy/state/evals.py) --------------------------------------
+
+    def _evaluate_some(self) -> None:
+        """One batch of eval prompts of a loaded version, sampled with the eval settings, scored with the run's
+        reward and submitted. Called when the training lease came back empty and after each training batch (the
+        prefetched training lease keeps running meanwhile): eval takes at most one small batch per training
+        batch. Versions the proxy had nothing more for are not asked about again."""
+        spec = self.spec
+        if spec is None or spec.eval is None or self.engine is None or self._pool is None:
+            return
+        if self._eval_broken is not None and self._eval_broken == spec.eval_dataset():
+            return
+        versions = [v for v in self.book.loaded_versions() if spec.eval.evaluates(v) and v not in self._eval_done]
+        if not versions:
+            return
+        try:
+            examples = self._eval_set(spec)
+        except errors.BucketRLError as exc:
+            # A run spec error (no such split...): say so once per eval set, keep generating for training.
+            log.error(
+                "eval set unreadable; this generator evaluates nothing until the run's eval changes: %s", exc.message
+            )
+            self._eval_broken = spec.eval_dataset()
+            return
+        try:
+            items = self.client.lease_eval(self.worker_id, versions, n=self.settings.prompts_per_request).items
+        except errors.BucketRLError as exc:
+            log.warning("cannot lease eval prompts: %s", exc.message)
+            return
+        if not items:
+            self._eval_done.update(versions)
+            return
+        version = items[0].version
+        items = [i for i in items if i.version == version and i.index < len(examples)]
+        try:
+            slot = self.book.begin(version)
+        except KeyError:  # retired since the lease: the lease expires and another generator does it
+            return
+        try:
+            sampling = spec.eval_sampling()
+            assert sampling is not None
+            ids = [prompt_token_ids(self._tokenizer, examples[i.index].prompt) for i in items]
+            room = self.engine.max_model_len - sampling.max_new_tokens
+            ids = [x[-room:] for x in ids]
+            samples = self.engine.generate(ids, adapter=slot.name, n=spec.eval.n, sampling=sampling)
+        except Exception:
+            log.exception("engine failed on %d eval prompts (their lease expires; evaluated again)", len(items))
+            return
+        finally:
+            self.book.end(version)
+        decode = self._tokenizer.decode
+        flat = [
+            RewardItem(
+                decode(smp.token_ids, skip_special_tokens=True), examples[i.index].answer, examples[i.index].prompt
+            )
+            for i, group in zip(items, samples, strict=True)
+            for smp in group
+        ]
+        rewards = iter(self._pool.score(flat, cancel=self.stop_event))
+        results = [
+            EvalResult(
+                version=version,
+                index=i.index,
+                samples=[EvalSample(reward=next(rewards), length=len(smp.token_ids)) for smp in group],
+            )
+            for i, group in zip(items, samples, strict=True)
+        ]
+        try:
+            self.client.submit_eval(self.worker_id, results)
+            self.metrics.add("eval/prompts_total", len(results))
+        except errors.BucketRLError as exc:
+            log.warning("eval results not submitted (%s); the prompts are evaluated again", exc.message)
+
+    def _eval_set(self, spec: RunSpec) -> list[Example]:
+        """The eval set's examples (loaded once per eval dataset spec)."""
+        ds = spec.eval_dataset()
+        assert ds is not None
+        if self._eval_examples is None or self._eval_examples[0] != ds:
+            self._eval_examples = (ds, examples_for_run(ds, self.client))
+        return self._eval_examples[1]
 
     # -- adapter versions -----------------------------------------------------------------------------
 
@@ -549,6 +639,7 @@ class GeneratorWorker:
             loaded_versions=self.book.loaded_versions(),
             phase=self.phase,
             notes={f"reward_error/{kind}": text for kind, text in self.metrics.reward_errors.items()},
+            samples=self.metrics.take_samples() or None,
         )
         try:
             self.client.push_metrics(push)

@@ -69,7 +69,7 @@ def _example(task: str, rng: random.Random) -> dict[str, str]:
     raise ValueError(f"unknown toy task {task!r}; choose one of {', '.join(TASKS)}")
 
 
-def toy_examples(task: str, n: int = DEFAULT_SIZE, seed: int = 0) -> list[dict[str, str]]:
+def toy_examples(task: str, n: int = DEFAULT_SIZE, seed: int | str = 0) -> list[dict[str, str]]:
     """``n`` deterministic examples ``{"prompt", "answer"}`` of ``task`` (same seed, same list)."""
     if task not in TASKS:
         raise ValueError(f"unknown toy task {task!r}; choose one of {', '.join(TASKS)}")

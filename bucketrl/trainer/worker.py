@@ -616,11 +616,13 @@ class TrainerWorker:
     def _push(self, step: int, stats: dict[str, float]) -> None:
         metrics = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(v)}
         notes = {f"reward_error/{kind}": text for kind, text in self.reward_errors.items()}
-        push = MetricsPush(worker_id=self.worker_id, step=step, metrics=metrics, phase="training", notes=notes)
-
         trackers = self.trackers
+        with_eval = self.spec is not None and self.spec.eval is not None
 
         def job() -> None:
+            if with_eval:
+                metrics.update(self._new_eval_metrics())
+            push = MetricsPush(worker_id=self.worker_id, step=step, metrics=metrics, phase="training", notes=notes)
             if trackers is not None:
                 trackers.log(metrics, step)  # guarded: a failing tracker is dropped with one warning
             try:
@@ -629,6 +631,33 @@ class TrainerWorker:
                 log.warning("metrics push failed: %s", exc)
 
         self._uploader().submit(f"metrics {step}", job)
+
+    def _new_eval_metrics(self) -> dict[str, float]:
+        """The newest evaluated version's results, once (uploader thread): pushed with this step's metrics, so
+        they reach the proxy's history and every tracker at the step they became known (``eval/version`` says
+        which policy they measure). The last version reported is a checkpointed counter: a resumed trainer does
+        not report it again."""
+        try:
+            results = self.write_client.eval_results()
+        except errors.BucketRLError as exc:
+            log.warning("eval results not read: %s", exc.message)
+            return {}
+        done = self.counters.get("eval/reported_version", 0.0)
+        new = [e for e in results if e.version > done]
+        if not new:
+            return {}
+        e = new[-1]
+        self.counters["eval/reported_version"] = float(e.version)
+        out = {
+            "eval/version": float(e.version),
+            "eval/pass@1": e.pass_at_1,
+            f"eval/pass@{e.k}": e.pass_at_k,
+            "eval/mean_length": e.mean_length,
+            "eval/unscorable_frac": e.unscorable_frac,
+        }
+        if e.reward_mean is not None:
+            out["eval/reward"] = e.reward_mean
+        return out
 
     def _finish(self) -> int:
         step = self.learner.step

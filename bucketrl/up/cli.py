@@ -50,6 +50,9 @@ def up_command(
     group_size: Annotated[int | None, typer.Option(help="Completions per prompt (G).")] = None,
     groups_per_step: Annotated[int | None, typer.Option(help="Groups per optimizer step.")] = None,
     max_staleness: Annotated[int | None, typer.Option(help="Versions a rollout may lag the policy.")] = None,
+    eval_every: Annotated[
+        int | None, typer.Option(help="Evaluate every N versions on a held-out split (greedy; default off).")
+    ] = None,
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature.")] = None,
     max_new_tokens: Annotated[
         int | None, typer.Option(help="Tokens per completion (default: 512, lowered to fit the model's context).")
@@ -93,6 +96,7 @@ def up_command(
             "group_size": group_size,
             "groups_per_step": groups_per_step,
             "max_staleness": max_staleness,
+            "eval_every": eval_every,
             "temperature": temperature,
             "max_new_tokens": max_new_tokens,
             "lora_r": lora_r,

@@ -47,6 +47,9 @@ class UpConfig(BaseModel):
     group_size: int | None = Field(None, ge=2)
     groups_per_step: int | None = Field(None, ge=1)
     max_staleness: int | None = Field(None, ge=0)
+    # Evaluate versions 1, 1 + N, ... on EVAL_SIZE prompts of the dataset's "test" split (toy tasks: a held-out
+    # draw), greedy; None: no evaluation.
+    eval_every: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, gt=0)
     max_new_tokens: int | None = Field(None, ge=1)
     lora_r: int | None = Field(None, ge=1)
@@ -133,6 +136,10 @@ class UpConfig(BaseModel):
 
 
 SAVED_OPTIONS = "up_options.json"
+
+
+# Prompts per evaluated version in `bucketrl up --eval-every` (greedy: one sample each).
+EVAL_SIZE = 32
 
 
 def load_saved_options(run: str | None, dir: Path | None) -> dict[str, Any]:
@@ -246,6 +253,8 @@ def build_run_spec(
         spec["lora"]["target_modules"] = list(cfg.lora_target_modules)
     if cfg.queue_capacity is not None:
         spec["queue_capacity_groups"] = cfg.queue_capacity
+    if cfg.eval_every is not None:
+        spec["eval"] = {"every": cfg.eval_every, "split": "test", "size": EVAL_SIZE}
     spec["queue_capacity_groups"] = max(spec["queue_capacity_groups"], spec["groups_per_step"])
     _validate(spec)
     return spec

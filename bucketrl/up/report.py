@@ -77,12 +77,37 @@ def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = Non
         "sync_latency_max_s": sync.max if sync else None,
         "sync_latency_versions": sync.count if sync else 0,
     }
+    figures.update(eval_figures(watcher))
     return figures
 
 
 def _frac(figures: dict[str, Any]) -> str:
     mean, worst = figures.get("unscorable_frac_mean"), figures.get("unscorable_frac_max")
     return "–" if mean is None else f"{mean:.1%} / {worst:.1%}"
+
+
+def eval_curve(watcher: RunWatcher) -> list[tuple[float, float]]:
+    """(trainer step, eval mean reward) per evaluated version: the step at which the trainer reported that
+    version as its policy (version 1 = step 0, before any training)."""
+    status = watcher.status
+    if status is None or not status.eval:
+        return []
+    step_of: dict[int, float] = {1: 0.0}
+    for step, version in watcher.trainer_series("policy/version"):
+        step_of.setdefault(int(version), float(step))
+    return [
+        (step_of.get(e.version, float(e.version - 1)), e.reward_mean) for e in status.eval if e.reward_mean is not None
+    ]
+
+
+def eval_figures(watcher: RunWatcher) -> dict[str, Any]:
+    curve = eval_curve(watcher)
+    return {
+        "eval_versions": len(curve),
+        "eval_reward_first": curve[0][1] if curve else None,
+        "eval_reward_last": curve[-1][1] if curve else None,
+        "eval_curve": [[x, y] for x, y in curve],
+    }
 
 
 def counter_total(values: list[float]) -> float:
@@ -129,6 +154,13 @@ def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary"):
     for kind, message in (figures.get("reward_errors") or {}).items():
         rows.append((f"  first reward error: {kind}", message[:120]))
 
+    if figures.get("eval_versions"):
+        rows.append(
+            (
+                f"eval reward, first / last of {figures['eval_versions']} evaluated versions",
+                (f"{fmt(figures['eval_reward_first'])} / {fmt(figures['eval_reward_last'])}"),
+            )
+        )
     if figures.get("sync_latency_p50_s") is not None:
         rows.append(
             (
@@ -165,6 +197,9 @@ def plot(watcher: RunWatcher, out_dir: Path, title: str = "") -> list[Path]:
         xs, ys = zip(*steps_rewards, strict=True)
         ax.plot(xs, ys, lw=0.8, alpha=0.5, label="reward (batch mean)")
         ax.plot(xs, _rolling(list(ys), 10), lw=2.2, label="rolling mean (10 steps)")
+    curve = eval_curve(watcher)
+    if curve:
+        ax.plot(*zip(*curve, strict=True), "o-", lw=1.8, color="tab:green", label="eval reward (held-out)")
     ax.set(xlabel="trainer step", ylabel="reward", ylim=(0, 1.02), title=f"Reward {title}".strip())
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")

@@ -6,6 +6,16 @@ Everything here imports with pydantic alone: no torch, no FastAPI, no Redis.
 from bucketrl.wire.adapters import AdapterVersionInfo
 from bucketrl.wire.checkpoints import CheckpointInfo
 from bucketrl.wire.errors import ErrorBody, ErrorDetail
+from bucketrl.wire.evals import (
+    EvalLease,
+    EvalLeaseItem,
+    EvalLeaseRequest,
+    EvalResult,
+    EvalSample,
+    EvalSubmit,
+    EvalSubmitResponse,
+    EvalVersionResult,
+)
 from bucketrl.wire.leases import (
     PromptLease,
     PromptLeaseItem,
@@ -14,7 +24,7 @@ from bucketrl.wire.leases import (
     VersionLease,
     VersionLeaseRequest,
 )
-from bucketrl.wire.metrics import MetricsPush
+from bucketrl.wire.metrics import MetricsPush, SampleCompletion
 from bucketrl.wire.rollouts import (
     AckRequest,
     AckResponse,
@@ -28,6 +38,7 @@ from bucketrl.wire.rollouts import (
 )
 from bucketrl.wire.runs import (
     DatasetSpec,
+    EvalSpec,
     LoraSpec,
     LossSpec,
     RewardSpec,
@@ -51,6 +62,15 @@ __all__ = [
     "Delivery",
     "ErrorBody",
     "ErrorDetail",
+    "EvalLease",
+    "EvalLeaseItem",
+    "EvalLeaseRequest",
+    "EvalResult",
+    "EvalSample",
+    "EvalSpec",
+    "EvalSubmit",
+    "EvalSubmitResponse",
+    "EvalVersionResult",
     "LoraSpec",
     "LossSpec",
     "MetricsPush",
@@ -66,6 +86,7 @@ __all__ = [
     "RunSpec",
     "RunState",
     "RunStatus",
+    "SampleCompletion",
     "SamplingSpec",
     "SubmitResponse",
     "TrainerRegistration",

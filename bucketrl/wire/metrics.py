@@ -7,6 +7,22 @@ from pydantic import Field, field_validator
 from bucketrl.wire.common import MAX_LOADED_VERSIONS, Version, WireInt, WireModel, WorkerId
 
 
+class SampleCompletion(WireModel):
+    """One generated completion as text, for people watching the run (the dashboard's samples table)."""
+
+    version: int = Field(..., ge=0)
+    prompt: str = Field(..., max_length=2000)
+    completion: str = Field(..., max_length=4000)
+    reward: float | None = None
+
+    @field_validator("reward")
+    @classmethod
+    def _finite_reward(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("reward must be finite or null")
+        return v
+
+
 class MetricsPush(WireModel):
     worker_id: WorkerId
     step: WireInt | None = None
@@ -16,6 +32,8 @@ class MetricsPush(WireModel):
     # What the worker is doing (loading model, waiting for the first version, generating, training, stopped:
     # configuration error, ...) and short messages for people (the first reward error of each kind, a
     # configuration error): shown by `bucketrl status`, the dashboard and `bucketrl up`'s live view.
+    # Generators: a few recent completions with their rewards (the proxy keeps the run's latest SAMPLES_KEPT).
+    samples: list[SampleCompletion] | None = Field(None, max_length=8)
     phase: str | None = Field(None, max_length=64)
     notes: dict[str, str] = Field(default_factory=dict, max_length=16)
 

@@ -67,6 +67,33 @@ class LossSpec(StrictWireModel):
     mask_truncated_completions: bool = False
 
 
+class EvalSpec(StrictWireModel):
+    """Evaluation during training on the generator pool (bucketrl/proxy/state/evals.py)."""
+
+    # Versions 1, 1 + every, 1 + 2 * every, ... are evaluated.
+    every: int = Field(10, ge=1, le=1_000_000)
+    # The eval set: a separate dataset, or (None) the run's dataset read with ``split``.
+    dataset: DatasetSpec | None = None
+    split: str = Field("test", min_length=1, max_length=200)
+    # Prompts evaluated per version: the first ``size`` examples of the eval set.
+    size: int = Field(64, ge=1, le=100_000)
+    # Samples per prompt (pass@k is pass@n); with ``sampling`` None, n must be 1 (greedy).
+    n: int = Field(1, ge=1, le=64)
+    # None: greedy (top_k 1) with the run's max_new_tokens.
+    sampling: SamplingSpec | None = None
+    # A sample "passes" when its reward is >= this (pass@1, pass@k).
+    pass_threshold: float = 1.0
+
+    @model_validator(mode="after")
+    def _greedy_is_one_sample(self) -> "EvalSpec":
+        if self.sampling is None and self.n != 1:
+            raise ValueError("eval.n > 1 needs eval.sampling (greedy decoding gives n identical samples)")
+        return self
+
+    def evaluates(self, version: int) -> bool:
+        return version >= 1 and (version - 1) % self.every == 0
+
+
 class RunSpec(StrictWireModel):
     base_model: str = Field(..., min_length=1, max_length=500)
     lora: LoraSpec = Field(default_factory=LoraSpec)
@@ -80,6 +107,8 @@ class RunSpec(StrictWireModel):
     # Groups the trainer consumes per optimizer step; the proxy paces prompt leases with it.
     groups_per_step: int = Field(8, ge=1, le=100_000)
     loss: LossSpec = Field(default_factory=LossSpec)
+    # Evaluation during training (None: off).
+    eval: EvalSpec | None = None
 
     @model_validator(mode="after")
     def _queue_holds_a_step(self) -> "RunSpec":
@@ -89,6 +118,18 @@ class RunSpec(StrictWireModel):
                 f"({self.groups_per_step}) or the trainer can never fill a step"
             )
         return self
+
+    def eval_dataset(self) -> DatasetSpec | None:
+        """The eval set as a dataset spec (``size`` = the prompts evaluated per version)."""
+        if self.eval is None:
+            return None
+        base = self.eval.dataset or self.dataset.model_copy(update={"split": self.eval.split})
+        return base.model_copy(update={"size": self.eval.size})
+
+    def eval_sampling(self) -> SamplingSpec | None:
+        if self.eval is None:
+            return None
+        return self.eval.sampling or SamplingSpec(temperature=1.0, top_k=1, max_new_tokens=self.sampling.max_new_tokens)
 
     def immutable_diff(self, other: "RunSpec") -> list[str]:
         """Names of immutable fields whose values differ between two specs."""

@@ -5,6 +5,8 @@ from typing import Any
 from pydantic import Field
 
 from bucketrl.wire.common import WireModel
+from bucketrl.wire.evals import EvalVersionResult
+from bucketrl.wire.metrics import SampleCompletion
 
 
 class VersionStatus(WireModel):
@@ -53,3 +55,7 @@ class RunStatus(WireModel):
     metrics: dict[str, Any] = Field(default_factory=dict)
     gc_versions_total: int = 0
     prompt_cursor: int = 0
+    # Evaluation during training: every evaluated version, oldest first.
+    eval: list[EvalVersionResult] = Field(default_factory=list)
+    # Recent completions with their rewards, newest first (generators push them with their metrics).
+    samples: list[SampleCompletion] = Field(default_factory=list)

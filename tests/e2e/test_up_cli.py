@@ -58,7 +58,7 @@ def _published(run_dir: Path) -> list[int]:
 
 def test_ctrl_c_stops_everything_and_a_rerun_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "demo"
-    proc = _up(run_dir, "--max-steps", "200", "--checkpoint-every", "5")
+    proc = _up(run_dir, "--max-steps", "200", "--checkpoint-every", "5", "--eval-every", "4")
     try:
         deadline = time.monotonic() + 240
         step = 0
@@ -85,7 +85,7 @@ def test_ctrl_c_stops_everything_and_a_rerun_resumes(tmp_path: Path) -> None:
     assert stopped_at >= 7
 
     # Same directory again: Redis comes back from its append-only file, the trainer from its checkpoint.
-    proc = _up(run_dir, "--max-steps", str(stopped_at + 4), "--checkpoint-every", "5")
+    proc = _up(run_dir, "--max-steps", str(stopped_at + 4), "--checkpoint-every", "5", "--eval-every", "4")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -105,4 +105,8 @@ def test_ctrl_c_stops_everything_and_a_rerun_resumes(tmp_path: Path) -> None:
     acc = EventAccumulator(str(run_dir / "tensorboard" / "demo"), size_guidance={"scalars": 0})
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, stopped_at + 5))
+    # Evaluation during training (--eval-every 4: v1, v5, v9...) across both sessions, each version once.
+    evaluated = [step for step, _ in summary["eval_curve"]]
+    assert summary["eval_versions"] >= 2 and evaluated == sorted(set(evaluated)), summary["eval_curve"]
+    assert summary["eval_reward_first"] is not None
     print(f"\n[up] Ctrl-C at step {stopped_at}, resumed to {summary['last_step']}; versions 1..{published[-1]}")

@@ -80,3 +80,13 @@ def test_default_run_spec_matches_the_tiny_model_and_task() -> None:
     assert spec.reward.name == "toy"
     assert spec.reward.kwargs["length"] == spec.sampling.max_new_tokens
     assert spec.queue_capacity_groups >= spec.groups_per_step
+
+
+def test_a_toy_split_other_than_train_is_a_held_out_draw() -> None:
+    from bucketrl.datasets import load_examples
+    from bucketrl.wire import DatasetSpec
+
+    train = load_examples(DatasetSpec(uri="toy:parity", size=64))
+    test = load_examples(DatasetSpec(uri="toy:parity", size=64, split="test"))
+    assert train == load_examples(DatasetSpec(uri="toy:parity", size=64, split="train"))  # unchanged for training
+    assert len(test) == 64 and {e.prompt for e in test} != {e.prompt for e in train}

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 # Charts fed by the trainer's and generators' pushes; "queue" is fed by the page's own status polls.
-CHARTS = ("reward", "step_time", "wait", "queue", "staleness", "sync", "throughput", "ratio")
+CHARTS = ("reward", "step_time", "wait", "queue", "staleness", "sync", "throughput", "ratio", "length", "entropy_kl")
 
 # Coloured (non-background) pixels of a chart's canvas: proves lines were drawn, not just an empty frame.
 INK = """
@@ -37,8 +37,14 @@ INK = """
 """
 
 
+LAYOUT = """
+(() => Object.fromEntries(
+  ['charts-step', 'charts-time'].map((id) => [id, document.getElementById(id).childElementCount])))()
+"""
+
+
 def test_dashboard_draws_live_charts_without_console_errors(tmp_path: Path) -> None:
-    with running_cluster(tmp_path, max_steps=60, generators=1) as cluster:
+    with running_cluster(tmp_path, max_steps=60, generators=1, eval_every=2) as cluster:
         watch = Watch(cluster)
         watch.until_step(4, 240)
         browser = Chromium(tmp_path / "chromium")
@@ -53,11 +59,15 @@ def test_dashboard_draws_live_charts_without_console_errors(tmp_path: Path) -> N
             seen = json.loads(state())
             wait_for(lambda: (browser.pump(0.5), all(json.loads(state())["charts"].get(c, 0) > 0 for c in CHARTS))[1],
                      60, f"every chart to have points (have {seen['charts']})")  # fmt: skip
+            # Evaluation during training (--eval-every 2) and sample completions reach their tables.
+            wait_for(lambda: (browser.pump(0.5), json.loads(state()).get("evalRows", 0) > 0)[1], 90, "an eval row")
             browser.pump(2.5)  # one more poll: the page keeps running without errors
             seen = json.loads(state())
             ink = browser.evaluate(INK)
             shot = browser.screenshot(ARTIFACTS / "dashboard.png")
             workers = browser.evaluate("document.querySelector('#workers').innerText")
+            samples = browser.evaluate("document.querySelector('#samples').innerText")
+            layout = browser.evaluate(LAYOUT)
             cards = browser.evaluate("document.querySelector('#cards').innerText")
             url = browser.evaluate("window.location.href")
             problems = browser.problems()
@@ -70,6 +80,9 @@ def test_dashboard_draws_live_charts_without_console_errors(tmp_path: Path) -> N
         assert seen["charts"][chart] > 0, chart
         assert ink[chart] > 50, (chart, ink[chart])
     # Tables and cards filled from the status; the token came from the URL fragment and left the address bar.
+    assert seen["sampleRows"] > 0 and "v" in samples.splitlines()[1], samples
+    # One x-axis convention per grid: every chart drawn against trainer steps sits in the step grid.
+    assert layout == {"charts-step": 6, "charts-time": 4}, layout
     assert "gen-0" in workers and "generator" in workers and "trainer" in workers, workers
     assert "policy version" in cards and "–" not in cards.split("reward")[1].splitlines()[1], cards
     assert "token=" not in url and "run=demo" in url, url

@@ -12,9 +12,11 @@ from typing import Any
 
 from bucketrl.proxy import keys
 from bucketrl.proxy.state.clock import redis_now
-from bucketrl.wire import MetricsPush, WorkerStatus
+from bucketrl.wire import MetricsPush, SampleCompletion, WorkerStatus
 
 STREAM_MAXLEN = 20_000
+# Recent sample completions kept per run (``samples``, a capped list, newest first).
+SAMPLES_KEPT = 48
 
 
 async def record_push(r: Any, run: str, role: str, push: MetricsPush) -> None:
@@ -44,6 +46,10 @@ async def record_push(r: Any, run: str, role: str, push: MetricsPush) -> None:
     pipe.xadd(
         keys.run_key(run, keys.METRICS_STREAM), {"json": json.dumps(record)}, maxlen=STREAM_MAXLEN, approximate=True
     )
+    if push.samples:
+        samples_key = keys.run_key(run, "samples")
+        pipe.lpush(samples_key, *(x.model_dump_json() for x in push.samples))
+        pipe.ltrim(samples_key, 0, SAMPLES_KEPT - 1)
     if role == "trainer" and push.step is not None:
         pipe.hset(keys.run_key(run, keys.STATE), "trainer_step", push.step)
     await pipe.execute()
@@ -91,3 +97,9 @@ async def recent_pushes(r: Any, run: str, count: int = 200) -> list[dict[str, An
     """The last ``count`` pushes, oldest first."""
     entries = await r.xrevrange(keys.run_key(run, keys.METRICS_STREAM), count=count)
     return [json.loads(fields[b"json"]) for _, fields in reversed(entries)]
+
+
+async def recent_samples(r: Any, run: str, count: int = 12) -> list[SampleCompletion]:
+    """The run's most recent sample completions, newest first."""
+    raw = await r.lrange(keys.run_key(run, "samples"), 0, count - 1)
+    return [SampleCompletion.model_validate_json(x) for x in raw]

@@ -16,12 +16,15 @@
 
   // Each series reads one metric from the pushes of one role (optionally one line per worker), or a field
   // of the status history. x is the trainer step or seconds since the first data point.
+  // Charts are laid out in two grids, one per x-axis convention (trainer step, wall-clock seconds), so every
+  // row of charts shares one x axis whatever the window width.
   const CHARTS = [
     {
-      id: "reward", title: "Reward", x: "step", yMin: 0, yMax: 1,
+      id: "reward", title: "Reward (training batches) and eval reward (held-out)", x: "step", yMin: 0, yMax: 1,
       series: [
         { role: "trainer", metric: "reward", label: "batch mean" },
         { role: "trainer", metric: "reward", label: "rolling mean (10 steps)", rolling: 10, width: 2.5 },
+        { role: "trainer", metric: "eval/reward", label: "eval (held-out)", width: 2.5, dots: true },
       ],
     },
     {
@@ -29,6 +32,31 @@
       series: [
         { role: "trainer", metric: "perf/step_s", label: "step" },
         { role: "trainer", metric: "perf/fwd_bwd_s", label: "forward + backward" },
+      ],
+    },
+    {
+      id: "staleness", title: "Staleness (versions behind)", x: "step", yMin: 0,
+      series: [
+        { role: "trainer", metric: "sample/staleness_mean", label: "mean" },
+        { role: "trainer", metric: "sample/staleness_max", label: "max", dash: [5, 3] },
+      ],
+    },
+    {
+      id: "ratio", title: "Policy ratio and clipped fraction", x: "step",
+      series: [
+        { role: "trainer", metric: "ratio", label: "ratio" },
+        { role: "trainer", metric: "clip_ratio/region_mean", label: "clipped fraction" },
+      ],
+    },
+    {
+      id: "length", title: "Completion length (tokens)", x: "step", yMin: 0,
+      series: [{ role: "trainer", metric: "completions/mean_length", label: "mean" }],
+    },
+    {
+      id: "entropy_kl", title: "Entropy and KL to the base model (per token)", x: "step", yMin: 0,
+      series: [
+        { role: "trainer", metric: "entropy", label: "entropy" },
+        { role: "trainer", metric: "kl", label: "KL (kl_coef > 0)" },
       ],
     },
     {
@@ -47,13 +75,6 @@
       ],
     },
     {
-      id: "staleness", title: "Staleness (versions behind)", x: "step", yMin: 0,
-      series: [
-        { role: "trainer", metric: "sample/staleness_mean", label: "mean" },
-        { role: "trainer", metric: "sample/staleness_max", label: "max", dash: [5, 3] },
-      ],
-    },
-    {
       id: "sync", title: "Weight sync (s)", x: "time", yMin: 0,
       series: [
         { role: "trainer", metric: "perf/weight_sync_s", label: "trainer publish" },
@@ -64,14 +85,9 @@
       id: "throughput", title: "Generator throughput (tokens/s)", x: "time", yMin: 0,
       series: [{ role: "generator", metric: "rollout/generated_tok_s", label: "", perWorker: true }],
     },
-    {
-      id: "ratio", title: "Policy ratio and clipped fraction", x: "step",
-      series: [
-        { role: "trainer", metric: "ratio", label: "ratio" },
-        { role: "trainer", metric: "clip_ratio/region_mean", label: "clipped fraction" },
-      ],
-    },
   ];
+  const MAX_SAMPLE_ROWS = 12;
+  const MAX_EVAL_ROWS = 12;
 
   const state = {
     run: null,
@@ -250,7 +266,7 @@
       for (const [worker, pts] of byWorker) {
         pts.sort((a, b) => a[0] - b[0]);
         const label = s.perWorker ? [s.label, shortId(worker)].filter(Boolean).join(" ") : s.label;
-        out.push({ label, width: s.width, dash: s.dash, points: s.rolling ? rolling(pts, s.rolling) : pts });
+        out.push({ label, width: s.width, dash: s.dash, dots: s.dots, points: s.rolling ? rolling(pts, s.rolling) : pts });
       }
     }
     return out;
@@ -338,8 +354,10 @@
       g.beginPath();
       s.points.forEach((p, j) => (j ? g.lineTo(X(p[0]), Y(p[1])) : g.moveTo(X(p[0]), Y(p[1]))));
       g.stroke();
-      if (s.points.length === 1) {
-        g.fillStyle = color;
+      g.fillStyle = color;
+      if (s.dots) {
+        for (const p of s.points) g.fillRect(X(p[0]) - 3, Y(p[1]) - 3, 6, 6);
+      } else if (s.points.length === 1) {
         g.fillRect(X(s.points[0][0]) - 2, Y(s.points[0][1]) - 2, 4, 4);
       }
       g.setLineDash([]);
@@ -354,9 +372,9 @@
   }
 
   function ensureCanvases() {
-    const root = $("charts");
-    if (root.childElementCount) return;
+    if ($("charts-step").childElementCount) return;
     for (const chart of CHARTS) {
+      const root = $(chart.x === "step" ? "charts-step" : "charts-time");
       const div = document.createElement("div");
       div.className = "chart";
       div.innerHTML = '<h3></h3><canvas id="chart-' + chart.id + '"></canvas>';
@@ -423,11 +441,42 @@
         row.insertCell().textContent = c;
       }
     }
+    renderEval(status.eval || []);
+    renderSamples(status.samples || []);
     if (newest.length > MAX_VERSION_ROWS) {
       const rest = newest.slice(MAX_VERSION_ROWS);
       const leased = rest.reduce((a, v) => a + v.leases, 0);
       vbody.insertRow().insertCell().textContent = "… " + rest.length + " older (" + leased + " leases)";
     }
+  }
+
+  function fixed(v, digits) {
+    return v === null || v === undefined ? "–" : Number(v).toFixed(digits);
+  }
+
+  function renderEval(evals) {
+    const body = $("eval").querySelector("tbody");
+    body.innerHTML = "";
+    for (const e of [...evals].reverse().slice(0, MAX_EVAL_ROWS)) {
+      const row = body.insertRow();
+      const cells = ["v" + e.version, e.prompts, fixed(e.reward_mean, 3), fixed(e.pass_at_1, 3),
+        fixed(e.pass_at_k, 3) + " (k=" + e.k + ")", fixed(e.mean_length, 1), fixed(100 * e.unscorable_frac, 1) + " %"];
+      for (const c of cells) row.insertCell().textContent = c;
+    }
+    $("eval-section").hidden = evals.length === 0;
+    exposed.evalRows = Math.min(evals.length, MAX_EVAL_ROWS);
+  }
+
+  function renderSamples(samples) {
+    const body = $("samples").querySelector("tbody");
+    body.innerHTML = "";
+    for (const smp of samples.slice(0, MAX_SAMPLE_ROWS)) {
+      const row = body.insertRow();
+      for (const c of ["v" + smp.version, fixed(smp.reward, 3), smp.prompt, smp.completion]) {
+        row.insertCell().textContent = c; // textContent: model output is never parsed as HTML
+      }
+    }
+    exposed.sampleRows = Math.min(samples.length, MAX_SAMPLE_ROWS);
   }
 
   // ---- start ----------------------------------------------------------------------------------------

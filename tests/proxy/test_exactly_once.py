@@ -182,3 +182,39 @@ def test_a_late_older_snapshot_never_replaces_a_newer_one(redis_server: RedisSer
         assert json.loads(prompts.read_snapshot(store, RUN) or b"{}") == newer
 
     run(redis_server, body)
+
+
+def test_a_claim_whose_bucket_read_failed_hands_the_groups_out_again_to_the_same_epoch(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The claim script handed the groups to the live epoch, then the bucket read failed (503): they must be
+    claimable again at once by that same epoch (not held as if it had them)."""
+    from bucketrl.storage import open_store
+    from tests.proxy.test_queue_state import RUN, lease_and_batch, make_spec, setup_run
+
+    store = open_store(f"file://{tmp_path / 'b'}")
+    spec = make_spec()
+
+    class Down:
+        def get_bytes(self, key: str) -> bytes:
+            raise errors.Unavailable("bucket down")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+    async def body(r: Any) -> None:
+        epoch = await setup_run(r, spec)
+        await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "a")
+        kw: dict[str, Any] = {
+            "epoch": epoch,
+            "consumer": "t",
+            "max_groups": 4,
+            "wait_s": 0,
+            "redelivery_timeout_s": 600,
+        }
+        with pytest.raises(errors.Unavailable):
+            await queue.claim(r, Down(), RUN, spec, **kw)  # type: ignore[arg-type]
+        got = await queue.claim(r, store, RUN, spec, **kw)
+        assert len(got.claimed) == 2 and got.lost == 0
+
+    run(redis_server, body)

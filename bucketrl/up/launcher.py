@@ -100,7 +100,9 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
         watcher.close()
         cluster.release()
     wall = time.monotonic() - started
-    if watcher.pushes:
+    if watcher.pushes and not watcher.trainer_series("perf/step_s"):
+        console.print(f"no trainer step was taken: no summary.   resume: bucketrl up --dir {cluster.dir}", soft_wrap=True)
+    elif watcher.pushes:
         sync = measure(cluster.logs, cfg.run)
         figures = report.summarize(watcher, wall, sync)
         figures["adapter"] = _adapter_location(cluster, figures.get("latest_version"))

@@ -269,3 +269,28 @@ def test_sigkill_of_up_leaves_no_process(tmp_path: Path) -> None:
         for pid in json.loads((run_dir / "services.json").read_text()).values() if run_dir.exists() else []:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_generator_configuration_error_stops_up_at_once(tmp_path: Path) -> None:
+    """A worker exiting 2 (here a generator whose reward does not import: `up`'s own preflight is off, as for a
+    mistake only a worker can see) stops `up` at once with the worker's one-line reason; nothing restarts."""
+    from rich.console import Console
+
+    from bucketrl.up.config import UpConfig
+    from bucketrl.up.launcher import run_up
+
+    cfg = UpConfig(dir=tmp_path / "run", reward="nosuchmod:score", preflight=False, generators=1, max_steps=50)
+    console = Console(record=True, width=80, force_terminal=False)
+    t0 = time.monotonic()
+    code = run_up(cfg, console=console, live=False)
+    text = console.export_text()
+    assert code == 2, text[-3000:]
+    assert "gen-0 stopped on a configuration error: reward.name (run spec): " in text, text[-3000:]
+    assert "cannot import 'nosuchmod'" in text
+    print(f"stopped after {time.monotonic() - t0:.0f}s")
+    stopped = json.loads((tmp_path / "run" / "stopped.json").read_text())
+    assert stopped["service"] == "gen-0" and "nosuchmod" in stopped["reason"]
+    log = (tmp_path / "run" / "logs" / "gen-0.log").read_text()
+    assert log.count("start gen-0") == 1  # not restarted
+    pids = json.loads((tmp_path / "run" / "services.json").read_text())
+    assert not [n for n, pid in pids.items() if _alive(pid)]

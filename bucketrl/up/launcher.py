@@ -101,7 +101,8 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
         cluster.release()
     wall = time.monotonic() - started
     if watcher.pushes and not watcher.trainer_series("perf/step_s"):
-        console.print(f"no trainer step was taken: no summary.   resume: bucketrl up --dir {cluster.dir}", soft_wrap=True)
+        resume = f"no trainer step was taken (no summary); resume: bucketrl up --dir {cluster.dir}"
+        console.print(resume, soft_wrap=True)
     elif watcher.pushes:
         sync = measure(cluster.logs, cfg.run)
         figures = report.summarize(watcher, wall, sync)

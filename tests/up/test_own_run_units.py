@@ -174,3 +174,20 @@ def test_status_without_options_finds_the_last_up_here_or_says_which_dir(
     assert out.exit_code == 1, out.output
     assert "gen-0 stopped on a configuration error: --reward x: no callable" in out.output
     assert "http://127.0.0.1:9" in out.output
+
+
+def test_a_resume_without_options_repeats_the_first_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bucketrl up --dir D` (the printed resume command) runs with D's saved options, not the demo's (a
+    custom-dataset run resumed as the toy task used to fail on the immutable spec)."""
+    from bucketrl.up.config import UpConfig, load_saved_options, save_options
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"prompt": "p", "answer": "a"}\n')
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save_options(UpConfig(dir=run_dir, dataset="d.jsonl", reward="exact", max_steps=7, reward_kwargs={"strip": True}))
+    saved = load_saved_options(None, run_dir)
+    assert saved["dataset"] == str(tmp_path / "d.jsonl")  # absolute: a resume from elsewhere finds it
+    assert saved["reward"] == "exact" and saved["max_steps"] == 7 and saved["reward_kwargs"] == {"strip": True}
+    resumed = UpConfig(**{**saved, "dir": run_dir, "max_steps": 9})  # an option given overrides
+    assert resumed.max_steps == 9 and resumed.upload_path == tmp_path / "d.jsonl"

@@ -106,8 +106,15 @@ class UpConfig(BaseModel):
 
     @property
     def upload_path(self) -> Path | None:
-        """A local JSONL dataset: ``up`` uploads it to the run's bucket (generators elsewhere read it there)."""
+        """A local JSONL dataset (``--dataset``, or the ``--run-spec`` file's): ``up`` uploads it to the run's bucket
+        (generators elsewhere read it there)."""
         uri = self.dataset
+        if uri is None and self.run_spec is not None:
+            try:
+                given = _read_run_spec(self.run_spec).get("dataset")
+                uri = given.get("uri") if isinstance(given, dict) else None
+            except ValueError:  # reported by build_run_spec
+                uri = None
         if uri is None or uri.startswith(("toy:", "bucket:")):
             return None
         path = Path(uri.removeprefix("file://")).expanduser()

@@ -191,3 +191,37 @@ def test_a_resume_without_options_repeats_the_first_ones(tmp_path: Path, monkeyp
     assert saved["reward"] == "exact" and saved["max_steps"] == 7 and saved["reward_kwargs"] == {"strip": True}
     resumed = UpConfig(**{**saved, "dir": run_dir, "max_steps": 9})  # an option given overrides
     assert resumed.max_steps == 9 and resumed.upload_path == tmp_path / "d.jsonl"
+
+
+def test_run_spec_file_with_options_over_it(tmp_path: Path) -> None:
+    from bucketrl.up.config import UpConfig, build_run_spec
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "p", "a": "1"}\n')
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(
+        json.dumps(
+            {
+                "base_model": "Qwen/Qwen2.5-0.5B-Instruct",
+                "vocab_size": 151936,
+                "group_size": 4,
+                "lora": {"r": 8, "alpha": 16},
+                "sampling": {"max_new_tokens": 64, "temperature": 0.9},
+                "reward": {"name": "regex", "kwargs": {"pattern": "\\d+"}},
+                "dataset": {"uri": str(data), "prompt_field": "q", "answer_field": "a"},
+                "loss": {"objective": "decoupled"},
+            }
+        )
+    )
+    spec = build_run_spec(UpConfig(dir=tmp_path, run_spec=spec_file, group_size=8, answer_field="b"), None)
+    assert spec["base_model"] == "Qwen/Qwen2.5-0.5B-Instruct" and spec["vocab_size"] == 151936
+    assert spec["group_size"] == 8  # the option wins
+    assert spec["lora"]["r"] == 8 and spec["lora"]["target_modules"] == "all-linear"  # merged with the defaults
+    assert spec["sampling"] == {"temperature": 0.9, "top_p": 1.0, "top_k": -1, "max_new_tokens": 64}
+    assert spec["reward"] == {"name": "regex", "kwargs": {"pattern": "\\d+"}}
+    # The file's local JSONL is uploaded like --dataset's: the spec names the run's copy.
+    assert spec["dataset"]["uri"] == "bucket:dataset.jsonl" and spec["dataset"]["prompt_field"] == "q"
+    assert spec["dataset"]["answer_field"] == "b" and spec["loss"]["objective"] == "decoupled"
+    with pytest.raises(ValueError, match=r"--run-spec .*not JSON"):
+        (tmp_path / "bad.json").write_text("{")
+        build_run_spec(UpConfig(dir=tmp_path, run_spec=tmp_path / "bad.json"), None)

@@ -139,3 +139,45 @@ def scenario(ranks: Any, rank_cfg: TrainerSettings, model_dir: Path) -> dict[str
     # Every rank holds the same replica (rank 0's is what gets published).
     result["replicas"] = ranks.all_gather(restarted.policy.adapter_state())
     return result
+
+
+TIMEOUT_S = 4.0
+
+
+def run_timeouts(rank: int, port: int, out: str) -> None:
+    """Two ranks, a 4 s collective timeout: rank 0's heartbeats keep rank 1 waiting through an 8 s rollout wait; then
+    rank 1 hangs (sleeps) and rank 0's next collective fails within the timeout instead of hanging."""
+    import json
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from bucketrl.trainer.distributed import Message, SpeakerHooks, init_ranks
+    from bucketrl.trainer.worker import RankFailure
+
+    env = {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    ranks, _ = init_ranks(cfg(dist_timeout_s=TIMEOUT_S, dist_heartbeat_s=1.0))
+    result: dict[str, Any] = {}
+    try:
+        if ranks.speaks:
+            pending: Future[str] = Future()
+            threading.Timer(2 * TIMEOUT_S, lambda: pending.set_result("rollouts")).start()
+            result["waited"] = SpeakerHooks(ranks, heartbeat_s=1.0).wait(pending)
+            ranks.broadcast(Message(kind="stop"))
+            t0 = time.monotonic()
+            try:
+                ranks.all_reduce_sum([1.0])
+                result["hung_rank"] = "no error"
+            except RankFailure as exc:
+                result["hung_rank"] = str(exc)[:200]
+            result["failed_after_s"] = time.monotonic() - t0
+            Path(out, "timeouts.json").write_text(json.dumps(result))
+        else:
+            kinds = []
+            while not kinds or kinds[-1] != "stop":
+                kinds.append(ranks.broadcast(None).kind)
+            Path(out, "follower.json").write_text(json.dumps(kinds))
+            time.sleep(4 * TIMEOUT_S)  # hung: never joins rank 0's all_reduce
+    finally:
+        os._exit(0)  # no destroy_process_group: the peer may be gone or stuck

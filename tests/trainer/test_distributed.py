@@ -101,3 +101,18 @@ def test_groups_are_split_balanced_by_tokens() -> None:
         assert shard_groups(groups, world) == shares  # deterministic: every rank computes the same split
     # More ranks than groups: the extra ranks train nothing.
     assert shard_groups(groups[:2], 3)[2] == []
+
+
+def test_heartbeats_outlast_the_timeout_and_a_hung_rank_fails_the_collective(tmp_path: Path) -> None:
+    import json
+
+    port = dist_support.free_port()
+    mp.start_processes(dist_support.run_timeouts, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    got = json.loads((tmp_path / "timeouts.json").read_text())
+    kinds = json.loads((tmp_path / "follower.json").read_text())
+    # An 8 s wait for rollouts with a 4 s timeout: rank 1 got heartbeats, then the stop, and never timed out.
+    assert got["waited"] == "rollouts"
+    assert kinds[-1] == "stop" and kinds.count("wait") >= 4 and set(kinds[:-1]) == {"wait"}
+    # Rank 1 hangs: rank 0's collective fails within about the timeout, as a RankFailure (the trainer exits 1).
+    assert "failed" in got["hung_rank"], got
+    assert got["failed_after_s"] < 3 * dist_support.TIMEOUT_S, got

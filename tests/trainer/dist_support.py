@@ -5,6 +5,7 @@ and runs the same scenario; rank 0 saves what the test compares with one process
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import socket
@@ -98,8 +99,12 @@ def run_rank(rank: int, port: int, model_dir: str, out: str) -> None:
         if ranks.speaks:
             torch.save(results, Path(out) / "results.pt")
         dist.barrier()
+        # Then ranks 0 and 1 as a job with a short collective timeout (rank 2 is done).
+        quick = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        if rank < 2:
+            timeouts(Ranks(rank=rank, world=2, local_rank=rank, grads=quick, control=quick, timeout_s=TIMEOUT_S), out)
     finally:
-        ranks.close()
+        os._exit(0)  # no destroy_process_group: after timeouts() a peer may be gone or stuck
 
 
 def scenario(ranks: Any, rank_cfg: TrainerSettings, model_dir: Path) -> dict[str, Any]:
@@ -144,7 +149,7 @@ def scenario(ranks: Any, rank_cfg: TrainerSettings, model_dir: Path) -> dict[str
 TIMEOUT_S = 4.0
 
 
-def run_timeouts(rank: int, port: int, out: str) -> None:
+def timeouts(ranks: Any, out: str) -> None:
     """Two ranks, a 4 s collective timeout: rank 0's heartbeats keep rank 1 waiting through an 8 s rollout wait; then
     rank 1 hangs (sleeps) and rank 0's next collective fails within the timeout instead of hanging."""
     import json
@@ -152,32 +157,26 @@ def run_timeouts(rank: int, port: int, out: str) -> None:
     import time
     from concurrent.futures import Future
 
-    from bucketrl.trainer.distributed import Message, SpeakerHooks, init_ranks
+    from bucketrl.trainer.distributed import Message, SpeakerHooks
     from bucketrl.trainer.worker import RankFailure
 
-    env = {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    os.environ.update({k: str(v) for k, v in env.items()})
-    ranks, _ = init_ranks(cfg(dist_timeout_s=TIMEOUT_S, dist_heartbeat_s=1.0))
     result: dict[str, Any] = {}
-    try:
-        if ranks.speaks:
-            pending: Future[str] = Future()
-            threading.Timer(2 * TIMEOUT_S, lambda: pending.set_result("rollouts")).start()
-            result["waited"] = SpeakerHooks(ranks, heartbeat_s=1.0).wait(pending)
-            ranks.broadcast(Message(kind="stop"))
-            t0 = time.monotonic()
-            try:
-                ranks.all_reduce_sum([1.0])
-                result["hung_rank"] = "no error"
-            except RankFailure as exc:
-                result["hung_rank"] = str(exc)[:200]
-            result["failed_after_s"] = time.monotonic() - t0
-            Path(out, "timeouts.json").write_text(json.dumps(result))
-        else:
-            kinds = []
-            while not kinds or kinds[-1] != "stop":
-                kinds.append(ranks.broadcast(None).kind)
-            Path(out, "follower.json").write_text(json.dumps(kinds))
-            time.sleep(4 * TIMEOUT_S)  # hung: never joins rank 0's all_reduce
-    finally:
-        os._exit(0)  # no destroy_process_group: the peer may be gone or stuck
+    if ranks.speaks:
+        pending: Future[str] = Future()
+        threading.Timer(2 * TIMEOUT_S, lambda: pending.set_result("rollouts")).start()
+        result["waited"] = SpeakerHooks(ranks, heartbeat_s=1.0).wait(pending)
+        ranks.broadcast(Message(kind="stop"))
+        t0 = time.monotonic()
+        try:
+            ranks.all_reduce_sum([1.0])
+            result["hung_rank"] = "no error"
+        except RankFailure as exc:
+            result["hung_rank"] = str(exc)[:200]
+        result["failed_after_s"] = time.monotonic() - t0
+        Path(out, "timeouts.json").write_text(json.dumps(result))
+    else:
+        kinds = []
+        while not kinds or kinds[-1] != "stop":
+            kinds.append(ranks.broadcast(None).kind)
+        Path(out, "follower.json").write_text(json.dumps(kinds))
+        time.sleep(2.5 * TIMEOUT_S)  # hung: does not join rank 0's all_reduce before its timeout

@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import secrets
+import signal
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -185,6 +186,8 @@ class LocalCluster:
             # Children run in the launcher's working directory: relative --dataset paths and module:function
             # rewards resolve as the user typed them.
             svc = Service(name, argv, self.logs / f"{name}.log", env=env, on_start=self._record_pids)
+            if name not in ("proxy", "redis"):  # see Service.death_signal
+                svc.death_signal = signal.SIGKILL
             self.services[name] = svc
         else:
             svc.argv, svc.env = argv, env

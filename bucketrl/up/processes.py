@@ -8,6 +8,7 @@ Logs are appended to, so a restarted or resumed service keeps one history.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -63,9 +64,9 @@ def _load_libc() -> object | None:
 _LIBC = _load_libc()
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the child gets SIGTERM when the launcher dies without stopping it (no orphaned services)."""
-    _LIBC.prctl(1, signal.SIGTERM)  # type: ignore[union-attr]  # PR_SET_PDEATHSIG
+def _die_with_parent(sig: int = signal.SIGTERM) -> None:  # pragma: no cover - runs between fork and exec
+    """Linux: the child gets ``sig`` when the launcher dies without stopping it (no orphaned services)."""
+    _LIBC.prctl(1, sig)  # type: ignore[union-attr]  # PR_SET_PDEATHSIG
 
 
 def bucketrl_command(*args: str) -> list[str]:
@@ -111,6 +112,10 @@ class Service:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     on_start: Callable[[], None] | None = None
+    # What the child gets when the launcher dies without stopping it (a SIGKILL of `bucketrl up`). The workers
+    # get SIGKILL: the proxy dies at the same moment, so a clean stop would only wait out their outage grace,
+    # and a killed worker loses nothing (its leases expire; the trainer resumes from its checkpoint).
+    death_signal: int = signal.SIGTERM
     deaths: list[float] = field(default_factory=list)  # monotonic times the supervisor saw it dead
 
     def record_death(self, policy: RestartPolicy) -> bool:
@@ -135,7 +140,7 @@ class Service:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if _LIBC is not None else None,
+                preexec_fn=functools.partial(_die_with_parent, self.death_signal) if _LIBC is not None else None,
             )
         self.starts += 1
         if self.on_start is not None:

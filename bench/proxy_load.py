@@ -66,6 +66,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tarfile
@@ -175,12 +176,18 @@ def run_async(coro: Any) -> Any:
 
 
 # -- payloads ------------------------------------------------------------------------------------------------
+def random_safetensors(nbytes: int) -> bytes:
+    header = json.dumps({"lora": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}}).encode()
+    return struct.pack("<Q", len(header)) + header + os.urandom(nbytes)
+
+
 def adapter_tar(version: int) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for name, data in {
-            "adapter_config.json": json.dumps({"r": 8, "bench_version": version}).encode(),
-            "adapter_model.safetensors": os.urandom(64 * 1024),
+            # The proxy checks an adapter is exactly PEFT's files: a LoRA config and a well-formed safetensors.
+            "adapter_config.json": json.dumps({"peft_type": "LORA", "r": 8, "bench_version": version}).encode(),
+            "adapter_model.safetensors": random_safetensors(64 * 1024),
         }.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)

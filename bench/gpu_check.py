@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trainer-procs", type=int, default=1, help="CPU trainer ranks (--device cpu)")
     p.add_argument("--generators", type=int, default=None, help="generators (default: one per non-trainer GPU, or 1)")
     p.add_argument("--steps", type=int, default=None, help="trainer steps (default 30 on cuda, 4 on cpu)")
-    p.add_argument("--max-s", type=float, default=360.0, help="stop the run after this many seconds of training")
+    p.add_argument("--max-s", type=float, default=300.0, help="stop the run after this many seconds of training")
     p.add_argument("--max-new-tokens", type=int, default=None, help="completion length (default 128 cuda, 8 cpu)")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--groups-per-step", type=int, default=None, help="default 16 on cuda, 2 on cpu")

@@ -300,18 +300,18 @@ class Chaos:
             threading.Timer(seconds, thaw, args=(fault,)).start()
 
     def flushall(self, checkpoint_every: int) -> int:
-        """FLUSHALL while the trainer holds claimed-but-unacked groups (its last step is not a checkpoint)."""
+        """FLUSHALL while the trainer holds claimed-but-unacked groups (its last step is not a checkpoint step);
+        returns that step."""
         import redis
 
-        self.wait("a step that is not a checkpoint step", lambda: self.step() % checkpoint_every != 0, 120)
         r = redis.Redis(port=self.up.redis_port())
         try:
-            at = self.step()
+            at = self.wait("a step that is not a checkpoint step", lambda: (s := self.step()) % checkpoint_every and s)
             with self.fault(f"FLUSHALL (step {at})"):
-                r.flushall()
+                r.flushall()  # right after the read: a step takes far longer than this
         finally:
             r.close()
-        return at
+        return int(at)
 
     def outage(self, kind: str, down: Callable[[], None], up: Callable[[], None], seconds: float) -> None:
         with self.fault(f"{kind} {seconds:.0f}s"):

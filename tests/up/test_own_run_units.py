@@ -225,3 +225,31 @@ def test_run_spec_file_with_options_over_it(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"--run-spec .*not JSON"):
         (tmp_path / "bad.json").write_text("{")
         build_run_spec(UpConfig(dir=tmp_path, run_spec=tmp_path / "bad.json"), None)
+
+
+def test_gpt2_trains_lora_on_its_conv1d_layers(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """GPT-2 has no nn.Linear but the head: `all-linear` used to find nothing. Its Conv1D layers get LoRA now,
+    and the adapter the trainer writes loads in plain PEFT."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from bucketrl.trainer.model import PolicyModel
+    from bucketrl.wire import RunSpec
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = {"bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id}
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=1, n_head=2, **ids)
+    ).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    spec = RunSpec.model_validate(
+        {
+            "base_model": str(tmp_path / "gpt2"),
+            "reward": {"name": "toy"},
+            "dataset": {"uri": "toy:digits", "size": 8},
+            "vocab_size": len(tok),
+        }
+    )
+    snap = PolicyModel(spec).adapter_snapshot()
+    assert json.loads(snap.config_json)["target_modules"] == ["c_attn", "c_fc", "c_proj"]
+    PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2"), str(snap.write(tmp_path / "ad")))

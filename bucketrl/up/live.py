@@ -96,8 +96,11 @@ def render(
             f"{w.last_seen_s:.1f} s ago" if w else "",
             _f(watcher.latest(name, "rollout/generated_tok_s"), ",.0f") if w and w.role == "generator" else "",
         )
-    # The address is one unbroken line (cropped, never wrapped: a wrapped token cannot be copied).
-    footer = Text(f"dashboard {dashboard}", no_wrap=True, overflow="ignore", style="dim")
+    # The panel is cropped to the terminal: a token there could not be copied whole. The full link was printed
+    # above the live view (one line, never wrapped); here the address without it.
+    base, _, fragment = dashboard.partition("#")
+    shown = f"dashboard {base}" + (" (the link with its token is printed above)" if fragment else "")
+    footer = Text(shown, no_wrap=True, overflow="ellipsis", style="dim")
     hint = Text("Ctrl-C stops everything cleanly; run again with the same --dir to resume.", style="dim")
     parts: list = [head, Text(""), workers, Text("")]
     if note:

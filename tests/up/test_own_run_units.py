@@ -253,3 +253,40 @@ def test_gpt2_trains_lora_on_its_conv1d_layers(tmp_path: Path, tiny_model_dir: P
     snap = PolicyModel(spec).adapter_snapshot()
     assert json.loads(snap.config_json)["target_modules"] == ["c_attn", "c_fc", "c_proj"]
     PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2"), str(snap.write(tmp_path / "ad")))
+
+
+def test_live_view_shows_phases_failing_rewards_and_an_unbroken_address() -> None:
+    from rich.console import Console
+
+    from bucketrl.up.live import render
+    from bucketrl.wire import RunStatus
+
+    w = RunWatcher("http://127.0.0.1:9", "demo", "t")
+    w.last_error = "404 unknown_run: unknown run 'demo'"
+    assert w.waiting_for() == "the trainer is creating the run"  # a normal start is not an alarm
+    w.status = RunStatus.model_validate(
+        {
+            "run": "demo",
+            "latest_version": 3,
+            "versions": [],
+            "queue": {"groups": 0, "capacity": 64},
+            "prompts_inflight": 0,
+            "workers": [
+                {"worker_id": "gen-0", "role": "generator", "last_seen_s": 0.1, "phase": "generating",
+                 "notes": {"reward_error/exception": "ValueError: cannot parse"}},
+                {"worker_id": "trainer", "role": "trainer", "last_seen_s": 0.1, "phase": "training"},
+            ],
+            "trainer": {"epoch": 1, "step": 2},
+            "metrics": {"trainer": {"reward/unscorable_frac": 0.75}},
+        }
+    )  # fmt: skip
+    token = "vie-" + "x" * 60
+    url = f"http://127.0.0.1:41234/ui?run=demo#token={token}"
+    console = Console(width=80, record=True, force_terminal=False)
+    services = {"gen-0": "running pid 1", "trainer": "running pid 2"}
+    console.print(render(w, run="demo", max_steps=10, started=time.monotonic(), dashboard=url, services=services))
+    text = console.export_text()
+    assert "generating" in text and "training" in text
+    assert "75%" in text and "ValueError: cannot" in text  # (wrapped in 80 columns)
+    # No token cut in pieces: the panel (cropped to the terminal) shows the address without it.
+    assert token[:8] not in text and "dashboard http://127.0.0.1:41234/ui?run=demo" in text

@@ -98,3 +98,20 @@ def test_a_missing_prefix_under_a_present_root_is_just_empty(tmp_path: Path) -> 
     assert store.delete_prefix("runs/none") == 0
     with pytest.raises(errors.NotFound):
         store.get_bytes("runs/none/x")
+
+
+def test_an_s3_endpoint_that_stopped_answering_times_out_as_unavailable(moto_server: MotoServer) -> None:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    moto_server.create_bucket(name)
+    gate = TcpGate(moto_server.port).start()
+    store = S3Store(name, "p", endpoint_url=gate.endpoint, connect_timeout_s=1.0, read_timeout_s=1.0, max_attempts=1)
+    try:
+        store.put_bytes("k", b"v")
+        gate.set_mode("hang")
+        for call in (lambda: store.get_bytes("k"), lambda: store.exists("nope"), lambda: store.put_bytes("j", b"w")):
+            with pytest.raises(errors.Unavailable):
+                call()
+        gate.set_mode("open")
+        assert store.get_bytes("k") == b"v" and not store.exists("j")
+    finally:
+        gate.stop()

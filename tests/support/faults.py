@@ -8,6 +8,7 @@ bucket wipe, not an outage):
 - ``"refuse"``: the listening socket is closed and live connections are cut: connection refused, as when
   the S3 server is stopped;
 - ``"error"``: every request is answered ``503 Slow Down`` (an overloaded or failing store front end);
+- ``"hang"``: connections are accepted and never answered (a store that stopped responding: timeouts);
 - ``"open"``: forwarding again (the server restarted).
 
     gate = TcpGate(moto.port).start()
@@ -24,7 +25,7 @@ from typing import Literal
 
 from tests.support.services import free_port
 
-Mode = Literal["open", "refuse", "error"]
+Mode = Literal["open", "refuse", "error", "hang"]
 
 _ERROR_RESPONSE = (
     b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: 107\r\n\r\n"
@@ -100,6 +101,10 @@ class TcpGate:
                 mode = self.mode
             if mode == "error":
                 threading.Thread(target=self._answer_error, args=(client,), daemon=True).start()
+                continue
+            if mode == "hang":
+                with self._lock:
+                    self._conns.add(client)  # held open, unread, until the mode changes
                 continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)

@@ -78,6 +78,8 @@ def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = Non
         "sync_latency_versions": sync.count if sync else 0,
     }
     figures.update(eval_figures(watcher))
+    # The run's latest sample completions with their rewards (newest first): what the model writes now.
+    figures["samples"] = [x.model_dump() for x in (watcher.status.samples if watcher.status else [])[:5]]
     return figures
 
 
@@ -168,6 +170,9 @@ def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary"):
                 f"{figures['sync_latency_p50_s'] * 1000:.0f} / {figures['sync_latency_max_s'] * 1000:.0f} ms",
             )
         )
+    for smp in (figures.get("samples") or [])[:3]:
+        reward = "–" if smp.get("reward") is None else f"{smp['reward']:.3f}"
+        rows.append((f"  sample v{smp['version']}: {smp['prompt'][:30]!r}", f"{smp['completion'][:40]!r} → {reward}"))
     for k, v in rows:
         t.add_row(k, v)
     return t

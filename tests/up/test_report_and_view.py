@@ -11,7 +11,7 @@ from bucketrl.up.live import render
 from bucketrl.up.report import counter_total, plot, summarize, summary_table, write_summary
 from bucketrl.up.synclatency import SyncLatency
 from bucketrl.up.watch import RunWatcher
-from bucketrl.wire import RunStatus
+from bucketrl.wire import EvalVersionResult, RunStatus, SampleCompletion
 
 
 def _watcher(steps: int = 40) -> RunWatcher:
@@ -125,3 +125,31 @@ def test_counter_total_handles_restarts() -> None:
     assert counter_total([]) == 0
     assert counter_total([1, 5, 9]) == 9
     assert counter_total([1, 5, 9, 2, 4, 1]) == 9 + 4 + 1
+
+
+def test_summary_has_the_eval_curve_and_sample_completions(tmp_path: Path) -> None:
+    w = _watcher()
+    assert w.status is not None
+    ev = {"prompts": 32, "samples": 32, "k": 1, "pass_at_1": 0.0, "pass_at_k": 0.0, "mean_length": 8.0}
+    ev |= {"unscorable_frac": 0.0, "completed_at": 0.0}
+    w.status = w.status.model_copy(
+        update={
+            "eval": [
+                EvalVersionResult(version=1, reward_mean=0.05, **ev),
+                EvalVersionResult(version=11, reward_mean=0.6, **ev),
+            ],
+            "samples": [SampleCompletion(version=40, prompt="even:", completion="2468", reward=1.0)],
+        }
+    )
+    # The trainer reported v11 as its policy at step 10: v11's eval is drawn there (v1 at step 0).
+    w._merge([{"worker_id": "trainer", "role": "trainer", "ts": 2e9, "step": 10, "metrics": {"policy/version": 11}}])
+    figures = summarize(w, 61.0)
+    assert figures["eval_curve"] == [[0.0, 0.05], [10.0, 0.6]]
+    assert (figures["eval_reward_first"], figures["eval_reward_last"], figures["eval_versions"]) == (0.05, 0.6, 2)
+    assert figures["samples"][0]["completion"] == "2468"
+    console = Console(record=True, width=160)
+    console.print(summary_table(figures))
+    text = console.export_text()
+    assert "0.050 / 0.600" in text and "'2468'" in text
+    paths = plot(w, tmp_path)
+    assert paths[0].stat().st_size > 10_000

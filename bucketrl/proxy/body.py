@@ -48,7 +48,7 @@ MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vn
 # Bodies up to this size decode on the event loop (a thread hop costs more than parsing them).
 INLINE_DECODE_BYTES = 256 * 1024
 # Large bodies decoding at once (per process); the others wait with their raw bytes only.
-DECODE_SLOTS = 2
+DECODE_SLOTS = 1
 
 # Models documented as request bodies via openapi_body; app.py adds their schemas to the components.
 DOCUMENTED_BODIES: dict[str, type[BaseModel]] = {}

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bucketrl.cli import app
-from bucketrl.wire import MetricsPush
+from bucketrl.wire import EvalResult, EvalSample, MetricsPush, SampleCompletion
 from tests.proxy.harness import TOKENS, ProxyHarness, adapter_tar, make_spec, running
 from tests.support.services import RedisServer, free_port
 
@@ -92,3 +92,24 @@ def test_errors_are_clear(proxy: ProxyHarness, tmp_path: Path) -> None:
     assert not_a_run_dir.returncode == 2 and "endpoint.json" in not_a_run_dir.stderr
     bad_url = _run("--proxy", "ftp://x", "--run", "st")
     assert bad_url.returncode == 2 and "http://" in bad_url.stderr
+
+
+def test_eval_results_and_sample_completions_are_shown(proxy: ProxyHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = make_spec(eval={"every": 1, "size": 2})
+    proxy.client("st", "trainer").put_run(spec)  # eval is a mutable field of a live run
+    g = proxy.client("st", "generator")
+    items = g.lease_eval("gen-a", [2], n=8).items
+    assert [(i.version, i.index) for i in items] == [(2, 0), (2, 1)]
+    g.submit_eval(
+        "gen-a", [EvalResult(version=2, index=i.index, samples=[EvalSample(reward=1.0, length=5)]) for i in items]
+    )
+    sample = SampleCompletion(version=2, prompt="even:", completion="2468", reward=1.0)
+    g.push_metrics(MetricsPush(worker_id="gen-a", metrics={}, samples=[sample]))
+    status = proxy.client("st", "viewer").status()
+    assert [e.version for e in status.eval] == [2] and status.samples == [sample]
+    monkeypatch.setenv("BUCKETRL_PROXY_URL", proxy.url)
+    monkeypatch.setenv("BUCKETRL_TOKEN", TOKENS["viewer"])
+    monkeypatch.setenv("COLUMNS", "200")
+    result = CliRunner().invoke(app, ["status", "--run", "st"])
+    assert result.exit_code == 0, result.output
+    assert "evaluation" in result.output and "1 (k=1)" in result.output, result.output

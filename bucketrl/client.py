@@ -20,6 +20,7 @@ import logging
 import random
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -277,13 +278,15 @@ class ProxyClient:
 
     # -- leases -------------------------------------------------------------------------------------
 
-    def lease_version(self, worker_id: str, version: int | None = None, ttl_s: float = 60.0) -> VersionLease:
-        return self._json(
-            "POST",
-            self._path("/leases"),
-            VersionLease,
-            VersionLeaseRequest(worker_id=worker_id, version=version, ttl_s=ttl_s),
+    def lease_version(
+        self, worker_id: str, version: int | None = None, ttl_s: float = 60.0, *, request_id: str | None = None
+    ) -> VersionLease:
+        """``request_id`` (default: a fresh one per call) rides on every retry of this call: a retry whose first
+        attempt's answer was lost gets that attempt's lease, not a second one left to expire."""
+        req = VersionLeaseRequest(
+            worker_id=worker_id, version=version, ttl_s=ttl_s, request_id=request_id or uuid.uuid4().hex
         )
+        return self._json("POST", self._path("/leases"), VersionLease, req)
 
     def renew_lease(self, lease_id: str, ttl_s: float = 60.0) -> VersionLease:
         return self._json(

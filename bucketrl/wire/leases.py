@@ -10,6 +10,12 @@ class VersionLeaseRequest(WireModel):
     # None means "the latest published version".
     version: Version | None = None
     ttl_s: float = Field(60.0, gt=0.0, le=3600.0)
+    request_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Unique per lease, the same on its retries: a replay answers the lease the first attempt "
+        "created (same lease_id, version and expiry) instead of creating a second one.",
+    )
 
 
 class VersionLease(WireModel):

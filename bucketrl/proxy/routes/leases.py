@@ -37,10 +37,10 @@ async def create_lease(
     # unknown run has no versions, so it is always refused first, then answered 404 unknown_run here; a
     # wiped Redis is rebuilt by resolve_run and the lease tried again.
     try:
-        return await leases.create(ctx.redis, run, req.worker_id, req.version, req.ttl_s)
+        return await leases.create(ctx.redis, run, req.worker_id, req.version, req.ttl_s, req.request_id)
     except (errors.NotFound, errors.Gone):
         await resolve_run(ctx, run)
-    return await leases.create(ctx.redis, run, req.worker_id, req.version, req.ttl_s)
+    return await leases.create(ctx.redis, run, req.worker_id, req.version, req.ttl_s, req.request_id)
 
 
 @router.post(

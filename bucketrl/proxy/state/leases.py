@@ -17,6 +17,8 @@ Why no leased version is ever deleted:
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import secrets
 from typing import Any
 
@@ -39,6 +41,12 @@ _CREATE = Lua(
     _NOW
     + """
 local p = ARGV[1]
+local lk = p .. 'lease:' .. ARGV[3]
+-- A replay (same request id, so the same lease id) answers the lease its first attempt created, even one
+-- released or expired since: one lease per request, never a second one that only waits to expire.
+if redis.call('EXISTS', lk) == 1 then
+  return {'ok', redis.call('HGET', lk, 'version'), redis.call('HGET', lk, 'expires_at')}
+end
 local v = tonumber(ARGV[2])
 local latest = tonumber(redis.call('HGET', KEYS[1], 'latest_version') or '0')
 if v == 0 then v = latest end
@@ -53,7 +61,6 @@ local exp = now + tonumber(ARGV[5])
 local sexp = string.format('%.6f', exp)
 redis.call('ZADD', p .. 'leases', sexp, ARGV[3])
 redis.call('ZADD', p .. 'vleases:' .. v, sexp, ARGV[3])
-local lk = p .. 'lease:' .. ARGV[3]
 redis.call('HSET', lk, 'version', v, 'worker_id', ARGV[4], 'expires_at', sexp)
 redis.call('PEXPIRE', lk, math.floor(tonumber(ARGV[5]) * 1000) + """
     + str(_GRACE_MS)
@@ -71,7 +78,7 @@ local lk = p .. 'lease:' .. ARGV[2]
 local v = redis.call('HGET', lk, 'version')
 if not v then return {'unknown', '0', '0'} end
 local exp = tonumber(redis.call('HGET', lk, 'expires_at'))
-if exp <= now then
+if exp <= now or redis.call('HEXISTS', lk, 'released') == 1 then
   redis.call('ZREM', p .. 'leases', ARGV[2])
   redis.call('ZREM', p .. 'vleases:' .. v, ARGV[2])
   return {'expired', v, string.format('%.6f', exp)}
@@ -95,12 +102,17 @@ local p = ARGV[1]
 local lk = p .. 'lease:' .. ARGV[2]
 local v = redis.call('HGET', lk, 'version')
 if not v then return {'unknown', '0'} end
+-- A replayed release answers what the first one did (the hash stays, marked, until its grace ends; a
+-- replayed create then answers this ended lease rather than creating a new one).
+local done = redis.call('HGET', lk, 'released')
+if done then return {done, v} end
 local exp = tonumber(redis.call('HGET', lk, 'expires_at'))
 redis.call('ZREM', p .. 'leases', ARGV[2])
 redis.call('ZREM', p .. 'vleases:' .. v, ARGV[2])
-redis.call('DEL', lk)
-if exp <= now then return {'expired', v} end
-return {'ok', v}
+local out = 'ok'
+if exp <= now then out = 'expired' end
+redis.call('HSET', lk, 'released', out, 'expires_at', string.format('%.6f', math.min(exp, now)))
+return {out, v}
 """
 )
 
@@ -142,8 +154,18 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-async def create(r: Any, run: str, worker_id: str, version: int | None, ttl_s: float) -> VersionLease:
-    lease_id = secrets.token_urlsafe(16)
+def lease_id_for(worker_id: str, request_id: str | None) -> str:
+    """A fresh id, or with a request id one derived from it (per worker): every replay names the same lease."""
+    if request_id is None:
+        return secrets.token_urlsafe(16)
+    digest = hashlib.sha256(f"{worker_id}\0{request_id}".encode()).digest()[:16]
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+async def create(
+    r: Any, run: str, worker_id: str, version: int | None, ttl_s: float, request_id: str | None = None
+) -> VersionLease:
+    lease_id = lease_id_for(worker_id, request_id)
     status, v, detail = await _CREATE(
         r, [keys.run_key(run, keys.STATE)], [_prefix(run), version or 0, lease_id, worker_id, ttl_s]
     )

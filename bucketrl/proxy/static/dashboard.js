@@ -53,6 +53,14 @@
       series: [{ role: "trainer", metric: "completions/mean_length", label: "mean" }],
     },
     {
+      id: "fractions", title: "Completions truncated (max_new_tokens) and without a reward (fraction)", x: "step",
+      yMin: 0, yMax: 1,
+      series: [
+        { role: "trainer", metric: "completions/clipped_ratio", label: "truncated" },
+        { role: "trainer", metric: "reward/unscorable_frac", label: "unscorable" },
+      ],
+    },
+    {
       id: "entropy_kl", title: "Entropy and KL to the base model (per token)", x: "step", yMin: 0,
       series: [
         { role: "trainer", metric: "entropy", label: "entropy" },

@@ -34,11 +34,11 @@ def test_allow_lists_admit_exactly_what_they_name(tmp_path: Path) -> None:
     check_spec(spec("evil_module:run", "/etc/passwd.jsonl"), "*", "*")
     # Built-ins, toy: and bucket: are always admitted.
     check_spec(spec("math", "bucket:dataset.jsonl"), "", "")
-    check_spec(spec("toy", "toy:add"), "", "")
+    check_spec(spec("toy", "toy:digits"), "", "")
     check_spec(spec("my_rewards.sub:score", f"{data}/train.jsonl"), "my_rewards", f"{data}/")
     for reward, uri, problem in (
-        ("os:system", "toy:add", "BUCKETRL_ALLOWED_REWARD_MODULES"),
-        ("my_rewards_evil:score", "toy:add", "BUCKETRL_ALLOWED_REWARD_MODULES"),
+        ("os:system", "toy:digits", "BUCKETRL_ALLOWED_REWARD_MODULES"),
+        ("my_rewards_evil:score", "toy:digits", "BUCKETRL_ALLOWED_REWARD_MODULES"),
         ("math", "/etc/passwd.jsonl", "BUCKETRL_ALLOWED_DATASET_LOCATIONS"),
         ("math", f"{data}/../secrets/x.jsonl", "BUCKETRL_ALLOWED_DATASET_LOCATIONS"),
         ("math", "someone/dataset", "BUCKETRL_ALLOWED_DATASET_LOCATIONS"),

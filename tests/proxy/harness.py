@@ -45,7 +45,7 @@ def make_spec(**kw: Any) -> RunSpec:
     base: dict[str, Any] = {
         "base_model": "tiny-qwen2",
         "reward": {"name": "toy"},
-        "dataset": {"uri": "toy:add", "size": 64},
+        "dataset": {"uri": "toy:digits", "size": 64},
         "vocab_size": 64,
         "group_size": 2,
         "max_staleness": 1,

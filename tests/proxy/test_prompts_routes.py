@@ -14,7 +14,7 @@ from tests.proxy.harness import ProxyHarness, make_spec
 
 
 def test_prompt_lease_renew_release_and_admission_over_http(proxy_file: ProxyHarness) -> None:
-    spec = make_spec(dataset={"uri": "toy:add", "size": 3}, groups_per_step=2, max_staleness=2)  # limit 4
+    spec = make_spec(dataset={"uri": "toy:digits", "size": 3}, groups_per_step=2, max_staleness=2)  # limit 4
     t = proxy_file.client("r1", "trainer")
     t.put_run(spec)
     g = proxy_file.client("r1", "generator")
@@ -80,7 +80,7 @@ def test_prompt_lease_long_poll_over_http(proxy_file: ProxyHarness) -> None:
     pub/sub), then grants it; a long-poll that times out answers 429 with Retry-After 0."""
     import threading
 
-    spec = make_spec(dataset={"uri": "toy:add", "size": 20}, groups_per_step=2, max_staleness=2)  # limit 4
+    spec = make_spec(dataset={"uri": "toy:digits", "size": 20}, groups_per_step=2, max_staleness=2)  # limit 4
     proxy_file.client("r2", "trainer").put_run(spec)
     g = proxy_file.client("r2", "generator")
     full = g.lease_prompts("gen-a", 4, ttl_s=60)

@@ -28,7 +28,7 @@ def make_spec(**kw: Any) -> RunSpec:
     base: dict[str, Any] = {
         "base_model": "tiny",
         "reward": {"name": "toy"},
-        "dataset": {"uri": "toy:add", "size": 5},
+        "dataset": {"uri": "toy:digits", "size": 5},
         "vocab_size": 64,
         "group_size": 2,
         "max_staleness": 2,
@@ -103,7 +103,7 @@ def test_renew_extends_only_own_live_leases(redis_server: RedisServer, tmp_path:
 
 def test_admission_control_paces_and_partially_grants(redis_server: RedisServer, tmp_path: Any) -> None:
     store = open_store(f"file://{tmp_path / 'b'}")
-    spec = make_spec(groups_per_step=2, max_staleness=2, dataset={"uri": "toy:add", "size": 50})  # limit 4
+    spec = make_spec(groups_per_step=2, max_staleness=2, dataset={"uri": "toy:digits", "size": 50})  # limit 4
 
     async def body(r: Any) -> None:
         await runs.put_spec(r, RUN, spec)
@@ -139,7 +139,7 @@ def test_admission_control_paces_and_partially_grants(redis_server: RedisServer,
 
 def test_restore_after_wipe_skips_nothing_and_repeats_no_completed(redis_server: RedisServer, bucket_url: str) -> None:
     store = open_store(bucket_url)
-    spec = make_spec(dataset={"uri": "toy:add", "size": 1000}, groups_per_step=50, queue_capacity_groups=500)
+    spec = make_spec(dataset={"uri": "toy:digits", "size": 1000}, groups_per_step=50, queue_capacity_groups=500)
     from tests.proxy.test_queue_state import make_batch
 
     async def phase1(r: Any) -> None:
@@ -186,7 +186,7 @@ def test_restore_after_wipe_skips_nothing_and_repeats_no_completed(redis_server:
 def test_pace_grants_only_what_the_trainer_reaches_within_staleness(redis_server: RedisServer, tmp_path: Any) -> None:
     """The pace rule (module docstring): W + granted <= room + (ms - (at - g) - slack) * sync * gps."""
     store = open_store(f"file://{tmp_path / 'b'}")
-    spec = make_spec(groups_per_step=2, max_staleness=3, dataset={"uri": "toy:add", "size": 50})  # limit 6
+    spec = make_spec(groups_per_step=2, max_staleness=3, dataset={"uri": "toy:digits", "size": 50})  # limit 6
     assert prompts.PACE_SLACK_VERSIONS == 1
 
     async def body(r: Any) -> None:
@@ -262,7 +262,7 @@ def test_strict_on_policy_grants_only_the_version_the_next_step_trains_with(
     filled trains with shares its room; a lease for an older version is refused even into an empty pipeline
     (its groups could only be dropped), until the caller asks with the version the trainer publishes next."""
     store = open_store(f"file://{tmp_path / 'b'}")
-    spec = make_spec(groups_per_step=4, max_staleness=0, dataset={"uri": "toy:add", "size": 50})
+    spec = make_spec(groups_per_step=4, max_staleness=0, dataset={"uri": "toy:digits", "size": 50})
     assert prompts.PACE_SLACK_VERSIONS == 1 and prompts.effective_slack(prompts.PACE_SLACK_VERSIONS, spec) == 0
 
     async def body(r: Any) -> None:
@@ -309,7 +309,7 @@ def test_long_polled_lease_is_granted_when_the_trainer_claims(redis_server: Redi
     from bucketrl.proxy.notify import Notifier
 
     store = open_store(f"file://{tmp_path / 'b'}")
-    spec = make_spec(groups_per_step=2, max_staleness=2, dataset={"uri": "toy:add", "size": 50})  # limit 4
+    spec = make_spec(groups_per_step=2, max_staleness=2, dataset={"uri": "toy:digits", "size": 50})  # limit 4
 
     async def body(r: Any) -> None:
         from tests.proxy.test_queue_state import make_batch

@@ -32,7 +32,7 @@ def make_spec(**kw: Any) -> RunSpec:
     base: dict[str, Any] = {
         "base_model": "tiny",
         "reward": {"name": "toy"},
-        "dataset": {"uri": "toy:add", "size": 100},
+        "dataset": {"uri": "toy:digits", "size": 100},
         "vocab_size": 64,
         "group_size": 2,
         "max_staleness": 1,
@@ -341,7 +341,7 @@ def test_invariant4_accounting_under_concurrent_mix(redis_server: RedisServer, t
     acked / dropped stale / queued-or-pending, and every delivery id was acked at most once."""
     store = open_store(f"file://{tmp_path / 'b'}")
     spec = make_spec(
-        dataset={"uri": "toy:add", "size": 40}, max_staleness=1, groups_per_step=4, queue_capacity_groups=24
+        dataset={"uri": "toy:digits", "size": 40}, max_staleness=1, groups_per_step=4, queue_capacity_groups=24
     )
     rng = random.Random(7)
 

@@ -230,7 +230,7 @@ def test_claim_min_version_drops_older_groups_and_counts_them(proxy_file: ProxyH
 def test_redis_killed_mid_submit_is_503_and_nothing_is_lost(
     proxy_file: ProxyHarness, redis_server: RedisServer
 ) -> None:
-    s = Setup(proxy_file, dataset={"uri": "toy:add", "size": 200}, groups_per_step=64, queue_capacity_groups=256)
+    s = Setup(proxy_file, dataset={"uri": "toy:digits", "size": 200}, groups_per_step=64, queue_capacity_groups=256)
     batches = [s.batch(2) for _ in range(24)]
     keys = [uuid.uuid4().hex for _ in batches]
     outcomes: list[str] = ["" for _ in batches]

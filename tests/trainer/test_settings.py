@@ -15,7 +15,7 @@ from bucketrl.trainer.settings import TrainerSettings
 SPEC = {
     "base_model": "/models/tiny",
     "reward": {"name": "toy"},
-    "dataset": {"uri": "toy:add"},  # no size: the trainer counts the dataset
+    "dataset": {"uri": "toy:digits"},  # no size: the trainer counts the dataset
     "vocab_size": 64,
 }
 

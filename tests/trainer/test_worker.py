@@ -137,8 +137,8 @@ def test_worker_refuses_an_immutable_change_and_a_missing_run(
         client = proxy.client("r2")
         from bucketrl.wire import RunSpec
 
-        client.put_run(RunSpec.model_validate_json(spec_json(tiny_model_dir, {"uri": "toy:add", "size": 8})))
-        changed = spec_json(tiny_model_dir, {"uri": "toy:add", "size": 8}, group_size=8)
+        client.put_run(RunSpec.model_validate_json(spec_json(tiny_model_dir, {"uri": "toy:digits", "size": 8})))
+        changed = spec_json(tiny_model_dir, {"uri": "toy:digits", "size": 8}, group_size=8)
         assert TrainerWorker(TrainerSettings(**base, run_spec=changed), echo=out.append).run() == EXIT_CONFIG
         assert "immutable" in out[-1]
         # Nothing changed on the proxy: same spec, no trainer registered.
@@ -152,7 +152,7 @@ def test_old_epoch_cannot_publish_after_a_new_registration(
     from bucketrl.trainer.model import PolicyModel
     from bucketrl.wire import RunSpec
 
-    spec = RunSpec.model_validate_json(spec_json(tiny_model_dir, {"uri": "toy:add", "size": 8}))
+    spec = RunSpec.model_validate_json(spec_json(tiny_model_dir, {"uri": "toy:digits", "size": 8}))
     tar = PolicyModel(spec, device="cpu").adapter_tar()
     with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
         old, new = proxy.client("r3", role="trainer"), proxy.client("r3", role="trainer")
@@ -188,7 +188,7 @@ def test_dataset_file_is_counted_uploaded_and_readable_by_generators(
         assert [(e.prompt, e.answer) for e in examples] == [(f"{i}*2=", str(2 * i)) for i in range(5)]
         # The file must be what the spec points at; a run whose dataset differs is refused.
         out: list[str] = []
-        wrong = spec_json(tiny_model_dir, {"uri": "toy:add", "size": 4})
+        wrong = spec_json(tiny_model_dir, {"uri": "toy:digits", "size": 4})
         assert TrainerWorker(TrainerSettings(**base, run="r5", run_spec=wrong), echo=out.append).run() == EXIT_CONFIG
         assert "bucket:dataset.jsonl" in out[-1]
         path.write_bytes(data + data)
@@ -204,7 +204,7 @@ def test_stop_before_registering_leaves_the_current_trainer_alone(
     redis_server: RedisServer, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
-        spec = spec_json(tiny_model_dir, {"uri": "toy:add", "size": 8})
+        spec = spec_json(tiny_model_dir, {"uri": "toy:digits", "size": 8})
         settings = TrainerSettings(proxy_url=proxy.url, token=TOKENS["trainer"], run="r6", run_spec=spec, device="cpu")
         worker = TrainerWorker(settings, echo=lambda s: None)
         worker.request_stop()  # as if SIGTERM arrived while the model was loading
@@ -240,7 +240,7 @@ def test_no_trained_group_is_staler_than_max_staleness(
             run="r-stale",
             worker_id="trainer-a",
             run_spec=spec_json(
-                tiny_model_dir, {"uri": "toy:add", "size": 200}, max_staleness=1, queue_capacity_groups=8
+                tiny_model_dir, {"uri": "toy:digits", "size": 200}, max_staleness=1, queue_capacity_groups=8
             ),
             max_steps=6,
             sync_every=1,

@@ -33,7 +33,7 @@ def start_trainer(proxy: ProxyHarness, tmp: Path, name: str, model_dir: Path, **
             "BUCKETRL_TOKEN": TOKENS["trainer"],
             "BUCKETRL_RUN": "k1",
             "BUCKETRL_WORKER_ID": name,
-            "BUCKETRL_RUN_SPEC": spec_json(model_dir, {"uri": "toy:add", "size": 64}),
+            "BUCKETRL_RUN_SPEC": spec_json(model_dir, {"uri": "toy:digits", "size": 64}),
             "BUCKETRL_DEVICE": "cpu",
             "BUCKETRL_LR": "0.01",
             "BUCKETRL_CLAIM_WAIT_S": "0.5",

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.chaos import alive
+
 pytestmark = pytest.mark.slow
 
 CHAT_TEMPLATE = (
@@ -109,13 +111,6 @@ def _cli(work: Path, *args: str, timeout: float = 600) -> subprocess.CompletedPr
         timeout=timeout,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "XDG_STATE_HOME": str(work / ".state")},
     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def test_own_model_chat_dataset_and_reward_train_and_export(tmp_path: Path) -> None:
@@ -233,7 +228,7 @@ def test_a_reward_that_fails_stops_the_run_with_its_message(tmp_path: Path) -> N
     assert "BUCKETRL_MAX_UNSCORABLE_FRACTION" in out
     print(f"stopped after {time.monotonic() - t0:.0f}s")
     pids = json.loads((work / "runs/bad/services.json").read_text())
-    assert not [n for n, pid in pids.items() if _alive(pid)]
+    assert not [n for n, pid in pids.items() if alive(pid)]
     # `bucketrl status` (no options: the last `up` from here) says why the run stopped.
     status = _cli(work, "status")
     assert "trainer stopped on a configuration error" in status.stderr, status.stderr
@@ -260,15 +255,15 @@ def test_sigkill_of_up_leaves_no_process(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
         t0 = time.monotonic()
-        while time.monotonic() < t0 + 60 and any(_alive(p) for p in pids.values()):
+        while time.monotonic() < t0 + 60 and any(alive(p) for p in pids.values()):
             time.sleep(0.2)
-        assert not [n for n, p in pids.items() if _alive(p)], "services outlived a SIGKILLed `bucketrl up`"
+        assert not [n for n, p in pids.items() if alive(p)], "services outlived a SIGKILLed `bucketrl up`"
         print(f"all services gone {time.monotonic() - t0:.1f}s after the SIGKILL")
     finally:
         if proc.poll() is None:
             proc.kill()
         for pid in json.loads((run_dir / "services.json").read_text()).values() if run_dir.exists() else []:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -294,4 +289,4 @@ def test_a_generator_configuration_error_stops_up_at_once(tmp_path: Path) -> Non
     log = (tmp_path / "run" / "logs" / "gen-0.log").read_text()
     assert log.count("start gen-0") == 1  # not restarted
     pids = json.loads((tmp_path / "run" / "services.json").read_text())
-    assert not [n for n, pid in pids.items() if _alive(pid)]
+    assert not [n for n, pid in pids.items() if alive(pid)]

@@ -343,14 +343,18 @@ class GeneratorWorker:
     def _prompt_ids(self, index: int) -> list[int]:
         ids = self._prompt_cache.get(index)
         if ids is None:
-            example = self.examples[index]
-            ids = prompt_token_ids(self._tokenizer, example.prompt, example.chat())
-            room = self.engine.max_model_len - self.spec.sampling.max_new_tokens  # type: ignore[union-attr]
-            if len(ids) > room:
-                # Keep the end of the prompt (where the question is) so the completion always fits.
-                ids = ids[-room:]
-                self.metrics.add("rollout/truncated_prompts_total")
+            ids = self._encode(self.examples[index], self.spec.sampling.max_new_tokens)  # type: ignore[union-attr]
             self._prompt_cache[index] = ids
+        return ids
+
+    def _encode(self, example: Example, max_new_tokens: int) -> list[int]:
+        """The prompt's token ids (through the chat template for chat rows), cut to leave room to sample."""
+        ids = prompt_token_ids(self._tokenizer, example.prompt, example.chat())
+        room = self.engine.max_model_len - max_new_tokens  # type: ignore[union-attr]
+        if len(ids) > room:
+            # Keep the end of the prompt (where the question is) so the completion always fits.
+            ids = ids[-room:]
+            self.metrics.add("rollout/truncated_prompts_total")
         return ids
 
     def _sample_and_hand_over(self, slot: VersionSlot, prompts: list[PromptLeaseItem]) -> None:
@@ -420,9 +424,7 @@ class GeneratorWorker:
         try:
             sampling = spec.eval_sampling()
             assert sampling is not None
-            ids = [prompt_token_ids(self._tokenizer, examples[i.index].prompt) for i in items]
-            room = self.engine.max_model_len - sampling.max_new_tokens
-            ids = [x[-room:] for x in ids]
+            ids = [self._encode(examples[i.index], sampling.max_new_tokens) for i in items]
             samples = self.engine.generate(ids, adapter=slot.name, n=spec.eval.n, sampling=sampling)
         except Exception:
             log.exception("engine failed on %d eval prompts (their lease expires; evaluated again)", len(items))

@@ -24,6 +24,7 @@ and the prompts are issued again.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import signal
 import tempfile
@@ -51,6 +52,8 @@ log = logging.getLogger(__name__)
 
 # While the main thread waits (a prompt lease, a full submit queue), it loads fetched versions this often (s).
 IDLE_POLL_S = 0.02
+# A version the proxy had no eval prompts of for us is asked about again after this long (s).
+EVAL_RECHECK_S = 30.0
 # A prompt lease long-polls this long for admission control's room (the proxy caps it at its max_wait_s).
 PROMPT_WAIT_S = 2.0
 
@@ -77,7 +80,9 @@ class GeneratorWorker:
         self._tokenizer: Any = None
         self._pool: RewardPool | None = None
         self._eval_examples: tuple[DatasetSpec, list[Example]] | None = None
-        self._eval_done: set[int] = set()  # versions whose eval prompts are all done or leased
+        # version -> when the proxy had no eval prompt of it for us (all done, or leased to others: asked again
+        # after EVAL_RECHECK_S, in case another generator's leases expire unfinished).
+        self._eval_done: dict[int, float] = {}
         self._eval_broken: DatasetSpec | None = None  # an eval set that could not be read
         self.submitter: Submitter | None = None
         self._threads: list[threading.Thread] = []
@@ -395,7 +400,12 @@ class GeneratorWorker:
             return
         if self._eval_broken is not None and self._eval_broken == spec.eval_dataset():
             return
-        versions = [v for v in self.book.loaded_versions() if spec.eval.evaluates(v) and v not in self._eval_done]
+        now = time.monotonic()
+        versions = [
+            v
+            for v in self.book.loaded_versions()
+            if spec.eval.evaluates(v) and now - self._eval_done.get(v, -math.inf) > EVAL_RECHECK_S
+        ]
         if not versions:
             return
         try:
@@ -413,7 +423,7 @@ class GeneratorWorker:
             log.warning("cannot lease eval prompts: %s", exc.message)
             return
         if not items:
-            self._eval_done.update(versions)
+            self._eval_done.update(dict.fromkeys(versions, now))
             return
         version = items[0].version
         items = [i for i in items if i.version == version and i.index < len(examples)]

@@ -15,6 +15,7 @@ account the wait as ``rollout/backpressure_s``.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import random
@@ -56,6 +57,7 @@ from bucketrl.wire import (
     VersionLeaseRequest,
 )
 from bucketrl.wire.datasets import DatasetInfo
+from bucketrl.wire.trainer import TrainerRegisterRequest
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -154,6 +156,7 @@ class ProxyClient:
         self.backoff_s = backoff_s
         self.outage = outage
         self.epoch: int | None = None
+        self._push_session, self._push_seq = uuid.uuid4().hex, itertools.count(1)
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
         )
@@ -239,13 +242,14 @@ class ProxyClient:
     def get_run(self) -> RunInfo:
         return self._json("GET", self._path(), RunInfo)
 
-    def register_trainer(self, worker_id: str) -> TrainerRegistration:
+    def register_trainer(self, worker_id: str, *, request_id: str | None = None) -> TrainerRegistration:
+        """``request_id`` (default: a fresh one per call) rides on every retry: a retry gets the epoch its first
+        attempt took, never a newer one that fences this very trainer."""
         reg = self._json(
             "POST",
             self._path("/trainer"),
             TrainerRegistration,
-            content=json.dumps({"worker_id": worker_id}),
-            headers={"Content-Type": "application/json"},
+            TrainerRegisterRequest(worker_id=worker_id, request_id=request_id or uuid.uuid4().hex),
         )
         self.epoch = reg.epoch
         return reg
@@ -443,6 +447,10 @@ class ProxyClient:
     # -- observability ------------------------------------------------------------------------------
 
     def push_metrics(self, push: MetricsPush) -> None:
+        """Numbered (this client's session, next seq) unless the caller did: its retries are recorded once, and
+        one that arrives after a newer push is not recorded at all."""
+        if push.seq is None:
+            push = push.model_copy(update={"session": self._push_session, "seq": next(self._push_seq)})
         self._request(
             "POST", self._path("/metrics"), content=push.model_dump_json(), headers={"Content-Type": "application/json"}
         )

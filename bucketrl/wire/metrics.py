@@ -36,6 +36,11 @@ class MetricsPush(WireModel):
     samples: list[SampleCompletion] | None = Field(None, max_length=8)
     phase: str | None = Field(None, max_length=64)
     notes: dict[str, str] = Field(default_factory=dict, max_length=16)
+    # Replays: the pushing process (``session``) numbers its pushes (``seq``, increasing); a push whose seq is not
+    # above the last one recorded for that worker and session (a retry, or a late push after a newer one) is
+    # answered 204 and recorded no more: no duplicate points, no step or loaded versions going back.
+    session: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    seq: int | None = Field(None, ge=1, le=2**53)
 
     @field_validator("notes")
     @classmethod

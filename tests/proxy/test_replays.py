@@ -37,14 +37,21 @@ class SlowStore:
     can see whether a committed object was deleted."""
 
     def __init__(
-        self, inner: BucketStore, *, slow_writes: bool = True, slow_reads: int = 0, slow_s: float = SLOW_S
+        self,
+        inner: BucketStore,
+        *,
+        slow_writes: bool = True,
+        slow_reads: int = 0,
+        slow_s: float = SLOW_S,
+        slow_keys: tuple[str, ...] = ("/manifest.json", "/rollouts/", "/prompts/"),
     ) -> None:
         self.inner, self.slow_writes, self.slow_reads, self.slow_s = inner, slow_writes, slow_reads, slow_s
+        self.slow_keys = slow_keys  # the writes slowed: keys holding one of these
         self.log: list[tuple[str, str]] = []
         self._lock = threading.Lock()
 
     def _write_delay(self, key: str) -> None:
-        if self.slow_writes and (key.endswith("/manifest.json") or "/rollouts/" in key or "/prompts/" in key):
+        if self.slow_writes and any(part in key for part in self.slow_keys):
             time.sleep(self.slow_s)
 
     def put_bytes(self, key: str, data: bytes) -> None:

@@ -40,14 +40,16 @@ class LoseAnswers(httpx.HTTPTransport):
         return resp
 
 
-def _losing(proxy: ProxyHarness, path_suffix: str) -> tuple[Any, LoseAnswers]:
+def _losing(proxy: ProxyHarness, path_suffix: str, role: str = "generator") -> tuple[Any, LoseAnswers]:
     lose = LoseAnswers(path_suffix)
-    return proxy.client("r1", "generator", retries=3, backoff_s=0.01, transport=lose), lose
+    return proxy.client("r1", role, retries=3, backoff_s=0.01, transport=lose), lose
 
 
-def _at_once(proxy: ProxyHarness, send: Callable[[httpx.Client], httpx.Response], n: int = 6) -> list[httpx.Response]:
+def _at_once(
+    proxy: ProxyHarness, send: Callable[[httpx.Client], httpx.Response], n: int = 6, role: str = "generator"
+) -> list[httpx.Response]:
     """``n`` identical requests sent at the same time, each on its own connection."""
-    clients = [proxy.http("generator") for _ in range(n)]
+    clients = [proxy.http(role) for _ in range(n)]
     try:
         with ThreadPoolExecutor(n) as pool:
             return list(pool.map(send, clients))

@@ -91,11 +91,16 @@ async def register_trainer(
     ref: RunDep,
     req: Annotated[TrainerRegisterRequest, Depends(body.decoded(TrainerRegisterRequest))],
 ) -> TrainerRegistration:
-    epoch = await runs.register_trainer(ctx.redis, ref.run)
+    epoch, new = await runs.register_trainer_once(ctx.redis, ref.run, req.request_id)
     # Recorded in the bucket before the trainer may use it: a rebuild after a Redis wipe restores the epoch
     # from it even if this trainer has not published anything yet (else its writes would be "never issued").
-    await asyncio.to_thread(ctx.store.put_bytes, runs.epoch_record_key(ref.run, epoch), req.worker_id.encode())
-    log.info("run %s: trainer %s registered with epoch %d", ref.run, req.worker_id, epoch)
+    # A replay answers once the record exists (its first attempt's write may still be under way: it writes
+    # the same bytes again rather than answer before the record is there).
+    record = runs.epoch_record_key(ref.run, epoch)
+    if new or not await asyncio.to_thread(ctx.store.exists, record):
+        await asyncio.to_thread(ctx.store.put_bytes, record, req.worker_id.encode())
+    if new:
+        log.info("run %s: trainer %s registered with epoch %d", ref.run, req.worker_id, epoch)
     for hook in runs.TRAINER_REGISTERED_HOOKS:
         await hook(ctx, ref.run, epoch)
     return TrainerRegistration(

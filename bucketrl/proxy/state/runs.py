@@ -134,6 +134,20 @@ def epoch_record_key(run: str, epoch: int) -> str:
     return f"runs/{run}/trainer-epochs/{epoch:012d}"
 
 
+# How long a registration's request id answers its replays with the same epoch (s).
+REGISTER_REPLAY_TTL_S = 600
+
+# KEYS: state, request. ARGV: now, request_ttl_s. Returns {epoch, 1 if new}.
+_REGISTER = Lua("""
+local seen = redis.call('GET', KEYS[2])
+if seen then return {tonumber(seen), 0} end
+local epoch = redis.call('HINCRBY', KEYS[1], 'trainer_epoch', 1)
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[1])
+redis.call('SET', KEYS[2], epoch, 'EX', ARGV[2])
+return {epoch, 1}
+""")
+
+
 async def register_trainer(r: Any, run: str) -> int:
     """A new, strictly larger epoch. Every trainer write with a smaller one is fenced from now on."""
     state_key = keys.run_key(run, keys.STATE)
@@ -142,6 +156,19 @@ async def register_trainer(r: Any, run: str) -> int:
     pipe.hset(state_key, "updated_at", time.time())
     epoch, _ = await pipe.execute()
     return int(epoch)
+
+
+async def register_trainer_once(r: Any, run: str, request_id: str | None) -> tuple[int, bool]:
+    """:func:`register_trainer` for a request: (epoch, True when this call took it).
+
+    A replay of a registration (same ``request_id``) answers the epoch its first attempt took (and False),
+    even if a newer trainer registered since (then it is fenced, as its first attempt would be): a retry must
+    never fence the very trainer that sent it."""
+    if request_id is None:
+        return await register_trainer(r, run), True
+    request_key = keys.run_key(run, f"trainer:registerreq:{request_id}")
+    epoch, new = await _REGISTER(r, [keys.run_key(run, keys.STATE), request_key], [time.time(), REGISTER_REPLAY_TTL_S])
+    return int(epoch), bool(new)
 
 
 async def set_trainer_step(r: Any, run: str, step: int) -> None:

@@ -2,7 +2,8 @@
 
 Redis per run: ``workers`` (hash worker_id -> JSON {role, loaded_versions, last_seen, step, phase, notes}),
 ``wmetrics:{worker}`` (hash metric -> latest value) and ``metrics:stream`` (capped stream of every push,
-newest last, for the dashboard's time series).
+newest last, for the dashboard's time series), ``workers:pushseq`` (hash worker_id -> "session seq" of its
+last recorded push).
 """
 
 from __future__ import annotations
@@ -12,14 +13,34 @@ from typing import Any
 
 from bucketrl.proxy import keys
 from bucketrl.proxy.state.clock import redis_now
+from bucketrl.proxy.state.lua import Lua
 from bucketrl.wire import MetricsPush, SampleCompletion, WorkerStatus
 
+PUSH_SEQ = "workers:pushseq"
 STREAM_MAXLEN = 20_000
 # Recent sample completions kept per run (``samples``, a capped list, newest first).
 SAMPLES_KEPT = 48
 
 
-async def record_push(r: Any, run: str, role: str, push: MetricsPush) -> None:
+# KEYS: pushseq. ARGV: worker session seq. 1 when the push is new (and now the last recorded), else 0.
+_FRESH = Lua("""
+local last = redis.call('HGET', KEYS[1], ARGV[1])
+if last then
+  local sep = string.find(last, ' ', 1, true)
+  if string.sub(last, 1, sep - 1) == ARGV[2] and tonumber(string.sub(last, sep + 1)) >= tonumber(ARGV[3]) then
+    return 0
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. ARGV[3])
+return 1
+""")
+
+
+async def record_push(r: Any, run: str, role: str, push: MetricsPush) -> bool:
+    """Record a push; False (nothing recorded) for a replayed or late one (see ``MetricsPush.seq``)."""
+    seq_key = keys.run_key(run, PUSH_SEQ)
+    if push.session and push.seq and not await _FRESH(r, [seq_key], [push.worker_id, push.session, push.seq]):
+        return False
     workers_key = keys.run_key(run, keys.WORKERS)
     now = await redis_now(r)  # liveness is a TTL: measured by Redis TIME, like every lease
     loaded = push.loaded_versions
@@ -53,6 +74,7 @@ async def record_push(r: Any, run: str, role: str, push: MetricsPush) -> None:
     if role == "trainer" and push.step is not None:
         pipe.hset(keys.run_key(run, keys.STATE), "trainer_step", push.step)
     await pipe.execute()
+    return True
 
 
 async def live_workers(r: Any, run: str, ttl_s: float) -> tuple[list[WorkerStatus], dict[str, dict[str, float]]]:
@@ -68,6 +90,7 @@ async def live_workers(r: Any, run: str, ttl_s: float) -> tuple[list[WorkerStatu
             if age > 10 * ttl_s:  # long gone: forget it (its metrics too)
                 await r.hdel(keys.run_key(run, keys.WORKERS), wid)
                 await r.delete(keys.run_key(run, keys.WORKER_METRICS.format(worker=wid)))
+                await r.hdel(keys.run_key(run, PUSH_SEQ), wid)
             continue
         workers.append(
             WorkerStatus(

@@ -460,9 +460,14 @@ class ProxyClient:
 
     # -- evaluation during training ------------------------------------------------------------------
 
-    def lease_eval(self, worker_id: str, versions: list[int], n: int, ttl_s: float = 120.0) -> EvalLease:
-        """Eval prompts of one of ``versions`` (the caller's loaded ones); empty when there is nothing to do."""
-        req = EvalLeaseRequest(worker_id=worker_id, versions=versions, n=n, ttl_s=ttl_s)
+    def lease_eval(
+        self, worker_id: str, versions: list[int], n: int, ttl_s: float = 120.0, *, request_id: str | None = None
+    ) -> EvalLease:
+        """Eval prompts of one of ``versions`` (the caller's loaded ones); empty when there is nothing to do.
+        ``request_id`` (default: a fresh one per call) makes a retry get the first attempt's prompts."""
+        req = EvalLeaseRequest(
+            worker_id=worker_id, versions=versions, n=n, ttl_s=ttl_s, request_id=request_id or uuid.uuid4().hex
+        )
         return self._json("POST", self._path("/eval/lease"), EvalLease, req)
 
     def submit_eval(self, worker_id: str, results: list[EvalResult]) -> EvalSubmitResponse:

@@ -13,6 +13,12 @@ class EvalLeaseRequest(WireModel):
     versions: list[int] = Field(..., min_length=1, max_length=256)
     n: int = Field(8, ge=1, le=1024)
     ttl_s: float = Field(120.0, ge=1.0, le=3600.0)
+    request_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Unique per lease, the same on its retries: a replay answers the prompts the first attempt "
+        "leased instead of leasing more.",
+    )
 
 
 class EvalLeaseItem(WireModel):

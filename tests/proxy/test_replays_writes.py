@@ -7,7 +7,11 @@ are the concurrent replays. Harness and helpers: ``test_replays.py`` (bucket-slo
 from __future__ import annotations
 
 import json
+import time
 
+import pytest
+
+from bucketrl.proxy.state import evals
 from bucketrl.wire import MetricsPush
 from tests.proxy.harness import ProxyHarness, adapter_tar, make_spec
 from tests.proxy.test_evals import EVAL, result
@@ -114,3 +118,32 @@ def test_eval_submit_replayed_counts_once(proxy_file: ProxyHarness) -> None:
     (res,) = s.g.eval_results()
     assert (res.version, res.prompts, res.samples) == (1, 3, 6)
     assert res.reward_mean == (1.0 + 0.5 + 0.0 + 1.0 + 1.0 + 1.0) / 6
+
+
+def test_eval_lease_replayed_gets_the_same_prompts(proxy_file: ProxyHarness) -> None:
+    """A replay (same request id) of an eval lease answers the prompts its first attempt leased: the old route
+    leased more on every replay (held until they expired, delaying the version's result)."""
+    s = Setup(proxy_file, eval=EVAL)
+    c, lose = _losing(proxy_file, "/eval/lease")
+    got = c.lease_eval("gen-0", [1], n=1)
+    assert lose.sent == 1 and [(i.version, i.index) for i in got.items] == [(1, 0)]
+    body = {"worker_id": "gen-1", "versions": [1], "n": 1, "request_id": "ev-1"}
+    answers = _at_once(proxy_file, lambda h: h.post("/v1/runs/r1/eval/lease", json=body))
+    assert [r.json() for r in answers] == [{"items": [{"version": 1, "index": 1}]}] * len(answers)
+    with proxy_file.http("generator") as h:  # after completion
+        assert h.post("/v1/runs/r1/eval/lease", json=body).json() == answers[0].json()
+    assert [(i.version, i.index) for i in s.g.lease_eval("gen-2", [1], n=8).items] == [(1, 2)]
+
+
+def test_eval_leases_follow_redis_time_not_a_replicas_clock(
+    proxy_file: ProxyHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 10 item 10 for eval leases: a replica whose clock runs 400 s ahead must not take another
+    generator's live eval prompts as expired."""
+    s = Setup(proxy_file, eval=EVAL)
+    assert len(s.g.lease_eval("gen-0", [1], n=2).items) == 2
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 400)
+    got = proxy_file.call(lambda ctx: evals.lease(ctx.redis, ctx.store, "r1", s.spec, [1], 8, 60))
+    monkeypatch.setattr(time, "time", real)
+    assert [i.index for i in got.items] == [2]

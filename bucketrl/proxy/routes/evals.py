@@ -33,7 +33,17 @@ async def lease(
     ref: RunDep,
     req: Annotated[EvalLeaseRequest, Depends(body.decoded(EvalLeaseRequest))],
 ) -> EvalLease:
-    return await evals.lease(ctx.redis, ctx.store, ref.run, ref.spec, req.versions, req.n, req.ttl_s)
+    return await evals.lease(
+        ctx.redis,
+        ctx.store,
+        ref.run,
+        ref.spec,
+        req.versions,
+        req.n,
+        req.ttl_s,
+        worker_id=req.worker_id,
+        request_id=req.request_id,
+    )
 
 
 @router.post(

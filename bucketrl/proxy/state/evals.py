@@ -41,11 +41,19 @@ def _k(run: str, suffix: str) -> str:
 
 _LEASE = Lua(
     """
--- KEYS: results cursor leased done ; ARGV: version now expires_at n size
+-- KEYS: results cursor leased done request ; ARGV: version ttl_s n size with_request
+-- Returns {} or {version, index...}. A replay (the request key exists) answers its first attempt's lease.
+-- Times are Redis TIME, like every lease (issue 10 item 10).
+local seen = redis.call('GET', KEYS[5])
+if seen then return cjson.decode(seen) end
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {} end
-local now, exp, n, size = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local exp = string.format('%.6f', now + tonumber(ARGV[2]))
+local n, size = tonumber(ARGV[3]), tonumber(ARGV[4])
 local out = {}
-for _, idx in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[2], 'LIMIT', 0, 10000)) do
+local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. string.format('%.6f', now), 'LIMIT', 0, 10000)
+for _, idx in ipairs(expired) do
   if #out >= n then break end
   if redis.call('SISMEMBER', KEYS[4], idx) == 0 then
     table.insert(out, tonumber(idx))
@@ -61,6 +69,9 @@ while #out < n and cursor < size do
   cursor = cursor + 1
 end
 redis.call('SET', KEYS[2], cursor)
+if #out == 0 then return out end
+table.insert(out, 1, tonumber(ARGV[1]))
+if ARGV[5] == '1' then redis.call('SET', KEYS[5], cjson.encode(out), 'EX', math.ceil(tonumber(ARGV[2]))) end
 return out
 """
 )
@@ -96,22 +107,33 @@ async def ensure_loaded(r: Any, store: BucketStore, run: str) -> None:
 
 
 async def lease(
-    r: Any, store: BucketStore, run: str, spec: RunSpec, versions: list[int], n: int, ttl_s: float
+    r: Any,
+    store: BucketStore,
+    run: str,
+    spec: RunSpec,
+    versions: list[int],
+    n: int,
+    ttl_s: float,
+    *,
+    worker_id: str = "",
+    request_id: str | None = None,
 ) -> EvalLease:
-    """Up to ``n`` eval prompts of the oldest of ``versions`` (the caller's loaded ones) still being evaluated."""
+    """Up to ``n`` eval prompts of the oldest of ``versions`` (the caller's loaded ones) still being evaluated.
+
+    ``request_id``: a replay of a lease answers the prompts its first attempt leased (for ``ttl_s``)."""
     if spec.eval is None:
         return EvalLease()
     await ensure_loaded(r, store, run)
     latest = int(await r.hget(keys.run_key(run, keys.STATE), "latest_version") or 0)
-    now = time.time()
+    request = _k(run, f"leasereq:{worker_id}:{request_id or '-'}")
     for v in sorted({v for v in versions if spec.eval.evaluates(v) and v <= latest}):
-        idx = await _LEASE(
+        got = await _LEASE(
             r,
-            [_k(run, "results"), _k(run, f"v{v}:cursor"), _k(run, f"v{v}:leased"), _k(run, f"v{v}:done")],
-            [v, repr(now), repr(now + ttl_s), n, spec.eval.size],
+            [_k(run, "results"), _k(run, f"v{v}:cursor"), _k(run, f"v{v}:leased"), _k(run, f"v{v}:done"), request],
+            [v, repr(float(ttl_s)), n, spec.eval.size, 1 if request_id else 0],
         )
-        if idx:
-            return EvalLease(items=[EvalLeaseItem(version=v, index=int(i)) for i in idx])
+        if got:
+            return EvalLease(items=[EvalLeaseItem(version=int(got[0]), index=int(i)) for i in got[1:]])
     return EvalLease()
 
 

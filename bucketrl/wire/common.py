@@ -33,6 +33,8 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 RunId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 WorkerId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 LeaseId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+# A client-chosen id, the same on every retry of one request: a replay answers what its first attempt did.
+RequestId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
 class WireModel(BaseModel):

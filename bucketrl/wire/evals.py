@@ -4,7 +4,7 @@ import math
 
 from pydantic import Field, field_validator
 
-from bucketrl.wire.common import WireModel, WorkerId
+from bucketrl.wire.common import RequestId, WireModel, WorkerId
 
 
 class EvalLeaseRequest(WireModel):
@@ -13,9 +13,8 @@ class EvalLeaseRequest(WireModel):
     versions: list[int] = Field(..., min_length=1, max_length=256)
     n: int = Field(8, ge=1, le=1024)
     ttl_s: float = Field(120.0, ge=1.0, le=3600.0)
-    request_id: str | None = Field(
+    request_id: RequestId | None = Field(
         None,
-        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
         description="Unique per lease, the same on its retries: a replay answers the prompts the first attempt "
         "leased instead of leasing more.",
     )

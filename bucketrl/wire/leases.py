@@ -2,7 +2,7 @@
 
 from pydantic import Field
 
-from bucketrl.wire.common import LeaseId, ShortStr, Version, WireInt, WireModel, WorkerId
+from bucketrl.wire.common import LeaseId, RequestId, ShortStr, Version, WireInt, WireModel, WorkerId
 
 
 class VersionLeaseRequest(WireModel):
@@ -10,9 +10,8 @@ class VersionLeaseRequest(WireModel):
     # None means "the latest published version".
     version: Version | None = None
     ttl_s: float = Field(60.0, gt=0.0, le=3600.0)
-    request_id: str | None = Field(
+    request_id: RequestId | None = Field(
         None,
-        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
         description="Unique per lease, the same on its retries: a replay answers the lease the first attempt "
         "created (same lease_id, version and expiry) instead of creating a second one.",
     )
@@ -44,9 +43,8 @@ class PromptLeaseRequest(WireModel):
         description="Long-poll: wait up to this long for admission instead of answering 429 at once. A 429 after "
         "a wait carries Retry-After 0: retry straight away (with the version loaded meanwhile).",
     )
-    request_id: str | None = Field(
+    request_id: RequestId | None = Field(
         None,
-        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
         description="Unique per lease, the same on its retries: a replay answers the prompts the first attempt "
         "leased (those the worker still holds) instead of leasing more.",
     )

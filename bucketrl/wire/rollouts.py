@@ -9,6 +9,7 @@ from bucketrl.wire.common import (
     MAX_COMPLETION_TOKENS,
     MAX_PROMPT_TOKENS,
     LeaseId,
+    RequestId,
     Version,
     WireInt,
     WireModel,
@@ -120,9 +121,8 @@ class ClaimRequest(WireModel):
     sync_every: int = Field(1, ge=1, le=1_000_000, description="The trainer publishes a version every N steps.")
     # Exactly-once: a retry of a claim whose answer was lost carries the same request_id and gets the same
     # deliveries again (a claim's deliveries are never redelivered to the epoch that holds them).
-    request_id: str | None = Field(
+    request_id: RequestId | None = Field(
         None,
-        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
         description="Unique per claim, the same on its retries: a replay answers the first attempt's deliveries.",
     )
     release: list[str] = Field(

@@ -2,14 +2,13 @@
 
 from pydantic import Field
 
-from bucketrl.wire.common import WireModel, WorkerId
+from bucketrl.wire.common import RequestId, WireModel, WorkerId
 
 
 class TrainerRegisterRequest(WireModel):
     worker_id: WorkerId
-    request_id: str | None = Field(
+    request_id: RequestId | None = Field(
         None,
-        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
         description="Unique per registration, the same on its retries: a replay answers the epoch its first "
         "attempt took instead of taking a newer one (which would fence the trainer that sent it).",
     )

@@ -47,11 +47,13 @@ class SlowStore:
     ) -> None:
         self.inner, self.slow_writes, self.slow_reads, self.slow_s = inner, slow_writes, slow_reads, slow_s
         self.slow_keys = slow_keys  # the writes slowed: keys holding one of these
+        self.slowing = threading.Event()  # set once a write is being slowed
         self.log: list[tuple[str, str]] = []
         self._lock = threading.Lock()
 
     def _write_delay(self, key: str) -> None:
         if self.slow_writes and any(part in key for part in self.slow_keys):
+            self.slowing.set()
             time.sleep(self.slow_s)
 
     def put_bytes(self, key: str, data: bytes) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -56,6 +57,23 @@ def test_run_put_replayed_answers_the_same_run(proxy_file: ProxyHarness) -> None
     assert {r.status_code for r in answers} == {200}
     assert all(r.json() == answers[0].json() for r in answers)
     assert proxy_file.client("r1", "viewer").get_run().spec == spec
+
+
+def test_a_slow_run_put_never_leaves_an_older_spec_in_the_bucket(proxy_file: ProxyHarness) -> None:
+    """A PUT whose run.json write is slow lands after a newer PUT's: the bucket (what a rebuild restores) must
+    end with the newer spec, not the late one (it did)."""
+    t = proxy_file.client("r1", "trainer")
+    t.put_run(make_spec())
+    older, newer = make_spec(max_staleness=2), make_spec(max_staleness=3)
+    slow = _slow(proxy_file, slow_keys=("/run.json",), slow_s=2.0)
+    with ThreadPoolExecutor(1) as pool:
+        late = pool.submit(proxy_file.client("r1", "trainer", timeout_s=30.0).put_run, older)
+        assert slow.slowing.wait(30)  # its write of the older spec is under way
+        slow.slow_writes = False
+        assert t.put_run(newer).spec == newer
+        late.result(60)
+    assert json.loads(slow.inner.get_bytes("runs/r1/run.json")) == json.loads(newer.model_dump_json())
+    assert t.get_run().spec == newer
 
 
 def test_dataset_put_replayed_stores_it_once(proxy_file: ProxyHarness) -> None:

@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Response
 
 from bucketrl.proxy import body
+from bucketrl.proxy.context import ProxyContext
 from bucketrl.proxy.deps import AnyRole, CtxDep, RunDep, RunId, TrainerRole
 from bucketrl.proxy.errors import responses
 from bucketrl.proxy.state import checkpoints, runs
@@ -54,14 +55,24 @@ async def put_run(
         await rebuild.rebuild_run_if_in_bucket(ctx, run)
     created, changed = await runs.put_spec(ctx.redis, run, spec)
     if created or changed or not await asyncio.to_thread(ctx.store.exists, run_json_key(run)):
-        stored = await runs.get_spec(ctx.redis, run)
-        await asyncio.to_thread(dirs.put_json, ctx.store, run_json_key(run), stored or spec)
+        await _store_spec(ctx, run, spec)
     if created:
         response.status_code = 201
         log.info("run %s created", run)
     return RunInfo(
         run=run, spec=(await runs.get_spec(ctx.redis, run)) or spec, state=await runs.get_state(ctx.redis, run)
     )
+
+
+async def _store_spec(ctx: ProxyContext, run: str, spec: RunSpec) -> None:
+    """Write Redis' spec to ``run.json``, again while it changed meanwhile: a slow write of an older spec that
+    lands after a newer one is followed by its writer's check, so the bucket never keeps the older spec (what a
+    rebuild would restore)."""
+    written = None
+    stored = await runs.get_spec(ctx.redis, run) or spec
+    while stored != written:
+        await asyncio.to_thread(dirs.put_json, ctx.store, run_json_key(run), stored)
+        written, stored = stored, await runs.get_spec(ctx.redis, run) or stored
 
 
 @router.get(

@@ -140,6 +140,8 @@ async def _resolve(ctx: ProxyContext, run: str) -> tuple[RunRef, int]:
 
         if await rebuild.rebuild_if_wiped(ctx):
             spec, epoch = await runs.get_spec_and_epoch(ctx.redis, run)
+        if spec is None and await rebuild.rebuilding(ctx):
+            raise errors.Unavailable(f"run {run!r} is being restored from the bucket; retry", retry_after=1)
     if spec is None:
         raise errors.NotFound(f"unknown run {run!r}: create it with PUT /v1/runs/{run}", code="unknown_run")
     return RunRef(run, spec), epoch

@@ -10,6 +10,7 @@ def run_key(run: str, suffix: str) -> str:
 
 
 RUNS_SET = "brl:runs"  # set of run ids
+REBUILDING = "brl:rebuilding"  # set while a proxy restores runs from the bucket (rebuild.py)
 BUCKET_IDENTITY = "brl:bucket"  # JSON {bucket_id, created_at}: the bucket this Redis belongs to (identity.py)
 
 # Per run (suffixes passed to run_key):

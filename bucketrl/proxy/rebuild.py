@@ -168,6 +168,14 @@ async def rebuild_all(ctx: Any) -> list[str]:
     return restored
 
 
+REBUILDING_TTL_MS = 120_000  # a replica that dies mid-rebuild must not leave every unknown run at 503 for long
+
+
+async def rebuilding(ctx: Any) -> bool:
+    """Whether a rebuild from the bucket is under way (this process, or any replica sharing the Redis)."""
+    return ctx.rebuild_lock.locked() or bool(await ctx.redis.exists(keys.REBUILDING))
+
+
 async def rebuild_if_wiped(ctx: Any) -> bool:
     """Rebuild when Redis holds no run but the bucket does. Never raises for an unreachable Redis/bucket."""
     try:
@@ -180,7 +188,13 @@ async def rebuild_if_wiped(ctx: Any) -> bool:
             if not found:
                 return False
             log.warning("Redis holds no runs but the bucket has %d: rebuilding from bucket manifests", len(found))
-            await rebuild_all(ctx)
+            # Runs are restored one by one, so RUNS_SET is non-empty before the last one is back: the marker
+            # tells every replica that a run it cannot find yet is coming (503, retried), not unknown (404).
+            await ctx.redis.set(keys.REBUILDING, "1", px=REBUILDING_TTL_MS)
+            try:
+                await rebuild_all(ctx)
+            finally:
+                await ctx.redis.delete(keys.REBUILDING)
             return True
     except (redis_exc.RedisError, errors.Unavailable) as exc:
         log.warning("rebuild check skipped (%r); the maintenance loop retries", exc)

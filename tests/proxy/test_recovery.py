@@ -181,3 +181,27 @@ def test_first_request_after_a_wipe_rebuilds_inline(proxy_file: ProxyHarness, re
     assert g.wait_for_version(0, wait_s=0).version == 1
     with pytest.raises(errors.NotFound):  # a run the bucket does not know stays unknown
         proxy_file.client("ghost", "viewer").get_run()
+
+
+def test_a_run_not_yet_restored_by_a_rebuild_is_503_not_unknown(redis_server: RedisServer, bucket_url: str) -> None:
+    """A rebuild restores runs one by one: while it runs, a run that is not back yet is retried (503), never
+    answered 404 unknown_run (which workers do not retry). Once no rebuild is under way, unknown is unknown."""
+    import redis
+
+    from bucketrl.proxy import keys
+
+    with running(redis_server.url, bucket_url, gc_interval_s=30) as p:
+        p.client("r1", "trainer").put_run(make_spec())
+        raw = redis.Redis.from_url(redis_server.url)
+        raw.set(keys.REBUILDING, "1", px=60_000)  # what another replica's rebuild sets while it restores
+        with pytest.raises(errors.Unavailable) as caught:
+            p.client("r2", "viewer").get_run()
+        assert caught.value.retryable and caught.value.retry_after
+        assert p.client("r1", "viewer").get_run().spec == make_spec()  # restored runs answer as usual
+        raw.delete(keys.REBUILDING)
+        with pytest.raises(errors.NotFound):
+            p.client("r2", "viewer").get_run()
+        # A rebuild of this process clears the marker when it ends.
+        raw.flushall()
+        assert p.client("r1", "viewer", retries=3).get_run().spec == make_spec()
+        assert not raw.exists(keys.REBUILDING)

@@ -56,6 +56,12 @@ class DeliveryLedger:
                     fresh.append(d)
         return fresh, repeats
 
+    def trained(self, ids: list[str]) -> list[str]:
+        """Those of ``ids`` this lineage took (the proxy dropped them as stale after a rebuild re-queued them: they
+        are held and acked with the next checkpoint, so the proxy counts them acked, not dropped)."""
+        with self._lock:
+            return [d for d in ids if d in self._taken]
+
     def give_back(self, ids: list[str]) -> None:
         """Taken but not trained (held back as too stale): forget them, and have the next claim release them."""
         with self._lock:

@@ -384,7 +384,8 @@ class TrainerWorker:
         stats["reward/unscorable_frac"] = self.unscorable[-1][1] / max(1, self.unscorable[-1][0])
         # Repeats of deliveries this lineage already trained (their claims came after the ones that trained
         # them, so they are trained by now): not trained again, acked with the next checkpoint.
-        self.consumed += [d.delivery_id for d in deliveries] + list(repeats or [])
+        # (A repeat of one trained in this interval is listed once: a checkpoint acks each delivery once.)
+        self.consumed = list(dict.fromkeys(self.consumed + [d.delivery_id for d in deliveries] + list(repeats or [])))
         step = self.learner.step
         self._audit(
             {
@@ -545,7 +546,7 @@ class TrainerWorker:
             dropped += resp.dropped_stale
             fresh, again = self.ledger.admit(resp.deliveries)
             got += fresh
-            repeats += again
+            repeats += again + self.ledger.trained(resp.dropped_rebuilt)
             n = sum(len(d.groups) for d in got)
         return got, dropped, repeats
 

@@ -147,6 +147,14 @@ class Delivery(WireModel):
 class ClaimResponse(WireModel):
     deliveries: list[Delivery]
     dropped_stale: int = 0
+    # Exactly-once acks across a Redis wipe: a rebuild re-queues groups the trainer may have trained already
+    # (unacked until its checkpoint, or acked after the last snapshot). When such a re-queued group is dropped
+    # as stale, its id is listed here; a trainer that trained it acks it (the ack moves it from dropped to acked).
+    dropped_rebuilt: list[str] = Field(
+        default_factory=list,
+        description="Ids of re-queued (rebuilt after a Redis wipe) deliveries dropped as stale by this claim: "
+        "a trainer that already trained one acks it, and it is then counted acked, not dropped.",
+    )
 
 
 class AckRequest(WireModel):

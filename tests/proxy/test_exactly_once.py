@@ -218,3 +218,59 @@ def test_a_claim_whose_bucket_read_failed_hands_the_groups_out_again_to_the_same
         assert len(got.claimed) == 2 and got.lost == 0
 
     run(redis_server, body)
+
+
+def _flushall(proxy: ProxyHarness, url: str) -> None:
+    """FLUSHALL on the running redis-server (as the chaos test does), then the proxy's rebuild from the bucket."""
+    import redis
+
+    r = redis.Redis.from_url(url)
+    try:
+        r.flushall()
+    finally:
+        r.close()
+    assert any(proxy.call(rebuild.rebuild_if_wiped) for _ in range(3))
+
+
+def test_groups_trained_before_a_wipe_are_counted_acked_once_though_dropped_stale_after_it(
+    proxy_file: ProxyHarness, redis_server: RedisServer
+) -> None:
+    """Item 2, exact: the trainer trained a batch's 3 groups; it acked one (in the snapshot), acked one after the
+    last snapshot (that ack dies with Redis) and holds one unacked (its checkpoint is not written yet). Redis is
+    wiped: the rebuild re-queues the two, the versions move on, and the trainer's next claim drops both as stale.
+    The trainer's acks of them (its checkpoint; the one acked before is held and acked again) must count them
+    acked, not dropped, exactly once, also across a second wipe between the drop and the ack."""
+    s = Setup(proxy_file, groups_per_step=8, max_staleness=1)
+    a = s.g.submit_rollouts(s.batch(3), "a")
+    got = s.t.claim("trainer-0", max_groups=3)
+    ids = [d.delivery_id for d in got.deliveries]
+    assert len(ids) == 3
+    assert s.t.ack(ids[:1]) == 1
+    assert proxy_file.call(lambda ctx: ctx.cleaner.drain(10.0))
+    store = proxy_file.ctx.store
+    saved = {key: store.get_bytes(key) for key in store.list_keys(prompts.snapshot_prefix("r1"))}
+    assert s.t.ack(ids[1:2]) == 1
+    assert proxy_file.call(lambda ctx: ctx.cleaner.drain(10.0))
+    # The wipe comes before the snapshot covering the second ack is written: put the older one back.
+    store.delete(store.list_keys(prompts.snapshot_prefix("r1")))
+    for key, body in saved.items():
+        store.put_bytes(key, body)
+    _flushall(proxy_file, redis_server.url)
+    q = proxy_file.client("r1", "viewer").status().queue
+    assert (q.accepted_total, q.acked_total, q.groups) == (3, 1, 2)  # ids[1] and ids[2] are back in the queue
+
+    s.t.publish_adapter(2, adapter_tar(2))
+    s.t.publish_adapter(3, adapter_tar(3))  # v1 < latest 3 - max_staleness 1: both re-queued groups are stale
+    claimed = s.t.claim("trainer-0", max_groups=8)
+    assert claimed.deliveries == [] and claimed.dropped_stale == 2
+    assert sorted(claimed.dropped_rebuilt) == sorted(ids[1:])
+    assert proxy_file.call(lambda ctx: ctx.cleaner.drain(10.0))
+    _flushall(proxy_file, redis_server.url)  # the drop's record survives a wipe (it is in the snapshot)
+
+    # The trainer trained all three: its checkpoint acks the held one and the unacked one.
+    assert s.t.ack(ids[1:]) == 2
+    assert s.t.ack(ids) == 0  # idempotent: never counted twice
+    q = proxy_file.client("r1", "viewer").status().queue
+    assert (q.accepted_total, q.acked_total, q.dropped_stale_total, q.lost_total) == (3, 3, 0, 0), q
+    assert q.accepted_total == q.acked_total + q.dropped_stale_total + q.lost_total + q.groups + q.pending
+    assert a.accepted_groups == 3

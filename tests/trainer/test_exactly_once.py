@@ -148,6 +148,8 @@ def test_the_ledger_holds_repeats_gives_back_and_forgets_old_checkpoints() -> No
     fresh, repeats = ledger.admit([d(0), d(1), d(1), d(2)])
     assert [x.delivery_id for x in fresh] == [d(1).delivery_id, d(2).delivery_id]
     assert repeats == [d(0).delivery_id, d(1).delivery_id]
+    # A re-queued delivery the proxy dropped as stale after a rebuild is held (acked) only if this lineage took it.
+    assert ledger.trained([d(1).delivery_id, d(3).delivery_id]) == [d(1).delivery_id]
     ledger.give_back([d(2).delivery_id])  # held back as too stale: claimable again, released by the next claim
     assert d(2).delivery_id not in ledger and ledger.take_release() == [d(2).delivery_id] and not ledger.take_release()
     ledger.checkpointed()

@@ -358,7 +358,7 @@ return n
 
 _SNAPSHOT = Lua(
     """
--- KEYS: cursor inflight owner open meta queue_meta counters remaining settled doomed
+-- KEYS: cursor inflight owner open meta queue_meta counters remaining settled doomed redropped
 -- (nothing while the state is not ready: never persist a wiped Redis)
 if redis.call('HEXISTS', KEYS[5], 'ready') == 0 or redis.call('HEXISTS', KEYS[6], 'ready') == 0 then return false end
 local cursor = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -369,7 +369,7 @@ local leased = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
 local owners = {}
 for i = 1, #leased, 2 do table.insert(owners, redis.call('HGET', KEYS[3], leased[i]) or '') end
 return {cursor, seq, reserved, open, leased, owners, redis.call('HGETALL', KEYS[7]), redis.call('HGETALL', KEYS[8]),
-        redis.call('HGETALL', KEYS[9]), redis.call('HKEYS', KEYS[10])}
+        redis.call('HGETALL', KEYS[9]), redis.call('HKEYS', KEYS[10]), redis.call('HKEYS', KEYS[11])}
 """
 )
 
@@ -633,7 +633,7 @@ async def _persist(
         )
         if not snap:
             raise errors.Unavailable(f"run {run!r}: prompt state is not in Redis (being restored); retry")
-        cur, seq, reserved, open_ids, leased, owners, counters, remaining, settled, doomed = snap
+        cur, seq, reserved, open_ids, leased, owners, counters, remaining, settled, doomed, redropped = snap
         cur, seq = int(cur), int(seq)
         new_reserved = max(int(reserved), cur + max(RESERVE_AHEAD, admission_limit(spec)))
         leases = {_s(leased[i]): [float(leased[i + 1]), _s(owners[i // 2])] for i in range(0, len(leased), 2)}
@@ -647,7 +647,7 @@ async def _persist(
             "open": sorted((_s(p) for p in open_ids), key=_position_key(spec.dataset.size)),
             "leases": leases,
             "written_at": time.time(),
-            "queue": _queue_section(counters, remaining, settled, doomed),
+            "queue": _queue_section(counters, remaining, settled, doomed, redropped),
         }
         body = json.dumps(snapshot, separators=(",", ":")).encode()
         await asyncio.to_thread(store.put_bytes, numbered_snapshot_key(run, seq), body)
@@ -667,14 +667,25 @@ def _prune_snapshots(store: BucketStore, run: str, seq: int) -> None:
         log.warning("run %r: pruning old prompt snapshots failed: %s", run, exc.message)
 
 
-def _queue_keys(run: str) -> tuple[str, str, str]:
-    """The queue's remaining / settled / doomed hashes (named here: state/queue.py builds on this module)."""
-    return keys.run_key(run, "queue:remaining"), keys.run_key(run, "queue:settled"), keys.run_key(run, "queue:doomed")
+def redropped_key(run: str) -> str:
+    """Redis hash: re-queued (rebuilt) deliveries dropped as stale, which a trainer that trained them may still
+    ack (the ack then counts them acked instead of dropped; ``state/queue.py``)."""
+    return keys.run_key(run, "queue:redropped")
 
 
-def _queue_section(counters: list[Any], remaining: list[Any], settled: list[Any], doomed: list[Any]) -> dict[str, Any]:
+def _queue_keys(run: str) -> tuple[str, str, str, str]:
+    """The queue's remaining / settled / doomed / redropped hashes (named here: state/queue.py builds on this
+    module)."""
+    k = keys.run_key
+    return k(run, "queue:remaining"), k(run, "queue:settled"), k(run, "queue:doomed"), redropped_key(run)
+
+
+def _queue_section(
+    counters: list[Any], remaining: list[Any], settled: list[Any], doomed: list[Any], redropped: list[Any]
+) -> dict[str, Any]:
     """The queue's part of a snapshot, read atomically with the prompts: the run's lifetime counters, each live
-    batch's unsettled count and settled groups, and the finished batches whose objects are not deleted yet.
+    batch's unsettled count and settled groups, the finished batches whose objects are not deleted yet, and the
+    rebuilt deliveries dropped as stale that an ack may still move to acked.
     A rebuild restores the counters from it and re-enqueues exactly the groups it shows unsettled."""
     pairs = {_s(remaining[i]): int(remaining[i + 1]) for i in range(0, len(remaining), 2)}
     done = {_s(settled[i]): _s(settled[i + 1]) for i in range(0, len(settled), 2)}
@@ -685,6 +696,7 @@ def _queue_section(counters: list[Any], remaining: list[Any], settled: list[Any]
             for b, n in sorted(pairs.items())
         },
         "doomed": sorted(_s(b) for b in doomed),
+        "redropped": sorted(_s(d) for d in redropped),
     }
 
 

@@ -147,6 +147,7 @@ class QueueKeys:
     bseq: str
     doomed: str
     owner: str
+    redropped: str
     p: prompts.PromptKeys = field(repr=False)
 
     @classmethod
@@ -164,6 +165,7 @@ class QueueKeys:
             bseq=k(run, "queue:seq"),
             doomed=cleanup.doomed_key(run),
             owner=k(run, "queue:owner"),
+            redropped=prompts.redropped_key(run),
             p=prompts.PromptKeys.of(run),
         )
 
@@ -366,6 +368,7 @@ _CLAIM = Lua(
     _COMMON
     + """
 -- KEYS: stream state counters entry remaining attempts settled meta p_meta bseq doomed pace channel owner request
+--       redropped
 -- ARGV: group consumer n epoch idle_ms max_staleness min_version train_version sync_every groups_per_step
 --       request_id request_ttl_s release_id...
 local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
@@ -403,19 +406,20 @@ if ARGV[11] ~= '' and redis.call('EXISTS', KEYS[15]) == 1 then
       end
     end
   end
-  return {'ok', 0, last_id(stream), out, {}, 0}
+  return {'ok', 0, last_id(stream), out, {}, 0, {}}
 end
 -- the run's rule (latest - max_staleness) or the trainer's own floor (ARGV[7], 0 = none), whichever is higher
 local latest = tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0')
 local min_version = math.max(latest - ms, tonumber(ARGV[7]))
-local out, finished = {}, {}
+local out, finished, redropped = {}, {}, {}
 local dropped = 0
 local function take(entries, redelivered)
   for _, e in ipairs(entries) do
     if type(e) == 'table' and type(e[2]) == 'table' then
-      local id, f, d, v, w = e[1], e[2], '', '0', ''
+      local id, f, d, v, w, rebuilt = e[1], e[2], '', '0', '', false
       for i = 1, #f, 2 do
-        if f[i] == 'd' then d = f[i + 1] elseif f[i] == 'v' then v = f[i + 1] elseif f[i] == 'w' then w = f[i + 1] end
+        if f[i] == 'd' then d = f[i + 1] elseif f[i] == 'v' then v = f[i + 1] elseif f[i] == 'w' then w = f[i + 1]
+        elseif f[i] == 'r' then rebuilt = true end
       end
       if redelivered and redis.call('HGET', KEYS[14], d) == ARGV[4] then
         -- this live epoch holds it (trained, waiting for its checkpoint's ack): never hand it back to it;
@@ -428,6 +432,11 @@ local function take(entries, redelivered)
         redis.call('HDEL', KEYS[14], d)
         dropped = dropped + 1
         settle(KEYS[5], KEYS[7], d, finished)
+        if rebuilt then
+          -- re-queued by a rebuild: the trainer may have trained it already; its ack moves it to acked
+          redis.call('HSET', KEYS[16], d, 1)
+          table.insert(redropped, d)
+        end
       else
         redis.call('HSET', KEYS[14], d, ARGV[4])
         table.insert(out, {id, d, v, w, redis.call('HINCRBY', KEYS[6], d, 1)})
@@ -472,14 +481,15 @@ if ARGV[11] ~= '' and #out > 0 then
   for _, e in ipairs(out) do redis.call('RPUSH', KEYS[15], e[2]) end
   redis.call('EXPIRE', KEYS[15], ARGV[12])
 end
-return {'ok', dropped, last_id(stream), out, finished, persist_need(KEYS[10], KEYS[9], finished, KEYS[11], dropped > 0)}
+return {'ok', dropped, last_id(stream), out, finished, persist_need(KEYS[10], KEYS[9], finished, KEYS[11], dropped > 0),
+        redropped}
 """
 )
 
 _ACK = Lua(
     _COMMON
     + """
--- KEYS: stream state counters entry remaining attempts settled p_meta queue_meta bseq doomed owner
+-- KEYS: stream state counters entry remaining attempts settled p_meta queue_meta bseq doomed owner redropped
 -- ARGV: group epoch counter delivery_id...   (epoch 0 = unfenced internal use)
 if redis.call('HEXISTS', KEYS[9], 'ready') == 0 then return {'notready'} end
 local stream, group, epoch = KEYS[1], ARGV[1], tonumber(ARGV[2])
@@ -497,8 +507,14 @@ for i = 4, #ARGV do
     redis.call('HDEL', KEYS[4], d)
     redis.call('HDEL', KEYS[6], d)
     redis.call('HDEL', KEYS[12], d)
+    redis.call('HDEL', KEYS[13], d)
     n = n + 1
     settle(KEYS[5], KEYS[7], d, finished)
+  elseif ARGV[3] == 'acked_total' and redis.call('HDEL', KEYS[13], d) == 1 then
+    -- a re-queued group dropped as stale after a rebuild that the trainer had trained: it was acked, not
+    -- dropped (it is settled already; only the counters move)
+    redis.call('HINCRBY', KEYS[3], 'dropped_stale_total', -1)
+    n = n + 1
   end
 end
 if n > 0 then redis.call('HINCRBY', KEYS[3], ARGV[3], n) end
@@ -810,6 +826,7 @@ class ClaimOutcome:
     claimed: list[ClaimedGroup]
     dropped: int = 0
     lost: int = 0
+    dropped_rebuilt: list[str] = field(default_factory=list)  # re-queued by a rebuild, dropped as stale
 
     @property
     def deliveries(self) -> list[Delivery]:
@@ -819,7 +836,11 @@ class ClaimOutcome:
     def response_json(self) -> bytes:
         """The :class:`ClaimResponse` JSON of this outcome, byte-identical to ``ClaimResponse(deliveries=
         self.deliveries, dropped_stale=self.dropped).model_dump_json()`` at a fraction of the cost."""
-        envelope = ClaimResponse(deliveries=[], dropped_stale=self.dropped).model_dump_json().encode()
+        envelope = (
+            ClaimResponse(deliveries=[], dropped_stale=self.dropped, dropped_rebuilt=self.dropped_rebuilt)
+            .model_dump_json()
+            .encode()
+        )
         before, sep, after = envelope.partition(b'"deliveries":[]')
         assert sep, envelope
         inner = b",".join(c.delivery_json() for c in self.claimed)
@@ -867,6 +888,7 @@ async def claim(
                 *(k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled),
                 *(k.meta, k.p.meta, k.bseq, k.doomed, k.p.pace, k.p.channel, k.owner),
                 k.claim_request(run, epoch, request_id),
+                k.redropped,
             ],
             [
                 *(GROUP, consumer, max_groups, epoch, idle_ms, spec.max_staleness, min_version or 0),
@@ -882,6 +904,7 @@ async def claim(
             raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
         dropped, last, entries = int(res[1]), _s(res[2]), res[3]
         total.dropped += dropped
+        total.dropped_rebuilt += [_s(d) for d in res[6]]
         await _settle_objects(r, store, run, spec, res[4], int(res[5]), cleaner)
         if entries:
             got = await _deliveries(r, store, run, spec, entries, idle_ms, cleaner)
@@ -1036,7 +1059,7 @@ async def _settle(
             r,
             [
                 *(k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled),
-                *(k.p.meta, k.meta, k.bseq, k.doomed, k.owner),
+                *(k.p.meta, k.meta, k.bseq, k.doomed, k.owner, k.redropped),
             ],
             [GROUP, epoch, counter, *ids],
         )
@@ -1223,7 +1246,8 @@ async def _requeue(
                 for g in live:
                     d, sid = f"{b}:{g}", f"{base_ms}-{seq}"
                     seq += 1
-                    pipe.xadd(k.stream, {"d": d, "v": summary.version, "w": summary.worker_id}, id=sid)
+                    # "r": re-queued by a rebuild (the trainer may have trained it: see the claim's drop)
+                    pipe.xadd(k.stream, {"d": d, "v": summary.version, "w": summary.worker_id, "r": 1}, id=sid)
                     entry_map[d] = sid
                 pipe.hset(k.remaining, b, len(live))
                 if settled:
@@ -1247,6 +1271,8 @@ async def _requeue(
             if snap is not None and not restored_counters:
                 for name, value in snap.get("counters", {}).items():
                     pipe.hincrby(k.counters, name, int(value))
+                if redropped := snap.get("redropped"):
+                    pipe.hset(k.redropped, mapping=dict.fromkeys(redropped, 1))
             pipe.hincrby(k.counters, "accepted_total", accepted)
             pipe.hincrby(k.counters, "lost_total", lost)
             if entry_map:

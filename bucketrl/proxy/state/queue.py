@@ -41,7 +41,10 @@ Accounting (invariant 4), all in the run's ``counters`` hash and updated inside 
 ``lost_total`` stays 0 unless a batch object vanished from the bucket behind the proxy's back (logged).
 The counters are lifetime counts: after a Redis wipe the rebuild continues them from the newest snapshot
 (``_requeue``), so the identity holds over the run's whole life; groups settled after that snapshot was
-written come back as queued (the trainer holds the ones it trained: ``trainer/ledger.py``).
+written come back as queued (the trainer holds the ones it trained: ``trainer/ledger.py``). Those entries carry
+``r`` (re-queued by a rebuild): when a claim drops one as stale it is recorded in ``queue:redropped`` and listed
+in the claim's ``dropped_rebuilt``, and a later ack of it (the trainer trained it before the wipe) moves it from
+``dropped_stale_total`` to ``acked_total``: a trained group is counted acked exactly once.
 
 Readiness (a wiped Redis must not look like an empty queue)
 ------------------------------------------------------------
@@ -54,7 +57,8 @@ start an empty queue (and hide the batches) nor restart the dataset at prompt 0.
 Redis keys (``brl:{run}:`` prefix): ``queue:stream`` (+ group ``trainer``), ``queue:entry`` (delivery id ->
 stream id), ``queue:attempts`` (delivery id -> deliveries so far), ``queue:remaining`` (batch -> unsettled
 groups), ``queue:settled`` (batch -> "g,g," settled so far), ``queue:owner`` (delivery -> the epoch holding it),
-``queue:claimreq:{epoch}:{request_id}`` (a claim's delivery ids, for its replay), ``queue:meta`` (epoch seen
+``queue:claimreq:{epoch}:{request_id}`` (a claim's delivery ids, for its replay), ``queue:redropped`` (rebuilt
+deliveries dropped as stale, an ack may still count acked; in the snapshot), ``queue:meta`` (epoch seen
 by the queue), ``queue:doomed`` (finished batch -> the seq the snapshot must reach before its object goes),
 ``idem:{hash of worker_id, key}`` (JSON SubmitResponse, TTL ``IDEMPOTENCY_TTL_S``), ``counters``.
 

@@ -543,10 +543,13 @@ class TrainerWorker:
                     release=rel,
                 )
             )
-            dropped += resp.dropped_stale
+            # Re-queued groups (after a Redis wipe) this lineage trained already, dropped as stale by this claim: held
+            # and acked with the next checkpoint, which counts them acked on the proxy, so not dropped here either.
+            trained_before = self.ledger.trained(resp.dropped_rebuilt)
+            dropped += resp.dropped_stale - len(trained_before)
             fresh, again = self.ledger.admit(resp.deliveries)
             got += fresh
-            repeats += again + self.ledger.trained(resp.dropped_rebuilt)
+            repeats += again + trained_before
             n = sum(len(d.groups) for d in got)
         return got, dropped, repeats
 

@@ -56,6 +56,8 @@ class TrainerState:
     policy_version: int
     policy_step: int = -1
     consumed_delivery_ids: list[str] = field(default_factory=list)
+    # Deliveries of earlier checkpoints the lineage's ledger remembers (trainer/ledger.py): seeded on resume.
+    earlier_delivery_ids: list[str] = field(default_factory=list)
     # Monotonic counters that must survive restarts (e.g. ``sample/dropped_stale_total``).
     counters: dict[str, float] = field(default_factory=dict)
     epoch: int = 0

@@ -76,6 +76,13 @@ class DeliveryLedger:
             out, self._release = self._release[:limit], self._release[limit:]
         return out
 
+    def remembered(self) -> list[str]:
+        """The ids of the earlier checkpoints this ledger still remembers (not the open interval's): a checkpoint
+        records them, so a trainer resumed from it still holds a repeat of one (a Redis wipe re-queues groups
+        acked after the proxy's last snapshot) instead of training it again or leaving it counted as dropped."""
+        with self._lock:
+            return [d for ids in self._closed for d in ids]
+
     def checkpointed(self) -> None:
         """A checkpoint now holds everything taken so far (trained before it)."""
         with self._lock:

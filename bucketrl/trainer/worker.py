@@ -318,6 +318,7 @@ class TrainerWorker:
         self.policy_version, self.policy_step = state.policy_version, state.policy_step
         self.counters.update(state.counters)
         self.last_checkpoint_step = state.step
+        self.ledger.seed(state.earlier_delivery_ids)
         self.ledger.seed(state.consumed_delivery_ids)
         # Deliveries trained into this checkpoint: ack them (again) before claiming anything.
         if state.consumed_delivery_ids:
@@ -591,6 +592,7 @@ class TrainerWorker:
                 policy_version=self.policy_version,
                 policy_step=self.policy_step,
                 consumed_delivery_ids=consumed,
+                earlier_delivery_ids=self.ledger.remembered(),
                 counters=dict(self.counters),
                 epoch=self.epoch,
                 run=self.settings.run,

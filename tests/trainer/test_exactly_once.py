@@ -153,5 +153,6 @@ def test_the_ledger_holds_repeats_gives_back_and_forgets_old_checkpoints() -> No
     ledger.give_back([d(2).delivery_id])  # held back as too stale: claimable again, released by the next claim
     assert d(2).delivery_id not in ledger and ledger.take_release() == [d(2).delivery_id] and not ledger.take_release()
     ledger.checkpointed()
+    assert set(ledger.remembered()) == {d(0).delivery_id, d(1).delivery_id}  # what a checkpoint records
     ledger.checkpointed()
     assert d(1).delivery_id in ledger and d(0).delivery_id not in ledger  # the seed is 2 checkpoints old

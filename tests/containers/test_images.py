@@ -82,11 +82,16 @@ def test_image_holds_no_secret_and_no_build_mount(built_images: dict[str, float]
     assert not leaks, f"{tag}: secrets or build-time files in the image: {leaks[:20]}"
 
 
+# Where the build mounts the host's pip config, CA bundle and wheels (tests/containers/podman.py). Podman 4.3
+# leaves an empty file or directory where a mount point did not exist; any content there would be a leak.
+BUILD_MOUNTS = ("etc/pip.conf", "etc/ssl/certs/host-ca.crt", "opt/wheels")
+
+
 def scan_for_secrets(root: Path) -> list[str]:
-    """Paths under ``root`` holding the canary, a credentials-shaped file, or a file only the build mounted."""
-    suspicious_names = {".env", ".netrc", ".pypirc", "id_rsa", "id_ed25519", "credentials", "host-ca.crt"}
-    mounted_only = {"etc/pip.conf", "opt/wheels"}
-    found: list[str] = []
+    """Paths under ``root`` holding the canary, a credentials-shaped file, or what a build mount held."""
+    suspicious_names = {".env", ".netrc", ".pypirc", "id_rsa", "id_ed25519", "credentials"}
+    found = [m for m in BUILD_MOUNTS if (root / m).is_file() and (root / m).stat().st_size > 0]
+    found += [m for m in BUILD_MOUNTS if (root / m).is_dir() and any((root / m).iterdir())]
     canary = podman.CANARY.encode()
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = Path(dirpath).relative_to(root)
@@ -97,15 +102,14 @@ def scan_for_secrets(root: Path) -> list[str]:
             found.append(str(rel_dir / ".git"))
         for fname in filenames:
             path = Path(dirpath) / fname
-            rel = str(rel_dir / fname)
-            if fname in suspicious_names or rel in mounted_only or rel.startswith("opt/wheels/"):
-                found.append(rel)
+            if fname in suspicious_names:
+                found.append(str(rel_dir / fname))
                 continue
             try:
                 if path.is_symlink() or path.stat().st_size > 8_000_000:
                     continue  # big binaries (torch's .so) cannot hold the canary, which is only ever text
                 if canary in path.read_bytes():
-                    found.append(rel)
+                    found.append(str(rel_dir / fname))
             except OSError:
                 continue
     return found
@@ -133,7 +137,8 @@ def hardened(name: str, *mounts: str) -> list[str]:
         "/tmp:rw,mode=1777",
     ]
     for mount in mounts:
-        opts += ["--tmpfs", f"{mount}:rw,mode=1777"]
+        # An emptyDir the pod's fsGroup (10001) can write, as the chart's podSecurityContext makes it.
+        opts += ["--mount", f"type=tmpfs,destination={mount},chown=true"]
     return opts
 
 
@@ -142,9 +147,14 @@ def containers() -> Iterator[list[str]]:
     names: list[str] = []
     yield names
     for name in names:
+        if name.startswith("volume:"):
+            continue
         logs = podman.podman("logs", "--tail", "30", name, check=False)
         print(f"--- {name} ---\n{podman.tail(logs, 3000)}")
         podman.podman("rm", "-f", "-t", "2", name, check=False)
+    for name in names:
+        if name.startswith("volume:"):
+            podman.podman("volume", "rm", "-f", name.removeprefix("volume:"), check=False)
 
 
 def test_chart_hardened_containers_train_and_probes_tell_liveness_from_readiness(
@@ -152,7 +162,6 @@ def test_chart_hardened_containers_train_and_probes_tell_liveness_from_readiness
     containers: list[str],
     redis_server: RedisServer,
     moto_server: MotoServer,
-    tiny_model_dir: Path,
 ) -> None:
     suffix = uuid.uuid4().hex[:8]
     bucket = f"img-{suffix}"
@@ -194,7 +203,16 @@ def test_chart_hardened_containers_train_and_probes_tell_liveness_from_readiness
 
     run = f"img-{suffix}"
     worker_env = ["-e", f"BUCKETRL_PROXY_URL={proxy_url}", "-e", f"BUCKETRL_RUN={run}", "-e", "BUCKETRL_DEVICE=cpu"]
-    models = ["-v", f"{tiny_model_dir}:/models/tiny-qwen2:ro"]
+    # The tiny model, written into a volume by the trainer image as compose's model-init job does.
+    volume = f"brl-models-{suffix}"
+    podman.podman("volume", "create", volume)
+    containers.append(f"volume:{volume}")
+    init = podman.podman(
+        "run", "--rm", "-v", f"{volume}:/models", "--entrypoint", "python", IMAGES["trainer"],
+        "-m", "bucketrl.tasks.tiny_model", "/models/tiny-qwen2", check=False, timeout=300,
+    )  # fmt: skip
+    assert init.returncode == 0, podman.tail(init)
+    models = ["-v", f"{volume}:/models:ro"]
     trainer = f"brl-trainer-{suffix}"
     containers.append(trainer)
     podman.podman(

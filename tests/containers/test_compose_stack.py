@@ -102,8 +102,11 @@ class Stack:
     def viewer(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.env['VIEWER_TOKEN']}"}
 
-    def logs(self, container: str, tail: int = 400) -> str:
-        return podman.tail(podman.podman("logs", "--tail", str(tail), container, check=False), 200_000)
+    def logs(self, container: str, tail: int | None = None) -> str:
+        """The container's log (every run of it: podman keeps the log across restarts), or its last lines."""
+        args = ["logs", container] if tail is None else ["logs", "--tail", str(tail), container]
+        proc = podman.podman(*args, check=False)
+        return (proc.stdout or "") + (proc.stderr or "")
 
     def dump(self) -> str:
         out = []

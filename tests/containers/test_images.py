@@ -22,7 +22,8 @@ import pytest
 from tests.containers import podman
 from tests.support.services import MotoServer, RedisServer, free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.containers]
+# The first test also builds the images (about 20 min on a machine that never built them): not the suite's 600 s.
+pytestmark = [pytest.mark.slow, pytest.mark.containers, pytest.mark.timeout(3600)]
 
 IMAGES = {image.name: image.tag for image in podman.SERVICE_IMAGES}
 RUN_SPEC = podman.ROOT / "services" / "compose" / "run-spec.cpu.json"

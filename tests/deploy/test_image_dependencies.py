@@ -36,6 +36,7 @@ from tests.deploy.support import (
     read_env_file,
     service_env,
     wait_http_ok,
+    with_secrets,
 )
 from tests.support.services import free_port
 
@@ -114,7 +115,8 @@ def test_closure_is_what_the_extra_declares() -> None:
 
 
 def test_proxy_image_serves_with_the_compose_environment(redis_server, moto_server, tmp_path: Path) -> None:
-    compose = load_compose(ROOT / "docker-compose.yml", env=read_env_file(ENV_EXAMPLE))
+    # An operator's .env: the proxy refuses .env.example's placeholder tokens at start.
+    compose = load_compose(ROOT / "docker-compose.yml", env=with_secrets(read_env_file(ENV_EXAMPLE)))
     env = compose_proxy_env(compose, redis_server.url, moto_server.endpoint, port := free_port())
     moto_server.create_bucket(env["BUCKETRL_BUCKET_URL"].removeprefix("s3://").split("/")[0])
     proxy = ServiceProcess(compose_proxy_args(compose, port), env, tmp_path, prelude=image_prelude("proxy"))

@@ -246,9 +246,25 @@ def _token_rate(series: list[tuple[float, float]]) -> float | None:
     """Tokens per second between a generator's first and last push of its token counter (model loading and the
     wait for v1 come before its first push)."""
     series = sorted(series)
-    if len(series) < 2 or series[-1][0] <= series[0][0]:
-        return None
+    if len(series) < 2 or series[-1][0] <= series[0][0] or series[-1][1] <= series[0][1]:
+        return None  # no push before and after some generation (a short run can generate before its first)
     return (series[-1][1] - series[0][1]) / (series[-1][0] - series[0][0])
+
+
+def _generator_rates(watcher: RunWatcher) -> list[float]:
+    """Each generator's tokens/s: from its token counter, else (a run too short for the counter to move
+    between two pushes) the mean of the windowed rates it pushed while generating."""
+    counters = watcher.timed_series("rollout/tokens_total", role="generator")
+    windows = watcher.timed_series("rollout/generated_tok_s", role="generator")
+    rates = []
+    for who in set(counters) | set(windows):
+        rate = _token_rate(counters.get(who, []))
+        if rate is None:
+            busy = [v for _, v in windows.get(who, []) if v > 0]
+            rate = statistics.fmean(busy) if busy else None
+        if rate is not None:
+            rates.append(rate)
+    return rates
 
 
 def collect(
@@ -263,8 +279,7 @@ def collect(
     step_times = [t for t, _ in next(iter(watcher.timed_series("perf/step_s", role="trainer").values()), [])]
     steps_per_s = (len(step_times) - 1) / (step_times[-1] - step_times[0]) if len(step_times) > 2 else None
     fwd_bwd = [v for _, v in watcher.trainer_series("perf/fwd_bwd_s")][1:]  # the first step includes warm-up
-    tok_s = [_token_rate(series) for series in watcher.timed_series("rollout/tokens_total", role="generator").values()]
-    tok_s = [r for r in tok_s if r is not None]
+    tok_s = _generator_rates(watcher)
     gaps = [
         v
         for p in watcher.pushes

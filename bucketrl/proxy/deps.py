@@ -174,6 +174,10 @@ async def get_epoch(request: Request, x_trainer_epoch: EpochHeader = None) -> in
         current = seen[1]  # read by RunDep in this request, in the same round trip as the spec
     else:
         current = await runs.trainer_epoch(request.app.state.ctx.redis, run)
+    if current == 0:  # no epoch at all: a Redis that lost the run (503 until rebuilt), or truly never issued
+        from bucketrl.proxy.state.locks import fenced_or_restoring
+
+        raise await fenced_or_restoring(request.app.state.ctx.redis, run, x_trainer_epoch, 0, "(never issued)")
     runs.check_epoch(run, x_trainer_epoch, current)
     return x_trainer_epoch
 

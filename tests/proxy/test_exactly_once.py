@@ -274,3 +274,29 @@ def test_groups_trained_before_a_wipe_are_counted_acked_once_though_dropped_stal
     assert (q.accepted_total, q.acked_total, q.dropped_stale_total, q.lost_total) == (3, 3, 0, 0), q
     assert q.accepted_total == q.acked_total + q.dropped_stale_total + q.lost_total + q.groups + q.pending
     assert a.accepted_groups == 3
+
+
+def test_a_claim_or_ack_reaching_a_wiped_redis_is_retryable_not_fenced(
+    proxy_file: ProxyHarness, redis_server: RedisServer
+) -> None:
+    """The claim and ack scripts check the epoch themselves. After a wipe the queue can be back (restored lazily
+    by the claim path) before a rebuild has put the run's epoch back, so the script reads epoch 0. That must be a
+    503 to retry, not 409 ``fenced``, which stopped the live trainer for good in the chaos run."""
+    import redis
+
+    s = Setup(proxy_file, groups_per_step=8)
+    s.g.submit_rollouts(s.batch(2), "a")
+    ids = [d.delivery_id for d in s.t.claim("trainer-0", max_groups=1).deliveries]
+    raw = redis.Redis.from_url(redis_server.url)
+    state = keys.run_key("r1", keys.STATE)
+    epoch = raw.hget(state, "trainer_epoch")
+    raw.hdel(state, "trainer_epoch")  # the queue is there, the run's epoch not yet
+    with pytest.raises(errors.Unavailable):
+        s.t.claim("trainer-0", max_groups=1)
+    with pytest.raises(errors.Unavailable):
+        s.t.ack(ids)
+    raw.hset(state, "trainer_epoch", epoch)  # the rebuild put it back: the retries go through
+    assert s.t.ack(ids) == 1
+    raw.hset(state, "trainer_epoch", 7)  # a real epoch mismatch is still fenced
+    with pytest.raises(errors.Fenced):
+        s.t.claim("trainer-0", max_groups=1)

@@ -58,7 +58,8 @@ async def fenced_or_restoring(r: Any, run: str, epoch: int, current: int, what: 
     """The error for a write whose epoch check failed. Current epoch 0 with no run state at all is a Redis that
     lost everything (wiped or restarted empty) and is not rebuilt yet: 503, retry (the retry's run lookup
     rebuilds it from the bucket), not ``fenced`` (which would stop the live trainer for good)."""
-    if current == 0 and not await r.exists(keys.run_key(run, keys.STATE)):
+    # (A state hash can exist without the epoch: another write, e.g. a metrics push, recreated it after the wipe.)
+    if current == 0 and not await r.hexists(keys.run_key(run, keys.STATE), "trainer_epoch"):
         return errors.Unavailable(f"run {run!r}: its state is being restored from the bucket (Redis lost it); retry")
     return errors.Fenced(f"run {run!r}: trainer epoch {epoch} was fenced by epoch {current} {what}")
 

@@ -89,6 +89,7 @@ from redis import exceptions as redis_exc
 from bucketrl import errors
 from bucketrl.proxy import keys
 from bucketrl.proxy.state import cleanup, prompts, runs
+from bucketrl.proxy.state.locks import fenced_or_restoring
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.storage.base import BucketStore
 from bucketrl.wire import (
@@ -905,7 +906,7 @@ async def claim(
             await ensure_ready(r, store, run, spec)
             continue
         if _s(res[0]) == "fenced":
-            raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
+            raise await fenced_or_restoring(r, run, epoch, int(res[1]), "(claim)")
         dropped, last, entries = int(res[1]), _s(res[2]), res[3]
         total.dropped += dropped
         total.dropped_rebuilt += [_s(d) for d in res[6]]
@@ -1074,7 +1075,7 @@ async def _settle(
     else:
         raise _not_ready(run)
     if _s(res[0]) == "fenced":
-        raise errors.Fenced(f"run {run!r}: trainer epoch {epoch} is not the current epoch {int(res[1])}")
+        raise await fenced_or_restoring(r, run, epoch, int(res[1]), "(ack)")
     await _settle_objects(r, store, run, spec, res[3], int(res[2]), cleaner)
     return int(res[1])
 

@@ -269,10 +269,11 @@ def test_no_trained_group_is_staler_than_max_staleness(
         staleness = [stats["sample/staleness_max"] for _, stats in worker.pushed]
         assert max(staleness) <= 1, staleness
         assert all("sample/stale_held_back" not in stats for _, stats in worker.pushed), "the claim floor suffices"
-        # The slow generator's groups were dropped at claim, and counted: the trainer's total is the proxy's.
+        # The slow generator's groups that reach a claim too stale are dropped and counted: the trainer's total is
+        # the proxy's. (Admission control now paces a lagging generator, so on a quiet machine it may get no
+        # group accepted that turns stale: the count can be 0; the staleness bound above is the point.)
         q = proxy.client("r-stale", role="admin").status().queue
         final = worker.pushed[-1][1]
-        assert q.dropped_stale_total > 0
         assert final["sample/dropped_stale_total"] == q.dropped_stale_total
         assert q.accepted_total == q.acked_total + q.dropped_stale_total + q.groups + q.pending, q
         # The claims told the proxy the trainer's pace (admission control): the version of the step the next

@@ -48,6 +48,19 @@ class WorkerSettings(BaseSettings):
 
         return ProxyClient(self.proxy_url, self.run, self.token, timeout_s=5.0, retries=0)
 
+    def push_phase(self, worker_id: str, phase: str, notes: dict[str, str] | None = None) -> None:
+        """Tell the proxy what a worker is doing (status, dashboard, live view); best effort, never raises."""
+        import logging
+
+        from bucketrl import errors
+        from bucketrl.wire import MetricsPush
+
+        try:
+            with self.phase_client() as client:
+                client.push_metrics(MetricsPush(worker_id=worker_id, phase=phase, notes=notes or {}))
+        except errors.BucketRLError as exc:
+            logging.getLogger("bucketrl").debug("phase push failed: %s", exc.message)
+
     def outage(self, who: str) -> Outage:
         from bucketrl.client import Outage
 

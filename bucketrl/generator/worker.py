@@ -195,11 +195,7 @@ class GeneratorWorker:
     def announce(self, phase: str, notes: dict[str, str] | None = None) -> None:
         """Tell the proxy what this worker is doing (status, dashboard, live view); best effort."""
         self.phase = phase
-        try:
-            with self.settings.phase_client() as client:
-                client.push_metrics(MetricsPush(worker_id=self.worker_id, phase=phase, notes=notes or {}))
-        except errors.BucketRLError as exc:
-            log.debug("phase push failed: %s", exc.message)
+        self.settings.push_phase(self.worker_id, phase, notes)
 
     def _load_examples(self, spec: RunSpec) -> list[Example] | None:
         """The run's examples; a ``bucket:`` dataset the trainer has not uploaded yet is waited for."""

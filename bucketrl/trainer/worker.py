@@ -455,11 +455,7 @@ class TrainerWorker:
     def _announce(self, phase: str, notes: dict[str, str] | None = None) -> None:
         """Tell the proxy what this trainer is doing (status, dashboard, live view); best effort."""
         self.phase = phase
-        try:
-            with self.settings.phase_client() as client:
-                client.push_metrics(MetricsPush(worker_id=self.worker_id, phase=phase, notes=notes or {}))
-        except errors.BucketRLError as exc:
-            log.debug("phase push failed: %s", exc.message)
+        self.settings.push_phase(self.worker_id, phase, notes)
 
     def _claim_ahead(self, steps_ahead: int) -> Future[tuple[list[Delivery], int, list[str]]]:
         """Start claiming (helper thread) the groups of the step ``steps_ahead`` steps from now.

@@ -83,17 +83,21 @@ class Outage:
         self.since: float | None = None
         self.outages = 0
         self._lock = threading.RLock()  # re-entrant: ``stopping`` runs in signal handlers
-        self._changed = threading.Event()  # wakes retry waits when the budget shrinks
+        # Wakes the retry waits in progress when the budget shrinks. A Condition, not an Event: a set Event would
+        # make every later wait return at once (a busy retry loop for the rest of the stop grace).
+        self._changed = threading.Condition()
 
     def stopping(self) -> None:
         """The worker is shutting down: cut the budget to :attr:`STOP_GRACE_S` (a SIGTERM during an outage
         must not wait out ten minutes), waking every retry wait to re-check it."""
         with self._lock:
             self.budget_s = min(self.budget_s, self.STOP_GRACE_S)
-        self._changed.set()
+        with self._changed:
+            self._changed.notify_all()
 
     def wait(self, seconds: float) -> None:
-        self._changed.wait(seconds)
+        with self._changed:
+            self._changed.wait(seconds)
 
     def spent(self) -> bool:
         """An outage is going on and has lasted the whole budget."""
@@ -202,7 +206,8 @@ class ProxyClient:
                 left = float("inf")
                 if attempt >= self.retries:
                     raise err
-            backoff = min(MAX_BACKOFF_S, self.backoff_s * 2**attempt) * (0.5 + random.random())
+            # The exponent is capped: a long outage makes thousands of attempts (2**1024 overflows a float).
+            backoff = min(MAX_BACKOFF_S, self.backoff_s * 2 ** min(attempt, 20)) * (0.5 + random.random())
             wait = max(0.0, min(max(backoff, min(err.retry_after or 0.0, MAX_RETRY_AFTER_S)), left))
             if self.outage is not None:
                 self.outage.wait(wait)

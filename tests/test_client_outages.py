@@ -151,3 +151,17 @@ def test_a_client_without_an_outage_keeps_its_retry_count(scripted: list[Scripte
     with pytest.raises(errors.Unavailable):
         c.download_adapter(1)
     assert server.requests == 3
+
+
+def test_waits_after_a_stop_still_wait() -> None:
+    """A stop wakes the retry waits in progress, and later waits still wait: a stopped worker's retries used to
+    spin with no pause until their attempt counter overflowed the backoff (OverflowError after ~1,000 tries)."""
+    import time as _time
+
+    from bucketrl.client import Outage
+
+    outage = Outage(600.0, "test")
+    outage.stopping()
+    t0 = _time.monotonic()
+    outage.wait(0.3)
+    assert _time.monotonic() - t0 >= 0.25

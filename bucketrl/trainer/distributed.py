@@ -43,13 +43,14 @@ import datetime
 import logging
 import os
 import signal
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -111,9 +112,17 @@ class Ranks:
         """Sum every parameter's gradient over the ranks, in place (a missing gradient counts as zero)."""
         all_reduce_grads(params, self.grads)
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self, *, clean: bool) -> None:
+        """Leave the job. After a clean finish every rank meets at a barrier first, so none leaves while a
+        peer is still in a collective. The process group is not destroyed: the rank process ends with
+        ``os._exit`` right after (see ``exit_rank``), and tearing gloo down while a peer's connection closes
+        aborted a finished rank ("terminate called without an active exception", exit -6) now and then."""
+        if clean and dist.is_initialized():
+            try:
+                with _collective("final barrier"):
+                    dist.barrier(group=self.control)
+            except RankFailure as exc:
+                log.warning("rank %d: %s", self.rank, exc)
 
 
 @contextmanager
@@ -348,21 +357,34 @@ class Follower:
 def main(settings: TrainerSettings, *, echo: Callable[[str], None] = print) -> int:
     """Entry point of one rank (``bucketrl trainer`` under torchrun). Returns the exit code."""
     ranks, settings = init_ranks(settings)
+    code = 1
     try:
         if ranks.speaks:
             from bucketrl.trainer.worker import TrainerWorker
 
             worker = TrainerWorker(settings, echo=echo, ranks=ranks)
             worker.install_signal_handlers()
-            return worker.run()
+            code = worker.run()
+            return code
         # SIGTERM reaches every rank (torchrun forwards it): only rank 0 decides when the job stops; the others
         # finish what it sends, then its "stop".
         signal.signal(signal.SIGTERM, lambda *_: log.info("rank %d: SIGTERM; rank 0 decides the stop", ranks.rank))
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            return Follower(settings, ranks, echo=echo).run()
+            code = Follower(settings, ranks, echo=echo).run()
+            return code
         except RankFailure as exc:
             echo(f"bucketrl trainer rank {ranks.rank}: {exc}")
             return 1
     finally:
-        ranks.close()
+        ranks.close(clean=code == 0)
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a rank process now: flush what it printed and logged, then ``os._exit`` without the interpreter's
+    teardown, which would destroy gloo/NCCL objects whose background threads may still see a peer leaving."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)

@@ -728,9 +728,10 @@ def main(settings: TrainerSettings) -> int:
         stream=sys.stderr,
     )
     if world > 1:
+        from bucketrl.trainer.distributed import exit_rank
         from bucketrl.trainer.distributed import main as rank_main
 
-        return rank_main(settings)
+        exit_rank(rank_main(settings))
     worker = TrainerWorker(settings)
     worker.install_signal_handlers()
     return worker.run()

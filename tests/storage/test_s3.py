@@ -63,7 +63,13 @@ def test_large_objects_go_up_as_multipart_and_stay_invisible_until_completed(
     during: list[tuple[bool, int]] = []
 
     def look() -> None:
+        # The transfer manager opens the multipart upload on a worker thread, possibly after the first part was
+        # read: wait for it to appear (the key must stay invisible all the while).
+        deadline = time.monotonic() + 10
         uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        while not uploads and time.monotonic() < deadline:
+            time.sleep(0.05)
+            uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
         during.append((store.exists("ckpt/big.bin"), len(uploads)))
 
     store.put_file("ckpt/big.bin", _Source(data, on_read=look), None)

@@ -34,10 +34,12 @@ from bucketrl.wire.rollouts import (
     Delivery,
     RolloutBatch,
     RolloutGroup,
+    Segment,
     SubmitResponse,
 )
 from bucketrl.wire.runs import (
     DatasetSpec,
+    EpisodeSpec,
     EvalSpec,
     LoraSpec,
     LossSpec,
@@ -60,6 +62,7 @@ __all__ = [
     "Completion",
     "DatasetSpec",
     "Delivery",
+    "EpisodeSpec",
     "ErrorBody",
     "ErrorDetail",
     "EvalLease",
@@ -88,6 +91,7 @@ __all__ = [
     "RunStatus",
     "SampleCompletion",
     "SamplingSpec",
+    "Segment",
     "SubmitResponse",
     "TrainerRegistration",
     "TrainerStatus",

@@ -21,6 +21,10 @@ MAX_WIRE_INT = 10**12
 # The longest token sequence a completion may have (SamplingSpec.max_new_tokens' upper bound) and a prompt.
 MAX_COMPLETION_TOKENS = 65_536
 MAX_PROMPT_TOKENS = 262_144
+# Multi-turn trajectories (wire/rollouts.py): the most model turns an episode may take (EpisodeSpec.max_turns'
+# upper bound) and the most tokens one training sample's segments may hold.
+MAX_TURNS = 256
+MAX_EPISODE_TOKENS = 262_144
 # Resident adapter versions a generator may report (max_staleness <= 64, plus the current and a loading one).
 MAX_LOADED_VERSIONS = 256
 

@@ -1,13 +1,16 @@
 """Rollout batches (generator -> proxy) and deliveries (proxy -> trainer)."""
 
 import math
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from bucketrl.wire.common import (
     MAX_COMPLETION_TOKENS,
+    MAX_EPISODE_TOKENS,
     MAX_PROMPT_TOKENS,
+    MAX_TURNS,
     LeaseId,
     RequestId,
     Version,
@@ -18,30 +21,211 @@ from bucketrl.wire.common import (
 from bucketrl.wire.runs import SamplingSpec
 
 FinishReason = Literal["stop", "length", "abort"]
+SegmentKind = Literal["model", "env"]
+
+# Upper bounds no legal run exceeds (tightened per run in validate_batch): alternating segments of at most
+# MAX_TURNS model turns, and the completions of a group whose G <= 1024 episodes are split into samples.
+MAX_SEGMENTS = 2 * MAX_TURNS
+MAX_GROUP_COMPLETIONS = 16_384
+
+
+class Segment(WireModel):
+    """A run of tokens of one multi-turn trajectory: the MODEL's (sampled, trained on, with their behaviour
+    logprobs) or the ENVIRONMENT's (tool results, user turns, the chat template's role headers: in context,
+    never trained, no logprobs)."""
+
+    kind: SegmentKind
+    token_ids: list[int] = Field(..., min_length=1, max_length=MAX_EPISODE_TOKENS, fail_fast=True)
+    # Required on a model segment (logprobs[i] belongs to token_ids[i]); absent on an env segment.
+    logprobs: list[float] | None = Field(None, min_length=1, max_length=MAX_EPISODE_TOKENS, fail_fast=True)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Segment":
+        if min(self.token_ids) < 0:
+            raise ValueError("token_ids must be >= 0")
+        if self.kind == "env":
+            if self.logprobs is not None:
+                raise ValueError("logprobs: an env segment carries none (its tokens are context, never trained)")
+            return self
+        if self.logprobs is None:
+            raise ValueError("logprobs: a model segment needs one behaviour logprob per token")
+        _check_logprobs(self.token_ids, self.logprobs)
+        return self
+
+
+class _Derived(list):  # type: ignore[type-arg]
+    """A multi-turn completion's flat ``token_ids``/``logprobs``, computed from its segments: never serialised
+    (each token travels once; a peer that does not know segments refuses the completion instead of training on
+    environment tokens)."""
+
+
+def _is_derived(value: object) -> bool:
+    return isinstance(value, _Derived)
+
+
+def _is_none(value: object) -> bool:
+    # A single-turn completion serialises with exactly the keys and bytes it had before multi-turn existed (the
+    # same batch digest, claim answers an older trainer reads).
+    return value is None
 
 
 class Completion(WireModel):
-    # At most the batch's sampling.max_new_tokens (checked per run in validate_batch); this is the static cap.
-    token_ids: list[int] = Field(..., min_length=1, max_length=MAX_COMPLETION_TOKENS, fail_fast=True)
-    # logprobs[i] is the behaviour logprob of token_ids[i] (temperature applied before log-softmax).
-    logprobs: list[float] = Field(..., min_length=1, max_length=MAX_COMPLETION_TOKENS, fail_fast=True)
+    """One sampled completion: single-turn (``token_ids`` + ``logprobs``) or a multi-turn trajectory
+    (``segments``), docs/design.md "Multi-turn trajectories".
+
+    Single-turn (what every worker sent before multi-turn existed, unchanged): the prompt is the group's
+    ``prompt_token_ids`` and every token of ``token_ids`` is the model's.
+
+    Multi-turn: send ``segments`` and NOT ``token_ids``/``logprobs``. The flat fields are DERIVED on
+    validation (the concatenation of the segments' tokens; the model segments' logprobs with 0.0 at env
+    positions), so code reading ``token_ids``/``logprobs`` sees the whole sequence after the prompt, and
+    :meth:`loss_mask` says which positions are trained. They are never serialised next to ``segments``: the
+    wire and the bucket carry each token once, and a peer that does not know ``segments`` refuses the
+    completion (no ``token_ids``) instead of training on environment tokens. Segments alternate in kind, the
+    first and the last are ``model`` (the prompt precedes the first; trailing env tokens would train nothing).
+
+    A chat template that re-renders history (a later turn's prompt is not the previous prompt + completion
+    extended) splits an episode into several completions (samples) of one group: each later sample carries its
+    own ``prompt_token_ids`` (overriding the group's), and every completion of the group carries ``episode``
+    (0..G-1), the episode it belongs to. A group then holds G episodes, not G completions; the samples of one
+    episode are consecutive, in turn order, and repeat the episode's ``reward`` and ``finish_reason``: its
+    advantage is computed once per episode and given to each of its samples.
+    """
+
+    # Single-turn: at most the batch's sampling.max_new_tokens (checked per run in validate_batch); this is the
+    # static cap. Multi-turn: derived from ``segments`` (do not send both).
+    token_ids: list[int] = Field(
+        default_factory=list, max_length=MAX_COMPLETION_TOKENS, fail_fast=True, exclude_if=_is_derived
+    )
+    # logprobs[i] is the behaviour logprob of token_ids[i] (temperature applied before log-softmax); 0.0 at the
+    # env positions of a multi-turn completion (never used: the loss mask is 0 there).
+    logprobs: list[float] = Field(
+        default_factory=list, max_length=MAX_COMPLETION_TOKENS, fail_fast=True, exclude_if=_is_derived
+    )
     # None = the reward function could not score this completion.
     reward: float | None
     finish_reason: FinishReason = "stop"
+    # Multi-turn: the trajectory after the prompt (see the class docstring).
+    segments: list[Segment] | None = Field(
+        None, min_length=1, max_length=MAX_SEGMENTS, fail_fast=True, exclude_if=_is_none
+    )
+    # A split sample's own prompt (None: the group's prompt_token_ids). Multi-turn only.
+    prompt_token_ids: list[int] | None = Field(
+        None, min_length=1, max_length=MAX_PROMPT_TOKENS, fail_fast=True, exclude_if=_is_none
+    )
+    # The episode (0..group_size-1) this sample belongs to when episodes are split; set on every completion of
+    # the group or on none (None: each completion is its own episode). Multi-turn only.
+    episode: int | None = Field(None, ge=0, le=1023, exclude_if=_is_none)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Completion":
-        if len(self.token_ids) != len(self.logprobs):
-            raise ValueError(f"logprobs has {len(self.logprobs)} entries but token_ids has {len(self.token_ids)}")
-        if not _all_finite_non_positive(self.logprobs):
-            for i, lp in enumerate(self.logprobs):  # the slow walk only to name the bad entry
-                if not math.isfinite(lp) or lp > 0.0:
-                    raise ValueError(f"logprobs[{i}] = {lp!r} is not a finite value <= 0")
-        if min(self.token_ids) < 0:
-            raise ValueError("token_ids must be >= 0")
+        if self.segments is None:
+            if self.prompt_token_ids is not None or self.episode is not None:
+                raise ValueError("prompt_token_ids and episode belong to multi-turn completions (send segments)")
+            if not self.token_ids:
+                raise ValueError("token_ids: at least 1 token (or a multi-turn completion's segments)")
+            _check_logprobs(self.token_ids, self.logprobs)
+            if min(self.token_ids) < 0:
+                raise ValueError("token_ids must be >= 0")
+        else:
+            if self.token_ids or self.logprobs:
+                raise ValueError("token_ids/logprobs: derived from segments; send segments alone")
+            self._derive_flat(self.segments)
+        if self.prompt_token_ids is not None and min(self.prompt_token_ids) < 0:
+            raise ValueError("prompt_token_ids must be >= 0")
         if self.reward is not None and not math.isfinite(self.reward):
             raise ValueError("reward must be finite or null")
         return self
+
+    def _derive_flat(self, segments: list[Segment]) -> None:
+        for i, seg in enumerate(segments):
+            if i > 0 and seg.kind == segments[i - 1].kind:
+                raise ValueError(f"segments[{i}]: two {seg.kind} segments in a row (merge them)")
+        if segments[0].kind != "model" or segments[-1].kind != "model":
+            which = 0 if segments[0].kind != "model" else len(segments) - 1
+            raise ValueError(
+                f"segments[{which}]: the first and last segments must be model segments "
+                "(the prompt precedes the first; trailing env tokens train nothing)"
+            )
+        total = sum(len(s.token_ids) for s in segments)
+        if total > MAX_EPISODE_TOKENS:
+            raise ValueError(f"segments: {total} tokens, more than {MAX_EPISODE_TOKENS}")
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        for seg in segments:
+            tokens += seg.token_ids
+            logprobs += seg.logprobs if seg.logprobs is not None else [0.0] * len(seg.token_ids)
+        self.token_ids, self.logprobs = _Derived(tokens), _Derived(logprobs)
+
+    @classmethod
+    def from_segments(
+        cls,
+        segments: Iterable[Segment | tuple[SegmentKind, list[int], list[float] | None]],
+        reward: float | None,
+        finish_reason: FinishReason = "stop",
+        *,
+        prompt_token_ids: list[int] | None = None,
+        episode: int | None = None,
+    ) -> "Completion":
+        """A multi-turn completion from the episode's segments, in order (``Segment`` or ``(kind, token_ids,
+        logprobs)``): adjacent segments of one kind are merged, empty ones and trailing env segments dropped.
+        Raises ``ValueError`` (pydantic's ValidationError) if what is left is not a valid trajectory."""
+        merged: list[Segment] = []
+        for seg in segments:
+            if not isinstance(seg, Segment):
+                kind, ids, lps = seg
+                if not ids:
+                    continue
+                seg = Segment(kind=kind, token_ids=list(ids), logprobs=None if lps is None else list(lps))
+            if merged and merged[-1].kind == seg.kind:
+                last = merged[-1]
+                lps_merged = None if seg.logprobs is None else [*(last.logprobs or []), *seg.logprobs]
+                merged[-1] = Segment(kind=seg.kind, token_ids=[*last.token_ids, *seg.token_ids], logprobs=lps_merged)
+            else:
+                merged.append(seg)
+        while merged and merged[-1].kind == "env":
+            merged.pop()
+        return cls.model_validate(
+            {
+                "segments": merged,
+                "reward": reward,
+                "finish_reason": finish_reason,
+                "prompt_token_ids": prompt_token_ids,
+                "episode": episode,
+            }
+        )
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.segments is not None
+
+    def loss_mask(self) -> list[int]:
+        """Per position of ``token_ids``: 1 = a model token (trained), 0 = an environment token (context)."""
+        if self.segments is None:
+            return [1] * len(self.token_ids)
+        mask: list[int] = []
+        for seg in self.segments:
+            mask += [1 if seg.kind == "model" else 0] * len(seg.token_ids)
+        return mask
+
+    def turns(self) -> int:
+        """Model turns: the number of model segments (1 for a single-turn completion)."""
+        return 1 if self.segments is None else sum(1 for s in self.segments if s.kind == "model")
+
+    def model_tokens(self) -> int:
+        """Tokens the loss may train on (every token of a single-turn completion)."""
+        if self.segments is None:
+            return len(self.token_ids)
+        return sum(len(s.token_ids) for s in self.segments if s.kind == "model")
+
+
+def _check_logprobs(token_ids: list[int], logprobs: list[float]) -> None:
+    if len(token_ids) != len(logprobs):
+        raise ValueError(f"logprobs has {len(logprobs)} entries but token_ids has {len(token_ids)}")
+    if not _all_finite_non_positive(logprobs):
+        for i, lp in enumerate(logprobs):  # the slow walk only to name the bad entry
+            if not math.isfinite(lp) or lp > 0.0:
+                raise ValueError(f"logprobs[{i}] = {lp!r} is not a finite value <= 0")
 
 
 def _all_finite_non_positive(values: list[float]) -> bool:
@@ -56,8 +240,9 @@ class RolloutGroup(WireModel):
     prompt_id: str = Field(..., min_length=1, max_length=200)
     prompt_index: WireInt
     prompt_token_ids: list[int] = Field(..., min_length=1, max_length=MAX_PROMPT_TOKENS, fail_fast=True)
-    # Exactly the run's group_size (checked per run); 1024 is group_size's upper bound.
-    completions: list[Completion] = Field(..., min_length=1, max_length=1024, fail_fast=True)
+    # Exactly the run's group_size, or with split episodes (Completion.episode) group_size episodes (checked
+    # per run); the static cap covers 1024 episodes split into several samples.
+    completions: list[Completion] = Field(..., min_length=1, max_length=MAX_GROUP_COMPLETIONS, fail_fast=True)
     # Why completions have ``reward: null``: the first message of each failure kind in this group
     # (exception, timeout, non_numeric, non_finite, none). The trainer counts and reports them.
     reward_errors: dict[str, str] = Field(default_factory=dict, max_length=8)
@@ -74,8 +259,55 @@ class RolloutGroup(WireModel):
             raise ValueError("prompt_token_ids must be >= 0")
         return v
 
+    @model_validator(mode="after")
+    def _episodes_consistent(self) -> "RolloutGroup":
+        tagged = [c.episode is not None for c in self.completions]
+        if not any(tagged):
+            return self
+        if not all(tagged):
+            i = tagged.index(False)
+            raise ValueError(f"completions[{i}].episode: set on some completions of the group, so on all of them")
+        prev: Completion | None = None
+        for i, c in enumerate(self.completions):
+            assert c.episode is not None
+            if prev is not None and c.episode == prev.episode:
+                if c.reward != prev.reward or c.finish_reason != prev.finish_reason:
+                    raise ValueError(
+                        f"completions[{i}]: the samples of episode {c.episode} must repeat its reward and finish_reason"
+                    )
+            else:
+                expected = 0 if prev is None else (prev.episode or 0) + 1
+                if c.episode != expected:
+                    raise ValueError(
+                        f"completions[{i}].episode: {c.episode}, expected {expected} (episodes are numbered from 0, "
+                        "the samples of one consecutive)"
+                    )
+            prev = c
+        return self
+
+    def episodes(self) -> list[list[int]]:
+        """Indices of ``completions`` per episode, in order (each completion is its own episode unless split)."""
+        if not self.completions or self.completions[0].episode is None:
+            return [[i] for i in range(len(self.completions))]
+        out: list[list[int]] = []
+        for i, c in enumerate(self.completions):
+            if c.episode == len(out):
+                out.append([])
+            out[-1].append(i)
+        return out
+
+    def prompt_of(self, completion: Completion) -> list[int]:
+        """The prompt a completion continues: its own (a split sample) or the group's."""
+        return completion.prompt_token_ids if completion.prompt_token_ids is not None else self.prompt_token_ids
+
     def max_token_id(self) -> int:
-        return max([*self.prompt_token_ids, *(t for c in self.completions for t in c.token_ids)])
+        return max(
+            [
+                *self.prompt_token_ids,
+                *(t for c in self.completions for t in c.token_ids),
+                *(t for c in self.completions if c.prompt_token_ids for t in c.prompt_token_ids),
+            ]
+        )
 
 
 class RolloutBatch(WireModel):

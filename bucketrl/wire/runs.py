@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from bucketrl.wire.common import MAX_WIRE_INT, ShortStr, StrictWireModel, WireModel
+from bucketrl.wire.common import MAX_EPISODE_TOKENS, MAX_TURNS, MAX_WIRE_INT, ShortStr, StrictWireModel, WireModel
 
 IMMUTABLE_FIELDS: tuple[str, ...] = ("base_model", "lora", "group_size", "vocab_size", "dataset")
 
@@ -94,6 +94,17 @@ class EvalSpec(StrictWireModel):
         return version >= 1 and (version - 1) % self.every == 0
 
 
+class EpisodeSpec(StrictWireModel):
+    """Limits of a multi-turn episode (docs/design.md "Multi-turn trajectories"); single-turn runs ignore them."""
+
+    # Model turns (model segments) per episode, over all of its samples when it is split.
+    max_turns: int = Field(8, ge=1, le=MAX_TURNS)
+    # Wall-clock limit of one episode (model turns + environment time); the generator ends it as "abort".
+    episode_timeout_s: float = Field(300.0, gt=0.0, le=86_400.0)
+    # Tokens of one training sample: its prompt plus all of its segments (what the trainer's forward holds).
+    max_episode_tokens: int = Field(4096, ge=2, le=MAX_EPISODE_TOKENS)
+
+
 class RunSpec(StrictWireModel):
     base_model: str = Field(..., min_length=1, max_length=500)
     lora: LoraSpec = Field(default_factory=LoraSpec)
@@ -109,6 +120,8 @@ class RunSpec(StrictWireModel):
     loss: LossSpec = Field(default_factory=LossSpec)
     # Evaluation during training (None: off).
     eval: EvalSpec | None = None
+    # Multi-turn episode limits (turns, timeout, tokens per sample).
+    episode: EpisodeSpec = Field(default_factory=EpisodeSpec)
 
     @model_validator(mode="after")
     def _queue_holds_a_step(self) -> "RunSpec":

@@ -94,6 +94,7 @@ from bucketrl.proxy.state.lua import Lua
 from bucketrl.storage.base import BucketStore
 from bucketrl.wire import (
     ClaimResponse,
+    Completion,
     Delivery,
     QueueStatus,
     RolloutBatch,
@@ -576,10 +577,7 @@ def validate_batch(batch: RolloutBatch, spec: RunSpec, cursor: int) -> None:
     max_new = (batch.sampling or spec.sampling).max_new_tokens
     for i, group in enumerate(batch.groups):
         where = f"groups[{i}]"
-        if len(group.completions) != g_size:
-            raise errors.Invalid(
-                f"{where}.completions: {len(group.completions)} completions, the run's group_size is {g_size}"
-            )
+        _check_group_size(group, where, g_size, spec)
         parsed = prompts.parse_prompt_id(group.prompt_id)
         if parsed is None:
             raise errors.Invalid(f"{where}.prompt_id: {group.prompt_id[:60]!r} is not of the form '<pass>-<index>'")
@@ -595,22 +593,78 @@ def validate_batch(batch: RolloutBatch, spec: RunSpec, cursor: int) -> None:
         if group.prompt_id in seen:
             raise errors.Invalid(f"{where}.prompt_id: {group.prompt_id!r} appears twice in this batch")
         seen.add(group.prompt_id)
-        if max(group.prompt_token_ids) >= vocab:
-            j = next(j for j, t in enumerate(group.prompt_token_ids) if t >= vocab)
-            raise errors.Invalid(
-                f"{where}.prompt_token_ids[{j}]: token id {group.prompt_token_ids[j]} >= vocab_size {vocab}"
-            )
+        _check_vocab(group.prompt_token_ids, vocab, f"{where}.prompt_token_ids")
         for c, comp in enumerate(group.completions):
-            if len(comp.token_ids) > max_new:
-                raise errors.Invalid(
-                    f"{where}.completions[{c}].token_ids: {len(comp.token_ids)} tokens, more than the sampling's "
-                    f"max_new_tokens {max_new}"
-                )
-            if max(comp.token_ids) >= vocab:
-                j = next(j for j, t in enumerate(comp.token_ids) if t >= vocab)
-                raise errors.Invalid(
-                    f"{where}.completions[{c}].token_ids[{j}]: token id {comp.token_ids[j]} >= vocab_size {vocab}"
-                )
+            at = f"{where}.completions[{c}]"
+            if comp.segments is None:
+                if len(comp.token_ids) > max_new:
+                    raise errors.Invalid(
+                        f"{at}.token_ids: {len(comp.token_ids)} tokens, more than the sampling's max_new_tokens "
+                        f"{max_new}"
+                    )
+            else:
+                _check_trajectory(group, comp, at, max_new, spec)
+            _check_vocab(comp.token_ids, vocab, f"{at}.token_ids", comp)
+            if comp.prompt_token_ids is not None:
+                _check_vocab(comp.prompt_token_ids, vocab, f"{at}.prompt_token_ids")
+
+
+def _check_group_size(group: RolloutGroup, where: str, g_size: int, spec: RunSpec) -> None:
+    """G completions, or G episodes of at most ``episode.max_turns`` model turns each when episodes are split."""
+    if group.completions[0].episode is None:
+        if len(group.completions) != g_size:
+            raise errors.Invalid(
+                f"{where}.completions: {len(group.completions)} completions, the run's group_size is {g_size}"
+            )
+        return
+    episodes = group.episodes()
+    if len(episodes) != g_size:
+        raise errors.Invalid(f"{where}.completions: {len(episodes)} episodes, the run's group_size is {g_size}")
+    max_turns = spec.episode.max_turns
+    for e, members in enumerate(episodes):
+        turns = sum(group.completions[i].turns() for i in members)
+        if turns > max_turns:
+            raise errors.Invalid(
+                f"{where}.completions[{members[0]}].segments: episode {e} has {turns} model turns over its "
+                f"{len(members)} samples, more than episode.max_turns {max_turns}"
+            )
+
+
+def _check_trajectory(group: RolloutGroup, comp: Completion, at: str, max_new: int, spec: RunSpec) -> None:
+    """A multi-turn completion against the run's limits: each model turn is one generation (max_new_tokens), the
+    whole sample is one training sequence (episode.max_episode_tokens), the turns are bounded (max_turns)."""
+    assert comp.segments is not None
+    limits = spec.episode
+    turns = comp.turns()
+    if turns > limits.max_turns:
+        raise errors.Invalid(f"{at}.segments: {turns} model turns, more than episode.max_turns {limits.max_turns}")
+    for s, seg in enumerate(comp.segments):
+        if seg.kind == "model" and len(seg.token_ids) > max_new:
+            raise errors.Invalid(
+                f"{at}.segments[{s}].token_ids: {len(seg.token_ids)} tokens in one model turn, more than the "
+                f"sampling's max_new_tokens {max_new}"
+            )
+    total = len(group.prompt_of(comp)) + len(comp.token_ids)
+    if total > limits.max_episode_tokens:
+        raise errors.Invalid(
+            f"{at}.segments: {total} tokens with the prompt, more than episode.max_episode_tokens "
+            f"{limits.max_episode_tokens}"
+        )
+
+
+def _check_vocab(ids: list[int], vocab: int, where: str, comp: Completion | None = None) -> None:
+    if max(ids) < vocab:
+        return
+    j = next(j for j, t in enumerate(ids) if t >= vocab)
+    token = ids[j]
+    if comp is not None and comp.segments is not None:  # name the segment the token came from
+        start = 0
+        for s, seg in enumerate(comp.segments):
+            if j < start + len(seg.token_ids):
+                where, j = f"{where.rsplit('.', 1)[0]}.segments[{s}].token_ids", j - start
+                break
+            start += len(seg.token_ids)
+    raise errors.Invalid(f"{where}[{j}]: token id {token} >= vocab_size {vocab}")
 
 
 def validate_idempotency_key(key: str | None) -> str:

@@ -4,7 +4,8 @@ A trainer or admin token sets the run spec. Its ``reward.name`` may be ``module:
 imports and runs that module) and its ``dataset.uri`` a local path or hub name (the generator reads it). A
 generator operator who does not trust every trainer narrows both before anything is imported or read:
 
-    BUCKETRL_ALLOWED_REWARD_MODULES=my_rewards           # 'module:function' only from my_rewards(.*)
+    BUCKETRL_ALLOWED_REWARD_MODULES=my_rewards           # 'module:function' (and env 'module:Class') only
+                                                         # from my_rewards(.*)
     BUCKETRL_ALLOWED_DATASET_LOCATIONS=bucket:,toy:,/data/datasets/
 
 ``*`` (the default) allows anything; an empty value allows only the built-in rewards and the ``toy:`` and
@@ -71,7 +72,23 @@ def check_dataset(uri: str, allowed: str) -> None:
     )
 
 
+def check_env(name: str, allowed: str) -> None:
+    """A run's ``env.name`` 'module:Class' is imported like a reward module: the same allow-list admits it."""
+    if ":" not in name or name.startswith("toy:"):
+        return  # built-ins ('toy:tools', 'external') are part of bucketrl
+    entries = _entries(allowed)
+    module = name.partition(":")[0]
+    if entries is not None and not any(module == e or module.startswith(e + ".") for e in entries):
+        raise ConfigError(
+            f"env.name {name!r}: module {module!r} is not in this generator's BUCKETRL_ALLOWED_REWARD_MODULES "
+            f"({allowed!r}, which admits environment modules too); the generator's operator must allow it"
+        )
+
+
 def check_spec(spec: RunSpec, allowed_reward_modules: str, allowed_dataset_locations: str) -> None:
-    """ConfigError unless this generator's allow-lists admit the run's reward module and dataset location."""
+    """ConfigError unless this generator's allow-lists admit the run's reward and environment modules and its
+    dataset location."""
     check_reward(spec.reward.name, allowed_reward_modules)
+    if spec.env is not None:
+        check_env(spec.env.name, allowed_reward_modules)
     check_dataset(spec.dataset.uri, allowed_dataset_locations)

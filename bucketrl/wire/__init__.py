@@ -39,6 +39,7 @@ from bucketrl.wire.rollouts import (
 )
 from bucketrl.wire.runs import (
     DatasetSpec,
+    EnvSpec,
     EpisodeSpec,
     EvalSpec,
     LoraSpec,
@@ -62,6 +63,7 @@ __all__ = [
     "Completion",
     "DatasetSpec",
     "Delivery",
+    "EnvSpec",
     "EpisodeSpec",
     "ErrorBody",
     "ErrorDetail",

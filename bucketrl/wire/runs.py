@@ -10,7 +10,8 @@ from pydantic import Field, field_validator, model_validator
 
 from bucketrl.wire.common import MAX_EPISODE_TOKENS, MAX_TURNS, MAX_WIRE_INT, ShortStr, StrictWireModel, WireModel
 
-IMMUTABLE_FIELDS: tuple[str, ...] = ("base_model", "lora", "group_size", "vocab_size", "dataset")
+# ``env``: a generator decides at its start whether it runs single-turn completions or episodes.
+IMMUTABLE_FIELDS: tuple[str, ...] = ("base_model", "lora", "group_size", "vocab_size", "dataset", "env")
 
 
 class LoraSpec(StrictWireModel):
@@ -105,6 +106,16 @@ class EpisodeSpec(StrictWireModel):
     max_episode_tokens: int = Field(4096, ge=2, le=MAX_EPISODE_TOKENS)
 
 
+class EnvSpec(StrictWireModel):
+    """The environment that runs a multi-turn run's episodes on each generator (bucketrl/envs, issue 14)."""
+
+    # "toy:tools" (built in), "module:Class" (imported by the generators, under the same allow-list as reward
+    # modules: BUCKETRL_ALLOWED_REWARD_MODULES), or "external": no environment on the generators, agents outside
+    # them take episodes through a generator's exposed OpenAI-compatible endpoint.
+    name: str = Field(..., min_length=1, max_length=200)
+    kwargs: dict[str, Any] = Field(default_factory=dict, max_length=64)
+
+
 class RunSpec(StrictWireModel):
     base_model: str = Field(..., min_length=1, max_length=500)
     lora: LoraSpec = Field(default_factory=LoraSpec)
@@ -122,6 +133,8 @@ class RunSpec(StrictWireModel):
     eval: EvalSpec | None = None
     # Multi-turn episode limits (turns, timeout, tokens per sample).
     episode: EpisodeSpec = Field(default_factory=EpisodeSpec)
+    # Multi-turn episodes run by this environment (None: single-turn completions). Immutable.
+    env: EnvSpec | None = None
 
     @model_validator(mode="after")
     def _queue_holds_a_step(self) -> "RunSpec":

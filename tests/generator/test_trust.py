@@ -70,3 +70,15 @@ def _tiny_adapter(model_dir: Path, out: Path) -> Path:
     from tests.generator.helpers import make_adapter
 
     return make_adapter(model_dir, out, seed=0)
+
+
+def test_environment_modules_pass_the_reward_allow_list() -> None:
+    def with_env(name: str):  # type: ignore[no-untyped-def]
+        return make_spec(reward={"name": "toy"}, dataset={"uri": "toy:tools", "size": 4}, env={"name": name})
+
+    check_spec(with_env("evil_envs:Env"), "*", "")  # the default trusts trainers
+    check_spec(with_env("toy:tools"), "", "")  # built-ins always
+    check_spec(with_env("external"), "", "")
+    check_spec(with_env("my_envs.sub:Env"), "my_envs", "")
+    with pytest.raises(ConfigError, match=r"env.name 'evil_envs:Env'.*BUCKETRL_ALLOWED_REWARD_MODULES"):
+        check_spec(with_env("evil_envs:Env"), "my_envs", "")

@@ -29,6 +29,13 @@ def trainer_command(
     ] = None,
     lr: Annotated[float | None, typer.Option(help="Peak learning rate (BUCKETRL_LR).")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N (BUCKETRL_DEVICE).")] = None,
+    shard_base: Annotated[
+        bool | None,
+        typer.Option(
+            "--shard-base/--no-shard-base",
+            help="Under torchrun: shard the frozen base across the ranks with FSDP2 (BUCKETRL_SHARD_BASE).",
+        ),
+    ] = None,
 ) -> None:
     """Train: claim rollouts from the proxy, step GRPO on LoRA, publish adapters, checkpoint."""
     from pydantic import ValidationError
@@ -46,6 +53,7 @@ def trainer_command(
             "checkpoint_every": checkpoint_every,
             "lr": lr,
             "device": device,
+            "shard_base": shard_base,
         }.items()
         if v is not None
     }

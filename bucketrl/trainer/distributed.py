@@ -108,6 +108,13 @@ class Ranks:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.control)
         return [float(v) for v in t]
 
+    def all_reduce_max(self, value: int) -> int:
+        """The largest ``value`` of any rank (the step's most micro-batches, for sharded lockstep)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        with _collective("all_reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return int(t[0])
+
     def all_reduce_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Sum every parameter's gradient over the ranks, in place (a missing gradient counts as zero)."""
         all_reduce_grads(params, self.grads)

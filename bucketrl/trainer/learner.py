@@ -35,6 +35,7 @@ from bucketrl.trainer.batching import Sample, group_samples, make_micro_batches
 from bucketrl.trainer.loss import LossBatch, LossOutput, finalize_stats, grpo_loss
 from bucketrl.trainer.model import AdapterSnapshot, PolicyModel
 from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.trainer.sharding import filler_batch
 from bucketrl.wire.rollouts import RolloutGroup
 from bucketrl.wire.runs import RunSpec, SamplingSpec
 
@@ -68,13 +69,24 @@ class Learner:
         # Data-parallel ranks (torchrun): each trains its share of the groups, gradients are summed over ranks
         # (bucketrl/trainer/distributed.py). None: one process trains everything.
         self.ranks = ranks
+        sharder = None
+        if settings.shard_base and ranks is not None:
+            from bucketrl.trainer.sharding import BaseSharder
+
+            sharder = BaseSharder(ranks)
+        elif settings.shard_base:
+            log.info("BUCKETRL_SHARD_BASE has no effect in a single process (it shards across torchrun's ranks)")
         self.policy = PolicyModel(
             spec,
             device=settings.device,
             dtype=settings.dtype,
             seed=settings.seed,
             gradient_checkpointing=settings.gradient_checkpointing,
+            shard=sharder,
         )
+        # A sharded base is all-gathered in every forward and backward (collectives): every rank must run the same
+        # number of passes, padded with filler passes (bucketrl/trainer/sharding.py).
+        self.lockstep = sharder is not None
         self.params = list(self.policy.trainable_parameters())
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -208,20 +220,29 @@ class Learner:
             for worker in sorted(queues):
                 if queues[worker] and len(chosen) < budget:
                     chosen.append(queues[worker].pop(0))
-        if not chosen:
+        plan = {
+            version: make_micro_batches(
+                [s for s in chosen if s.version == version], self.settings.micro_token_budget, self.policy.pad_id
+            )
+            for version in sorted({s.version for s in chosen})
+        }
+        planned = sum(len(micro) for micro in plan.values())
+        passes = self.ranks.all_reduce_max(planned) if self.lockstep and self.ranks is not None else planned
+        if not passes:
             return acc
         current = self.policy.adapter_snapshot()
         was_training = self.policy.model.training
         self.policy.model.eval()  # like the generators: no dropout (and no RNG drawn)
         try:
             with torch.no_grad():
-                for version in sorted({s.version for s in chosen}):
+                for version, micro in plan.items():
                     self.policy.load_adapter_state(self.versions[version].state)
-                    subset = [s for s in chosen if s.version == version]
-                    for mb in make_micro_batches(subset, self.settings.micro_token_budget, self.policy.pad_id):
+                    for mb in micro:
                         mb.to(self.policy.device)
                         lp, _ = self.policy.token_logprobs(mb)
                         _add_mismatch(acc, lp, mb.behaviour, mb.mask, mb.versions, mb.worker_ids, None)
+                for _ in range(passes - planned):  # sharded lockstep: the others still have forwards to run
+                    self.policy.token_logprobs(filler_batch(self.policy.pad_id).to(self.policy.device))
         finally:
             self.policy.load_adapter_state(current.state)
             self.policy.model.train(was_training)
@@ -234,8 +255,11 @@ class Learner:
         micro = make_micro_batches(samples, self.settings.micro_token_budget, self.policy.pad_id)
         tokens = float(sum(float(mb.mask.sum()) for mb in micro))
         sequences = float(len(samples))
+        passes = len(micro)
         if self.ranks is not None:  # normalise by the whole step's totals, so the ranks' gradients add up
             tokens, sequences = self.ranks.all_reduce_sum([tokens, sequences])
+            if self.lockstep:
+                passes = self.ranks.all_reduce_max(passes)
         outputs: list[LossOutput] = []
         total_loss = 0.0
         for mb in micro:
@@ -258,6 +282,8 @@ class Learner:
             total_loss += float(out.loss.detach())
             outputs.append(out)
             _add_mismatch(mismatch, lp.detach(), mb.behaviour, mb.mask, mb.versions, mb.worker_ids, policy_version)
+        for _ in range(passes - len(micro)):
+            self._filler_pass(with_kl=spec.kl_coef > 0)
         n_micro = float(len(micro))
         if self.ranks is not None:
             self.ranks.all_reduce_grads(self.params)
@@ -272,6 +298,15 @@ class Learner:
             if n > 0:
                 stats[MISMATCH_PREFIX + (worker or "unknown")[:_MAX_WORKER_IN_NAME]] = diff / n
         return stats
+
+    def _filler_pass(self, *, with_kl: bool) -> None:
+        """The calls of one micro-batch (forward, reference, backward) on a filler sequence: the same collectives
+        as the other ranks' passes, a gradient of exactly zero (sharded lockstep)."""
+        mb = filler_batch(self.policy.pad_id).to(self.policy.device)
+        fwd = self.policy.forward_logprobs(mb, with_entropy=True, with_kl=with_kl)
+        if with_kl:
+            self.policy.reference_logprobs(mb)
+        (fwd.logprobs.sum() * 0.0).backward()
 
     def _apply(self, lr: float, loss: float) -> dict[str, float]:
         max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm > 0 else math.inf

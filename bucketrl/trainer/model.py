@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +37,10 @@ from bucketrl.wire.runs import RunSpec
 LOGPROB_FLOOR = -1e4
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Shards a base model in place onto a device, leaving the given (trainable) parameters alone
+# (bucketrl/trainer/sharding.py's BaseSharder).
+Sharder = Callable[[torch.nn.Module, set[torch.nn.Parameter], torch.device], None]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -123,6 +127,7 @@ class PolicyModel:
         dtype: str = "float32",
         seed: int = 0,
         gradient_checkpointing: bool = False,
+        shard: Sharder | None = None,
     ) -> None:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
@@ -155,11 +160,21 @@ class PolicyModel:
         )
         # LoRA A is initialised randomly (B = 0, so the initial adapter is the identity): seed it.
         torch.manual_seed(seed)
-        self.model = get_peft_model(base, config).to(self.device)
+        self.model = get_peft_model(base, config)
         self.model.train()
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         if not names or any("lora_" not in n for n in names):
             raise RuntimeError(f"expected only LoRA parameters to train, got {names[:5]}")
+        self.sharded = shard is not None
+        if shard is None:
+            self.model.to(self.device)
+        else:
+            # The sharder moves the base to the device one shard at a time (the whole base need never fit it);
+            # the adapter stays whole and replicated, moved here.
+            keep = {p for p in self.model.parameters() if p.requires_grad}
+            for p in keep:
+                p.data = p.data.to(self.device)
+            shard(self.model.get_base_model(), keep, self.device)
 
     # -- parameters ----------------------------------------------------------------------------------
 

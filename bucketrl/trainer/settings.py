@@ -128,6 +128,12 @@ class TrainerSettings(WorkerSettings):
         description="BUCKETRL_DIST_HEARTBEAT_S: under torchrun, rank 0 tells the other ranks it is alive this often "
         "while it waits for rollouts (must be well below BUCKETRL_DIST_TIMEOUT_S).",
     )
+    shard_base: bool = Field(
+        False,
+        description="BUCKETRL_SHARD_BASE: under torchrun, shard the frozen base model across the ranks with FSDP2 "
+        "(fully_shard per transformer block): each rank holds 1/N of the base, for a base that does not fit one "
+        "device; the LoRA adapter stays replicated and the update is the unsharded one. No effect in one process.",
+    )
     work_dir: str = Field(
         "",
         description="BUCKETRL_WORK_DIR: local scratch where adapter/checkpoint files are written before they are "

@@ -65,6 +65,13 @@ def up_command(
     trainer_procs: Annotated[
         int | None, typer.Option(help="Trainer ranks on this machine (default 1; >1: torchrun, CPU/gloo ranks).")
     ] = None,
+    trainer_shard_base: Annotated[
+        bool | None,
+        typer.Option(
+            "--trainer-shard-base/--no-trainer-shard-base",
+            help="Shard the trainer's frozen base across its ranks with FSDP2 (with --trainer-procs > 1).",
+        ),
+    ] = None,
     seed: Annotated[int | None, typer.Option(help="Trainer seed (default 0).")] = None,
     live: Annotated[bool | None, typer.Option("--live/--no-live", help="Live view (default: when a terminal).")] = None,
 ) -> None:
@@ -105,6 +112,7 @@ def up_command(
             "port": port,
             "threads": threads,
             "trainer_procs": trainer_procs,
+            "trainer_shard_base": trainer_shard_base,
             "seed": seed,
         }.items()
         if v is not None
@@ -128,6 +136,8 @@ def up_command(
         cfg = UpConfig(**options)
     except ValidationError as exc:
         first = exc.errors()[0]
+        if not first["loc"]:  # a check across options: its message names them
+            raise fail(first["msg"].removeprefix("Value error, ")) from None
         where = "--" + "-".join(str(p) for p in first["loc"][:1]).replace("_", "-")
         raise fail(f"{where}: {first['msg']}") from None
     except ValueError as exc:

@@ -275,6 +275,7 @@ class LocalCluster:
             "BUCKETRL_REPORT_TO": os.environ.get("BUCKETRL_REPORT_TO") or default_report_to(),
             "BUCKETRL_TRACKER_DIR": os.environ.get("BUCKETRL_TRACKER_DIR") or str(self.dir),
             **({"BUCKETRL_DATASET_FILE": str(cfg.upload_path)} if cfg.upload_path is not None else {}),
+            **({"BUCKETRL_SHARD_BASE": "true"} if cfg.trainer_shard_base else {}),
             **cfg.trainer_env,
         }
         return self._service("trainer", trainer_command(cfg.trainer_procs), env).start()

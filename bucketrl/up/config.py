@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from bucketrl.wire.common import ID_PATTERN
 
@@ -64,6 +64,9 @@ class UpConfig(BaseModel):
     trainer_procs: int = Field(
         1, ge=1, le=64, description="Trainer ranks: >1 runs the trainer under torchrun as that many CPU ranks (gloo)."
     )
+    trainer_shard_base: bool = Field(
+        False, description="Shard the trainer's frozen base across its ranks with FSDP2 (needs trainer_procs > 1)."
+    )
     # everysec: a Redis crash may lose its last second (the proxy rebuilds from the bucket); always: none.
     redis_fsync: Literal["everysec", "always"] = "everysec"
     prompt_lease_ttl_s: float = Field(60.0, gt=1.0, description="A killed generator's prompts return after this.")
@@ -84,6 +87,14 @@ class UpConfig(BaseModel):
         if v is not None and not v:
             raise ValueError("generator_engines must name at least one engine (or be omitted)")
         return v
+
+    @model_validator(mode="after")
+    def _shard_needs_ranks(self) -> UpConfig:
+        if self.trainer_shard_base and self.trainer_procs < 2:
+            raise ValueError(
+                "--trainer-shard-base shards the base across trainer ranks: add --trainer-procs 2 (or more)"
+            )
+        return self
 
     @property
     def run_dir(self) -> Path:

@@ -24,7 +24,7 @@ from tests.deploy.support import (
 
 CASES: dict[str, dict[str, Any]] = {
     "one-pod-4-gpus": {"trainer": {"gpu": {"count": 4}}},
-    "job-2-nodes": {"trainer": {"gpu": {"count": 8}, "nodes": 2}},
+    "job-2-nodes": {"trainer": {"gpu": {"count": 8}, "nodes": 2, "shardBase": True}},
     "statefulset-3-nodes": {"trainer": {"kind": "StatefulSet", "gpu": {"count": 2}, "nodes": 3}},
 }
 
@@ -39,6 +39,19 @@ def trainer_objects(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     (workload,) = [d for d in comp if d["kind"] in ("Job", "StatefulSet")]
     services = [d for d in comp if d["kind"] == "Service"]
     return workload, (services[0] if services else None), docs
+
+
+def trainer_settings(env: dict[str, Any]) -> Any:
+    """The trainer's settings as it would read them from this environment (BUCKETRL_* only)."""
+    import os
+    from unittest import mock
+
+    from bucketrl.trainer.settings import TrainerSettings
+
+    wanted = {k: str(v) for k, v in env.items() if k.startswith("BUCKETRL_") and k != "BUCKETRL_RUN_SPEC" and v}
+    kept = {k: v for k, v in os.environ.items() if not k.startswith("BUCKETRL_")}
+    with mock.patch.dict(os.environ, {**kept, **wanted}, clear=True):
+        return TrainerSettings()
 
 
 def test_default_trainer_is_one_plain_process() -> None:
@@ -66,6 +79,11 @@ def test_gpus_and_nodes_start_torchrun_with_one_rank_per_gpu(case: str) -> None:
     assert args.module and args.training_script == "bucketrl.cli" and args.training_script_args == ["trainer"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
     assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["shm"] == "/dev/shm"
+    # trainer.shardBase: the base sharded with FSDP2 across the ranks (a setting the trainer reads as true).
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env.get("BUCKETRL_SHARD_BASE") == ("true" if t.get("shardBase") else None)
+    if t.get("shardBase"):
+        assert trainer_settings(env).shard_base is True
     name = workload["metadata"]["name"]
     if nodes == 1:
         assert args.standalone
@@ -96,8 +114,10 @@ def test_compose_gpu_trainer_takes_the_number_of_gpus(gpus: str | None) -> None:
 
     env = read_env_file(ENV_EXAMPLE)
     env.pop("TRAINER_GPUS", None)
+    env.pop("TRAINER_SHARD_BASE", None)
     if gpus is not None:
         env["TRAINER_GPUS"] = gpus
+        env["TRAINER_SHARD_BASE"] = "true"
     trainer = load_compose(*COMPOSE_FILES, env=env)["services"]["trainer"]
     want = int(gpus or 1)
     (device,) = trainer["deploy"]["resources"]["reservations"]["devices"]
@@ -108,3 +128,6 @@ def test_compose_gpu_trainer_takes_the_number_of_gpus(gpus: str | None) -> None:
     assert int(args.nproc_per_node) == want and args.standalone
     assert args.module and args.training_script == "bucketrl.cli" and args.training_script_args == ["trainer"]
     assert "shm_size" in trainer
+    # TRAINER_SHARD_BASE: off by default, on when set (FSDP2 across the ranks).
+    assert trainer["environment"]["BUCKETRL_SHARD_BASE"] == ("true" if gpus else "false")
+    assert trainer_settings(trainer["environment"]).shard_base is bool(gpus)

@@ -9,6 +9,7 @@ import datetime
 import os
 import random
 import socket
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,39 @@ def batches(seed: int = 0) -> list[list[StepGroup]]:
     ]
 
 
+def stale_batches(seed: int = 1) -> list[list[StepGroup]]:
+    """Groups of versions 0 (stale: the mismatch check runs a no-grad forward under version 0's weights for them)
+    and 1 (current), one generator each: the ranks get different numbers of stale micro-batches to check."""
+    rng = random.Random(seed)
+    return [
+        [
+            StepGroup(random_group(rng, index=GROUPS_PER_STEP * i + j), j % 2, f"g{j % 2}")
+            for j in range(GROUPS_PER_STEP)
+        ]
+        for i in range(STEPS)
+    ]
+
+
+def stale_trajectory(learner: Learner) -> dict[str, Any]:
+    """``trajectory`` over ``stale_batches`` with version 0 = the initial adapter (every stale sample checked)."""
+    learner.remember_version(0, learner.policy.adapter_snapshot())
+    return trajectory(learner, stale_batches())
+
+
+def lone_run(learner: Learner, speaks: bool = True) -> dict[str, bytes]:
+    """One group, all on rank 0: the published adapter's bytes and (rank 0) the checkpoint's."""
+    import numpy as np
+
+    from bucketrl.trainer.checkpoint import TrainerState, pack_checkpoint
+
+    # The checkpoint holds the python / numpy RNG states: seeded as the worker seeds them (not by the learner).
+    random.seed(0)
+    np.random.seed(0)
+    learner.train_step(batches()[0][:1], policy_version=1)
+    state = TrainerState(step=0, policy_version=1, created_at=1.0)
+    return {"adapter": learner.policy.adapter_tar(), "checkpoint": pack_checkpoint(learner, state) if speaks else b""}
+
+
 def grads(learner: Learner) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in learner.policy.model.named_parameters() if p.grad is not None}
 
@@ -90,6 +124,7 @@ def run_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     env = {"RANK": rank, "WORLD_SIZE": 3, "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     os.environ.update({k: str(v) for k, v in env.items()})
     ranks, rank_cfg = init_ranks(cfg(dist_timeout_s=120.0))
+    code = 1
     try:
         results = {3: scenario(ranks, rank_cfg, Path(model_dir))}
         pair = dist.new_group([0, 1], backend="gloo")
@@ -103,8 +138,11 @@ def run_rank(rank: int, port: int, model_dir: str, out: str) -> None:
         quick = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
         if rank < 2:
             timeouts(Ranks(rank=rank, world=2, local_rank=rank, grads=quick, control=quick, timeout_s=TIMEOUT_S), out)
+        code = 0
+    except BaseException:
+        traceback.print_exc()  # os._exit below would swallow it
     finally:
-        os._exit(0)  # no destroy_process_group: after timeouts() a peer may be gone or stuck
+        os._exit(code)  # no destroy_process_group: after timeouts() a peer may be gone or stuck
 
 
 def scenario(ranks: Any, rank_cfg: TrainerSettings, model_dir: Path) -> dict[str, Any]:
@@ -113,8 +151,15 @@ def scenario(ranks: Any, rank_cfg: TrainerSettings, model_dir: Path) -> dict[str
 
     result: dict[str, Any] = {}
     steps = batches()
+    sharded = rank_cfg.model_copy(update={"shard_base": True, "mismatch_max_samples": 1000})
     for name, spec in specs(model_dir).items():
         result[name] = trajectory(Learner(spec, rank_cfg, ranks=ranks), steps)
+        # FSDP2: the frozen base sharded across the ranks, the same update.
+        fsdp = Learner(spec, sharded, ranks=ranks)
+        assert fsdp.lockstep and fsdp.policy.sharded
+        result[f"{name}_fsdp"] = trajectory(fsdp, steps)
+    result["stale_fsdp"] = stale_trajectory(Learner(specs(model_dir)["token"], sharded, ranks=ranks))
+    result["lone_fsdp"] = lone_run(Learner(specs(model_dir)["token"], sharded, ranks=ranks), ranks.speaks)
 
     # One group: every sample on rank 0, nothing on the others (their gradients count as zeros).
     spec = specs(model_dir)["token"]

@@ -32,10 +32,13 @@ def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wh
 @pytest.fixture(scope="module")
 def single(tiny_model_dir: Path) -> dict[str, dict]:
     steps = dist_support.batches()
-    return {
-        name: dist_support.trajectory(Learner(spec, dist_support.cfg()), steps)
-        for name, spec in dist_support.specs(tiny_model_dir).items()
-    }
+    specs = dist_support.specs(tiny_model_dir)
+    results = {name: dist_support.trajectory(Learner(spec, dist_support.cfg()), steps) for name, spec in specs.items()}
+    results["stale"] = dist_support.stale_trajectory(
+        Learner(specs["token"], dist_support.cfg(mismatch_max_samples=1000))
+    )
+    results["lone"] = dist_support.lone_run(Learner(specs["token"], dist_support.cfg()))
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +57,8 @@ def test_ranks_train_like_one_process(world: int, tiny_model_dir: Path, ranked: 
     got = ranked[world]
     steps = dist_support.batches()
 
-    for name, want in single.items():
-        have = got[name]
+    for name in ("token", "sequence_kl"):
+        have, want = got[name], single[name]
         assert have["losses"] == pytest.approx(want["losses"], abs=TOL), name
         assert_close(have["grads"], want["grads"], f"{name} gradients of step 1")
         assert_close(have["updated"], want["updated"], f"{name} adapter updated by step 1")
@@ -87,6 +90,47 @@ def test_ranks_train_like_one_process(world: int, tiny_model_dir: Path, ranked: 
     assert state.step == 2
     one.train_step(steps[2], policy_version=1)
     assert_close(one.policy.adapter_state(), got["uninterrupted"], f"1 process resuming a {world}-rank checkpoint")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_with_the_base_sharded_by_fsdp2_train_like_one_process(world: int, ranked: dict, single: dict) -> None:
+    """FSDP2 (fully_shard per block, gloo on CPU): each rank holds 1/N of the frozen base; the ranks run their
+    token-balanced shares in lockstep (filler passes), and the update is one process's."""
+    got = ranked[world]
+    for name in ("token", "sequence_kl", "stale"):
+        have, want = got[f"{name}_fsdp"], single[name]
+        assert have["losses"] == pytest.approx(want["losses"], abs=TOL), name
+        assert_close(have["grads"], want["grads"], f"{name} (FSDP2) gradients of step 1")
+        assert_close(have["updated"], want["updated"], f"{name} (FSDP2) adapter updated by step 1")
+        assert_close(have["adapter"], want["adapter"], f"{name} (FSDP2) adapter after {dist_support.STEPS} steps")
+        for key in ("train/tokens", "train/sequences", "reward", "ratio", "entropy"):
+            assert have["stats"][key] == pytest.approx(want["stats"][key], abs=TOL), (name, key)
+        # Sharding changes where the base lives, not what is computed: the unsharded ranks' exact floats.
+        if name != "stale":
+            assert have["losses"] == got[name]["losses"], name
+            for k, v in got[name]["adapter"].items():
+                assert torch.equal(have["adapter"][k], v), (name, k)
+    assert got["sequence_kl_fsdp"]["stats"]["kl"] == pytest.approx(single["sequence_kl"]["stats"]["kl"], abs=TOL)
+    # Stale samples: every rank checked its share under version 0's weights (different numbers of no-grad
+    # forwards, padded), and the merged per-generator mismatch is one process's.
+    mismatch = [k for k in single["stale"]["stats"] if k.startswith("mismatch/")]
+    assert len(mismatch) == 2, mismatch
+    for key in mismatch:
+        assert got["stale_fsdp"]["stats"][key] == pytest.approx(single["stale"]["stats"][key], abs=TOL), key
+    # All samples on rank 0 (the others run filler passes only): the published adapter and the checkpoint rank 0
+    # writes are byte-identical to one process's.
+    assert got["lone_fsdp"]["adapter"] == single["lone"]["adapter"]
+    assert members(got["lone_fsdp"]["checkpoint"]) == members(single["lone"]["checkpoint"])
+    assert got["lone_fsdp"]["checkpoint"] == single["lone"]["checkpoint"]
+
+
+def members(tar: bytes) -> dict[str, bytes]:
+    """name -> bytes of a checkpoint tar (a failure then names the file that differs)."""
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        return {m.name: t.extractfile(m).read() for m in t.getmembers() if m.isfile()}  # type: ignore[union-attr]
 
 
 def test_groups_are_split_balanced_by_tokens() -> None:

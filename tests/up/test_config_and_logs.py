@@ -70,6 +70,20 @@ def test_bad_options_are_refused(kw: dict) -> None:
         UpConfig(**kw)
 
 
+def test_trainer_shard_base_needs_ranks_one_line_and_nothing_created(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from bucketrl.cli import app
+
+    out = CliRunner().invoke(app, ["up", "--trainer-shard-base", "--dir", str(tmp_path / "run")])
+    assert out.exit_code == 2, out.output
+    assert out.output.strip() == (
+        "bucketrl up: --trainer-shard-base shards the base across trainer ranks: add --trainer-procs 2 (or more)"
+    )
+    assert not (tmp_path / "run").exists()
+    assert UpConfig(trainer_procs=2, trainer_shard_base=True).trainer_shard_base
+
+
 def test_unknown_toy_task_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown toy task"):
         build_run_spec(UpConfig(dir=tmp_path, dataset="toy:chess"), tmp_path)

@@ -64,6 +64,10 @@ spec:
           value: /cache/work
         - name: BUCKETRL_DEVICE
           value: {{ ternary "cuda" "cpu" $t.gpu.enabled | quote }}
+        {{- if $t.shardBase }}
+        - name: BUCKETRL_SHARD_BASE
+          value: "true"
+        {{- end }}
         {{- range $k, $v := $t.env }}
         - name: {{ $k }}
           value: {{ $v | toString | quote }}

@@ -1,12 +1,16 @@
 """Claimed rollout groups -> right-padded tensors, split into micro-batches that fit a token budget.
 
-One :class:`Sample` per trainable completion (``prompt + completion``). A :class:`MicroBatch` holds
+One :class:`Sample` per trainable completion (``prompt + completion``). A multi-turn completion (docs/design.md
+"Multi-turn trajectories") is one sample too: its "completion" is every segment after the prompt, model and
+environment tokens alike, so the forward sees the whole conversation; its ``loss_mask`` keeps only the model
+tokens in the loss (and in each model turn only the tokens up to its first EOS). A split episode's samples each
+have their own prompt. A :class:`MicroBatch` holds
 
     input_ids      [B, L]  prompt + completion, right-padded with ``pad_id``
     attention_mask [B, L]  1 on real tokens
     completion_ids [B, T]  the sampled tokens, T = longest completion in the micro-batch
     logit_index    [B, T]  which of the last K logits predicts completion token t (see ``logits_to_keep``)
-    mask           [B, T]  1 on tokens the loss counts: not padding and not after the first EOS
+    mask           [B, T]  1 on tokens the loss counts: model tokens, not padding, not after the (turn's) first EOS
     behaviour      [B, T]  the generators' behaviour logprobs
     advantages     [B]
     samplings      per row: the sampling settings it was generated with (None: the run's)
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bucketrl.wire.rollouts import RolloutGroup
+from bucketrl.wire.rollouts import Completion, RolloutGroup
 from bucketrl.wire.runs import SamplingSpec
 
 
@@ -44,10 +48,19 @@ class Sample:
     n_valid: int
     # The sampling settings it was generated with (None: the run's); its logprobs are recomputed with them.
     sampling: SamplingSpec | None = None
+    # Per completion token, 1 = trained, 0 = context only (a multi-turn completion's env tokens and what follows
+    # the first EOS of a model turn). None: every token up to n_valid is trained (single-turn).
+    loss_mask: tuple[int, ...] | None = None
+    # Model turns in this sample (model segments; 1 for a single-turn completion).
+    turns: int = 1
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        return self.n_valid if self.loss_mask is None else sum(self.loss_mask[: self.n_valid])
 
 
 @dataclass
@@ -83,6 +96,20 @@ def valid_length(token_ids: list[int], eos_token_ids: Collection[int]) -> int:
     return len(token_ids)
 
 
+def trained_mask(completion: Completion, eos_token_ids: Collection[int]) -> tuple[int, ...]:
+    """A multi-turn completion's loss mask: its model tokens, each model turn up to and including its first EOS
+    (what a single-turn completion trains, per turn); env tokens 0."""
+    mask: list[int] = []
+    for seg in completion.segments or ():
+        n = len(seg.token_ids)
+        if seg.kind == "env":
+            mask += [0] * n
+        else:
+            valid = valid_length(seg.token_ids, eos_token_ids)
+            mask += [1] * valid + [0] * (n - valid)
+    return tuple(mask)
+
+
 def group_samples(
     group: RolloutGroup,
     advantages: list[float],
@@ -93,23 +120,27 @@ def group_samples(
     eos_token_ids: Collection[int],
     sampling: SamplingSpec | None = None,
 ) -> list[Sample]:
-    """The trainable completions of one group as samples (unscorable / filtered ones are left out)."""
+    """The trainable completions of one group as samples (unscorable / filtered ones are left out); one advantage
+    and one trainable flag per completion (a split episode's samples repeat their episode's)."""
     if len(advantages) != len(group.completions) or len(trainable) != len(group.completions):
         raise ValueError("one advantage and one trainable flag per completion")
     out: list[Sample] = []
     for comp, adv, keep in zip(group.completions, advantages, trainable, strict=True):
         if not keep:
             continue
+        multi = comp.segments is not None
         out.append(
             Sample(
-                prompt_ids=list(group.prompt_token_ids),
+                prompt_ids=list(group.prompt_of(comp)),
                 completion_ids=list(comp.token_ids),
                 behaviour_logprobs=list(comp.logprobs),
                 advantage=float(adv),
                 version=version,
                 worker_id=worker_id,
-                n_valid=valid_length(comp.token_ids, eos_token_ids),
+                n_valid=len(comp.token_ids) if multi else valid_length(comp.token_ids, eos_token_ids),
                 sampling=sampling,
+                loss_mask=trained_mask(comp, eos_token_ids) if multi else None,
+                turns=comp.turns(),
             )
         )
     return out
@@ -138,6 +169,8 @@ def collate(samples: list[Sample], pad_id: int) -> MicroBatch:
         # row (p + t - 1) - (seq_len - keep) of the kept logits. Padded columns point at row 0 (masked).
         logit_index[i, :c] = torch.arange(c) + (p - 1 - (seq_len - keep))
         mask[i, : s.n_valid] = 1.0
+        if s.loss_mask is not None:
+            mask[i, :c] *= torch.tensor(s.loss_mask, dtype=torch.float32)
         behaviour[i, :c] = torch.tensor(s.behaviour_logprobs)
     return MicroBatch(
         input_ids=input_ids,

@@ -219,7 +219,7 @@ def _die_with_launcher() -> None:
 def group_tokens(item: StepGroup) -> int:
     """What a group costs to train: prompt + completion tokens of every completion."""
     g = item.group
-    return sum(len(g.prompt_token_ids) + len(c.token_ids) for c in g.completions)
+    return sum(len(g.prompt_of(c)) + len(c.token_ids) for c in g.completions)
 
 
 def shard_groups(groups: Sequence[StepGroup], world: int) -> list[list[int]]:

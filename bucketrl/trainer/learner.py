@@ -122,32 +122,46 @@ class Learner:
         """
         loss = self.spec.loss
         samples: list[Sample] = []
-        zero_var = unscorable = aborted = truncated = completions = 0
+        zero_var = unscorable = aborted = truncated = episodes = 0
         lengths = 0
         means: list[float] = []
         stds: list[float] = []
+        turns: list[int] = []
+        multi_turn = False
+        env_tokens = 0  # env-segment tokens of the trained samples
         for item in groups:
             comps = item.group.completions
-            rewards = [None if c.finish_reason == "abort" else c.reward for c in comps]
+            # One advantage per EPISODE (a single-turn completion is an episode of one sample); a split
+            # episode's samples each get their episode's (docs/design.md "Multi-turn trajectories").
+            members = item.group.episodes()
+            results = [comps[m[0]] for m in members]
+            rewards = [None if c.finish_reason == "abort" else c.reward for c in results]
             adv = group_advantages(
                 rewards, scale_rewards=loss.scale_rewards, filter_zero_variance=loss.filter_zero_variance
             )
-            trainable = [
-                keep and not (loss.mask_truncated_completions and c.finish_reason == "length")
-                for keep, c in zip(adv.trainable, comps, strict=True)
-            ]
+            advantages = [0.0] * len(comps)
+            trainable = [False] * len(comps)
+            for e, (keep, c) in enumerate(zip(adv.trainable, results, strict=True)):
+                keep = keep and not (loss.mask_truncated_completions and c.finish_reason == "length")
+                for i in members[e]:
+                    advantages[i], trainable[i] = adv.advantages[e], keep
+                turns.append(sum(comps[i].turns() for i in members[e]))
+            multi_turn = multi_turn or any(c.segments is not None for c in comps)
+            env_tokens += sum(
+                len(c.token_ids) - c.model_tokens() for c, keep in zip(comps, trainable, strict=True) if keep
+            )
             zero_var += int(adv.zero_variance)
-            unscorable += sum(1 for c in comps if c.reward is None and c.finish_reason != "abort")
-            aborted += sum(1 for c in comps if c.finish_reason == "abort")
-            truncated += sum(1 for c in comps if c.finish_reason == "length")
-            completions += len(comps)
+            unscorable += sum(1 for c in results if c.reward is None and c.finish_reason != "abort")
+            aborted += sum(1 for c in results if c.finish_reason == "abort")
+            truncated += sum(1 for c in results if c.finish_reason == "length")
+            episodes += len(results)
             lengths += sum(len(c.token_ids) for c in comps)
             if adv.reward_mean is not None:
                 means.append(adv.reward_mean)
                 stds.append(adv.reward_std or 0.0)
             samples += group_samples(
                 item.group,
-                adv.advantages,
+                advantages,
                 trainable,
                 version=item.version,
                 worker_id=item.worker_id,
@@ -160,14 +174,23 @@ class Learner:
             "sample/unscorable": float(unscorable),
             "sample/aborted": float(aborted),
         }
-        if completions:
-            # TRL's names: mean completion length, and the fraction cut by max_new_tokens.
-            stats["completions/mean_length"] = lengths / completions
-            stats["completions/clipped_ratio"] = truncated / completions
+        if episodes:
+            # TRL's names: mean completion length (a multi-turn episode's: every token after its prompts), and
+            # the fraction cut by max_new_tokens (or an episode limit).
+            stats["completions/mean_length"] = lengths / episodes
+            stats["completions/clipped_ratio"] = truncated / episodes
         if means:
             # Like TRL: the mean reward, and the mean of the per-group stds.
             stats["reward"] = sum(means) / len(means)
             stats["reward_std"] = sum(stds) / len(stds)
+        # Tokens the step's forward holds (prompts + every segment of the trained samples) vs those trained
+        # (``train/tokens``): with multi-turn episodes the environment's tokens are context only.
+        stats["train/tokens_context"] = float(sum(s.length for s in samples))
+        if multi_turn:
+            stats["episodes/turns_mean"] = sum(turns) / len(turns)
+            stats["episodes/turns_max"] = float(max(turns))
+            stats["episodes/samples_per_episode"] = sum(len(g.group.completions) for g in groups) / episodes
+            stats["train/tokens_env"] = float(env_tokens)
         return samples, stats
 
     def train_step(self, groups: list[StepGroup], *, policy_version: int) -> dict[str, float]:

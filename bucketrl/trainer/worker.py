@@ -419,8 +419,14 @@ class TrainerWorker:
         stats["policy/version"] = float(self.policy_version)
         stats["perf/step_s"] = time.perf_counter() - t0
         self._push(step, stats)
+        # Multi-turn steps also say how many tokens were trained of those in context, and the turns per episode.
+        turns = stats.get("episodes/turns_mean")
+        extra = ""
+        if turns is not None:
+            trained, context = stats.get("train/tokens", 0.0), stats.get("train/tokens_context", 0.0)
+            extra = f" tokens trained {trained:.0f} of {context:.0f} in context, turns {turns:.2f}"
         log.info(
-            "step %d/%d loss %.4f reward %.3f staleness %.2f wait %.2fs step %.2fs",
+            "step %d/%d loss %.4f reward %.3f staleness %.2f wait %.2fs step %.2fs%s",
             step,
             self.settings.max_steps,
             stats.get("train/loss", 0.0),
@@ -428,6 +434,7 @@ class TrainerWorker:
             stats.get("sample/staleness_mean", math.nan),
             wait_s,
             stats["perf/step_s"],
+            extra,
         )
 
     def _check_rewards(self, deliveries: list[Delivery]) -> None:
@@ -436,8 +443,9 @@ class TrainerWorker:
         total = unscorable = 0
         for d in deliveries:
             for g in d.groups:
-                total += len(g.completions)
-                unscorable += sum(c.reward is None for c in g.completions)
+                results = g.episode_results()  # a split episode counts once
+                total += len(results)
+                unscorable += sum(c.reward is None for c in results)
                 for kind, message in g.reward_errors.items():
                     self.reward_errors.setdefault(kind, message)
         self.unscorable = [*self.unscorable[-(UNSCORABLE_WINDOW - 1) :], (total, unscorable)]

@@ -127,7 +127,7 @@ class Completion(WireModel):
             _check_logprobs(self.token_ids, self.logprobs)
             if min(self.token_ids) < 0:
                 raise ValueError("token_ids must be >= 0")
-        else:
+        elif not isinstance(self.token_ids, _Derived):  # derived already: pydantic re-runs this on an instance
             if self.token_ids or self.logprobs:
                 raise ValueError("token_ids/logprobs: derived from segments; send segments alone")
             self._derive_flat(self.segments)
@@ -295,6 +295,11 @@ class RolloutGroup(WireModel):
                 out.append([])
             out[-1].append(i)
         return out
+
+    def episode_results(self) -> list[Completion]:
+        """One completion per episode, the first of its samples: it carries the episode's reward and
+        finish_reason (every sample repeats them)."""
+        return [self.completions[members[0]] for members in self.episodes()]
 
     def prompt_of(self, completion: Completion) -> list[int]:
         """The prompt a completion continues: its own (a split sample) or the group's."""

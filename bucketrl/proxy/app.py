@@ -175,9 +175,11 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
         elif settings.rebuild_on_start:
             await rebuild.rebuild_if_wiped(ctx)
         if serving:
+            from bucketrl.proxy import decode_pool
             from bucketrl.proxy.runtime import tune_gc
 
             tune_gc()
+            decode_pool.warm()  # the first large body should not wait for the decoder process to start
         stop = asyncio.Event()
         maintenance = asyncio.create_task(gc.maintenance_loop(ctx, stop), name="bucketrl-maintenance")
         try:

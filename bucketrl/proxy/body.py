@@ -22,8 +22,9 @@ body is read.
 Memory and the event loop: the body is read into one buffer (no chunk list joined into a second copy) and
 decoded straight into the model (pydantic parses JSON without an intermediate tree; lists validate
 ``fail_fast``, so a body of two million bad items costs one error). Bodies over :data:`INLINE_DECODE_BYTES` are
-decoded in a worker thread, at most :data:`DECODE_SLOTS` at a time, so a large body does not hold the event
-loop (``/healthz`` keeps answering) and concurrent large bodies do not multiply the decoding peak.
+decoded in a child process (``decode_pool``: pydantic holds the GIL while it validates, so a thread still
+stalled the loop), at most :data:`DECODE_SLOTS` at a time, so a large body does not hold the event loop
+(``/healthz`` keeps answering) and concurrent large bodies do not multiply the decoding peak.
 ``bench/proxy_memory.py`` measures both.
 """
 
@@ -38,6 +39,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from bucketrl import errors
+from bucketrl.proxy import decode_pool
 from bucketrl.proxy.errors import describe_validation
 
 M = TypeVar("M", bound=BaseModel)
@@ -47,7 +49,7 @@ MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vn
 
 # Bodies up to this size decode on the event loop (a thread hop costs more than parsing them).
 INLINE_DECODE_BYTES = 256 * 1024
-# Large bodies decoding at once (per process); the others wait with their raw bytes only.
+# Large bodies handed to the decoder process at once (per event loop); the others wait with their raw bytes only.
 DECODE_SLOTS = 1
 
 # Models documented as request bodies via openapi_body; app.py adds their schemas to the components.
@@ -141,11 +143,16 @@ def _slots() -> asyncio.Semaphore:
 
 
 async def decode_off_loop(model: type[M], raw: bytes | bytearray, ctype: str) -> M:
-    """:func:`decode_model`, in a worker thread for bodies over :data:`INLINE_DECODE_BYTES`."""
+    """:func:`decode_model`, in the decoder process for bodies over :data:`INLINE_DECODE_BYTES`."""
     if len(raw) <= INLINE_DECODE_BYTES:
         return decode_model(model, raw, ctype)
     async with _slots():
-        return await asyncio.to_thread(decode_model, model, raw, ctype)
+        return await decode_pool.run(_decode_body, raw, model, ctype)
+
+
+def _decode_body(raw: bytes | bytearray, model: type[M], ctype: str) -> M:
+    # decode_pool's calling convention: the body first (it goes down the pipe from its own buffer).
+    return decode_model(model, raw, ctype)
 
 
 def decoded(model: type[M], limit_setting: str = "max_json_bytes") -> Callable[[Request], Coroutine[Any, Any, M]]:

@@ -280,3 +280,23 @@ def test_openapi_documents_segments(proxy_file: ProxyHarness) -> None:
     completion = next(v for k, v in schema.items() if k.startswith("Completion"))
     assert {"segments", "prompt_token_ids", "episode", "token_ids", "logprobs"} <= set(completion["properties"])
     assert any(k.startswith("Segment") for k in schema)
+
+
+def test_a_large_multi_turn_batch_decodes_off_the_loop_and_round_trips(proxy_file: ProxyHarness) -> None:
+    """Over 256 KiB a body is validated in the decoder child and comes back pickled: the derived flat fields and
+    the loss mask survive, and the claim answers the same group."""
+    s = Setup(proxy_file, queue_capacity_groups=8, groups_per_step=4, episode={"max_episode_tokens": 200_000})
+    env = [(7 * i) % 64 for i in range(60_000)]
+
+    def comps() -> list[Completion]:
+        return [
+            Completion.from_segments([("model", [4], [-0.5]), ("env", env, None), ("model", [9, 10], [-1.0, -0.5])], r)
+            for r in (1.0, 0.0)
+        ]
+
+    batch = _multi_turn_batch(s, comps)
+    assert len(batch.model_dump_json()) > 300_000
+    assert s.g.submit_rollouts(batch, "big", use_msgpack=False).accepted_groups == 1
+    got = s.t.claim("trainer-0", max_groups=1).deliveries[0].groups[0]
+    assert got == batch.groups[0]
+    assert got.completions[0].loss_mask() == [1] + [0] * len(env) + [1, 1]

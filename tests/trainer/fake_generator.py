@@ -32,12 +32,15 @@ class FakeGenerator(threading.Thread):
         group_size: int = 4,
         seed: int = 0,
         lag: int = 0,
+        multi_turn: bool = False,
     ) -> None:
         super().__init__(daemon=True, name=f"fake-{worker_id}")
         self.client = ProxyClient(url, run, token, retries=2, backoff_s=0.05)
         self.worker_id = worker_id
         self.group_size = group_size
         self.lag = lag
+        # Multi-turn episodes (1-3 model turns with env tokens between; every other group splits its episodes).
+        self.multi_turn = multi_turn
         self.rng = random.Random(seed)
         self.halt = threading.Event()
         self.accepted: list[str] = []
@@ -92,6 +95,8 @@ class FakeGenerator(threading.Thread):
                 self.client.release_lease(lease.lease_id)
 
     def _group(self, prompt_id: str, index: int) -> RolloutGroup:
+        if self.multi_turn:
+            return self._episodes(prompt_id, index)
         rng = self.rng
         comps = []
         for _ in range(self.group_size):
@@ -107,6 +112,33 @@ class FakeGenerator(threading.Thread):
                 )
             )
         prompt = [rng.randrange(3, 64) for _ in range(rng.randint(2, 5))]
+        return RolloutGroup(prompt_id=prompt_id, prompt_index=index, prompt_token_ids=prompt, completions=comps)
+
+    def _episodes(self, prompt_id: str, index: int) -> RolloutGroup:
+        rng = self.rng
+        prompt = [rng.randrange(3, 64) for _ in range(rng.randint(2, 5))]
+        split = index % 2 == 1
+        comps: list[Completion] = []
+        for e in range(self.group_size):
+            reward = float(rng.random() < 0.5)
+            segments: list[tuple[str, list[int], list[float] | None]] = []
+            for turn in range(rng.randint(1, 3)):
+                if turn:
+                    segments.append(("env", [rng.randrange(3, 64) for _ in range(rng.randint(1, 3))], None))
+                tokens = [rng.randrange(3, 64) for _ in range(rng.randint(1, 4))]
+                segments.append(("model", tokens, [-3.9 - 0.4 * rng.random() for _ in tokens]))
+            if not split:
+                comps.append(Completion.from_segments(segments, reward))  # type: ignore[arg-type]
+                continue
+            # A template that re-renders history: each model turn is a sample with its own prompt.
+            context = list(prompt)
+            for kind, tokens, lps in segments:
+                if kind == "model":
+                    own = None if context == prompt else list(context)
+                    comps.append(
+                        Completion.from_segments([("model", tokens, lps)], reward, prompt_token_ids=own, episode=e)
+                    )
+                context += tokens
         return RolloutGroup(prompt_id=prompt_id, prompt_index=index, prompt_token_ids=prompt, completions=comps)
 
 

@@ -5,6 +5,7 @@ logprobs on a multi-turn conversation match the trainer's recomputation within 1
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from dataclasses import replace
@@ -20,9 +21,15 @@ from bucketrl.trainer.batching import collate, trained_mask
 from bucketrl.trainer.learner import MISMATCH_PREFIX, Learner, StepGroup
 from bucketrl.trainer.loss import LossBatch, grpo_loss
 from bucketrl.trainer.recompute import model_token_gaps, recompute_logprobs
+from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.trainer.worker import EXIT_OK, TrainerWorker
 from bucketrl.wire import Completion, LoraSpec, LossSpec, RolloutGroup, SamplingSpec
+from tests.proxy.harness import TOKENS, running
+from tests.support.services import RedisServer
+from tests.trainer.fake_generator import FakeGenerator
 from tests.trainer.helpers import EOS, settings, tiny_spec
 from tests.trainer.test_model import perturb_adapter
+from tests.trainer.test_worker import spec_json
 
 PROMPT = [5, 6, 7, 8]
 
@@ -282,3 +289,41 @@ def test_transformers_engine_logprobs_match_the_trainer_on_multi_turn_model_toke
             learner.policy.load_adapter(adapter_dir)  # back to the weights the engine serves
     finally:
         engine.close()
+
+
+def test_trainer_worker_trains_multi_turn_groups_and_reports_what_it_trained(
+    redis_server: RedisServer, tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Multi-turn groups (split and not) over the real wire: trained, acked like any group, and the step's tokens
+    trained vs in context and turns per episode reach the proxy's status and the step log."""
+    caplog.set_level(logging.INFO, logger="bucketrl")
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
+        worker_settings = TrainerSettings(
+            proxy_url=proxy.url,
+            token=TOKENS["trainer"],
+            run="r1",
+            worker_id="trainer-a",
+            run_spec=spec_json(tiny_model_dir, {"uri": "toy:digits", "size": 16}),
+            max_steps=3,
+            sync_every=1,
+            checkpoint_every=3,
+            device="cpu",
+            lr=1e-2,
+            claim_wait_s=0.5,
+            work_dir=str(tmp_path / "work"),
+        )
+        gen = FakeGenerator(proxy.url, "r1", TOKENS["generator"], worker_id="gen-a", multi_turn=True)
+        gen.start()
+        try:
+            rc = TrainerWorker(worker_settings, echo=lambda _: None).run()
+        finally:
+            gen.stop()
+        assert rc == EXIT_OK and not gen.errors, gen.errors
+        status = proxy.client("r1", role="admin").status()
+        assert status.queue.acked_total == 6  # 3 steps x 2 groups, split or not
+        metrics = status.metrics["trainer-a"]
+        assert 0 < metrics["train/tokens"] < metrics["train/tokens_context"]
+        assert metrics["train/tokens_env"] > 0 or metrics["episodes/samples_per_episode"] > 1
+        assert 1.0 <= metrics["episodes/turns_mean"] <= metrics["episodes/turns_max"] <= 3.0
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(steps) == 3 and all(" tokens trained " in line and " turns " in line for line in steps), steps

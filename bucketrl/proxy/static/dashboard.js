@@ -53,6 +53,15 @@
       series: [{ role: "trainer", metric: "completions/mean_length", label: "mean" }],
     },
     {
+      // Multi-turn episodes hold environment tokens the forward sees but the loss never trains.
+      id: "tokens", title: "Tokens per step: trained vs in context", x: "step", yMin: 0,
+      series: [
+        { role: "trainer", metric: "train/tokens_context", label: "in context" },
+        { role: "trainer", metric: "train/tokens", label: "trained" },
+        { role: "trainer", metric: "train/tokens_env", label: "environment", dash: [5, 3] },
+      ],
+    },
+    {
       id: "fractions", title: "Completions truncated (max_new_tokens) and without a reward (fraction)", x: "step",
       yMin: 0, yMax: 1,
       series: [

@@ -15,6 +15,7 @@ account the wait as ``rollout/backpressure_s``.
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import json
 import logging
@@ -23,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import httpx
 import msgpack
@@ -137,6 +138,23 @@ def _transient(err: errors.BucketRLError) -> bool:
 TAR = "application/x-tar"
 
 
+class _Sink:
+    """Where a streamed answer's body goes: a seekable file, hashed on the way."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self.out, self.start = out, out.tell()
+        self.sha = hashlib.sha256()
+
+    def restart(self) -> None:
+        self.out.seek(self.start)
+        self.out.truncate()
+        self.sha = hashlib.sha256()
+
+    def write(self, chunk: bytes) -> None:
+        self.out.write(chunk)
+        self.sha.update(chunk)
+
+
 class ProxyClient:
     """Typed client for one run on one proxy."""
 
@@ -186,14 +204,23 @@ class ProxyClient:
         return out
 
     def _request(
-        self, method: str, url: str, *, retry: bool = True, extra_timeout_s: float = 0.0, **kw: Any
+        self,
+        method: str,
+        url: str,
+        *,
+        retry: bool = True,
+        extra_timeout_s: float = 0.0,
+        sink: _Sink | None = None,
+        **kw: Any,
     ) -> httpx.Response:
-        """Send one request; translate error bodies into bucketrl errors; retry transient failures."""
+        """Send one request; translate error bodies into bucketrl errors; retry transient failures.
+
+        ``sink``: a successful answer's body streams into it (each attempt starts it over) instead of memory."""
         if extra_timeout_s:
             kw["timeout"] = self._http.timeout.read + extra_timeout_s if self._http.timeout.read else None
         attempt = 0
         while True:
-            resp, err = self._attempt(method, url, kw)
+            resp, err = self._attempt(method, url, kw, sink)
             if err is None:
                 return resp
             if not (retry and _transient(err)):
@@ -216,12 +243,12 @@ class ProxyClient:
             attempt += 1
 
     def _attempt(
-        self, method: str, url: str, kw: dict[str, Any]
+        self, method: str, url: str, kw: dict[str, Any], sink: _Sink | None = None
     ) -> tuple[httpx.Response, None] | tuple[None, errors.BucketRLError]:
         """One request: the response on success, else the error it amounts to."""
         try:
-            resp = self._http.request(method, url, **kw)
-        except httpx.TransportError as exc:
+            resp = self._http.request(method, url, **kw) if sink is None else self._stream(method, url, kw, sink)
+        except httpx.TransportError as exc:  # a body cut short mid-stream too (h11 checks Content-Length)
             return None, errors.Unavailable(f"proxy unreachable: {exc!r}")
         if resp.status_code < 400:
             if self.outage is not None:
@@ -232,6 +259,16 @@ class ProxyClient:
         except ValueError:
             body = resp.text
         return None, errors.from_wire(resp.status_code, body, _retry_after(resp))
+
+    def _stream(self, method: str, url: str, kw: dict[str, Any], sink: _Sink) -> httpx.Response:
+        with self._http.stream(method, url, **kw) as resp:
+            if resp.status_code >= 400:
+                resp.read()  # an error body: small JSON
+                return resp
+            sink.restart()
+            for chunk in resp.iter_bytes():
+                sink.write(chunk)
+        return resp
 
     def _json(self, method: str, url: str, model: type[M], body: BaseModel | None = None, **kw: Any) -> M:
         if body is not None:
@@ -277,13 +314,22 @@ class ProxyClient:
         return AdapterVersionInfo.model_validate(resp.json())
 
     def download_adapter(self, version: int) -> bytes:
-        """The adapter tar; its sha256 is checked against the proxy's header (``Invalid`` if not)."""
-        resp = self._request("GET", self._path(f"/adapters/{version}"))
-        want = resp.headers.get("X-Content-SHA256")
-        got = hashlib.sha256(resp.content).hexdigest()
+        """The adapter tar in memory (small adapters, tools); a worker streams it to disk with
+        :meth:`download_adapter_to`."""
+        buf = io.BytesIO()
+        self.download_adapter_to(version, buf)
+        return buf.getvalue()
+
+    def download_adapter_to(self, version: int, out: IO[bytes]) -> str:
+        """Stream the adapter tar into ``out`` (seekable; a retried attempt starts it over), one chunk in memory
+        at a time whatever the adapter's size. Returns its sha256, checked against the proxy's header
+        (``Invalid``, retryable: a corrupted transfer, if not)."""
+        sink = _Sink(out)
+        resp = self._request("GET", self._path(f"/adapters/{version}"), sink=sink)
+        want, got = resp.headers.get("X-Content-SHA256"), sink.sha.hexdigest()
         if want and want != got:
             raise errors.Invalid(f"adapter v{version}: sha256 {got} != advertised {want}", retryable=True)
-        return resp.content
+        return got
 
     # -- leases -------------------------------------------------------------------------------------
 

@@ -6,10 +6,12 @@ A 10 KB tar with a GNU sparse member made a 3 GB allocation; an adapter without 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import tarfile
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -99,8 +101,9 @@ def test_any_unpack_failure_is_a_bad_version_not_a_crash(tmp_path: Path, monkeyp
     class Client:
         data = good
 
-        def download_adapter(self, version: int) -> bytes:
-            return self.data
+        def download_adapter_to(self, version: int, out: IO[bytes]) -> str:
+            out.write(self.data)
+            return hashlib.sha256(self.data).hexdigest()
 
     def explode(*_a: object, **_k: object) -> list[str]:
         raise failure("boom")

@@ -15,8 +15,6 @@ The :class:`VersionBook` only decides; the worker performs the engine and HTTP c
 
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
 import re
 import shutil
@@ -35,13 +33,16 @@ _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
 def clear_stale_tmp(cache_root: Path) -> int:
-    """Remove ``.tmp-v*`` unpack directories a crashed fetch left (at start: no fetch of ours is running).
-    The cache directory belongs to one generator (``up`` and the Helm chart give each its own)."""
-    stale = [p for p in cache_root.glob(".tmp-v*") if p.is_dir()]
+    """Remove the ``.tmp-v*`` downloads and unpack directories a crashed fetch left (at start: no fetch of ours
+    is running). The cache directory belongs to one generator (``up`` and the Helm chart give each its own)."""
+    stale = list(cache_root.glob(".tmp-v*"))
     for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     if stale:
-        log.info("removed %d unpack directories a crashed fetch left in %s", len(stale), cache_root)
+        log.info("removed %d downloads or unpack directories a crashed fetch left in %s", len(stale), cache_root)
     return len(stale)
 
 
@@ -59,39 +60,67 @@ def gc_cache(cache_root: Path, keep: set[int], newest_known: int) -> list[int]:
 
 
 def fetch_adapter(client: ProxyClient, version: int, cache_root: Path, expected_sha256: str | None = None) -> Path:
-    """Download version ``version``'s tar, check its sha256, unpack it under ``cache_root/v{N}`` atomically.
+    """Download version ``version``'s tar to disk, check its sha256, unpack it under ``cache_root/v{N}`` atomically.
 
-    A directory already there with the same verified sha256 is reused. ``Invalid`` on a bad or unsafe tar.
+    Memory stays bounded whatever the adapter's size: the tar streams to a file next to the cache (one chunk in
+    memory at a time), and is checked and unpacked from there. A directory already there with the same verified
+    sha256 is reused. ``Invalid`` on a bad or unsafe tar (not retryable: a bad version), or on a transfer whose
+    sha256 is not the published one (retryable, once: a second such download is a bad version too, since the
+    stored object itself is not what was published).
     """
     final = cache_root / f"v{version}"
     marker = final / ".sha256"
     if expected_sha256 and marker.is_file() and marker.read_text().strip() == expected_sha256:
         return final
-    data = client.download_adapter(version)  # checks the proxy's X-Content-SHA256 header
-    got = hashlib.sha256(data).hexdigest()
-    if expected_sha256 and got != expected_sha256:
-        raise errors.Invalid(f"adapter v{version}: sha256 {got} != published {expected_sha256}", retryable=True)
-    tmp = cache_root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
+    tag = uuid.uuid4().hex[:8]
+    tar_path = cache_root / f".tmp-v{version}-{tag}.tar"
+    tmp = cache_root / f".tmp-v{version}-{tag}"
     try:
-        _unpack_adapter(data, tmp, version)
+        got = _download(client, version, tar_path, expected_sha256)
+        _unpack_adapter(tar_path, tmp, version)
         (tmp / ".sha256").write_text(got)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
     finally:
+        tar_path.unlink(missing_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def _unpack_adapter(data: bytes, dest: Path, version: int) -> None:
+def _download(client: ProxyClient, version: int, tar_path: Path, expected_sha256: str | None) -> str:
+    """The tar into ``tar_path``; its sha256. Bytes that are not what was published (the proxy's header or the
+    announced sha256) are downloaded once more, then refused as a bad version."""
+    for attempt in (1, 2):
+        with tar_path.open("wb") as fh:
+            try:
+                got = client.download_adapter_to(version, fh)  # checks the proxy's X-Content-SHA256 header
+            except errors.Invalid as exc:
+                if not exc.retryable:
+                    raise
+                problem = exc.message
+            else:
+                if not expected_sha256 or got == expected_sha256:
+                    return got
+                problem = f"adapter v{version}: sha256 {got} != published {expected_sha256}"
+        if attempt == 2:
+            raise errors.Invalid(f"{problem} (downloaded twice: the stored tar is not the published one)")
+        log.warning("%s; downloading it again", problem)
+    raise AssertionError("unreachable")
+
+
+def _unpack_adapter(tar_path: Path, dest: Path, version: int) -> None:
     """Check that the tar is exactly a PEFT adapter (``bucketrl.bundles``: no pickle ever reaches the engine),
     then unpack it. ANY failure, MemoryError and RecursionError included, is a bad version: ``Invalid``, not
     retryable (the worker logs it, counts it and keeps serving the previous version), never a crash."""
     try:
-        bundles.check_adapter_tar(io.BytesIO(data))
-        # Members stream to disk in chunks; together they cannot hold more than the tar itself.
-        unpack(data, dest, max_bytes=len(data))
+        size = tar_path.stat().st_size
+        with tar_path.open("rb") as fh:
+            bundles.check_adapter_tar(fh)
+        # Members stream to disk in chunks; only the adapter's files, none larger than the tar, none sparse.
+        allowed = dict.fromkeys((*bundles.ADAPTER_FILES, *bundles.ADAPTER_OPTIONAL), size)
+        unpack(tar_path, dest, max_bytes=size, expected=allowed)
     except errors.Invalid as exc:
         raise errors.Invalid(f"adapter v{version}: {exc.message}", retryable=False) from exc
     except Exception as exc:  # a hostile tar: ValueError, tarfile errors, OSError, MemoryError, RecursionError...

@@ -43,6 +43,7 @@ from bucketrl.proxy import decode_pool
 from bucketrl.proxy.errors import describe_validation
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 JSON_TYPES = ("application/json", "")
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
@@ -144,14 +145,20 @@ def _slots() -> asyncio.Semaphore:
 
 async def decode_off_loop(model: type[M], raw: bytes | bytearray, ctype: str) -> M:
     """:func:`decode_model`, in the decoder process for bodies over :data:`INLINE_DECODE_BYTES`."""
+    return await off_loop(_decode_body, raw, model, ctype)
+
+
+async def off_loop(fn: Callable[..., T], raw: bytes | bytearray, *args: Any) -> T:
+    """``fn(raw, *args)``: inline for a body up to :data:`INLINE_DECODE_BYTES`, else in the decoder process, one
+    body at a time per event loop. For any body decoder (``fn`` importable by name, its result picklable)."""
     if len(raw) <= INLINE_DECODE_BYTES:
-        return decode_model(model, raw, ctype)
+        return fn(raw, *args)
     async with _slots():
-        return await decode_pool.run(_decode_body, raw, model, ctype)
+        return await decode_pool.run(fn, raw, *args)
 
 
 def _decode_body(raw: bytes | bytearray, model: type[M], ctype: str) -> M:
-    # decode_pool's calling convention: the body first (it goes down the pipe from its own buffer).
+    # off_loop's calling convention: the body first (it goes down the pipe from its own buffer).
     return decode_model(model, raw, ctype)
 
 

@@ -152,6 +152,12 @@ def test_checkpoint_state_round_trips_without_pickles(tmp_path: Path) -> None:
     for k in a["state"]:
         for name, value in a["state"][k].items():
             assert torch.equal(value, b["state"][k][name])
+    # Canonical bytes: the loaded state (its entries in load_state_dict's order) saves to the same files.
+    again = tmp_path / "again"
+    again.mkdir()
+    save_state(opt2.state_dict(), again, "optimizer")
+    for name in ("optimizer.json", "optimizer.safetensors"):
+        assert (again / name).read_bytes() == (tmp_path / name).read_bytes(), name
     expected = [random.random() for _ in range(3)]
     set_rng_state(load_state(tmp_path, "rng"))
     assert [random.random() for _ in range(3)] == expected

@@ -34,9 +34,12 @@ def save_state(obj: Any, directory: str | Path, stem: str) -> None:
             tensors[key] = x.detach().to("cpu").contiguous().clone()
             return {_TENSOR: key}
         if isinstance(x, dict):
+            # In key order, not insertion order: tensors are numbered as they are met, and the same state must give
+            # the same bytes however it was built (an optimizer's state after load_state_dict lists its entries in
+            # another order than the one that stepped).
             if all(isinstance(k, str) for k in x) and not ({_TENSOR, _TUPLE, _ITEMS} & x.keys()):
-                return {k: enc(v) for k, v in x.items()}
-            return {_ITEMS: [[enc(k), enc(v)] for k, v in x.items()]}
+                return {k: enc(x[k]) for k in sorted(x)}
+            return {_ITEMS: [[enc(k), enc(v)] for k, v in _sorted_items(x)]}
         if isinstance(x, tuple):
             return {_TUPLE: [enc(v) for v in x]}
         if isinstance(x, list):
@@ -49,6 +52,14 @@ def save_state(obj: Any, directory: str | Path, stem: str) -> None:
     root = Path(directory)
     save_file(tensors, str(root / f"{stem}.safetensors"))
     (root / f"{stem}.json").write_text(json.dumps(structure, sort_keys=True))
+
+
+def _sorted_items(d: dict[Any, Any]) -> list[tuple[Any, Any]]:
+    """Items by key when the keys compare (an optimizer's integer parameter indices), else as they are."""
+    try:
+        return sorted(d.items(), key=lambda kv: kv[0])
+    except TypeError:
+        return list(d.items())
 
 
 def load_state(directory: str | Path, stem: str) -> Any:

@@ -1,7 +1,8 @@
 """A stand-in generator for trainer tests: the real wire (version lease, prompt lease, submit with an
 idempotency key through ``ProxyClient``), random tokens instead of a model (the trainer is the subject).
 
-Every accepted group's delivery id is ``{batch_id}:{g}`` (the proxy's stable id), recorded in ``accepted``.
+Every accepted group's delivery id is ``{batch_id}:{g}`` (the proxy's stable id), recorded in ``accepted``, and the
+group itself with the version it was sampled from in ``groups`` (to recompute a trainer's step).
 ``lag=k`` makes it a slow generator: it samples from version ``latest - k`` (the oldest the run accepts when
 k = max_staleness) instead of the latest.
 """
@@ -44,6 +45,7 @@ class FakeGenerator(threading.Thread):
         self.rng = random.Random(seed)
         self.halt = threading.Event()
         self.accepted: list[str] = []
+        self.groups: dict[str, tuple[RolloutGroup, int]] = {}
         self.rejected_stale = 0
         self.errors: list[str] = []
 
@@ -88,7 +90,9 @@ class FakeGenerator(threading.Thread):
                     self.rejected_stale += len(groups)
                     return
                 if not resp.duplicate:
-                    self.accepted += [f"{resp.batch_id}:{g}" for g in range(resp.accepted_groups)]
+                    ids = [f"{resp.batch_id}:{g}" for g in range(resp.accepted_groups)]
+                    self.groups.update((i, (g, lease.version)) for i, g in zip(ids, groups, strict=False))
+                    self.accepted += ids
                 return
         finally:
             with contextlib.suppress(errors.BucketRLError):

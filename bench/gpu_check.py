@@ -2,6 +2,7 @@
 
     bench/gpu_check.sh                              # on a GPU machine: 1 GPU shared by trainer and generator
     bench/gpu_check.sh --gpus 4 --trainer-gpus 2    # multi-GPU: a 2-rank torchrun trainer, 2 generators
+    bench/gpu_check.sh --gpus 4 --trainer-gpus 2 --shard-base   # ... with the base sharded by FSDP2
     python bench/gpu_check.py --device cpu          # the same pipeline on CPU, tiny shape (what CI runs)
 
 What it does: builds a randomly initialised Qwen2 of a realistic shape on the spot (``--shape 0.5b``: Qwen2-0.5B's
@@ -22,7 +23,9 @@ HTTP), trains ``--steps`` steps of the toy task (or stops at ``--max-s``), and p
 
 With ``--gpus N`` the first ``--trainer-gpus`` GPUs hold one trainer of that many ranks (torchrun, NCCL:
 ``bucketrl/trainer/distributed.py``) and every other GPU one generator (``CUDA_VISIBLE_DEVICES``); with one GPU
-the trainer and the generator share it. ``--device cpu --trainer-procs 2`` runs the multi-rank path on CPU (gloo).
+the trainer and the generator share it. ``--shard-base`` shards the trainer's frozen base across its ranks with
+FSDP2 (``BUCKETRL_SHARD_BASE``; the peak-memory figures then show each rank's share). ``--device cpu --trainer-procs
+2`` runs the multi-rank path on CPU (gloo).
 
 Figures go to stdout and to ``<dir>/gpu_check.json``. It exits 1 if the run trained fewer than 2 steps.
 """
@@ -66,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=1, help="GPUs to use (cuda)")
     p.add_argument("--trainer-gpus", type=int, default=None, help="GPUs (= ranks) of the trainer; default gpus-1 or 1")
     p.add_argument("--trainer-procs", type=int, default=1, help="CPU trainer ranks (--device cpu)")
+    p.add_argument("--shard-base", action="store_true", help="shard the trainer's base across its ranks (FSDP2)")
     p.add_argument("--generators", type=int, default=None, help="generators (default: one per non-trainer GPU, or 1)")
     p.add_argument("--steps", type=int, default=None, help="trainer steps (default 30 on cuda, 4 on cpu)")
     p.add_argument("--max-s", type=float, default=300.0, help="stop the run after this many seconds of training")
@@ -88,7 +92,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.generators = args.generators or max(1, spare)
     else:
         args.generators = args.generators or 1
+    if args.shard_base and trainer_ranks(args) < 2:
+        p.error("--shard-base shards the base across trainer ranks: give --trainer-gpus (or --trainer-procs) 2 or more")
     return args
+
+
+def trainer_ranks(args: argparse.Namespace) -> int:
+    return args.trainer_gpus if args.device == "cuda" else args.trainer_procs
+
+
+def gpu_plan(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """CUDA_VISIBLE_DEVICES of the trainer (its first ``trainer_gpus`` GPUs, one rank each) and the GPU of each
+    generator slot (the remaining GPUs, round-robin; the trainer's GPU 0 when none remain)."""
+    ranks = trainer_ranks(args)
+    spare = [str(i) for i in range(ranks, args.gpus)]
+    return ",".join(str(i) for i in range(ranks)), spare or ["0"]
 
 
 class GpuCluster(LocalCluster):
@@ -167,16 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_tiny_model(work / f"model-{args.shape}", dtype=args.dtype, **SHAPES[args.shape])
     print(f"model: random {args.shape} Qwen2 at {model_dir} ({time.monotonic() - t0:.0f}s to build)", flush=True)
 
-    trainer_ranks = args.trainer_gpus if cuda else args.trainer_procs
-    procs = trainer_ranks + args.generators
+    ranks = trainer_ranks(args)
+    procs = ranks + args.generators
     threads = args.threads or max(1, (os.cpu_count() or 2) // procs)
     trainer_env = {"BUCKETRL_DEVICE": args.device, "BUCKETRL_DTYPE": args.dtype, "BUCKETRL_CHECKPOINT_EVERY": "1000"}
     generator_env = {"BUCKETRL_DEVICE": args.device, "BUCKETRL_DTYPE": args.dtype}
     generator_gpus: list[str] = []
     if cuda:
-        trainer_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(trainer_ranks))
-        spare = [str(i) for i in range(trainer_ranks, args.gpus)]
-        generator_gpus = spare or ["0"]  # one GPU: the generator shares it with the trainer
+        trainer_env["CUDA_VISIBLE_DEVICES"], generator_gpus = gpu_plan(args)
     cfg = UpConfig(
         run=RUN,
         dir=work / "run",
@@ -192,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         temperature=1.0,
         checkpoint_every=1000,
         threads=threads,
-        trainer_procs=trainer_ranks,
+        trainer_procs=ranks,
+        trainer_shard_base=args.shard_base,
         trainer_env=trainer_env,
         generator_env=generator_env,
     )
@@ -299,7 +316,8 @@ def collect(
         "shape": args.shape,
         "dtype": args.dtype,
         "gpus": args.gpus if args.device == "cuda" else 0,
-        "trainer_ranks": args.trainer_gpus if args.device == "cuda" else args.trainer_procs,
+        "trainer_ranks": trainer_ranks(args),
+        "trainer_shard_base": args.shard_base,
         "generators": args.generators,
         "steps": len(watcher.trainer_series("perf/step_s")),
         "stopped_at_max_s": timed_out,
@@ -323,8 +341,9 @@ def report(f: dict[str, Any]) -> None:
         return "n/a" if v is None else f"{v:.{digits}g}" if isinstance(v, float) else str(v)
 
     print(
-        f"\nbucketrl gpu_check: {f['device']} {f['shape']} {f['dtype']}, {f['trainer_ranks']} trainer rank(s), "
-        f"{f['generators']} generator(s); {f['steps']} steps in {f['wall_s']:.0f}s"
+        f"\nbucketrl gpu_check: {f['device']} {f['shape']} {f['dtype']}, {f['trainer_ranks']} trainer rank(s)"
+        + (" (base sharded, FSDP2), " if f["trainer_shard_base"] else ", ")
+        + f"{f['generators']} generator(s); {f['steps']} steps in {f['wall_s']:.0f}s"
         + (" (stopped at --max-s)" if f["stopped_at_max_s"] else "")
     )
     rows = [

@@ -1,6 +1,6 @@
 """``bench/gpu_check.sh`` on CPU (what runs on a GPU machine, minus CUDA): the tiny shape, bf16, a 2-rank trainer
-(the multi-GPU mode's path: torchrun, here over gloo) and one generator against a real proxy and Redis; every
-figure it promises is printed and written.
+with its base sharded by FSDP2 (the multi-GPU mode's path: torchrun, here over gloo) and one generator against a
+real proxy and Redis; every figure it promises is printed and written.
 
     .venv/bin/python -m pytest -q -s tests/bench/test_gpu_check.py
 """
@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_gpu_check_runs_the_pipeline_and_reports_every_figure(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
-    argv = ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu", "--trainer-procs", "2", "--steps", "3"]
+    argv = ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu", "--trainer-procs", "2", "--shard-base"]
+    argv += ["--steps", "3"]
     out = subprocess.run(
         [*argv, "--dir", str(tmp_path), "--threads", "1"], env=env, capture_output=True, text=True, timeout=600
     )
@@ -33,6 +34,7 @@ def test_gpu_check_runs_the_pipeline_and_reports_every_figure(tmp_path: Path) ->
         assert line in out.stdout, line
     figures = json.loads((tmp_path / "gpu_check.json").read_text())
     assert figures["trainer_ranks"] == 2 and figures["dtype"] == "bfloat16" and figures["steps"] == 3
+    assert figures["trainer_shard_base"] is True and "(base sharded, FSDP2)" in out.stdout
     assert figures["trainer_steps_per_s"] > 0 and figures["trainer_compute_steps_per_s"] > 0
     assert figures["generated_tokens_per_s"] > 0
     assert figures["weight_sync_latency_p50_s"] is not None and figures["publish_s_mean"] > 0
@@ -40,4 +42,5 @@ def test_gpu_check_runs_the_pipeline_and_reports_every_figure(tmp_path: Path) ->
     assert figures["logprob_abs_gap_mean"] is not None and figures["logprob_abs_gap_mean"] < 0.05
     # No GPU here: said so, not made up.
     assert figures["trainer_torch_peak_gib"] is None and figures["gpu_peak_gib_total"] is None
-    assert "rank 1 of 2" in (tmp_path / "run" / "logs" / "trainer.log").read_text()
+    log = (tmp_path / "run" / "logs" / "trainer.log").read_text()
+    assert "rank 1 of 2" in log and "base model sharded over 2 ranks with FSDP2" in log

@@ -1,6 +1,7 @@
 """Invariant 6 end to end: the generator engines, loaded with the adapter files the TRAINER writes, report
 behaviour logprobs that the trainer's own code path (padded batch, ``logits_to_keep``, gather) recomputes
-within 1e-3 in fp32, and the trainer's per-generator mismatch metric says so (``ratio`` stays at 1)."""
+within 1e-3 in fp32, and the trainer's per-generator mismatch metric says so (``ratio`` stays at 1); on
+single-turn completions and on multi-turn ones (prompt | model | env | model: every model token)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from bucketrl.trainer.learner import MISMATCH_PREFIX, Learner, StepGroup
 from bucketrl.wire import Completion, LoraSpec, RolloutGroup, SamplingSpec
 from tests.trainer.helpers import settings, tiny_spec
 from tests.trainer.test_model import perturb_adapter
+from tests.trainer.test_multiturn import check_multi_turn_agreement
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16], [20]]
 SAMPLINGS = [
@@ -63,6 +65,8 @@ def check_engine_agrees_with_trainer(engine_name: str, model_dir: Path, tmp: Pat
             learner.policy.load_adapter(adapter_dir)  # back to the weights the engine serves
             for k, v in learner.policy.adapter_state().items():
                 assert torch.equal(v, before[k])
+        # Multi-turn trajectories on the same engine (no second engine start): every model token agrees.
+        check_multi_turn_agreement(engine, learner, "run-v3", adapter_dir)
     finally:
         engine.close()
 

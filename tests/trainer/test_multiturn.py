@@ -10,12 +10,11 @@ import math
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from bucketrl.generator.engines.base import make_engine
-from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.trainer.advantages import group_advantages
 from bucketrl.trainer.batching import collate, trained_mask
 from bucketrl.trainer.learner import MISMATCH_PREFIX, Learner, StepGroup
@@ -23,7 +22,7 @@ from bucketrl.trainer.loss import LossBatch, grpo_loss
 from bucketrl.trainer.recompute import model_token_gaps, recompute_logprobs
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.trainer.worker import EXIT_OK, TrainerWorker
-from bucketrl.wire import Completion, LoraSpec, LossSpec, RolloutGroup, SamplingSpec
+from bucketrl.wire import Completion, LossSpec, RolloutGroup, SamplingSpec
 from tests.proxy.harness import TOKENS, running
 from tests.support.services import RedisServer
 from tests.trainer.fake_generator import FakeGenerator
@@ -249,46 +248,31 @@ SAMPLINGS = [
 ]
 
 
-def test_transformers_engine_logprobs_match_the_trainer_on_multi_turn_model_tokens(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
+def check_multi_turn_agreement(engine: Any, learner: Learner, adapter: str, adapter_dir: Path) -> None:
     """prompt | model turn (engine) | env tokens (by hand) | model turn (engine, prompted with all before it):
-    the trainer's recomputation over the whole sequence matches every model token's behaviour logprob."""
-    spec = tiny_spec(tiny_model_dir, group_size=2, lora=LoraSpec(r=8, alpha=16.0), sampling=SAMPLINGS[0])
-    learner = Learner(spec, settings(micro_token_budget=64))
-    perturb_adapter(learner.policy, seed=5, scale=0.3)
-    adapter_dir = learner.policy.save_adapter(tmp_path / "v3")
-    engine = make_engine(GeneratorSettings(engine="transformers", seed=0), spec)
-    try:
-        engine.load_adapter("run-v3", 3, adapter_dir)
-        for sampling in SAMPLINGS:
-            first = engine.generate([PROMPT], adapter="run-v3", n=2, sampling=sampling)[0]
-            comps = []
-            for j, turn1 in enumerate(first):
-                env = [40 + j, 41, 42]
-                turn2 = engine.generate([PROMPT + turn1.token_ids + env], adapter="run-v3", n=1, sampling=sampling)[0][
-                    0
-                ]
-                comps.append(
-                    Completion.from_segments(
-                        [
-                            ("model", turn1.token_ids, turn1.logprobs),
-                            ("env", env, None),
-                            ("model", turn2.token_ids, turn2.logprobs),
-                        ],
-                        float(j),
-                    )
-                )
-            group = RolloutGroup(prompt_id="0-0", prompt_index=0, prompt_token_ids=PROMPT, completions=comps)
-            gaps = model_token_gaps(learner.policy, group, sampling)
-            assert max(gaps) < 1e-3, (sampling, gaps)
-            stats = learner.train_step([StepGroup(group, 3, "gen-x", sampling)], policy_version=3)
-            assert stats[MISMATCH_PREFIX + "gen-x"] < 1e-3
-            assert stats["ratio"] == pytest.approx(1.0, abs=1e-3)
-            assert stats["train/tokens_env"] == 6.0 and math.isfinite(stats["train/loss"])
-            learner.policy.load_adapter(adapter_dir)  # back to the weights the engine serves
-    finally:
-        engine.close()
+    the trainer's recomputation over the whole sequence matches every model token's behaviour logprob, and a
+    training step on it reports no mismatch. ``engine`` serves ``adapter`` = ``learner``'s weights (saved in
+    ``adapter_dir``); run by ``tests/trainer/test_engine_agreement.py`` for each engine, on its engine."""
+    for sampling in SAMPLINGS:
+        first = engine.generate([PROMPT], adapter=adapter, n=2, sampling=sampling)[0]
+        comps = []
+        for j, turn1 in enumerate(first):
+            env = [40 + j, 41, 42]
+            turn2 = engine.generate([PROMPT + turn1.token_ids + env], adapter=adapter, n=1, sampling=sampling)[0][0]
+            segments = [
+                ("model", turn1.token_ids, turn1.logprobs),
+                ("env", env, None),
+                ("model", turn2.token_ids, turn2.logprobs),
+            ]
+            comps.append(Completion.from_segments(segments, float(j)))
+        group = RolloutGroup(prompt_id="0-0", prompt_index=0, prompt_token_ids=PROMPT, completions=comps)
+        gaps = model_token_gaps(learner.policy, group, sampling)
+        assert max(gaps) < 1e-3, (sampling, gaps)
+        stats = learner.train_step([StepGroup(group, 3, "gen-x", sampling)], policy_version=3)
+        assert stats[MISMATCH_PREFIX + "gen-x"] < 1e-3
+        assert stats["ratio"] == pytest.approx(1.0, abs=1e-3)
+        assert stats["train/tokens_env"] == 6.0 and math.isfinite(stats["train/loss"])
+        learner.policy.load_adapter(adapter_dir)  # back to the weights the engine serves
 
 
 def test_trainer_worker_trains_multi_turn_groups_and_reports_what_it_trained(

@@ -164,3 +164,30 @@ def test_checkpoint_state_round_trips_without_pickles(tmp_path: Path) -> None:
     # The files the trainer writes are what the proxy accepts.
     assert set(bundles.CHECKPOINT_FILES) >= names
     assert pack_dir(tmp_path)
+
+
+UNPICKLERS = {("torch", "load"), ("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler")}
+
+
+def test_no_worker_code_unpickles() -> None:
+    """No worker ever unpickles anything from the bucket (issue 12): no ``torch.load``, ``pickle.load(s)`` or
+    ``Unpickler`` anywhere in bucketrl, except the proxy's decoder pool, whose pickles it makes itself (its child
+    pickles the models it validated; the parent never passes it anything read from a client or the bucket)."""
+    import ast
+
+    import bucketrl
+
+    root = Path(bucketrl.__file__).parent
+    allowed = {root / "proxy" / "decode_pool.py"}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                owner, attr = node.value.id, node.attr
+                if (owner, attr) in UNPICKLERS:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} ({owner}.{attr})")
+            if isinstance(node, ast.ImportFrom) and node.module in {"pickle", "dill", "cloudpickle", "joblib"}:
+                found.append(f"{path.relative_to(root)}:{node.lineno} (from {node.module} import ...)")
+    assert found == [], found

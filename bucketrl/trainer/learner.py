@@ -84,6 +84,7 @@ class Learner:
             gradient_checkpointing=settings.gradient_checkpointing,
             shard=sharder,
         )
+        self.sharder = sharder
         # A sharded base is all-gathered in every forward and backward (collectives): every rank must run the same
         # number of passes, padded with filler passes (bucketrl/trainer/sharding.py).
         self.lockstep = sharder is not None

@@ -55,6 +55,9 @@ class BaseSharder:
     def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks
         self.units = 0
+        # Bytes of base weights this rank keeps at rest, and of the whole base.
+        self.held_bytes = 0
+        self.base_bytes = 0
 
     def __call__(self, base: torch.nn.Module, keep: set[torch.nn.Parameter], device: torch.device) -> None:
         """Shard ``base`` in place onto ``device``: its managed weights move there as shards (one block at a
@@ -72,12 +75,30 @@ class BaseSharder:
             fully_shard(block, mesh=mesh, ignored_params=keep)
         fully_shard(base, mesh=mesh, ignored_params=keep)
         self.units = len(blocks) + 1
+        self.held_bytes, self.base_bytes = held_bytes(base, keep)
         log.info(
-            "base model sharded over %d ranks with FSDP2: %d units (%s), LoRA replicated",
+            "base model sharded over %d ranks with FSDP2: %d units (%s), this rank holds %.1f of its %.1f MiB; "
+            "LoRA replicated",
             self.ranks.world,
             self.units,
             ", ".join(sorted(names)) or "no blocks",
+            self.held_bytes / 2**20,
+            self.base_bytes / 2**20,
         )
+
+
+def held_bytes(base: torch.nn.Module, keep: set[torch.nn.Parameter]) -> tuple[int, int]:
+    """(bytes of base weights stored on this rank, bytes of the whole base), ``keep`` left out."""
+    from torch.distributed.tensor import DTensor
+
+    held = total = 0
+    for p in base.parameters():
+        if p in keep:
+            continue
+        local = p.to_local() if isinstance(p, DTensor) else p
+        held += local.numel() * local.element_size()
+        total += p.numel() * p.element_size()
+    return held, total
 
 
 def filler_batch(pad_id: int) -> MicroBatch:

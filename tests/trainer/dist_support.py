@@ -156,8 +156,9 @@ def scenario(ranks: Any, rank_cfg: TrainerSettings, model_dir: Path) -> dict[str
         result[name] = trajectory(Learner(spec, rank_cfg, ranks=ranks), steps)
         # FSDP2: the frozen base sharded across the ranks, the same update.
         fsdp = Learner(spec, sharded, ranks=ranks)
-        assert fsdp.lockstep and fsdp.policy.sharded
+        assert fsdp.lockstep and fsdp.policy.sharded and fsdp.sharder is not None
         result[f"{name}_fsdp"] = trajectory(fsdp, steps)
+        result[f"{name}_fsdp"]["held"] = ranks.all_gather((fsdp.sharder.held_bytes, fsdp.sharder.base_bytes))
     result["stale_fsdp"] = stale_trajectory(Learner(specs(model_dir)["token"], sharded, ranks=ranks))
     result["lone_fsdp"] = lone_run(Learner(specs(model_dir)["token"], sharded, ranks=ranks), ranks.speaks)
 

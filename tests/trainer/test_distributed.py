@@ -107,6 +107,11 @@ def test_ranks_with_the_base_sharded_by_fsdp2_train_like_one_process(world: int,
             assert have["stats"][key] == pytest.approx(want["stats"][key], abs=TOL), (name, key)
         # Sharding changes where the base lives, not what is computed: the unsharded ranks' exact floats.
         if name != "stale":
+            # Each rank stores about 1/N of the base (FSDP pads dim 0 to a multiple of N), together all of it.
+            held = have["held"]
+            base = held[0][1]
+            assert len(held) == world and all(total == base for _, total in held)
+            assert sum(h for h, _ in held) == base and max(h for h, _ in held) <= 1.1 * base / world, held
             assert have["losses"] == got[name]["losses"], name
             for k, v in got[name]["adapter"].items():
                 assert torch.equal(have["adapter"][k], v), (name, k)

@@ -235,6 +235,8 @@ def main() -> None:
                     f"{name:58s} {len(body) / 1e6:8.1f} {r.status_code:6d} {grow / 1e6:13.0f} {grow / len(body):7.1f} "
                     f"{kgrow / 1e6:21.0f}"
                 )
+            time.sleep(0.3)
+            print(f"children of the proxy (the decoder) hold {peak._children_rss() / 1e6:.0f} MB after these")
             # 8 large bodies at once; /healthz polled meanwhile.
             big = legal_batch(30 * 1024 * 1024)
             base, kids = peak.reset()

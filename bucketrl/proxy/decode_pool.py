@@ -13,8 +13,8 @@ a client sent, and nothing read from the bucket, is ever unpickled.
 Memory, per body, in the proxy process: the raw body (written to the pipe from its own buffer, not copied), the
 pickled model (~0.45x a JSON body) and the model. The decoding peak itself (~6x the body for a well-formed
 batch, ~35x for hostile lists of short strings) is the child's; one body at a time goes to the child, and a
-child whose RSS passed :data:`RECYCLE_RSS_BYTES` is replaced after its decode, so one huge body does not keep
-its peak resident.
+child hands what a decode freed back to the system (``malloc_trim``), and one whose RSS still passed
+:data:`RECYCLE_RSS_BYTES` is replaced, so one huge body does not keep its peak resident.
 
 The child is ``python -c`` started with ``subprocess`` (not multiprocessing: its spawn re-imports the parent's
 ``__main__``, which broke an unguarded script, and needs ``/dev/shm`` for its locks), on first use or at a
@@ -26,6 +26,8 @@ for memory) fails that request with 422; the next large body starts a new child.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -46,7 +48,7 @@ T = TypeVar("T")
 # A child whose RSS passed this after a decode exits and is replaced (its allocator may keep a peak resident).
 RECYCLE_RSS_BYTES = 512 * 1024 * 1024
 
-_HEADER = struct.Struct("<QQ")  # call: (pickled call length, raw body length); answer: (pickle length, 0)
+_HEADER = struct.Struct("<QQ")  # call: (pickled call length, raw body length); answer: (pickle length, recycle)
 _BOOT = (
     "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
     "from bucketrl.proxy.decode_pool import child_main; child_main()"
@@ -76,15 +78,15 @@ class _Child:
             self.proc.stdin.write(head)
             self.proc.stdin.write(raw)  # from the body's own buffer: no copy
             self.proc.stdin.flush()
-            n, _ = _HEADER.unpack(_read_exactly(self.proc.stdout, _HEADER.size))
+            n, recycle = _HEADER.unpack(_read_exactly(self.proc.stdout, _HEADER.size))
             answer = _read_exactly(self.proc.stdout, n)
         except (OSError, EOFError, ValueError):
             raise _Died from None
-        kind, value, recycle = pickle.loads(answer)
+        kind, value = pickle.loads(answer)
         del answer
         if kind == "err":
             raise value
-        return value, recycle
+        return value, bool(recycle)
 
     def close(self) -> None:
         """Close stdin (the child exits at EOF) and reap it in the background."""
@@ -183,7 +185,8 @@ async def run(fn: Callable[..., T], raw: bytes | bytearray, *args: Any) -> T:
 
 
 def child_main() -> None:
-    """The child's loop: read a call and its body, answer ``(kind, value, recycle)``; exit at EOF."""
+    """The child's loop: read a call and its body, answer ``(kind, value)`` and whether it should be replaced;
+    exit at EOF."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # a print anywhere must not corrupt the answer stream
     while True:
@@ -201,15 +204,21 @@ def child_main() -> None:
             answer = ("err", exc)
         del raw
         try:
-            out = pickle.dumps((*answer, _rss() > recycle_rss), protocol=pickle.HIGHEST_PROTOCOL)
+            out = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # an unpicklable exception: its text
             err = errors.Invalid(f"body: {type(exc).__name__}: {str(exc)[:500]}")
-            out = pickle.dumps(("err", err, False), protocol=pickle.HIGHEST_PROTOCOL)
+            out = pickle.dumps(("err", err), protocol=pickle.HIGHEST_PROTOCOL)
         del answer
-        stdout.write(_HEADER.pack(len(out), 0))
+        _trim()  # what the decode freed goes back to the system, not kept for the next body
+        stdout.write(_HEADER.pack(len(out), int(_rss() > recycle_rss)))
         stdout.write(out)
         stdout.flush()
         del out
+
+
+def _trim() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # glibc's; elsewhere there is nothing to call
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _rss() -> int:

@@ -32,6 +32,10 @@
   under a new epoch, as a single process does. Ranks ask the kernel to kill them when their launcher dies
   (``PR_SET_PDEATHSIG``), so no rank outlives a killed ``torchrun``.
 
+* **The frozen base may be sharded** across the ranks with FSDP2 (``BUCKETRL_SHARD_BASE``,
+  :mod:`bucketrl.trainer.sharding`): the LoRA adapter stays replicated and reduced as above, and the ranks run the
+  same number of forward/backward passes (filler passes of zero gradient), since every pass all-gathers the base.
+
 Backends: NCCL for the gradient all-reduce when the ranks train on CUDA (each on ``cuda:LOCAL_RANK``), gloo on
 CPU; the control messages always go over gloo. Exact agreement with one process needs ``lora.dropout == 0``
 (the default): dropout masks are drawn per rank.

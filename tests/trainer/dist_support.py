@@ -159,7 +159,9 @@ def scenario(ranks: Any, rank_cfg: TrainerSettings, model_dir: Path) -> dict[str
         assert fsdp.lockstep and fsdp.policy.sharded and fsdp.sharder is not None
         result[f"{name}_fsdp"] = trajectory(fsdp, steps)
         result[f"{name}_fsdp"]["held"] = ranks.all_gather((fsdp.sharder.held_bytes, fsdp.sharder.base_bytes))
-    result["stale_fsdp"] = stale_trajectory(Learner(specs(model_dir)["token"], sharded, ranks=ranks))
+    # ... with gradient checkpointing too (its recomputed forwards all-gather again, in the same order on every rank).
+    checkpointed = sharded.model_copy(update={"gradient_checkpointing": True})
+    result["stale_fsdp"] = stale_trajectory(Learner(specs(model_dir)["token"], checkpointed, ranks=ranks))
     result["lone_fsdp"] = lone_run(Learner(specs(model_dir)["token"], sharded, ranks=ranks), ranks.speaks)
 
     # One group: every sample on rank 0, nothing on the others (their gradients count as zeros).

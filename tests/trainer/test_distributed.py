@@ -116,8 +116,8 @@ def test_ranks_with_the_base_sharded_by_fsdp2_train_like_one_process(world: int,
             for k, v in got[name]["adapter"].items():
                 assert torch.equal(have["adapter"][k], v), (name, k)
     assert got["sequence_kl_fsdp"]["stats"]["kl"] == pytest.approx(single["sequence_kl"]["stats"]["kl"], abs=TOL)
-    # Stale samples: every rank checked its share under version 0's weights (different numbers of no-grad
-    # forwards, padded), and the merged per-generator mismatch is one process's.
+    # Stale samples (and gradient checkpointing): every rank checked its share under version 0's weights (different
+    # numbers of no-grad forwards, padded), and the merged per-generator mismatch is one process's.
     mismatch = [k for k in single["stale"]["stats"] if k.startswith("mismatch/")]
     assert len(mismatch) == 2, mismatch
     for key in mismatch:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 from bucketrl.client import ProxyClient
 from tests.proxy.harness import TOKENS, TOKENS_ENV, adapter_tar, checkpoint_tar, make_spec
 from tests.support.services import RedisServer, free_port, wait_port
@@ -44,8 +46,12 @@ def test_proxy_subprocess_serves_and_rebuild_flag_restores(redis_server: RedisSe
         t.publish_adapter(1, adapter_tar(1))
         t.publish_adapter(2, adapter_tar(2))
         t.put_checkpoint(4, checkpoint_tar(b"4"))
+        # A serving proxy starts its body decoder with it (the first large body does not wait for its imports).
+        decoders = [c for c in psutil.Process(proc.pid).children() if "child_main" in " ".join(c.cmdline())]
+        assert len(decoders) == 1, [c.cmdline() for c in psutil.Process(proc.pid).children()]
     finally:
         _stop(proc)
+    decoders[0].wait(10)  # ... and it ends with the proxy (stdin closed), leaving no process behind
 
     redis_server.wipe()
     redis_server.start()

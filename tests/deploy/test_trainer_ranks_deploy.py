@@ -14,6 +14,7 @@ import pytest
 from tests.deploy.support import (
     COMPOSE_FILES,
     ENV_EXAMPLE,
+    build_settings,
     lint_chart,
     load_compose,
     manifests,
@@ -41,17 +42,13 @@ def trainer_objects(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     return workload, (services[0] if services else None), docs
 
 
-def trainer_settings(env: dict[str, Any]) -> Any:
-    """The trainer's settings as it would read them from this environment (BUCKETRL_* only)."""
-    import os
-    from unittest import mock
-
+def trainer_settings(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The trainer's settings as it would read them from this environment (its literal BUCKETRL_* values; the run
+    spec is a path inside the pod)."""
     from bucketrl.trainer.settings import TrainerSettings
 
     wanted = {k: str(v) for k, v in env.items() if k.startswith("BUCKETRL_") and k != "BUCKETRL_RUN_SPEC" and v}
-    kept = {k: v for k, v in os.environ.items() if not k.startswith("BUCKETRL_")}
-    with mock.patch.dict(os.environ, {**kept, **wanted}, clear=True):
-        return TrainerSettings()
+    return build_settings(TrainerSettings, wanted, monkeypatch)
 
 
 def test_default_trainer_is_one_plain_process() -> None:
@@ -62,7 +59,7 @@ def test_default_trainer_is_one_plain_process() -> None:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_gpus_and_nodes_start_torchrun_with_one_rank_per_gpu(case: str) -> None:
+def test_gpus_and_nodes_start_torchrun_with_one_rank_per_gpu(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed.run import parse_args, parse_min_max_nnodes
 
     values = CASES[case]
@@ -83,7 +80,7 @@ def test_gpus_and_nodes_start_torchrun_with_one_rank_per_gpu(case: str) -> None:
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env.get("BUCKETRL_SHARD_BASE") == ("true" if t.get("shardBase") else None)
     if t.get("shardBase"):
-        assert trainer_settings(env).shard_base is True
+        assert trainer_settings(env, monkeypatch).shard_base is True
     name = workload["metadata"]["name"]
     if nodes == 1:
         assert args.standalone
@@ -109,7 +106,7 @@ def test_gpus_and_nodes_start_torchrun_with_one_rank_per_gpu(case: str) -> None:
 
 
 @pytest.mark.parametrize("gpus", [None, "4"])
-def test_compose_gpu_trainer_takes_the_number_of_gpus(gpus: str | None) -> None:
+def test_compose_gpu_trainer_takes_the_number_of_gpus(gpus: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed.run import parse_args
 
     env = read_env_file(ENV_EXAMPLE)
@@ -130,4 +127,4 @@ def test_compose_gpu_trainer_takes_the_number_of_gpus(gpus: str | None) -> None:
     assert "shm_size" in trainer
     # TRAINER_SHARD_BASE: off by default, on when set (FSDP2 across the ranks).
     assert trainer["environment"]["BUCKETRL_SHARD_BASE"] == ("true" if gpus else "false")
-    assert trainer_settings(trainer["environment"]).shard_base is bool(gpus)
+    assert trainer_settings(trainer["environment"], monkeypatch).shard_base is bool(gpus)

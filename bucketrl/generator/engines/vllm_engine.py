@@ -47,6 +47,24 @@ def _model_max_len(model_path: str) -> int | None:
         return None
 
 
+def _in_request_order(ids: list[str], outs: list[Any], prompts: list[list[int]]) -> list[Any]:
+    """The outputs in the order of the prompts. The engine finishes requests in any order, and vLLM 0.32's
+    ``enqueue`` returns ids with a random suffix (``'3-8a2ac12c'``) that its outputs do not carry (``'3'``): matched
+    on either form, and every output's prompt is checked, because a completion handed to another prompt's group
+    would be trained against the wrong context (this fallback once returned the completion order)."""
+    by_id = {o.request_id: o for o in outs}
+    ordered = []
+    for rid in ids:
+        out = by_id.get(rid) or by_id.get(rid.split("-", 1)[0])
+        if out is None:
+            raise errors.BucketRLError(f"vLLM returned no output for request {rid!r} (got {sorted(by_id)})")
+        ordered.append(out)
+    for out, prompt in zip(ordered, prompts, strict=True):
+        if list(out.prompt_token_ids) != prompt:
+            raise errors.BucketRLError(f"vLLM output {out.request_id!r} is not for the prompt it was matched to")
+    return ordered
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -148,10 +166,7 @@ class VLLMEngine:
         # ``while_running`` (e.g. loading the next adapter) runs here, once queued and then between steps.
         ids = self._llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, lora_request=req, use_tqdm=False)
         outs = self._drain(while_running)
-        by_id = {o.request_id: o for o in outs}
-        ordered = [by_id[i] for i in ids] if all(i in by_id for i in ids) else outs
-        if len(ordered) != len(prompts):
-            raise errors.BucketRLError(f"vLLM returned {len(ordered)} outputs for {len(prompts)} prompts")
+        ordered = _in_request_order(ids, outs, prompts)
         return [[self._sample(c) for c in out.outputs] for out in ordered]
 
     def _drain(self, hook: Callable[[], None] | None) -> list[Any]:

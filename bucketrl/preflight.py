@@ -20,6 +20,7 @@ workers the run spec's fields (``reward.name``).
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import threading
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ UP_NAMES = {
     "answer_field": "--answer-field",
     "reward": "--reward",
     "reward_kwargs": "--reward-kwargs",
+    "env": "--env",
     "lora": "--lora-target-modules",
     "max_new_tokens": "--max-new-tokens",
     "context": "--max-new-tokens",
@@ -50,6 +52,7 @@ SPEC_NAMES = {
     "answer_field": "dataset.answer_field (run spec)",
     "reward": "reward.name (run spec)",
     "reward_kwargs": "reward.kwargs (run spec)",
+    "env": "env.name (run spec)",
     "lora": "lora.target_modules (run spec)",
     "max_new_tokens": "sampling.max_new_tokens (run spec)",
     "context": "sampling.max_new_tokens (run spec) or BUCKETRL_MAX_MODEL_LEN",
@@ -353,6 +356,8 @@ def check_run(
         report.reward_value = check_reward(spec.reward, examples[0], names, timeout_s=reward_timeout_s)
     elif reward == "resolve":
         resolve_reward_checked(spec.reward, names)
+    if reward != "skip" and getattr(spec, "env", None) is not None:
+        check_env(spec.env, names)
     config, tokenizer = load_config_and_tokenizer(model, names)
     report.lora_targets = lora_targets(config, spec.lora.target_modules, names)
     report.longest_prompt_tokens, report.longest_prompt_row = longest_prompt(tokenizer, examples, names)
@@ -367,6 +372,23 @@ def check_run(
         report.chose_max_new_tokens = True
     check_context(context, report.longest_prompt_tokens, report.longest_prompt_row, report.max_new_tokens, names)
     return report
+
+
+def check_env(env: Any, names: dict[str, str] = UP_NAMES) -> None:
+    """A multi-turn run's environment: importable, constructible from env.kwargs; and what it needs installed."""
+    from bucketrl.envs.protocol import EXTERNAL, make_env
+
+    for module, extra in (("openai", "generator"), ("fastapi", "generator"), ("uvicorn", "generator")):
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"{names['env']} {env.name}: multi-turn runs need {module!r}: pip install 'bucketrl[{extra}]'"
+            )
+    if env.name == EXTERNAL:
+        return
+    try:
+        make_env(env.name, env.kwargs)
+    except errors.Invalid as exc:
+        raise ConfigError(f"{names['env']}: {exc.message}") from None
 
 
 def _short(exc: BaseException) -> str:

@@ -16,6 +16,19 @@ Names follow TRL's AsyncGRPOTrainer where one exists (TEAM.md):
     rollout/groups_submitted_total, rollout/dropped_stale_total, rollout/rejected_groups_total,
     rollout/released_prompts_total, rollout/truncated_prompts_total, rollout/tokens_total,
     sync/adapter_failures_total (versions that could not be fetched or loaded and were skipped) (cumulative)
+
+Multi-turn runs (run spec ``env``), per episode closed (bucketrl.envs):
+
+    episode/turns_mean, episode/tool_calls_mean     model turns, tool calls per episode (since the last push)
+    episode/gen_s_mean, episode/env_s_mean          seconds per episode waiting for the engine (queue and
+                                                    sampling) and everything else (environment, tools, agent)
+    episode/env_time_frac                           env_s / (env_s + gen_s) over those episodes
+    episode/episodes_total, episode/turns_total, episode/tool_calls_total, episode/tool_errors_total (failed
+    calls: unknown tool, bad arguments, the tool raised, a malformed call), episode/timeouts_total,
+    episode/failed_total and episode/failed_<kind>_total (bucketrl.envs.episodes.EPISODE_FAILURES and the reward
+    kinds), episode/samples_total, episode/split_episodes_total, episode/tokens_trained_total (model tokens),
+    episode/tokens_context_total (environment tokens between turns) (cumulative); the first message of each
+    failure kind in ``episode_errors`` (pushed as notes ``episode_error/<kind>``)
 """
 
 from __future__ import annotations
@@ -23,8 +36,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from bucketrl.rewards import Scored
+
+if TYPE_CHECKING:
+    from bucketrl.envs.episodes import Episode
 from bucketrl.wire import SampleCompletion
 
 # Sample completions carried by one push (the newest; the proxy keeps the run's latest few dozen).
@@ -54,6 +71,8 @@ class GeneratorMetrics:
         # The first message of each reward failure kind (what status and the dashboard show).
         self.reward_errors: dict[str, str] = {}
         self._samples: deque[SampleCompletion] = deque(maxlen=SAMPLES_PER_PUSH)
+        self.episode_errors: dict[str, str] = {}
+        self._window_episodes = [0, 0, 0, 0.0, 0.0]  # episodes, turns, tool calls, gen_s, env_s
 
     def add(self, name: str, value: float = 1.0) -> None:
         with self._lock:
@@ -87,6 +106,38 @@ class GeneratorMetrics:
                 self.totals[name] = self.totals.get(name, 0.0) + 1
                 self.reward_errors.setdefault(r.kind, r.message or r.kind)
 
+    def episode(self, ep: Episode) -> None:
+        """Count a closed episode (called from the episodes' thread)."""
+        samples = ep.samples()
+        trained = sum(len(ids) for s in samples for kind, ids, _ in s.segments if kind == "model")
+        context = sum(len(ids) for s in samples for kind, ids, _ in s.segments if kind == "env")
+        st = ep.stats
+        with self._lock:
+            t = self.totals
+            for name, value in (
+                ("episode/episodes_total", 1),
+                ("episode/turns_total", st.turns),
+                ("episode/tool_calls_total", st.tool_calls),
+                ("episode/tool_errors_total", st.tool_errors),
+                ("episode/timeouts_total", int(ep.timed_out)),
+                ("episode/failed_total", int(ep.error is not None)),
+                ("episode/samples_total", len(samples)),
+                ("episode/split_episodes_total", int(len(samples) > 1)),
+                ("episode/tokens_trained_total", trained),
+                ("episode/tokens_context_total", context),
+            ):
+                t[name] = t.get(name, 0.0) + value
+            if ep.error is not None:
+                kind, message = ep.error
+                t[f"episode/failed_{kind}_total"] = t.get(f"episode/failed_{kind}_total", 0.0) + 1
+                self.episode_errors.setdefault(kind, message)
+            w = self._window_episodes
+            w[0] += 1
+            w[1] += st.turns
+            w[2] += st.tool_calls
+            w[3] += st.gen_s
+            w[4] += st.env_s
+
     def rewards(self, values: list[float | None]) -> None:
         scored = [v for v in values if v is not None]
         with self._lock:
@@ -117,6 +168,14 @@ class GeneratorMetrics:
             out["rollout/inflight"] = float(self.inflight_groups)
             if self._window_reward_n:
                 out["reward"] = self._window_reward_sum / self._window_reward_n
+            n, turns, calls, gen_s, env_s = self._window_episodes
+            if n:
+                out["episode/turns_mean"] = turns / n
+                out["episode/tool_calls_mean"] = calls / n
+                out["episode/gen_s_mean"] = gen_s / n
+                out["episode/env_s_mean"] = env_s / n
+                out["episode/env_time_frac"] = env_s / max(env_s + gen_s, 1e-9)
+                self._window_episodes = [0, 0, 0, 0.0, 0.0]
             self._window_start = now
             self._window_tokens = 0
             self._window_backpressure_s = 0.0

@@ -139,6 +139,35 @@ class GeneratorSettings(WorkerSettings):
     max_groups: int | None = Field(
         None, ge=1, description="Exit 0 after submitting this many groups (BUCKETRL_MAX_GROUPS); None = no limit."
     )
+    openai_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Multi-turn runs (run spec env): expose this generator's OpenAI-compatible endpoint on this "
+        "port (BUCKETRL_OPENAI_PORT; 0 = any free one) for agents outside it, with its URL and token in "
+        "BUCKETRL_ENDPOINT_FILE; unset: the endpoint serves only this generator's own environments, on a free "
+        "loopback port.",
+    )
+    openai_host: str = Field(
+        "127.0.0.1",
+        description="Address the endpoint binds (BUCKETRL_OPENAI_HOST); loopback unless agents on other machines "
+        "must reach it (then put it behind TLS: its token is a bearer token).",
+    )
+    openai_token: str | None = Field(
+        None, description="Bearer token of the endpoint (BUCKETRL_OPENAI_TOKEN); default: a random one per start."
+    )
+    endpoint_file: str | None = Field(
+        None,
+        description="Where an exposed endpoint's URL and token are written as JSON (BUCKETRL_ENDPOINT_FILE; mode "
+        "0600); `bucketrl up --openai-port` uses <run dir>/endpoint.json.",
+    )
+    episode_groups: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Multi-turn runs: groups whose episodes run at once (BUCKETRL_EPISODE_GROUPS); default "
+        "BUCKETRL_PROMPTS_PER_REQUEST. Their turns are sampled together, in batches.",
+    )
     log_level: str = Field("INFO", description="Python log level (BUCKETRL_LOG_LEVEL).")
 
     @model_validator(mode="after")

@@ -31,8 +31,10 @@ from typing import Any
 from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.datasets import Example
+from bucketrl.envs.episodes import Episode
 from bucketrl.generator.adapters import VersionBook
 from bucketrl.generator.engines.base import Sample
+from bucketrl.generator.episode_groups import episode_group, needs_score
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.rewards import RewardItem, RewardPool
 from bucketrl.wire import Completion, PromptLeaseItem, RolloutBatch, RolloutGroup, SamplingSpec
@@ -51,6 +53,8 @@ class GeneratedBatch:
     prompt_token_ids: list[list[int]]
     samples: list[list[Sample]]
     sampling: SamplingSpec | None = None  # what the engine sampled with (the batch records it for the trainer)
+    # Multi-turn runs: each prompt's G closed episodes (``samples`` is then empty; bucketrl.envs).
+    episodes: list[list[Episode]] | None = None
     idempotency_key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -96,6 +100,7 @@ class Submitter:
         metrics: GeneratorMetrics,
         use_msgpack: bool,
         max_batches: int,
+        placeholder_token: int = 0,
     ) -> None:
         self.client = client
         self.worker_id = worker_id
@@ -105,6 +110,7 @@ class Submitter:
         self.ledger = ledger
         self.metrics = metrics
         self.use_msgpack = use_msgpack
+        self.placeholder_token = placeholder_token  # an episode with no model turn (bucketrl.generator.episode_groups)
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=max_batches)
         self.abandon = threading.Event()
         self.groups_submitted = 0
@@ -185,6 +191,9 @@ class Submitter:
                 self.release(item, "error")
 
     def _handle(self, b: GeneratedBatch) -> None:
+        if b.episodes is not None:
+            self._handle_episodes(b)
+            return
         items = [
             RewardItem(self.decode(s.token_ids), ex.answer, ex.prompt)
             for ex, group in zip(b.examples, b.samples, strict=True)
@@ -229,7 +238,37 @@ class Submitter:
             log.error("%d group(s) had malformed samples; releasing their prompts", len(bad))
             self.metrics.add("rollout/rejected_groups_total", len(bad))
             self.release_prompts([p.prompt_id for p in bad])
+        self._submit_groups(b, groups, b.examples[0].prompt, items[0].completion, scored[0].value)
+
+    def _handle_episodes(self, b: GeneratedBatch) -> None:
+        """Score the episodes left to the run's reward function (their last answer), build the groups, submit."""
+        assert b.episodes is not None
+        need = [(g, i) for g, eps in enumerate(b.episodes) for i, ep in enumerate(eps) if needs_score(ep)]
+        items = [RewardItem(b.episodes[g][i].final_text, b.examples[g].answer, b.examples[g].prompt) for g, i in need]
+        scored = self.pool.score_detailed(items, cancel=self.abandon)
+        if self.abandon.is_set():
+            self.release(b, "shutdown")
+            return
+        self.metrics.unscorable(scored)
+        verdicts = dict(zip(need, scored, strict=True))
+        groups: list[RolloutGroup] = []
+        for g, (p, ids, eps) in enumerate(zip(b.prompts, b.prompt_token_ids, b.episodes, strict=True)):
+            mine = {i: v for (gg, i), v in verdicts.items() if gg == g}
+            try:
+                groups.append(episode_group(p, ids, eps, mine, self.placeholder_token))
+            except ValueError as exc:  # a trajectory the wire refuses: a bug to report, not a crash
+                log.error("episodes of %s do not make a valid group (%s); releasing the prompt", p.prompt_id, exc)
+                self.metrics.add("rollout/rejected_groups_total")
+                self.release_prompts([p.prompt_id])
+        ep0 = b.episodes[0][0]
+        reward0 = verdicts[(0, 0)].value if (0, 0) in verdicts else ep0.reward
+        self._submit_groups(b, groups, b.examples[0].prompt, ep0.final_text, reward0)
+
+    def _submit_groups(
+        self, b: GeneratedBatch, groups: list[RolloutGroup], prompt: str, completion: str, reward: float | None
+    ) -> None:
         if not groups:
+            self.metrics.inflight(-len(b.prompts))
             self.book.end(b.version)
             return
         batch = RolloutBatch(
@@ -242,9 +281,10 @@ class Submitter:
             self.ledger.remove(ids)
             self.groups_submitted += len(groups)
             self.metrics.add("rollout/groups_submitted_total", len(groups))
-            self.metrics.rewards([c.reward for g in groups for c in g.completions])
+            # One reward per episode (a split episode's samples repeat it).
+            self.metrics.rewards([g.completions[idx[0]].reward for g in groups for idx in g.episodes()])
             # One completion of the batch as text, for people watching the run (the dashboard's samples).
-            self.metrics.sample(b.version, b.examples[0].prompt, items[0].completion, scored[0].value)
+            self.metrics.sample(b.version, prompt, completion, reward)
         else:
             self.release_prompts(ids)
         self.metrics.inflight(-len(b.prompts))

@@ -33,7 +33,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
@@ -48,12 +48,17 @@ from bucketrl.rewards import RewardItem, RewardPool
 from bucketrl.wire import EvalResult, EvalSample, MetricsPush, PromptLeaseItem, RunSpec
 from bucketrl.wire.runs import DatasetSpec
 
+if TYPE_CHECKING:
+    from bucketrl.generator.episode_loop import EpisodeDriver
+
 log = logging.getLogger(__name__)
 
 # While the main thread waits (a prompt lease, a full submit queue), it loads fetched versions this often (s).
 IDLE_POLL_S = 0.02
 # A version the proxy had no eval prompts of for us is asked about again after this long (s).
 EVAL_RECHECK_S = 30.0
+# MetricsPush.notes' cap.
+MAX_NOTES = 16
 # A prompt lease long-polls this long for admission control's room (the proxy caps it at its max_wait_s).
 PROMPT_WAIT_S = 2.0
 
@@ -92,6 +97,7 @@ class GeneratorWorker:
         self._version_ready = threading.Event()
         self._leaser = ThreadPoolExecutor(1, thread_name_prefix="prompt-lease")
         self._prefetch: tuple[Future[list[PromptLeaseItem]], int] | None = None
+        self.episodes: EpisodeDriver | None = None  # multi-turn runs (run spec env)
         self.phase = "starting"
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -174,8 +180,14 @@ class GeneratorWorker:
             metrics=self.metrics,
             use_msgpack=s.use_msgpack,
             max_batches=s.submit_queue_batches,
+            placeholder_token=self._tokenizer.eos_token_id or 0,
         )
         self.submitter.start()
+        if spec.env is not None:
+            from bucketrl.generator.episode_loop import EpisodeDriver
+
+            self.episodes = EpisodeDriver(self)
+            self.episodes.start()
         for target, name in ((self._sync_adapters, "adapter-sync"), (self._keep, "keeper")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -231,6 +243,9 @@ class GeneratorWorker:
 
     def _loop(self) -> None:
         assert self.spec is not None and self.engine is not None and self.submitter is not None
+        if self.episodes is not None:
+            self.episodes.loop()
+            return
         s = self.settings
         try:
             while not self.stop_event.is_set():
@@ -392,8 +407,8 @@ class GeneratorWorker:
         prefetched training lease keeps running meanwhile): eval takes at most one small batch per training
         batch. Versions the proxy had nothing more for are not asked about again."""
         spec = self.spec
-        if spec is None or spec.eval is None or self.engine is None or self._pool is None:
-            return
+        if spec is None or spec.eval is None or self.engine is None or self._pool is None or spec.env is not None:
+            return  # multi-turn runs are not evaluated by generators (yet): their episodes need the environment
         if self._eval_broken is not None and self._eval_broken == spec.eval_dataset():
             return
         now = time.monotonic()
@@ -646,7 +661,12 @@ class GeneratorWorker:
             metrics=self.metrics.snapshot(),
             loaded_versions=self.book.loaded_versions(),
             phase=self.phase,
-            notes={f"reward_error/{kind}": text for kind, text in self.metrics.reward_errors.items()},
+            notes=dict(
+                [
+                    *((f"reward_error/{kind}", text) for kind, text in self.metrics.reward_errors.items()),
+                    *((f"episode_error/{kind}", text) for kind, text in self.metrics.episode_errors.items()),
+                ][:MAX_NOTES]
+            ),
             samples=self.metrics.take_samples() or None,
         )
         try:

@@ -16,6 +16,9 @@ Tasks (``toy:<task>`` dataset URIs, ``toy`` reward with ``{"task": <task>}``):
               ``"odd"``). Same credit; reading the parity off a number is much slower to learn.
 - ``copy``    prompt ``"k:"``; repeat the letter (answer ``"k"``). Credit 1 per copy, ``near`` per
               other lowercase letter. Far harder from random weights; not used by the demo.
+- ``tools``   multi-turn (run spec ``env`` ``toy:tools``, :mod:`bucketrl.envs.toy_tools`): prompt ``"q?"``, answer
+              a digits rule drawn at random per row, which only the ``lookup`` tool tells; the model must call
+              it, then answer with digits of that kind in a later turn.
 
 Why the demo samples at temperature 0.3: with tied embeddings (init std 0.02) and the final RMSNorm
 outside LoRA's reach, the tiny model's logit vector has norm <= ~4 at temperature 1, too flat to put
@@ -43,7 +46,9 @@ NEAR_CREDIT = 0.1  # credit for a character of the right kind but the wrong valu
 DEMO_LR = 3e-4
 DEMO_MAX_STEPS = 100
 
-TASKS = ("digits", "parity", "copy")
+TASKS = ("digits", "parity", "copy", "tools")
+# Multi-turn toy tasks: their environment (run spec env.name) and episode limits.
+ENV_TASKS = {"tools": "toy:tools"}
 # The digits each rule asks for.
 RULES: dict[str, frozenset[str]] = {
     "even": frozenset("02468"),
@@ -66,6 +71,9 @@ def _example(task: str, rng: random.Random) -> dict[str, str]:
     if task == "copy":
         letter = rng.choice(string.ascii_lowercase)
         return {"prompt": f"{letter}:", "answer": letter}
+    if task == "tools":
+        # The key is what the user asks about; the rule is independent of it: only the tool knows.
+        return {"prompt": f"{rng.choice(string.ascii_lowercase)}?", "answer": rng.choice(sorted(RULES))}
     raise ValueError(f"unknown toy task {task!r}; choose one of {', '.join(TASKS)}")
 
 
@@ -132,21 +140,34 @@ def toy_reward(
 def default_run_spec(model_dir: str | Path, *, task: str = DEFAULT_TASK, size: int = DEFAULT_SIZE):  # -> RunSpec
     """The demo's run spec: the tiny model at ``model_dir``, the toy task, settings measured to learn."""
     from bucketrl.tasks.tiny_model import VOCAB_SIZE
-    from bucketrl.wire import DatasetSpec, LoraSpec, RewardSpec, RunSpec, SamplingSpec
+    from bucketrl.wire import DatasetSpec, EnvSpec, EpisodeSpec, LoraSpec, RewardSpec, RunSpec, SamplingSpec
 
     if task not in TASKS:
         raise ValueError(f"unknown toy task {task!r}; choose one of {', '.join(TASKS)}")
+    multi_turn: dict[str, Any] = {}
+    if task in ENV_TASKS:
+        from bucketrl.envs.toy_tools import MAX_TURNS
+
+        multi_turn = {
+            "env": EnvSpec(name=ENV_TASKS[task]),
+            # call + answer + a spare; a few seconds per episode on 2 cores, so 60 s only catches a stuck one.
+            "episode": EpisodeSpec(max_turns=MAX_TURNS, episode_timeout_s=60.0, max_episode_tokens=256),
+        }
     return RunSpec(
         base_model=str(model_dir),
         lora=LoraSpec(r=16, alpha=32.0, dropout=0.0, target_modules="all-linear"),
         group_size=8,
         max_staleness=4,
         sampling=SamplingSpec(temperature=0.3, top_p=1.0, top_k=-1, max_new_tokens=DEFAULT_LENGTH),
-        reward=RewardSpec(name="toy", kwargs={"task": task, "length": DEFAULT_LENGTH}),
+        # toy:tools' environment scores its episodes; the digits reward would score an answer it left unscored.
+        reward=RewardSpec(
+            name="toy", kwargs={"task": "digits" if task in ENV_TASKS else task, "length": DEFAULT_LENGTH}
+        ),
         dataset=DatasetSpec(uri=f"toy:{task}", size=size),
         vocab_size=VOCAB_SIZE,
         queue_capacity_groups=64,
         groups_per_step=8,
+        **multi_turn,
     )
 
 

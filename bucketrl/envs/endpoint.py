@@ -1,0 +1,189 @@
+"""The generator's OpenAI-compatible endpoint: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, and
+the episode routes of external agents (``POST /v1/episodes``, ``POST /v1/episodes/{id}/finish``).
+
+Every call names an episode in ``model`` (``{run}-v{N}:{episode_id}``) and is sampled with that episode's policy
+version and the run's sampling settings (the trainer recomputes behaviour logprobs with them, so a request's
+``temperature``/``top_p`` are ignored; ``max_tokens`` only lowers the run's ``sampling.max_new_tokens``). A chat
+call is rendered with the model's chat template (``tools=`` included), its tool calls parsed into OpenAI
+``tool_calls`` (:mod:`bucketrl.envs.parsers`), and its exact prompt ids, sampled ids and behaviour logprobs are
+recorded into the episode. Refused: ``stream``, ``n`` > 1, ``echo``, concurrent calls of one episode, a model name
+of another episode or version (that fails the episode), calls past ``episode.max_turns`` (fails it too) or past
+the context (``BUCKETRL_MAX_MODEL_LEN``, ``episode.max_episode_tokens``). Auth: ``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from bucketrl.envs import openai_models as om
+from bucketrl.envs.episodes import EndpointError, Episode
+from bucketrl.envs.parsers import parse
+from bucketrl.envs.templates import render
+
+if TYPE_CHECKING:
+    from bucketrl.envs.service import EpisodeService
+
+
+def _error(status: int, code: str, message: str, retry_after: float | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = om.OpenAIError(error=om.OpenAIErrorDetail(message=message, type=kind, code=code))
+    headers = {"Retry-After": f"{max(0.0, retry_after):.0f}"} if retry_after is not None else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def make_app(hub: EpisodeService) -> FastAPI:
+    app = FastAPI(title="bucketrl generator endpoint (OpenAI-compatible)", docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Any:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {hub.token}".encode()):
+            return _error(401, "invalid_api_key", "missing or wrong bearer token (see endpoint.json)")
+        return await call_next(request)
+
+    @app.exception_handler(EndpointError)
+    async def _refused(_: Request, exc: EndpointError) -> JSONResponse:
+        return _error(exc.status, exc.code, exc.message, exc.retry_after)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
+        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        return _error(400, "invalid_request", f"{where}: {first['msg']}")
+
+    @app.get("/v1/models", response_model=om.ModelList)
+    async def models() -> om.ModelList:
+        return om.ModelList(data=[om.ModelCard(id=m) for m in hub.live_models()[:1000]])
+
+    @app.post("/v1/chat/completions", response_model=om.ChatCompletion)
+    async def chat(req: om.ChatRequest) -> om.ChatCompletion:
+        _plain(req.n, req.stream)
+        ep = hub.book.episode_for(req.model)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            prompt_ids = render(hub.tokenizer, messages, tools)
+        except Exception as exc:  # jinja errors: the template refused these messages
+            raise EndpointError(400, "chat_template", f"the chat template cannot render these messages: {exc}") from exc
+        sample = await hub.sample(ep, prompt_ids, req.max_completion_tokens or req.max_tokens)
+        text = hub.decode(sample.token_ids)
+        parsed = parse(text, hub.syntax, [t.function.name for t in req.tools or []])
+        ep.stats.tool_calls += len(parsed.calls)
+        ep.stats.malformed_calls += parsed.malformed
+        ep.stats.tool_errors += parsed.malformed
+        ep.final_text = parsed.content or ""
+        calls = [
+            om.ToolCallModel(id=c.id, function=om.FunctionCall(name=c.name, arguments=c.arguments))
+            for c in parsed.calls
+        ] or None
+        finish = "tool_calls" if calls else ("length" if sample.finish_reason == "length" else "stop")
+        return om.ChatCompletion(
+            id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            created=int(time.time()),
+            model=ep.model,
+            choices=[
+                om.ChatChoice(
+                    message=om.AssistantMessage(content=parsed.content, tool_calls=calls),
+                    finish_reason=finish,
+                    logprobs=_chat_logprobs(hub, sample.token_ids, sample.logprobs) if req.logprobs else None,
+                )
+            ],
+            usage=_usage(prompt_ids, sample.token_ids),
+        )
+
+    @app.post("/v1/completions", response_model=om.TextCompletion)
+    async def completions(req: om.CompletionRequest) -> om.TextCompletion:
+        _plain(req.n, req.stream)
+        if req.echo:
+            raise EndpointError(400, "unsupported", "echo is not supported")
+        ep = hub.book.episode_for(req.model)
+        if isinstance(req.prompt, str):
+            prompt_ids = [int(t) for t in hub.tokenizer.encode(req.prompt, add_special_tokens=False)]
+        else:
+            prompt_ids = list(req.prompt)
+            bad = [t for t in prompt_ids if not 0 <= t < hub.vocab_size]
+            if bad:
+                raise EndpointError(400, "invalid_prompt", f"prompt token id {bad[0]} is outside [0, {hub.vocab_size})")
+        if not prompt_ids:
+            raise EndpointError(400, "invalid_prompt", "the prompt has no tokens")
+        sample = await hub.sample(ep, prompt_ids, req.max_tokens)
+        text = hub.decode(sample.token_ids)
+        ep.final_text = text
+        logprobs = None
+        if req.logprobs is not None:
+            pieces = [hub.decode([t]) for t in sample.token_ids]
+            offsets, at = [], 0
+            for p in pieces:
+                offsets.append(at)
+                at += len(p)
+            logprobs = om.CompletionLogprobs(tokens=pieces, token_logprobs=list(sample.logprobs), text_offset=offsets)
+        return om.TextCompletion(
+            id=f"cmpl-{uuid.uuid4().hex[:24]}",
+            created=int(time.time()),
+            model=ep.model,
+            choices=[
+                om.CompletionChoice(
+                    text=text, finish_reason="length" if sample.finish_reason == "length" else "stop", logprobs=logprobs
+                )
+            ],
+            usage=_usage(prompt_ids, sample.token_ids),
+        )
+
+    @app.post("/v1/episodes", response_model=om.EpisodeOpen)
+    async def open_episode() -> om.EpisodeOpen:
+        ep = await hub.open_external()
+        return _opened(hub, ep)
+
+    @app.post("/v1/episodes/{episode_id}/finish", response_model=om.EpisodeFinished)
+    async def finish_episode(episode_id: str, body: om.EpisodeFinish) -> om.EpisodeFinished:
+        ep = hub.book.get(episode_id)
+        if ep is None or not ep.group.external:
+            raise EndpointError(404, "episode_not_found", f"no live external episode {episode_id!r}")
+        hub.finish_external(ep, body.reward, body.error)
+        return om.EpisodeFinished(episode_id=ep.id, turns=len(ep.turns), group_complete=ep.group.done)
+
+    return app
+
+
+def _plain(n: int, stream: bool) -> None:
+    if n != 1:
+        raise EndpointError(400, "unsupported", "n must be 1: an episode is one trajectory (start G episodes instead)")
+    if stream:
+        raise EndpointError(400, "unsupported", "stream is not supported by this endpoint; send stream=false")
+
+
+def _usage(prompt_ids: list[int], completion_ids: list[int]) -> om.Usage:
+    return om.Usage(
+        prompt_tokens=len(prompt_ids),
+        completion_tokens=len(completion_ids),
+        total_tokens=len(prompt_ids) + len(completion_ids),
+    )
+
+
+def _chat_logprobs(hub: EpisodeService, ids: list[int], logprobs: list[float]) -> om.ChoiceLogprobs:
+    out = []
+    for t, lp in zip(ids, logprobs, strict=True):
+        piece = hub.decode([t])
+        out.append(om.TokenLogprob(token=piece, logprob=lp, bytes=list(piece.encode())))
+    return om.ChoiceLogprobs(content=out)
+
+
+def _opened(hub: EpisodeService, ep: Episode) -> om.EpisodeOpen:
+    ex = ep.group.example
+    return om.EpisodeOpen(
+        episode_id=ep.id,
+        model=ep.model,
+        version=ep.group.version,
+        row=om.EpisodeRow(index=ex.index, prompt=ex.prompt, answer=ex.answer, messages=ex.chat()),
+        max_turns=hub.max_turns,
+        timeout_s=hub.timeout_s,
+        prompt_id=ep.group.prompt.prompt_id,
+        index_in_group=ep.index,
+    )

@@ -1,0 +1,235 @@
+"""The generator's loop for multi-turn runs (run spec ``env``): episodes instead of single completions.
+
+The worker's main thread keeps owning the engine. Each pass it loads fetched versions, starts groups (the G
+episodes of a leased prompt, pinned to the newest loaded version, run concurrently by the environment on the
+episodes' thread, :mod:`bucketrl.envs.service`) while fewer than ``BUCKETRL_EPISODE_GROUPS`` are in flight, samples
+every turn the episodes asked for in one batched engine call, and hands finished groups to the submitter. Each
+group holds ``book.begin`` on its version from start to submit, so that version's lease is renewed and its weights
+stay loaded for the whole episode; its prompt lease is renewed by the keeper as before.
+
+With ``BUCKETRL_OPENAI_PORT`` the endpoint is exposed and agents outside the generator take episodes (``POST
+/v1/episodes``): each prompt leased for them is one group of G episodes, handed out one by one and submitted when
+all G finished (or timed out). Its URL and token go to ``BUCKETRL_ENDPOINT_FILE``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bucketrl import errors
+from bucketrl.envs.episodes import EndpointError, GroupRun
+from bucketrl.envs.protocol import EXTERNAL, make_env
+from bucketrl.envs.service import EpisodeService
+from bucketrl.generator.submit import GeneratedBatch
+from bucketrl.wire import PromptLeaseItem
+
+if TYPE_CHECKING:
+    from bucketrl.generator.worker import GeneratorWorker
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.02
+AGENT_LEASE_WAIT_S = 2.0
+
+
+class EpisodeDriver:
+    def __init__(self, worker: GeneratorWorker) -> None:
+        w = self.w = worker
+        s, spec = w.settings, w.spec
+        assert spec is not None and spec.env is not None and w.engine is not None
+        env = None if spec.env.name == EXTERNAL else make_env(spec.env.name, spec.env.kwargs)
+        self.exposed = s.openai_port is not None
+        self.svc = EpisodeService(
+            tokenizer=w._tokenizer,
+            spec=lambda: w.spec,  # type: ignore[arg-type,return-value]
+            max_model_len=w.engine.max_model_len,
+            env=env,
+            token=s.openai_token or secrets.token_urlsafe(24),
+            host=s.openai_host if self.exposed else "127.0.0.1",
+            port=s.openai_port or 0,
+            new_external_group=self._external_group if self.exposed else None,
+            on_episode_closed=w.metrics.episode,
+        )
+        self.target = s.episode_groups or s.prompts_per_request
+        self._lease: tuple[Future[list[PromptLeaseItem]], int] | None = None
+
+    def start(self) -> None:
+        self.svc.start()
+        if self.svc.env is None and not self.exposed:
+            log.warning("env is 'external' but this generator exposes no endpoint (BUCKETRL_OPENAI_PORT): idle")
+        if self.exposed and self.w.settings.endpoint_file:
+            self._write_endpoint_file(Path(self.w.settings.endpoint_file))
+
+    def _write_endpoint_file(self, path: Path) -> None:
+        info = {
+            "base_url": f"{self.svc.url}/v1",
+            "token": self.svc.token,
+            "run": self.w.settings.run,
+            "worker_id": self.w.worker_id,
+            "episodes": f"{self.svc.url}/v1/episodes",
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # a bearer token: the owner's only
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(info, indent=2) + "\n")
+        tmp.replace(path)
+        log.info("endpoint for agents: %s (token in %s)", info["base_url"], path)
+
+    # -- the main thread's loop -----------------------------------------------------------------------
+
+    def loop(self) -> None:
+        w = self.w
+        try:
+            while not w.stop_event.is_set():
+                w._sync_versions()
+                self._start_groups()
+                self.svc.queue.serve(w.engine, wait_s=IDLE_POLL_S, while_running=w._sync_versions)  # type: ignore[arg-type]
+                self._hand_over()
+                if self._done():
+                    assert w.submitter is not None
+                    log.info("submitted %d groups (max_groups): stopping", w.submitter.groups_submitted)
+                    break
+        finally:
+            self._drain()
+
+    def _done(self) -> bool:
+        budget = self.w._budget()
+        return budget is not None and budget <= 0 and len(self.svc.book) == 0 and self._lease is None
+
+    def _slot_ok(self) -> bool:
+        w = self.w
+        slot = w.book.current()
+        assert w.spec is not None
+        return slot is not None and slot.version >= w.book.newest_known - w.spec.max_staleness
+
+    def _start_groups(self) -> None:
+        w = self.w
+        if self.svc.env is None:
+            return
+        if self._lease is not None:
+            future, _ = self._lease
+            if not future.done():
+                return
+            self._lease = None
+            for p in future.result():
+                self._start(p)
+        if w.stop_event.is_set() or not self._slot_ok():
+            return
+        want = self.target - len(self.svc.book)
+        budget = w._budget()
+        if budget is not None:
+            want = min(want, budget)
+        if want > 0:
+            self._lease = (w._leaser.submit(w._lease_prompts, want), want)
+
+    def _pin(self, prompt: PromptLeaseItem, *, external: bool) -> GroupRun:
+        w = self.w
+        slot = w.book.current()
+        assert slot is not None and w.spec is not None
+        w.book.begin(slot.version)  # released by the submitter once the group is settled
+        return GroupRun(
+            prompt,
+            w.examples[prompt.index],
+            version=slot.version,
+            adapter=slot.name,
+            lease_id=slot.lease_id,
+            sampling=w.spec.sampling,
+            group_size=w.spec.group_size,
+            external=external,
+        )
+
+    def _start(self, prompt: PromptLeaseItem) -> None:
+        if not self._slot_ok():  # the version moved on while the lease was out: hand the prompt back
+            assert self.w.submitter is not None
+            self.w.submitter.release_prompts([prompt.prompt_id])
+            self.w.metrics.inflight(-1)
+            return
+        self.svc.start_group(self._pin(prompt, external=False))
+
+    def _hand_over(self) -> None:
+        w = self.w
+        assert w.submitter is not None
+        for group in self.svc.take_finished():
+            w.metrics.generated(sum(len(t.completion_ids) for e in group.episodes for t in e.turns))
+            batch = GeneratedBatch(
+                version=group.version,
+                lease_id=group.lease_id,
+                prompts=[group.prompt],
+                examples=[group.example],
+                prompt_token_ids=[w._prompt_ids(group.prompt.index)],
+                samples=[],
+                sampling=group.sampling,
+                episodes=[group.episodes],
+            )
+            w.submitter.put(batch, w.stop_event, w.settings.shutdown_timeout_s, idle=self._idle)
+
+    def _idle(self) -> None:
+        self.w._sync_versions()
+        self.svc.queue.serve(self.w.engine, wait_s=0.0)  # type: ignore[arg-type]
+
+    # -- external agents (the agent-lease thread) ------------------------------------------------------
+
+    def _external_group(self) -> GroupRun:
+        w = self.w
+        if w.stop_event.is_set():
+            raise EndpointError(503, "stopping", "this generator is stopping", retry_after=5)
+        if not self._slot_ok():
+            raise EndpointError(503, "no_policy", "no policy version is loaded yet", retry_after=2)
+        budget = w._budget()
+        if budget is not None and budget <= 0:
+            raise EndpointError(503, "done", "this generator submitted its max_groups", retry_after=60)
+        try:
+            lease = w.client.lease_prompts(
+                w.worker_id,
+                1,
+                ttl_s=w.settings.prompt_lease_ttl_s,
+                version=w.book.newest_known or None,
+                wait_s=AGENT_LEASE_WAIT_S,
+                request_id=uuid.uuid4().hex,
+            )
+        except errors.Backpressure as exc:
+            retry = 1.0 if exc.retry_after is None else exc.retry_after
+            raise EndpointError(429, "backpressure", "the trainer has enough work queued; retry", retry) from exc
+        except errors.BucketRLError as exc:
+            raise EndpointError(503, "unavailable", f"cannot lease a prompt: {exc.message}", retry_after=2) from exc
+        w.ledger.add(lease.prompts)
+        good = [p for p in lease.prompts if p.index < len(w.examples)]
+        bad = [p.prompt_id for p in lease.prompts if p.index >= len(w.examples)]
+        if bad:
+            assert w.submitter is not None
+            w.submitter.release_prompts(bad)
+        if not good:
+            raise EndpointError(429, "backpressure", "no prompt available right now; retry", retry_after=1)
+        w.metrics.inflight(len(good))
+        return self._pin(good[0], external=True)
+
+    # -- stopping --------------------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Episodes in flight get ``shutdown_timeout_s`` to finish (still sampled); the rest are released."""
+        w = self.w
+        self.svc.stopping = True
+        deadline = time.monotonic() + w.settings.shutdown_timeout_s
+        while len(self.svc.book) and time.monotonic() < deadline:
+            w._sync_versions()
+            self.svc.queue.serve(w.engine, wait_s=IDLE_POLL_S)  # type: ignore[arg-type]
+            self._hand_over()
+        if self._lease is not None:  # its prompts sit in the ledger: released with the worker's leftovers
+            self._lease[0].result()
+            self._lease = None
+        assert w.submitter is not None
+        for group in self.svc.abort_open("the generator stopped before the episode ended"):
+            w.submitter.release_prompts([group.prompt.prompt_id])
+            w.metrics.inflight(-1)
+            w.book.end(group.version)
+        self._hand_over()
+        self.svc.close()

@@ -13,7 +13,8 @@ its own with a synchronous ``openai.OpenAI`` client (do this when the environmen
 tool-using environments need.
 
 Names: ``toy:tools`` (built in, :mod:`bucketrl.envs.toy_tools`), ``module:Class`` (imported like a reward
-function, under the same allow-list, ``BUCKETRL_ALLOWED_REWARD_MODULES``), or ``external`` (no environment on
+function, under the same allow-list, ``BUCKETRL_ALLOWED_REWARD_MODULES``), ``verifiers:<taskset id>`` (a
+``verifiers`` environment, :mod:`bucketrl.envs.verifiers_env`), or ``external`` (no environment on
 the generator: agents outside it take episodes through the exposed endpoint).
 """
 
@@ -30,6 +31,8 @@ from bucketrl import errors
 from bucketrl.envs.episodes import Episode
 
 EXTERNAL = "external"
+# "verifiers:<taskset id>": a verifiers environment (bucketrl.envs.verifiers_env, the optional extra).
+VERIFIERS_PREFIX = "verifiers:"
 BUILTIN_ENVS = {"toy:tools": "bucketrl.envs.toy_tools:ToyToolsEnv"}
 
 
@@ -87,6 +90,10 @@ def resolve_env_class(name: str) -> type:
 
 
 def make_env(name: str, kwargs: dict[str, Any]) -> Any:
+    if name.startswith(VERIFIERS_PREFIX):
+        from bucketrl.envs.verifiers_env import load_verifiers_env
+
+        return load_verifiers_env(name.removeprefix(VERIFIERS_PREFIX), kwargs)
     cls = resolve_env_class(name)
     try:
         return cls(**kwargs)

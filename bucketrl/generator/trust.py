@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from bucketrl.preflight import ConfigError
 from bucketrl.rewards import BUILTIN
@@ -72,17 +73,29 @@ def check_dataset(uri: str, allowed: str) -> None:
     )
 
 
-def check_env(name: str, allowed: str) -> None:
-    """A run's ``env.name`` 'module:Class' is imported like a reward module: the same allow-list admits it."""
+def check_env(name: str, allowed: str, kwargs: dict[str, Any] | None = None) -> None:
+    """A run's ``env.name`` 'module:Class' is imported like a reward module: the same allow-list admits it. A
+    ``verifiers:<taskset>`` env imports its taskset's module and every plugin its kwargs name (harness, env and
+    judge ids, reward ``fn`` paths): each must be admitted (an entry ``verifiers`` admits verifiers' built-ins)."""
+    from bucketrl.envs.protocol import VERIFIERS_PREFIX
+
     if ":" not in name or name.startswith("toy:"):
         return  # built-ins ('toy:tools', 'external') are part of bucketrl
     entries = _entries(allowed)
-    module = name.partition(":")[0]
-    if entries is not None and not any(module == e or module.startswith(e + ".") for e in entries):
-        raise ConfigError(
-            f"env.name {name!r}: module {module!r} is not in this generator's BUCKETRL_ALLOWED_REWARD_MODULES "
-            f"({allowed!r}, which admits environment modules too); the generator's operator must allow it"
-        )
+    if entries is None:
+        return
+    if name.startswith(VERIFIERS_PREFIX):
+        from bucketrl.envs.verifiers_env import imported_modules
+
+        modules = imported_modules(name.removeprefix(VERIFIERS_PREFIX), kwargs or {})
+    else:
+        modules = [name.partition(":")[0]]
+    for module in modules:
+        if not any(module == e or module.startswith(e + ".") for e in entries):
+            raise ConfigError(
+                f"env.name {name!r}: module {module!r} is not in this generator's BUCKETRL_ALLOWED_REWARD_MODULES "
+                f"({allowed!r}, which admits environment modules too); the generator's operator must allow it"
+            )
 
 
 def check_spec(spec: RunSpec, allowed_reward_modules: str, allowed_dataset_locations: str) -> None:
@@ -90,5 +103,5 @@ def check_spec(spec: RunSpec, allowed_reward_modules: str, allowed_dataset_locat
     dataset location."""
     check_reward(spec.reward.name, allowed_reward_modules)
     if spec.env is not None:
-        check_env(spec.env.name, allowed_reward_modules)
+        check_env(spec.env.name, allowed_reward_modules, spec.env.kwargs)
     check_dataset(spec.dataset.uri, allowed_dataset_locations)

@@ -10,7 +10,8 @@ One instance per generator serves every episode (G of them at once per prompt, c
 state in ``rollout``'s locals or on ``ctx``. ``rollout`` may also be a plain ``def``: it then runs in a thread of
 its own with a synchronous ``openai.OpenAI`` client (do this when the environment blocks: a blocking call in an
 ``async def`` holds up every episode of the generator). :class:`bucketrl.envs.tools.ToolEnv` is the loop most
-tool-using environments need.
+tool-using environments need. An environment that holds something open (a server, a subprocess) may define
+``async def aclose(self)``: the generator awaits it when it stops.
 
 Names: ``toy:tools`` (built in, :mod:`bucketrl.envs.toy_tools`), ``module:Class`` (imported like a reward
 function, under the same allow-list, ``BUCKETRL_ALLOWED_REWARD_MODULES``), ``verifiers:<taskset id>`` (a

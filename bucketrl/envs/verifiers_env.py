@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import logging
 import os
 import sys
 from typing import Any
@@ -125,6 +126,10 @@ class VerifiersEnv:
         from verifiers.v1.configs.agent import agent_config_fields
         from verifiers.v1.utils.loaders import resolve_env_config
 
+        # One INFO line per model call (the interception server's aiohttp access log) and per rollout would drown
+        # the generator's log; warnings and errors still show.
+        for name in ("aiohttp.access", "verifiers"):
+            logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
         if os.getcwd() not in sys.path:  # like reward modules and 'module:Class' envs: the user's module beside them
             sys.path.append(os.getcwd())
         module = module_of(taskset)

@@ -5,7 +5,6 @@ verifiers marks failed fails the bucketrl episode with verifiers' error."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,10 +34,9 @@ def served(model_dir: Path, adapter_dir: Path, kwargs: dict[str, Any], group_siz
     env = make_env("verifiers:vf_lookup", kwargs)
     spec = episode_spec(model_dir, episode_timeout_s=60.0).model_copy(update={"group_size": group_size})
     with harness(model_dir, adapter_dir, spec, env) as h:
-        try:
-            yield h
-        finally:
-            asyncio.run_coroutine_threadsafe(env.aclose(), h.svc.loop).result(30)
+        yield h
+        assert env._envs  # a served verifiers env (its interception server) ...
+    assert not env._envs  # ... that the generator's shutdown closed (the environment's aclose)
 
 
 def context_text(h: Harness, ep: Episode) -> str:

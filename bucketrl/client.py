@@ -56,7 +56,6 @@ from bucketrl.wire import (
     TrainerRegistration,
     VersionLease,
     VersionLeaseRequest,
-    packed,
 )
 from bucketrl.wire.datasets import DatasetInfo
 from bucketrl.wire.trainer import TrainerRegisterRequest
@@ -137,7 +136,6 @@ def _transient(err: errors.BucketRLError) -> bool:
 
 
 TAR = "application/x-tar"
-MSGPACK = "application/msgpack"
 
 
 class _Sink:
@@ -276,10 +274,7 @@ class ProxyClient:
         if body is not None:
             kw["content"] = body.model_dump_json(by_alias=True)
             kw.setdefault("headers", {})["Content-Type"] = "application/json"
-        resp = self._request(method, url, **kw)
-        if resp.headers.get("content-type", "").startswith(MSGPACK):  # asked for with Accept (claims)
-            return model.model_validate(msgpack.unpackb(resp.content, raw=False))
-        return model.model_validate(resp.json())
+        return model.model_validate(self._request(method, url, **kw).json())
 
     # -- runs and trainer fencing ------------------------------------------------------------------
 
@@ -425,8 +420,8 @@ class ProxyClient:
         Retrying with the same ``idempotency_key`` after a lost answer is always safe.
         """
         if use_msgpack:
-            content = packed.packb(batch)  # token ids and logprobs as typed bytes (wire/packed.py)
-            ctype = MSGPACK
+            content = msgpack.packb(batch.model_dump(mode="json"), use_bin_type=True)
+            ctype = "application/msgpack"
         else:
             content = batch.model_dump_json().encode()
             ctype = "application/json"
@@ -468,8 +463,7 @@ class ProxyClient:
                 request_id=request_id,
                 release=release or [],
             ),
-            # msgpack with packed arrays: a fraction of the JSON's size and of its decoding (wire/packed.py).
-            headers=self._fence({"Accept": f"{MSGPACK}, application/json;q=0.5"}),
+            headers=self._fence(),
             extra_timeout_s=wait_s,
         )
 

@@ -138,6 +138,7 @@ class GroupRun:
         self.sampling = sampling
         self.external = external
         self.created = time.monotonic()
+        self.handed = False  # given to the worker (finished) or taken back (aborted): exactly once
         self.episodes = [Episode(self, i) for i in range(group_size)]
 
     @property

@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 REAP_EVERY_S = 0.25
 
 
+def _not_episode_threads(record: logging.LogRecord) -> bool:
+    return not record.threadName.startswith(("episodes", "env"))
+
+
 class EpisodeService:
     def __init__(
         self,
@@ -67,7 +71,6 @@ class EpisodeService:
         self._new_external_group = new_external_group
         self._on_closed = on_episode_closed
         self._finished: queue.Queue[GroupRun] = queue.Queue()
-        self._handed: set[int] = set()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -103,6 +106,8 @@ class EpisodeService:
     # -- lifecycle ------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        # One INFO line per model turn from the environments' own clients would drown the worker's log.
+        logging.getLogger("httpx").addFilter(_not_episode_threads)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._startup(), self.loop).result(timeout=60)
         log.info("OpenAI-compatible endpoint on %s/v1 (tool-call syntax %s)", self.url, self.syntax)
@@ -117,7 +122,11 @@ class EpisodeService:
         from bucketrl.envs.endpoint import make_app
 
         self._open_lock = asyncio.Lock()
-        config = uvicorn.Config(make_app(self), log_level="warning", access_log=False, lifespan="off")
+        # Keep-alive longer than the clients' (httpx expires idle connections after 5 s): a server that closes an
+        # idle connection just as a client reuses it fails that call with a connection error.
+        config = uvicorn.Config(
+            make_app(self), log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=75
+        )
         self._server = uvicorn.Server(config)
         self._spawn(self._server.serve(sockets=[self._sock]))
         self._spawn(self._reap())
@@ -158,12 +167,6 @@ class EpisodeService:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        aclose = getattr(self.env, "aclose", None)  # what the environment holds open (servers, subprocesses)
-        if aclose is not None:
-            try:
-                await asyncio.wait_for(aclose(), 10.0)
-            except Exception:
-                log.exception("closing the environment")
         for client in (self._aclient,):
             if client is not None:
                 with contextlib.suppress(Exception):
@@ -188,9 +191,9 @@ class EpisodeService:
         """Close every open episode as aborted and take every unfinished group (the caller releases them)."""
 
         async def _abort() -> list[GroupRun]:
-            groups = [g for g in self.book.groups() if id(g) not in self._handed]
+            groups = [g for g in self.book.groups() if not g.handed]
             for g in groups:
-                self._handed.add(id(g))
+                g.handed = True
                 self.book.remove(g)
                 for e in g.episodes:
                     e.fail("exception", why, abort=True)
@@ -246,8 +249,10 @@ class EpisodeService:
             except Exception:
                 log.exception("episode metrics")
         group = ep.group
-        if group.done and id(group) not in self._handed:
-            self._handed.add(id(group))
+        # A flag on the group, never a set of id()s: a finished group's id is reused by a later one (that bug left
+        # 1 group in ~70 unfinished forever, each holding its version and prompt lease).
+        if group.done and not group.handed:
+            group.handed = True
             self.book.remove(group)
             self._finished.put(group)
 

@@ -14,9 +14,7 @@ all G finished (or timed out). Its URL and token go to ``BUCKETRL_ENDPOINT_FILE`
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import secrets
 import time
 import uuid
@@ -26,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from bucketrl import errors
 from bucketrl.envs.episodes import EndpointError, GroupRun
+from bucketrl.envs.files import merge_json_file
 from bucketrl.envs.protocol import EXTERNAL, make_env
 from bucketrl.envs.service import EpisodeService
 from bucketrl.generator.submit import GeneratedBatch
@@ -69,19 +68,16 @@ class EpisodeDriver:
             self._write_endpoint_file(Path(self.w.settings.endpoint_file))
 
     def _write_endpoint_file(self, path: Path) -> None:
+        """Merge ``{"openai": {...}}`` into the JSON file (``bucketrl up``'s <dir>/endpoint.json also holds the
+        proxy's address, written by ``up``)."""
         info = {
             "base_url": f"{self.svc.url}/v1",
             "token": self.svc.token,
+            "episodes_url": f"{self.svc.url}/v1/episodes",
             "run": self.w.settings.run,
             "worker_id": self.w.worker_id,
-            "episodes": f"{self.svc.url}/v1/episodes",
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # a bearer token: the owner's only
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(info, indent=2) + "\n")
-        tmp.replace(path)
+        merge_json_file(path, {"openai": info})
         log.info("endpoint for agents: %s (token in %s)", info["base_url"], path)
 
     # -- the main thread's loop -----------------------------------------------------------------------

@@ -45,6 +45,8 @@ NEAR_CREDIT = 0.1  # credit for a character of the right kind but the wrong valu
 # ~15 steps, too fast to see a curve.
 DEMO_LR = 3e-4
 DEMO_MAX_STEPS = 100
+# toy:tools learns two things (call, then use the result): more steps (bench/toy_tools.py measures it).
+TOOLS_DEMO_MAX_STEPS = 100
 
 TASKS = ("digits", "parity", "copy", "tools")
 # Multi-turn toy tasks: their environment (run spec env.name) and episode limits.

@@ -42,6 +42,15 @@ def up_command(
     reward_kwargs: Annotated[
         str | None, typer.Option(help='Reward keyword arguments as JSON, e.g. \'{"pattern": "\\\\d+"}\'.')
     ] = None,
+    env: Annotated[
+        str | None,
+        typer.Option(help="Multi-turn environment: toy:tools, module:Class or external (run spec env.name)."),
+    ] = None,
+    env_kwargs: Annotated[str | None, typer.Option(help="Environment keyword arguments as JSON.")] = None,
+    openai_port: Annotated[
+        int | None,
+        typer.Option(help="Expose gen-0's OpenAI-compatible endpoint on this loopback port (0: any) for agents."),
+    ] = None,
     lora_target_modules: Annotated[
         str | None, typer.Option(help="Comma-separated module names LoRA wraps (default all linear layers).")
     ] = None,
@@ -98,6 +107,8 @@ def up_command(
             "prompt_field": prompt_field,
             "answer_field": answer_field,
             "reward": reward,
+            "env": env,
+            "openai_port": openai_port,
             "max_steps": max_steps,
             "lr": lr,
             "group_size": group_size,
@@ -129,6 +140,13 @@ def up_command(
             raise fail(f"--reward-kwargs is not JSON: {exc.msg} (column {exc.colno})") from None
         if not isinstance(given["reward_kwargs"], dict):
             raise fail("--reward-kwargs must be a JSON object, e.g. '{\"rel_tol\": 0.01}'") from None
+    if env_kwargs is not None:
+        try:
+            given["env_kwargs"] = json.loads(env_kwargs)
+        except json.JSONDecodeError as exc:
+            raise fail(f"--env-kwargs is not JSON: {exc.msg} (column {exc.colno})") from None
+        if not isinstance(given["env_kwargs"], dict):
+            raise fail("--env-kwargs must be a JSON object") from None
     if lora_target_modules is not None:
         given["lora_target_modules"] = [m.strip() for m in lora_target_modules.split(",") if m.strip()]
     try:

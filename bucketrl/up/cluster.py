@@ -8,7 +8,8 @@ Everything lives under the run directory, so running again with the same directo
     <dir>/bucket/           the file:// bucket (adapters, rollouts, checkpoints)
     <dir>/redis/            Redis's append-only file (coordination state survives a restart)
     <dir>/logs/<service>.log, <dir>/logs/trainer-audit.jsonl
-    <dir>/endpoint.json     the proxy's address while it runs (``bucketrl status --dir <dir>``)
+    <dir>/endpoint.json     the proxy's address while it runs (``bucketrl status --dir <dir>``); with
+                            ``--openai-port``, under "openai": gen-0's endpoint for agents (URL, token)
     <dir>/services.json     the pid of each service (the last start of each)
 
 Workers talk to the proxy over HTTP exactly as containers would: each gets only ``BUCKETRL_PROXY_URL``, its
@@ -30,6 +31,7 @@ from typing import IO, Any
 import httpx
 
 from bucketrl.client import ProxyClient
+from bucketrl.envs.files import merge_json_file
 from bucketrl.trainer.trackers import default_report_to
 from bucketrl.up.config import UpConfig, build_run_spec, save_options
 from bucketrl.up.processes import (
@@ -235,7 +237,8 @@ class LocalCluster:
         wait_until(self.proxy_ready, 60, "the proxy to be ready", svc, poll_s=0.2)
         # What `bucketrl status --dir <dir>` reads (the token it uses is the viewer's, from <dir>/tokens).
         endpoint = {"proxy_url": self.proxy_url, "run": self.cfg.run, "pid": svc.pid}
-        (self.dir / "endpoint.json").write_text(json.dumps(endpoint) + "\n")
+        # Merged: gen-0's "openai" entry (agents' endpoint, --openai-port) survives a proxy restart.
+        merge_json_file(self.endpoint_file, endpoint)
         return svc
 
     def proxy_ready(self) -> bool:
@@ -291,13 +294,25 @@ class LocalCluster:
             "BUCKETRL_ADAPTER_CACHE_DIR": str(self.dir / "work" / name),
             **self.cfg.generator_env,
         }
+        if self.cfg.openai_port is not None and index == 0:
+            # gen-0 exposes its endpoint for agents (and adds it to endpoint.json once it serves); the entry of an
+            # earlier gen-0 names a dead port.
+            merge_json_file(self.endpoint_file, {}, drop=("openai",))
+            env["BUCKETRL_OPENAI_PORT"] = str(self.cfg.openai_port)
+            env["BUCKETRL_ENDPOINT_FILE"] = str(self.endpoint_file)
         if self.model_dir is not None:
             env["BUCKETRL_MODEL_PATH"] = str(self.model_dir)
         return self._service(name, bucketrl_command("generator"), env).start()
 
+    @property
+    def endpoint_file(self) -> Path:
+        return self.dir / "endpoint.json"
+
     def start_all(self, on_step: Any = None) -> None:
         """Redis (unless external), proxy, trainer, then the generators; ``on_step(text)`` reports progress."""
         say = on_step or (lambda _text: None)
+        if self.endpoint_file.exists():  # an earlier session's agents' endpoint is gone
+            merge_json_file(self.endpoint_file, {}, drop=("openai",))
         if not self.cfg.redis_url:
             say(f"redis      {self.redis_url}  (append-only file in {self.dir / 'redis'})")
             self.start_redis()

@@ -34,6 +34,16 @@ class UpConfig(BaseModel):
     dataset: str | None = Field(None, description="Dataset URI; None = toy:<DEFAULT_TASK>.")
     reward: str | None = Field(None, description="Reward name; None = toy for toy datasets, else math.")
     reward_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # Multi-turn: the environment that runs the episodes (run spec env.name); toy:tools sets its own.
+    env: str | None = Field(None, min_length=1, description="Environment: toy:tools, module:Class or external.")
+    env_kwargs: dict[str, Any] = Field(default_factory=dict)
+    openai_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Expose gen-0's OpenAI-compatible endpoint on this loopback port (0: a free one) for agents; "
+        "its URL and token go to <dir>/endpoint.json.",
+    )
     run_spec: Path | None = Field(
         None, description="A run spec JSON file (what the trainer takes in production); options override it."
     )
@@ -143,9 +153,13 @@ class UpConfig(BaseModel):
         return self.engine
 
     def effective_max_steps(self) -> int:
-        from bucketrl.tasks.toy import DEMO_MAX_STEPS
+        from bucketrl.tasks.toy import DEMO_MAX_STEPS, TOOLS_DEMO_MAX_STEPS
 
-        return self.max_steps or (DEMO_MAX_STEPS if self.is_demo else 200)
+        if self.max_steps:
+            return self.max_steps
+        if self.is_demo:
+            return TOOLS_DEMO_MAX_STEPS if self.dataset_uri == "toy:tools" else DEMO_MAX_STEPS
+        return 200
 
     def effective_lr(self) -> float:
         from bucketrl.tasks.toy import DEMO_LR
@@ -248,6 +262,12 @@ def build_run_spec(
     spec["dataset"] = dataset
     if "vocab_size" not in given or cfg.model is not None:
         spec["vocab_size"] = VOCAB_SIZE if base_model == str(model_dir) else vocab_size or spec["vocab_size"]
+    if cfg.env is not None:
+        spec["env"] = {"name": cfg.env, "kwargs": dict(cfg.env_kwargs)}
+    elif cfg.env_kwargs and spec.get("env"):
+        spec["env"]["kwargs"].update(cfg.env_kwargs)
+    if cfg.openai_port is not None and not spec.get("env"):
+        raise ValueError("--openai-port serves episodes of a multi-turn run: add --env (or use --dataset toy:tools)")
     if cfg.reward:
         spec["reward"] = {"name": cfg.reward, "kwargs": dict(cfg.reward_kwargs)}
     elif cfg.reward_kwargs:

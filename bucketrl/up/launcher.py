@@ -76,6 +76,12 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
         cluster.start_all(lambda text: console.print(f"  starting {text}", soft_wrap=True))
         console.print(f"  dashboard  {cluster.dashboard_url}", soft_wrap=True)
         console.print(f"  logs       {cluster.logs}", soft_wrap=True)
+        if cfg.openai_port is not None:
+            console.print(
+                f"  agents     gen-0's OpenAI-compatible endpoint: URL and token in {cluster.endpoint_file} "
+                "(written once it serves)",
+                soft_wrap=True,
+            )
         code = _supervise(cluster, watcher, stop, console, live, started)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted again: killing the services[/]")

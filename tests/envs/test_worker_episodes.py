@@ -90,7 +90,7 @@ def test_an_external_agent_rolls_out_through_the_exposed_endpoint(
     endpoint = tmp_path / "endpoint.json"
     settings = worker_settings(proxy, "ext", "gen-x", openai_port=0, endpoint_file=str(endpoint))
     with Consumer(trainer) as consumer, running_worker(settings):
-        info = wait_until(lambda: endpoint.exists() and json.loads(endpoint.read_text()), 60, "endpoint.json")
+        info = wait_until(lambda: endpoint.exists() and json.loads(endpoint.read_text())["openai"], 60, "endpoint")
         assert oct(endpoint.stat().st_mode & 0o777) == "0o600"
         base = info["base_url"].removesuffix("/v1")
         out = subprocess.run(

@@ -18,6 +18,10 @@ Each task loops:
     POST   rollouts/claim       up to 1 group, no wait (trainer, X-Trainer-Epoch)
     POST   rollouts/ack         the claimed delivery (trainer)
 
+The bodies are what the workers send: a submit is msgpack with its token ids and logprobs packed as typed bytes
+(``bucketrl/wire/packed.py``; ``--wire msgpack`` sends plain lists as older workers did, ``--wire json`` JSON), and
+the trainer's claims ask for msgpack (JSON with ``--wire json``).
+
 ``--mix submit-heavy`` (issue 17) instead: each of the ``--clients`` generators holds a version lease and loops
 ``POST prompts/lease`` (one prompt) -> ``POST rollouts`` (its group), and one trainer loops ``POST rollouts/claim``
 (up to ``--clients`` groups, long-polled 0.5 s) -> ``POST rollouts/ack``: the submit route dominates.
@@ -82,6 +86,7 @@ import httpx
 import msgpack
 
 from bucketrl.sim.cluster import cpu_seconds
+from bucketrl.wire.packed import pack_array
 
 RUN = "bench"
 # Tokens must be 16+ characters (the proxy refuses shorter ones at start).
@@ -196,9 +201,12 @@ def adapter_tar(version: int) -> bytes:
 
 
 class BatchPacker:
-    """Pre-packs the heavy part of a rollout batch (8 x 256 tokens + logprobs) once; msgpack concatenates."""
+    """Pre-packs the heavy part of a rollout batch (8 x 256 tokens + logprobs) once; msgpack concatenates.
 
-    def __init__(self, group_size: int, tokens: int, seed: int) -> None:
+    ``wire``: "packed" (the default: what ``ProxyClient.submit_rollouts`` sends, numeric arrays as typed bytes,
+    ``bucketrl/wire/packed.py``), "msgpack" (plain lists: older workers) or "json" (old submitters)."""
+
+    def __init__(self, group_size: int, tokens: int, seed: int, wire: str = "packed") -> None:
         rng = random.Random(seed)
         completions = [
             {
@@ -209,11 +217,30 @@ class BatchPacker:
             }
             for _ in range(group_size)
         ]
+        prompt: list[int] | Any = [rng.randrange(VOCAB) for _ in range(32)]
+        self.wire = wire
+        self.content_type = "application/json" if wire == "json" else "application/msgpack"
+        self._json = (json.dumps(prompt).encode(), json.dumps(completions).encode())
+        if wire == "packed":
+            for c in completions:
+                c["token_ids"] = pack_array(c["token_ids"], "int")
+                c["logprobs"] = pack_array(c["logprobs"], "float")
+            prompt = pack_array(prompt, "int")
         self._p = msgpack.Packer(use_bin_type=True)
-        self._prompt = self._p.pack([rng.randrange(VOCAB) for _ in range(32)])
+        self._prompt = self._p.pack(prompt)
         self._completions = self._p.pack(completions)
 
     def pack(self, worker_id: str, lease_id: str, version: int, prompt_id: str, index: int) -> bytes:
+        if self.wire == "json":
+            head = {"worker_id": worker_id, "lease_id": lease_id, "version": version}
+            group = json.dumps({"prompt_id": prompt_id, "prompt_index": index}).encode()[:-1]
+            prompt, completions = self._json
+            return b'%s, "groups": [%s, "prompt_token_ids": %s, "completions": %s}]}' % (
+                json.dumps(head).encode()[:-1],
+                group,
+                prompt,
+                completions,
+            )
         p = self._p
         group = [p.pack_map_header(4), p.pack("prompt_id"), p.pack(prompt_id), p.pack("prompt_index"), p.pack(index)]
         group += [p.pack("prompt_token_ids"), self._prompt, p.pack("completions"), self._completions]
@@ -354,6 +381,24 @@ def request_head(method: str, path: str, headers: dict[str, str]) -> bytes:
 DELIVERY_ID = re.compile(rb'"delivery_id":"([^"]+)"')
 
 
+def claim_headers(epoch: int, packer: BatchPacker) -> dict[str, str]:
+    """The trainer's claim headers: it asks for msgpack as ``ProxyClient.claim`` does, except with ``--wire json``
+    (an old trainer beside old submitters)."""
+    headers = {**auth("trainer", epoch), "Content-Type": "application/json"}
+    if packer.wire != "json":
+        headers["Accept"] = "application/msgpack, application/json;q=0.5"
+    return headers
+
+
+def delivery_ids(status: int, answer: bytes) -> list[str]:
+    """The delivery ids of a claim's answer (JSON: by regex; msgpack: decoded, its packed arrays left as bytes)."""
+    if status != 200:
+        return []
+    if answer[:1] == b"{":
+        return [m.decode() for m in DELIVERY_ID.findall(answer)]
+    return [d["delivery_id"] for d in msgpack.unpackb(answer, raw=False)["deliveries"]]
+
+
 async def client_loop(
     i: int, port: int, epoch: int, stats: Stats, stop_at: list[float], packer: BatchPacker, pacer: Pacer | None = None
 ) -> None:
@@ -366,10 +411,10 @@ async def client_loop(
     lease_body = json.dumps({"worker_id": worker, "ttl_s": 60}).encode()
     prompts_head = request_head("POST", f"{run}/prompts/lease", json_gen)
     prompts_body = json.dumps({"worker_id": worker, "n": 1, "ttl_s": 300}).encode()
-    claim_head = request_head("POST", f"{run}/rollouts/claim", json_trn)
+    claim_head = request_head("POST", f"{run}/rollouts/claim", claim_headers(epoch, packer))
     claim_body = json.dumps({"consumer": "bench-trainer", "max_groups": 1, "wait_s": 0}).encode()
     ack_head = request_head("POST", f"{run}/rollouts/ack", json_trn)
-    submit_prefix = request_head("POST", f"{run}/rollouts", {**gen, "Content-Type": "application/msgpack"})
+    submit_prefix = request_head("POST", f"{run}/rollouts", {**gen, "Content-Type": packer.content_type})
     conn = await RawHttp.connect(port)
     try:
         while time.perf_counter() < stop_at[0]:
@@ -389,7 +434,7 @@ async def client_loop(
             await stats.call(conn, "DELETE leases/{id}", release_head, pacer=pacer)
             status, answer = await stats.call(conn, "POST rollouts/claim", claim_head, claim_body, pacer=pacer)
             # Only the ids are needed here: parsing 8x256 numbers is the trainer's CPU, not the proxy's.
-            ids = [m.decode() for m in DELIVERY_ID.findall(answer)] if status == 200 else []
+            ids = delivery_ids(status, answer)
             if ids:
                 ack_body = json.dumps({"delivery_ids": ids}).encode()
                 await stats.call(conn, "POST rollouts/ack", ack_head, ack_body, pacer=pacer)
@@ -408,7 +453,7 @@ async def submit_heavy_generator(
     lease_head = request_head("POST", f"{run}/leases", json_gen)
     prompts_head = request_head("POST", f"{run}/prompts/lease", json_gen)
     prompts_body = json.dumps({"worker_id": worker, "n": 1, "ttl_s": 300}).encode()
-    submit_prefix = request_head("POST", f"{run}/rollouts", {**gen, "Content-Type": "application/msgpack"})
+    submit_prefix = request_head("POST", f"{run}/rollouts", {**gen, "Content-Type": packer.content_type})
     conn = await RawHttp.connect(port)
     try:
         status, answer = await conn.request(lease_head, json.dumps({"worker_id": worker, "ttl_s": 600}).encode())
@@ -429,18 +474,20 @@ async def submit_heavy_generator(
         conn.close()
 
 
-async def submit_heavy_trainer(port: int, epoch: int, stats: Stats, stop_at: list[float], max_groups: int) -> None:
+async def submit_heavy_trainer(
+    port: int, epoch: int, stats: Stats, stop_at: list[float], max_groups: int, packer: BatchPacker
+) -> None:
     """``--mix submit-heavy``, the trainer: claim up to ``max_groups`` groups (long-polled), ack them, repeat."""
     run = f"/v1/runs/{RUN}"
     json_trn = {**auth("trainer", epoch), "Content-Type": "application/json"}
-    claim_head = request_head("POST", f"{run}/rollouts/claim", json_trn)
+    claim_head = request_head("POST", f"{run}/rollouts/claim", claim_headers(epoch, packer))
     claim_body = json.dumps({"consumer": "bench-trainer", "max_groups": max_groups, "wait_s": 0.5}).encode()
     ack_head = request_head("POST", f"{run}/rollouts/ack", json_trn)
     conn = await RawHttp.connect(port)
     try:
         while time.perf_counter() < stop_at[0]:
             status, answer = await stats.call(conn, "POST rollouts/claim", claim_head, claim_body)
-            ids = [m.decode() for m in DELIVERY_ID.findall(answer)] if status == 200 else []
+            ids = delivery_ids(status, answer)
             if ids:
                 await stats.call(conn, "POST rollouts/ack", ack_head, json.dumps({"delivery_ids": ids}).encode())
     finally:
@@ -494,7 +541,7 @@ async def measure_wakeup(base: str, epoch: int, start_version: int, waiters: int
     }
 
 
-async def setup_run(base: str) -> int:
+async def setup_run(base: str, tokens: int) -> int:
     async with httpx.AsyncClient(base_url=base, timeout=30.0) as http:
         for _ in range(100):  # /readyz: Redis and the bucket reachable
             if (await http.get("/readyz")).status_code == 200:
@@ -509,6 +556,8 @@ async def setup_run(base: str) -> int:
             "vocab_size": VOCAB,
             "queue_capacity_groups": 100_000,
             "groups_per_step": 64,
+            # Completions are ``tokens`` long: the run must allow them (a longer one is refused with 422).
+            "sampling": {"max_new_tokens": tokens},
         }
         ok(await http.put(f"/v1/runs/{RUN}", json=spec, headers=auth("trainer")))
         reg = ok(
@@ -521,9 +570,9 @@ async def setup_run(base: str) -> int:
 
 async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -> dict:
     base = f"http://127.0.0.1:{port}"
-    epoch = await setup_run(base)
+    epoch = await setup_run(base, args.tokens)
     stats = Stats()
-    packer = BatchPacker(args.group_size, args.tokens, seed=0)
+    packer = BatchPacker(args.group_size, args.tokens, seed=0, wire=args.wire)
     begin = time.perf_counter()
     stop_at = [begin + args.warmup + args.duration]
     pacers: list[Pacer | None] = [None] * args.clients
@@ -538,7 +587,7 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
             asyncio.create_task(submit_heavy_generator(i, port, stats, stop_at, packer, pacers[i]))
             for i in range(args.clients)
         ]
-        tasks.append(asyncio.create_task(submit_heavy_trainer(port, epoch, stats, stop_at, args.clients)))
+        tasks.append(asyncio.create_task(submit_heavy_trainer(port, epoch, stats, stop_at, args.clients, packer)))
     else:
         tasks = [
             asyncio.create_task(client_loop(i, port, epoch, stats, stop_at, packer, pacers[i]))
@@ -569,6 +618,8 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
     total = sum(r["n"] for r in routes.values())
     submitted = routes.get("POST rollouts", {}).get("status", {}).get(202, 0)
     non_2xx = sum(n for r in routes.values() for code, n in r["status"].items() if not 200 <= code < 300)
+    if not submitted:  # a per-group figure over zero groups means nothing: say why instead
+        raise RuntimeError(f"no submit was accepted in the window: POST rollouts {routes.get('POST rollouts')}")
     wakeup = await measure_wakeup(base, epoch, 1, args.waiters, args.rounds)
     rps = total / elapsed
     return {
@@ -577,6 +628,7 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
             "mix": args.mix,
             "duration_s": args.duration,
             "group": f"{args.group_size}x{args.tokens} tokens",
+            "wire": args.wire,
             "cpus": os.cpu_count(),
             "proxy_processes": args.proxy_workers,
             "load": f"paced at {args.rate:g} req/s" if args.rate else "closed loop (as fast as answers come)",
@@ -621,6 +673,13 @@ def main() -> None:
         default="default",
         help="default: the six-request generator/trainer cycle per client; submit-heavy: each client leases one "
         "prompt and submits its group, one trainer claims --clients groups at a time and acks them",
+    )
+    parser.add_argument(
+        "--wire",
+        choices=("packed", "msgpack", "json"),
+        default="packed",
+        help="the submit body: packed (msgpack, numeric arrays as typed bytes: what workers send), msgpack (plain "
+        "lists: older workers) or json",
     )
     parser.add_argument(
         "--rate",

@@ -9,8 +9,8 @@ long ``loaded_versions`` list, and a well-formed JSON batch near the rollout lim
 its children (the decoder process that parses bodies over 256 KiB) beside it. Then 8 large bodies are sent at
 once while ``/healthz`` is polled every 10 ms (from its own process): its p50, p99 and slowest answer are
 reported, beside the same figures for the idle proxy (what the machine itself adds). Last, 8 legal batches
-(~30 MB each) that the proxy accepts, the same way: decoding, the semantic checks, the per-group encoding and
-the bucket write all happen while ``/healthz`` is polled.
+that the proxy accepts, the same way, as JSON (~26 MB each) and as the packed msgpack workers send: decoding,
+the semantic checks, the per-group encoding and the bucket write all happen while ``/healthz`` is polled.
 """
 
 from __future__ import annotations
@@ -99,11 +99,11 @@ def legal_batch(target_bytes: int) -> bytes:
     return json.dumps(body).encode()
 
 
-def legal_submits(url: str) -> list[bytes]:
-    """Eight batches the proxy accepts, ~30 MB of JSON each: run ``big`` (G=16, 1,024-token completions),
-    adapter v1 published, 64 prompts leased per batch."""
+def legal_submits(url: str) -> dict[str, tuple[list[bytes], str]]:
+    """Batches the proxy accepts, 8 as JSON (~26 MB each) and 8 as packed msgpack (what workers send): run ``big``
+    (G=16, 1,024-token completions), adapter v1 published, 64 prompts leased per batch."""
     from bucketrl.client import ProxyClient
-    from bucketrl.wire import RunSpec
+    from bucketrl.wire import RolloutBatch, RunSpec, packed
     from tests.proxy.harness import adapter_tar
 
     spec = {
@@ -113,7 +113,7 @@ def legal_submits(url: str) -> list[bytes]:
         "vocab_size": 64,
         "group_size": 16,
         "sampling": {"max_new_tokens": 1024},
-        "queue_capacity_groups": 1024,
+        "queue_capacity_groups": 2048,
         "groups_per_step": 512,
     }
     c = ProxyClient(url, "big", TOKEN, retries=0)
@@ -122,24 +122,25 @@ def legal_submits(url: str) -> list[bytes]:
     c.publish_adapter(1, adapter_tar(1))
     lease = c.lease_version("g", 1, ttl_s=3600)
     rng = random.Random(1)
-    out = []
-    for _ in range(8):
-        groups = []
-        for p in c.lease_prompts("g", 64, ttl_s=3600, version=1).prompts:
-            comps = [
-                {
-                    "token_ids": [rng.randrange(64) for _ in range(1024)],
-                    "logprobs": [-rng.random() for _ in range(1024)],
-                    "reward": 1.0,
-                    "finish_reason": "length",
-                }
-                for _ in range(16)
-            ]
-            groups.append(
-                {"prompt_id": p.prompt_id, "prompt_index": p.index, "prompt_token_ids": [1] * 64, "completions": comps}
-            )
-        body = {"worker_id": "g", "lease_id": lease.lease_id, "version": 1, "groups": groups}
-        out.append(json.dumps(body).encode())
+    out: dict[str, tuple[list[bytes], str]] = {"JSON": ([], "application/json"), "msgpack": ([], "application/msgpack")}
+    for kind, (bodies, _) in out.items():
+        for _ in range(8):
+            groups = []
+            for p in c.lease_prompts("g", 64, ttl_s=3600, version=1).prompts:
+                comps = [
+                    {
+                        "token_ids": [rng.randrange(64) for _ in range(1024)],
+                        "logprobs": [-rng.random() for _ in range(1024)],
+                        "reward": 1.0,
+                        "finish_reason": "length",
+                    }
+                    for _ in range(16)
+                ]
+                ids = {"prompt_id": p.prompt_id, "prompt_index": p.index}
+                groups.append({**ids, "prompt_token_ids": [1] * 64, "completions": comps})
+            body = {"worker_id": "g", "lease_id": lease.lease_id, "version": 1, "groups": groups}
+            raw = json.dumps(body).encode()
+            bodies.append(raw if kind == "JSON" else packed.packb(RolloutBatch.model_validate_json(raw)))
     c.close()
     return out
 
@@ -264,30 +265,31 @@ def main() -> None:
                 f"{_percentiles(lat)}; proxy peak +RSS {grow / 1e6:.0f} MB = {grow / len(big):.1f} x one body; "
                 f"decoder peak +RSS {kgrow / 1e6:.0f} MB"
             )
-            # 8 legal batches at once, accepted (202): decoded, validated, encoded per group, written, enqueued.
-            bodies = legal_submits(url)
-            base, kids = peak.reset()
-            statuses.clear()
+            # 8 legal batches at once, accepted (202): decoded, validated, encoded per group, written, enqueued;
+            # as JSON, then as the packed msgpack workers send (wire/packed.py).
+            for kind, (bodies, ctype) in legal_submits(url).items():
+                base, kids = peak.reset()
+                statuses.clear()
 
-            def submit(i: int) -> int:
-                with httpx.Client(base_url=url, headers=http.headers, timeout=300) as c:
-                    r = c.post("/v1/runs/big/rollouts", content=bodies[i], headers={"Idempotency-Key": f"ok{i}"})
-                    return r.status_code
+                def submit(i: int, bodies: list[bytes] = bodies, ctype: str = ctype, kind: str = kind) -> int:
+                    with httpx.Client(base_url=url, headers=http.headers, timeout=300) as c:
+                        headers = {"Idempotency-Key": f"{kind}{i}", "Content-Type": ctype}
+                        return c.post("/v1/runs/big/rollouts", content=bodies[i], headers=headers).status_code
 
-            def submit_all() -> None:
-                with ThreadPoolExecutor(8) as pool:
-                    statuses.extend(pool.map(submit, range(8)))
+                def submit_all(submit: Callable[[int], int] = submit) -> None:
+                    with ThreadPoolExecutor(8) as pool:
+                        statuses.extend(pool.map(submit, range(8)))
 
-            t0 = time.perf_counter()
-            lat = _poll(url, submit_all)
-            took = time.perf_counter() - t0
-            grow, kgrow = max(0, peak.peak - base), max(0, peak.child_peak - kids)
-            size = max(len(b) for b in bodies)
-            print(
-                f"8 x {size / 1e6:.0f} MB legal batches at once ({took:.1f} s, statuses {sorted(set(statuses))}): "
-                f"/healthz {_percentiles(lat)}; proxy peak +RSS {grow / 1e6:.0f} MB = {grow / size:.1f} x one body; "
-                f"decoder peak +RSS {kgrow / 1e6:.0f} MB"
-            )
+                t0 = time.perf_counter()
+                lat = _poll(url, submit_all)
+                took = time.perf_counter() - t0
+                grow, kgrow = max(0, peak.peak - base), max(0, peak.child_peak - kids)
+                size = max(len(b) for b in bodies)
+                print(
+                    f"8 x {size / 1e6:.0f} MB legal {kind} batches at once ({took:.1f} s, statuses "
+                    f"{sorted(set(statuses))}): /healthz {_percentiles(lat)}; proxy peak +RSS {grow / 1e6:.0f} MB = "
+                    f"{grow / size:.1f} x one body; decoder peak +RSS {kgrow / 1e6:.0f} MB"
+                )
             peak.stop()
         finally:
             proxy.terminate()

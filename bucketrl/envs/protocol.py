@@ -10,11 +10,12 @@ One instance per generator serves every episode (G of them at once per prompt, c
 state in ``rollout``'s locals or on ``ctx``. ``rollout`` may also be a plain ``def``: it then runs in a thread of
 its own with a synchronous ``openai.OpenAI`` client (do this when the environment blocks: a blocking call in an
 ``async def`` holds up every episode of the generator). :class:`bucketrl.envs.tools.ToolEnv` is the loop most
-tool-using environments need.
+tool-using environments need. An environment that holds something open (a server, a subprocess) may define
+``async def aclose(self)``: the generator awaits it when it stops.
 
-Names: ``toy:tools`` (built in, :mod:`bucketrl.envs.toy_tools`), ``verifiers`` (a verifiers taskset,
-:mod:`bucketrl.envs.verifiers_env`), ``module:Class`` (imported like a reward
-function, under the same allow-list, ``BUCKETRL_ALLOWED_REWARD_MODULES``), or ``external`` (no environment on
+Names: ``toy:tools`` (built in, :mod:`bucketrl.envs.toy_tools`), ``module:Class`` (imported like a reward
+function, under the same allow-list, ``BUCKETRL_ALLOWED_REWARD_MODULES``), ``verifiers:<taskset id>`` (a
+``verifiers`` environment, :mod:`bucketrl.envs.verifiers_env`), or ``external`` (no environment on
 the generator: agents outside it take episodes through the exposed endpoint).
 """
 
@@ -31,10 +32,9 @@ from bucketrl import errors
 from bucketrl.envs.episodes import Episode
 
 EXTERNAL = "external"
-BUILTIN_ENVS = {
-    "toy:tools": "bucketrl.envs.toy_tools:ToyToolsEnv",
-    "verifiers": "bucketrl.envs.verifiers_env:VerifiersEnv",  # kwargs {"taskset": id}: the verifiers extra
-}
+# "verifiers:<taskset id>": a verifiers environment (bucketrl.envs.verifiers_env, the optional extra).
+VERIFIERS_PREFIX = "verifiers:"
+BUILTIN_ENVS = {"toy:tools": "bucketrl.envs.toy_tools:ToyToolsEnv"}
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,10 @@ def resolve_env_class(name: str) -> type:
 
 
 def make_env(name: str, kwargs: dict[str, Any]) -> Any:
+    if name.startswith(VERIFIERS_PREFIX):
+        from bucketrl.envs.verifiers_env import load_verifiers_env
+
+        return load_verifiers_env(name.removeprefix(VERIFIERS_PREFIX), kwargs)
     cls = resolve_env_class(name)
     try:
         return cls(**kwargs)

@@ -167,6 +167,12 @@ class EpisodeService:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        aclose = getattr(self.env, "aclose", None)  # what the environment holds open (servers, subprocesses)
+        if aclose is not None:
+            try:
+                await asyncio.wait_for(aclose(), 10.0)
+            except Exception:
+                log.exception("closing the environment")
         for client in (self._aclient,):
             if client is not None:
                 with contextlib.suppress(Exception):

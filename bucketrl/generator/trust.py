@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from bucketrl.preflight import ConfigError
 from bucketrl.rewards import BUILTIN
@@ -72,38 +73,29 @@ def check_dataset(uri: str, allowed: str) -> None:
     )
 
 
-def check_env(name: str, allowed: str, kwargs: dict | None = None) -> None:
-    """A run's ``env.name`` 'module:Class' is imported like a reward module: the same allow-list admits it. So does
-    the taskset module a ``verifiers`` environment imports (``env.kwargs.taskset``), unless verifiers ships it."""
+def check_env(name: str, allowed: str, kwargs: dict[str, Any] | None = None) -> None:
+    """A run's ``env.name`` 'module:Class' is imported like a reward module: the same allow-list admits it. A
+    ``verifiers:<taskset>`` env imports its taskset's module and every plugin its kwargs name (harness, env and
+    judge ids, reward ``fn`` paths): each must be admitted (an entry ``verifiers`` admits verifiers' built-ins)."""
+    from bucketrl.envs.protocol import VERIFIERS_PREFIX
+
+    if ":" not in name or name.startswith("toy:"):
+        return  # built-ins ('toy:tools', 'external') are part of bucketrl
     entries = _entries(allowed)
     if entries is None:
         return
-    if name == "verifiers":
-        module = verifiers_taskset_module(str((kwargs or {}).get("taskset", "")))
-        what = f"env.kwargs.taskset {(kwargs or {}).get('taskset')!r}"
-    elif ":" in name and not name.startswith("toy:"):
-        module = name.partition(":")[0]
-        what = f"env.name {name!r}"
+    if name.startswith(VERIFIERS_PREFIX):
+        from bucketrl.envs.verifiers_env import imported_modules
+
+        modules = imported_modules(name.removeprefix(VERIFIERS_PREFIX), kwargs or {})
     else:
-        return  # built-ins ('toy:tools', 'external') are part of bucketrl
-    if module is not None and not any(module == e or module.startswith(e + ".") for e in entries):
-        raise ConfigError(
-            f"{what}: module {module!r} is not in this generator's BUCKETRL_ALLOWED_REWARD_MODULES "
-            f"({allowed!r}, which admits environment modules too); the generator's operator must allow it"
-        )
-
-
-def verifiers_taskset_module(taskset: str) -> str | None:
-    """The module verifiers imports for a taskset id (its own loader's rule); None for one verifiers ships."""
-    import importlib.util
-
-    module = taskset.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
-    try:
-        if importlib.util.find_spec(f"verifiers.v1.tasksets.{module}") is not None:
-            return None
-    except (ImportError, ValueError):
-        pass
-    return module
+        modules = [name.partition(":")[0]]
+    for module in modules:
+        if not any(module == e or module.startswith(e + ".") for e in entries):
+            raise ConfigError(
+                f"env.name {name!r}: module {module!r} is not in this generator's BUCKETRL_ALLOWED_REWARD_MODULES "
+                f"({allowed!r}, which admits environment modules too); the generator's operator must allow it"
+            )
 
 
 def check_spec(spec: RunSpec, allowed_reward_modules: str, allowed_dataset_locations: str) -> None:

@@ -31,7 +31,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
-from bucketrl.proxy import body, errors
+from bucketrl.proxy import body, errors, lean
 from bucketrl.proxy.auth import TokenAuth
 from bucketrl.proxy.context import ProxyContext
 from bucketrl.proxy.settings import ProxySettings
@@ -107,17 +107,22 @@ class IdentityGate:
 
 async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Telemetry) -> ProxyContext:
     import redis.asyncio as aioredis
+    from redis.asyncio.connection import Connection, parse_url
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 
+    from bucketrl.proxy.redis_pack import fast_packing
     from bucketrl.storage import open_store
 
     store = open_store(settings.bucket_url, s3_endpoint_url=settings.s3_endpoint_url)
     # A blocking pool: past max_connections a request waits (up to redis_timeout_s) for a connection instead of
     # failing at once. redis-py's default pool refuses more than 100 connections per process, which answered
     # 503 on every route at 128+ simulated generators (bench/scale_sim.py).
-    pool = aioredis.BlockingConnectionPool.from_url(
-        settings.redis_url,
+    options = parse_url(settings.redis_url)
+    # hiredis packs each command (redis_pack.py): a Lua call with 30 arguments cost ~70 us in redis-py's packer.
+    options["connection_class"] = fast_packing(options.get("connection_class", Connection))
+    pool = aioredis.BlockingConnectionPool(
+        **options,
         max_connections=settings.redis_max_connections,
         timeout=settings.redis_timeout_s,
         decode_responses=False,
@@ -199,6 +204,7 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
     errors.install(app)
     for router in all_routers():
         app.include_router(router)
+    lean.install(app)  # the hot routes without FastAPI's per-request dependency solving (lean.py)
     app.add_middleware(IdentityGate)
     app.add_middleware(LatencyMiddleware, telemetry=telemetry)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

@@ -12,8 +12,8 @@ a client sent, and nothing read from the bucket, is ever unpickled.
 
 Memory, per body, in the proxy process: the raw body (written to the pipe from its own buffer, not copied), the
 pickled model (~0.45x a JSON body) and the model. The decoding peak itself (~6x the body for a well-formed
-batch, ~35x for hostile lists of short strings) is the child's; one body at a time goes to the child, and a
-child hands what a decode freed back to the system (``malloc_trim``), and one whose RSS still passed
+batch, ~35x for hostile lists of short strings) is the child's. One body at a time goes to the child; after
+each, the child hands what it freed back to the system (``malloc_trim``), and a child whose RSS still passed
 :data:`RECYCLE_RSS_BYTES` is replaced, so one huge body does not keep its peak resident.
 
 The child is ``python -c`` started with ``subprocess`` (not multiprocessing: its spawn re-imports the parent's

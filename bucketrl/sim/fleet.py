@@ -10,7 +10,8 @@ HTTP against the real proxy, with only the GPU simulated (:mod:`bucketrl.sim.gpu
 - rollouts: leases ``prompts_per_request`` prompts (long-polled by admission control, ``version`` = the
   newest loaded) while the previous call runs, samples G completions per prompt in one simulated call, hands
   the batch to its submitter (a queue of ``submit_queue_batches``, as the real worker's), which submits it as
-  msgpack under one Idempotency-Key per batch (429: waits Retry-After; 409 stale: counted, prompts released);
+  msgpack (token ids and logprobs packed, as the real client sends them) under one Idempotency-Key per
+  batch (429: waits Retry-After; 409 stale: counted, prompts released);
 - keeper: renews version leases at a third of their TTL and pushes metrics with ``loaded_versions`` (the
   heartbeat) every ``metrics_interval_s``.
 
@@ -53,6 +54,7 @@ from bucketrl import errors
 from bucketrl.settings import WorkerSettings
 from bucketrl.sim.gpu import SimGpu, simulate_call
 from bucketrl.wire import RunSpec
+from bucketrl.wire.packed import pack_array
 
 log = logging.getLogger("bucketrl.sim.fleet")
 
@@ -315,11 +317,12 @@ class SimGenerator:
             {
                 "prompt_id": p["prompt_id"],
                 "prompt_index": p["index"],
-                "prompt_token_ids": self.rng.integers(0, self.spec.vocab_size, self.prompt_tokens).tolist(),
+                "prompt_token_ids": pack_array(self.rng.integers(0, self.spec.vocab_size, self.prompt_tokens), "int"),
                 "completions": [
                     {
-                        "token_ids": s.token_ids,
-                        "logprobs": s.logprobs,
+                        # packed as the generator worker's client sends them (wire/packed.py)
+                        "token_ids": pack_array(s.token_ids, "int"),
+                        "logprobs": pack_array(s.logprobs, "float"),
                         "reward": float(self.rng.integers(0, 2)),
                         "finish_reason": s.finish_reason,
                     }

@@ -2,7 +2,7 @@
 
 import math
 from collections.abc import Iterable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
@@ -18,6 +18,7 @@ from bucketrl.wire.common import (
     WireModel,
     WorkerId,
 )
+from bucketrl.wire.packed import NumericArray, all_finite_non_positive
 from bucketrl.wire.runs import SamplingSpec
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -28,6 +29,24 @@ SegmentKind = Literal["model", "env"]
 MAX_SEGMENTS = 2 * MAX_TURNS
 MAX_GROUP_COMPLETIONS = 16_384
 
+# Lists of numbers a msgpack body may carry packed (wire/packed.py): a field typed with one of these is packed
+# by packed.packb and checked in numpy passes when it arrives packed, in any model (a new field too). Token ids
+# are >= 0 (their bound, the run's vocab_size, is checked per run in validate_batch); logprobs finite and <= 0.
+# The same rules hold for the plain list form. Either form may reach a validator below: a list, or (at the
+# proxy, context KEEP_ARRAYS) a numpy array, so they use len() and never a list's truth value.
+PromptTokenIds = Annotated[
+    list[int], NumericArray("int", min_length=1, max_length=MAX_PROMPT_TOKENS, non_negative=True)
+]
+SegmentTokenIds = Annotated[
+    list[int], NumericArray("int", min_length=1, max_length=MAX_EPISODE_TOKENS, non_negative=True)
+]
+SegmentLogprobs = Annotated[
+    list[float], NumericArray("float", min_length=1, max_length=MAX_EPISODE_TOKENS, logprob=True)
+]
+# A completion's flat fields: empty when a multi-turn completion derives them from its segments.
+FlatTokenIds = Annotated[list[int], NumericArray("int", max_length=MAX_COMPLETION_TOKENS, non_negative=True)]
+FlatLogprobs = Annotated[list[float], NumericArray("float", max_length=MAX_COMPLETION_TOKENS, logprob=True)]
+
 
 class Segment(WireModel):
     """A run of tokens of one multi-turn trajectory: the MODEL's (sampled, trained on, with their behaviour
@@ -35,14 +54,12 @@ class Segment(WireModel):
     never trained, no logprobs)."""
 
     kind: SegmentKind
-    token_ids: list[int] = Field(..., min_length=1, max_length=MAX_EPISODE_TOKENS, fail_fast=True)
+    token_ids: SegmentTokenIds
     # Required on a model segment (logprobs[i] belongs to token_ids[i]); absent on an env segment.
-    logprobs: list[float] | None = Field(None, min_length=1, max_length=MAX_EPISODE_TOKENS, fail_fast=True)
+    logprobs: SegmentLogprobs | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "Segment":
-        if min(self.token_ids) < 0:
-            raise ValueError("token_ids must be >= 0")
         if self.kind == "env":
             if self.logprobs is not None:
                 raise ValueError("logprobs: an env segment carries none (its tokens are context, never trained)")
@@ -94,14 +111,10 @@ class Completion(WireModel):
 
     # Single-turn: at most the batch's sampling.max_new_tokens (checked per run in validate_batch); this is the
     # static cap. Multi-turn: derived from ``segments`` (do not send both).
-    token_ids: list[int] = Field(
-        default_factory=list, max_length=MAX_COMPLETION_TOKENS, fail_fast=True, exclude_if=_is_derived
-    )
+    token_ids: FlatTokenIds = Field(default_factory=list, exclude_if=_is_derived)
     # logprobs[i] is the behaviour logprob of token_ids[i] (temperature applied before log-softmax); 0.0 at the
     # env positions of a multi-turn completion (never used: the loss mask is 0 there).
-    logprobs: list[float] = Field(
-        default_factory=list, max_length=MAX_COMPLETION_TOKENS, fail_fast=True, exclude_if=_is_derived
-    )
+    logprobs: FlatLogprobs = Field(default_factory=list, exclude_if=_is_derived)
     # None = the reward function could not score this completion.
     reward: float | None
     finish_reason: FinishReason = "stop"
@@ -110,9 +123,7 @@ class Completion(WireModel):
         None, min_length=1, max_length=MAX_SEGMENTS, fail_fast=True, exclude_if=_is_none
     )
     # A split sample's own prompt (None: the group's prompt_token_ids). Multi-turn only.
-    prompt_token_ids: list[int] | None = Field(
-        None, min_length=1, max_length=MAX_PROMPT_TOKENS, fail_fast=True, exclude_if=_is_none
-    )
+    prompt_token_ids: PromptTokenIds | None = Field(None, exclude_if=_is_none)
     # The episode (0..group_size-1) this sample belongs to when episodes are split; set on every completion of
     # the group or on none (None: each completion is its own episode). Multi-turn only.
     episode: int | None = Field(None, ge=0, le=1023, exclude_if=_is_none)
@@ -122,17 +133,13 @@ class Completion(WireModel):
         if self.segments is None:
             if self.prompt_token_ids is not None or self.episode is not None:
                 raise ValueError("prompt_token_ids and episode belong to multi-turn completions (send segments)")
-            if not self.token_ids:
+            if not len(self.token_ids):
                 raise ValueError("token_ids: at least 1 token (or a multi-turn completion's segments)")
             _check_logprobs(self.token_ids, self.logprobs)
-            if min(self.token_ids) < 0:
-                raise ValueError("token_ids must be >= 0")
         elif not isinstance(self.token_ids, _Derived):  # derived already: pydantic re-runs this on an instance
-            if self.token_ids or self.logprobs:
+            if len(self.token_ids) or len(self.logprobs):
                 raise ValueError("token_ids/logprobs: derived from segments; send segments alone")
             self._derive_flat(self.segments)
-        if self.prompt_token_ids is not None and min(self.prompt_token_ids) < 0:
-            raise ValueError("prompt_token_ids must be >= 0")
         if self.reward is not None and not math.isfinite(self.reward):
             raise ValueError("reward must be finite or null")
         return self
@@ -152,9 +159,9 @@ class Completion(WireModel):
             raise ValueError(f"segments: {total} tokens, more than {MAX_EPISODE_TOKENS}")
         tokens: list[int] = []
         logprobs: list[float] = []
-        for seg in segments:
-            tokens += seg.token_ids
-            logprobs += seg.logprobs if seg.logprobs is not None else [0.0] * len(seg.token_ids)
+        for seg in segments:  # (lists: segments that arrived packed and stayed arrays at the proxy become lists)
+            tokens += _as_list(seg.token_ids)
+            logprobs += _as_list(seg.logprobs) if seg.logprobs is not None else [0.0] * len(seg.token_ids)
         self.token_ids, self.logprobs = _Derived(tokens), _Derived(logprobs)
 
     @classmethod
@@ -220,26 +227,22 @@ class Completion(WireModel):
 
 
 def _check_logprobs(token_ids: list[int], logprobs: list[float]) -> None:
+    # Their values were checked by their types (TokenIds, Logprobs...), in either form.
     if len(token_ids) != len(logprobs):
         raise ValueError(f"logprobs has {len(logprobs)} entries but token_ids has {len(token_ids)}")
-    if not _all_finite_non_positive(logprobs):
-        for i, lp in enumerate(logprobs):  # the slow walk only to name the bad entry
-            if not math.isfinite(lp) or lp > 0.0:
-                raise ValueError(f"logprobs[{i}] = {lp!r} is not a finite value <= 0")
 
 
-def _all_finite_non_positive(values: list[float]) -> bool:
-    """True iff every value is finite and <= 0, in C-speed passes (this runs on every completion the proxy
-    receives and the trainer claims: 8 x 256 values a group). A NaN or an infinity makes the sum non-finite
-    (so does a sum overflowing, in which case the caller's exact walk decides); with none of them, ``max``
-    orders the values correctly."""
-    return math.isfinite(sum(values)) and max(values) <= 0.0
+def _as_list(values: list[Any]) -> list[Any]:
+    return values.tolist() if hasattr(values, "tolist") else values
+
+
+_all_finite_non_positive = all_finite_non_positive  # its old name (tests compare it with the exact walk)
 
 
 class RolloutGroup(WireModel):
     prompt_id: str = Field(..., min_length=1, max_length=200)
     prompt_index: WireInt
-    prompt_token_ids: list[int] = Field(..., min_length=1, max_length=MAX_PROMPT_TOKENS, fail_fast=True)
+    prompt_token_ids: PromptTokenIds
     # Exactly the run's group_size, or with split episodes (Completion.episode) group_size episodes (checked
     # per run); the static cap covers 1024 episodes split into several samples.
     completions: list[Completion] = Field(..., min_length=1, max_length=MAX_GROUP_COMPLETIONS, fail_fast=True)
@@ -251,13 +254,6 @@ class RolloutGroup(WireModel):
     @classmethod
     def _short_messages(cls, v: dict[str, str]) -> dict[str, str]:
         return {k[:32]: m[:500] for k, m in v.items()}
-
-    @field_validator("prompt_token_ids")
-    @classmethod
-    def _non_negative(cls, v: list[int]) -> list[int]:
-        if v and min(v) < 0:  # an empty list is refused by min_length, with its own message
-            raise ValueError("prompt_token_ids must be >= 0")
-        return v
 
     @model_validator(mode="after")
     def _episodes_consistent(self) -> "RolloutGroup":
@@ -306,13 +302,9 @@ class RolloutGroup(WireModel):
         return completion.prompt_token_ids if completion.prompt_token_ids is not None else self.prompt_token_ids
 
     def max_token_id(self) -> int:
-        return max(
-            [
-                *self.prompt_token_ids,
-                *(t for c in self.completions for t in c.token_ids),
-                *(t for c in self.completions if c.prompt_token_ids for t in c.prompt_token_ids),
-            ]
-        )
+        arrays = [self.prompt_token_ids, *(c.token_ids for c in self.completions)]
+        arrays += [c.prompt_token_ids for c in self.completions if c.prompt_token_ids is not None]
+        return max(int(max(a)) for a in arrays if len(a))
 
 
 class RolloutBatch(WireModel):

@@ -82,3 +82,23 @@ def test_environment_modules_pass_the_reward_allow_list() -> None:
     check_spec(with_env("my_envs.sub:Env"), "my_envs", "")
     with pytest.raises(ConfigError, match=r"env.name 'evil_envs:Env'.*BUCKETRL_ALLOWED_REWARD_MODULES"):
         check_spec(with_env("evil_envs:Env"), "my_envs", "")
+
+
+def test_a_verifiers_env_needs_its_taskset_and_every_plugin_it_names_allowed() -> None:
+    def with_env(name: str, **kwargs: object):  # type: ignore[no-untyped-def]
+        env = {"name": name, "kwargs": kwargs}
+        return make_spec(reward={"name": "toy"}, dataset={"uri": "toy:digits", "size": 4}, env=env)
+
+    check_spec(with_env("verifiers:evil_taskset"), "*", "")
+    check_spec(with_env("verifiers:my-taskset"), "my_taskset", "")  # verifiers imports 'my-taskset' as my_taskset
+    with pytest.raises(ConfigError, match=r"module 'evil_taskset' is not in .*BUCKETRL_ALLOWED_REWARD_MODULES"):
+        check_spec(with_env("verifiers:evil_taskset"), "my_taskset", "")
+    # The kwargs' plugins are imported too: a harness (built-in: verifiers.v1.harnesses.<id>), a reward function.
+    harness = {"agent": {"harness": {"id": "null"}}}
+    with pytest.raises(ConfigError, match=r"module 'verifiers.v1.harnesses.null' is not in"):
+        check_spec(with_env("verifiers:my_taskset", **harness), "my_taskset", "")
+    check_spec(with_env("verifiers:my_taskset", **harness), "my_taskset,verifiers", "")
+    check_spec(with_env("verifiers:my_taskset", **harness), "my_taskset,verifiers.v1.harnesses.null", "")
+    fn = {"taskset": {"task": {"rewards": {"r": {"fn": "evil.scores:steal"}}}}}
+    with pytest.raises(ConfigError, match=r"module 'evil.scores' is not in"):
+        check_spec(with_env("verifiers:my_taskset", **fn), "my_taskset,verifiers", "")

@@ -1,8 +1,8 @@
 """Guards of the proxy's hot paths (``bench/proxy_load.py``): each shortcut gives exactly what the slow way gave.
 
 - no route or dependency is a plain ``def`` (FastAPI would run it in the thread pool: a hop per request);
-- a claim answer spliced from the groups' stored JSON is byte-identical to ``ClaimResponse.model_dump_json()``,
-  also for a batch object written before objects carried that JSON;
+- a claim answer spliced from the groups' stored bytes is exact: its JSON byte-identical to
+  ``ClaimResponse.model_dump_json()``, its msgpack read back equal, also for batch objects of older formats;
 - the C-speed logprob check accepts and refuses exactly what the per-value walk does;
 - an ack that settles groups has ``prompts.json`` record them (prompts, settled groups, counters) before the
   batch object is deleted (it must never be the last record of them); concurrent acks share snapshots;
@@ -29,7 +29,7 @@ from bucketrl.proxy.settings import ProxySettings
 from bucketrl.proxy.state import prompts, queue
 from bucketrl.storage import open_store
 from bucketrl.storage.base import BucketStore
-from bucketrl.wire import ClaimResponse, RolloutBatch, RolloutGroup, RunSpec
+from bucketrl.wire import ClaimResponse, RolloutBatch, RolloutGroup, RunSpec, packed
 from bucketrl.wire.rollouts import Completion, _all_finite_non_positive
 from tests.proxy.harness import ProxyHarness
 from tests.proxy.test_queue_state import RUN, make_batch, make_spec, run, setup_run
@@ -86,19 +86,28 @@ def test_fast_logprob_check_agrees_with_the_walk() -> None:
         Completion.model_validate({"token_ids": [3, -1], "logprobs": [-1.0, -1.0], "reward": 1.0})
 
 
-def _old_format_object(batch: RolloutBatch, batch_id: str, idem: str, run: str) -> bytes:
-    """A batch object as proxies wrote it before ``groups_json`` existed."""
-    obj = {"format": 1, "batch_id": batch_id, "idem": idem, "run": run, "accepted_at": time.time()}
-    return msgpack.packb({**obj, **batch.model_dump(mode="json")}, use_bin_type=True)
+def _old_format_object(batch: RolloutBatch, batch_id: str, idem: str, run: str, fmt: int = 1) -> bytes:
+    """A batch object as older proxies wrote it: format 1 (the batch's own fields) or 2 (``groups_json``)."""
+    obj: dict[str, Any] = {"format": fmt, "batch_id": batch_id, "idem": idem, "run": run, "accepted_at": time.time()}
+    if fmt == 1:
+        obj.update(batch.model_dump(mode="json"))
+    else:
+        obj.update(worker_id=batch.worker_id, lease_id=batch.lease_id, version=batch.version)
+        obj.update(prompt_ids=[g.prompt_id for g in batch.groups], sampling=None)
+        obj["groups_json"] = [g.model_dump_json().encode() for g in batch.groups]
+    return msgpack.packb(obj, use_bin_type=True)
 
 
-def test_claim_answer_is_byte_identical_to_the_model_dump(redis_server: RedisServer, bucket_url: str) -> None:
+def test_claim_answers_are_the_model_dumps(redis_server: RedisServer, bucket_url: str) -> None:
+    """A claim's spliced answers are exact: the JSON byte-identical to ``ClaimResponse.model_dump_json()``, the
+    msgpack read back equal, for objects of every format (3: the submitted msgpack; 2: JSON; 1: fields)."""
     store = open_store(bucket_url)
-    spec = make_spec(group_size=3, queue_capacity_groups=16)
+    spec = make_spec(group_size=3, queue_capacity_groups=32, groups_per_step=8)
 
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
-        items = (await prompts.lease(r, store, RUN, spec, "g1", 4, 60)).prompts
+        items = (await prompts.lease(r, store, RUN, spec, "g1", 6, 60)).prompts
+        assert len(items) == 6
         rng = random.Random(3)
         raw = make_batch(spec, items[:2], 1, worker="gen-7.a_b").model_dump(mode="json")
         for group in raw["groups"]:
@@ -109,45 +118,61 @@ def test_claim_answer_is_byte_identical_to_the_model_dump(redis_server: RedisSer
         batch = RolloutBatch.model_validate(raw)
         new = await queue.submit(r, store, RUN, spec, batch, "new-format")
         stored = msgpack.unpackb(store.get_bytes(queue.batch_key(RUN, new.batch_id)), raw=False)
-        assert stored["format"] == 2 and "groups" not in stored  # the groups are stored once, as JSON
+        assert stored["format"] == 3 and "groups" not in stored  # the groups are stored once, packed
         assert stored["prompt_ids"] == [items[0].prompt_id, items[1].prompt_id]
-        assert [RolloutGroup.model_validate_json(j) for j in stored["groups_json"]] == batch.groups
-        # A batch written by an older proxy (format 1, no groups_json) is still claimed, through the model.
-        old_batch = make_batch(spec, items[2:], 1)
-        old = await queue.submit(r, store, RUN, spec, old_batch, "old-format")
-        key = queue.batch_key(RUN, old.batch_id)
-        store.put_bytes(key, _old_format_object(old_batch, old.batch_id, "x", RUN))
+        assert [RolloutGroup.model_validate(msgpack.unpackb(g)) for g in stored["groups_msgpack"]] == batch.groups
+        assert stored["groups_msgpack"] == [packed.packb(g) for g in batch.groups]
+        # Batches written by older proxies (format 2: groups_json; format 1: no header) are still claimed.
+        olds = []
+        for fmt, chunk in ((2, items[2:4]), (1, items[4:])):
+            old_batch = make_batch(spec, chunk, 1)
+            old = await queue.submit(r, store, RUN, spec, old_batch, f"old-format-{fmt}")
+            key = queue.batch_key(RUN, old.batch_id)
+            store.put_bytes(key, _old_format_object(old_batch, old.batch_id, "x", RUN, fmt))
+            olds.append(old_batch)
 
         got = await queue.claim(
             r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=8, wait_s=0, redelivery_timeout_s=60
         )
-        assert len(got.claimed) == 4
-        expected = ClaimResponse(deliveries=got.deliveries, dropped_stale=got.dropped).model_dump_json().encode()
-        assert got.response_json() == expected
-        assert [d.groups[0] for d in got.deliveries] == [*batch.groups, *old_batch.groups]
+        assert len(got.claimed) == 6
+        assert [d.groups[0] for d in got.deliveries] == [*batch.groups, *olds[0].groups, *olds[1].groups]
+        response = ClaimResponse(deliveries=got.deliveries, dropped_stale=got.dropped)
+        assert got.response_json() == response.model_dump_json().encode()
         assert json.loads(got.response_json())["deliveries"][0]["worker_id"] == "gen-7.a_b"
+        # The msgpack answer: the stored bytes spliced in; read back (lists, as the trainer gets them) it is equal.
+        answer = msgpack.unpackb(got.response_msgpack(), raw=False)
+        assert isinstance(answer["deliveries"][0]["groups"][0]["completions"][0]["token_ids"], msgpack.ExtType)
+        assert ClaimResponse.model_validate(answer) == response
+        assert msgpack.unpackb(packed.packb(response)) == answer  # what packing the model whole gives
         empty = queue.ClaimOutcome([], dropped=3)
         assert empty.response_json() == ClaimResponse(deliveries=[], dropped_stale=3).model_dump_json().encode()
+        assert ClaimResponse.model_validate(msgpack.unpackb(empty.response_msgpack())) == ClaimResponse(
+            deliveries=[], dropped_stale=3
+        )
 
     run(redis_server, body)
 
 
-def test_rebuild_requeues_both_object_formats(redis_server: RedisServer, bucket_url: str) -> None:
-    """A wiped Redis is rebuilt from format-2 objects (header + groups_json) and format-1 ones alike: same
-    versions, workers, group counts and completed prompts, and the claims answer the stored groups."""
+def test_rebuild_requeues_every_object_format(redis_server: RedisServer, bucket_url: str) -> None:
+    """A wiped Redis is rebuilt from format-3 objects (header + groups_msgpack), format-2 ones (groups_json) and
+    format-1 ones alike: same versions, workers, group counts and completed prompts, and the claims answer the
+    stored groups."""
     store = open_store(bucket_url)
     spec = make_spec(group_size=2, queue_capacity_groups=16)
     state: dict[str, Any] = {}
 
     async def before(r: Any) -> None:
         await setup_run(r, spec)
-        items = (await prompts.lease(r, store, RUN, spec, "g1", 3, 60)).prompts
+        items = (await prompts.lease(r, store, RUN, spec, "g1", 4, 60)).prompts
         new_batch = make_batch(spec, items[:2], 1, worker="gen-new")
         new = await queue.submit(r, store, RUN, spec, new_batch, "new")
-        old_batch = make_batch(spec, items[2:], 1, worker="gen-old")
-        old = await queue.submit(r, store, RUN, spec, old_batch, "old")
-        store.put_bytes(queue.batch_key(RUN, old.batch_id), _old_format_object(old_batch, old.batch_id, "x", RUN))
-        state.update(new=(new.batch_id, new_batch), old=(old.batch_id, old_batch), ids={i.prompt_id for i in items})
+        state.update(new=(new.batch_id, new_batch), ids={i.prompt_id for i in items})
+        for fmt, item in ((2, items[2]), (1, items[3])):
+            old_batch = make_batch(spec, [item], 1, worker=f"gen-old{fmt}")
+            old = await queue.submit(r, store, RUN, spec, old_batch, f"old{fmt}")
+            key = queue.batch_key(RUN, old.batch_id)
+            store.put_bytes(key, _old_format_object(old_batch, old.batch_id, "x", RUN, fmt))
+            state[f"old{fmt}"] = (old.batch_id, old_batch)
 
     run(redis_server, before)
     redis_server.wipe()
@@ -161,12 +186,12 @@ def test_rebuild_requeues_both_object_formats(redis_server: RedisServer, bucket_
         by_batch: dict[str, list[Any]] = {}
         for d in got.deliveries:
             by_batch.setdefault(d.delivery_id.rsplit(":", 1)[0], []).append(d)
-        for name, worker in (("new", "gen-new"), ("old", "gen-old")):
+        for name, worker in (("new", "gen-new"), ("old2", "gen-old2"), ("old1", "gen-old1")):
             batch_id, batch = state[name]
             assert [d.worker_id for d in by_batch[batch_id]] == [worker] * len(batch.groups)
             assert [d.version for d in by_batch[batch_id]] == [1] * len(batch.groups)
             assert [d.groups[0] for d in by_batch[batch_id]] == batch.groups
-        # Every prompt of both batches counts as completed: none is issued again.
+        # Every prompt of every batch counts as completed: none is issued again.
         again = (await prompts.lease(r, store, RUN, spec, "g2", 8, 60)).prompts
         assert not {i.prompt_id for i in again} & state["ids"]
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Response
+from fastapi import APIRouter, Depends, Header, Request, Response
 
-from bucketrl.proxy import body
+from bucketrl.proxy import body, rollout_body
 from bucketrl.proxy.deps import (
     CtxDep,
     EpochDep,
@@ -69,6 +69,8 @@ IdempotencyKey = Annotated[
     response_model=SubmitResponse,
     summary="Submit a batch of complete groups (JSON or msgpack); Idempotency-Key required.",
     description=(
+        "msgpack bodies may carry numeric arrays (token ids, logprobs) packed: a msgpack ext object of type 17 "
+        "(little-endian int32), 18 (float32) or 19 (float64) in place of the list (`bucketrl.wire.packed`). "
         "Validated (422 naming the field: token ids < vocab_size, logprobs finite and <= 0 and one per token, "
         "exactly group_size completions per group, prompt ids that were leased, version <= latest, the version "
         "lease's version), then written to the bucket, then enqueued atomically. 409 `stale` when version < latest - "
@@ -82,12 +84,20 @@ async def submit(
     ctx: CtxDep,
     _: GeneratorRole,
     run: RunId,
-    batch: Annotated[RolloutBatch, Depends(body.decoded(RolloutBatch, "max_rollout_bytes"))],
+    submitted: Annotated[rollout_body.SubmittedBatch, Depends(rollout_body.decoded)],
     idempotency_key: IdempotencyKey = None,
 ) -> SubmitResponse:
     _install_scrape_hook(ctx)
     # The spec comes with the queue's pre-check (one round trip); resolve_run only for an unknown run.
-    return await queue.submit(ctx.redis, ctx.store, run, _spec_loader(ctx, run), batch, idempotency_key)
+    return await queue.submit(
+        ctx.redis,
+        ctx.store,
+        run,
+        _spec_loader(ctx, run),
+        submitted.batch,
+        idempotency_key,
+        submitted.groups_msgpack,
+    )
 
 
 @router.post(
@@ -100,12 +110,17 @@ async def submit(
         "whose version < max(latest - max_staleness, min_version) is dropped (`dropped_stale` in the answer and in the "
         "run's counters; min_version is optional: the trainer's floor for the version it will train with). "
         "train_version and sync_every (optional) tell admission control the trainer's pace. "
-        "Epoch-fenced: X-Trainer-Epoch must be the current epoch (409 `fenced`)."
+        "Epoch-fenced: X-Trainer-Epoch must be the current epoch (409 `fenced`). With `Accept: application/msgpack` "
+        "the answer is msgpack, its numeric arrays packed as in a submit (the groups as they were submitted)."
     ),
-    responses=responses(401, 403, 404, 409, 413, 422, 503),
+    responses={
+        200: {"content": {queue.MSGPACK: {"schema": {"$ref": "#/components/schemas/ClaimResponse"}}}},
+        **responses(401, 403, 404, 409, 413, 422, 503),
+    },
     openapi_extra=body.openapi_body(ClaimRequest),
 )
 async def claim(
+    request: Request,
     ctx: CtxDep,
     _: TrainerRole,
     ref: RunDep,
@@ -130,8 +145,10 @@ async def claim(
         request_id=req.request_id,
         release=req.release,
     )
-    # The ClaimResponse JSON spliced from the groups' stored JSON (response_model above documents it): decoding
-    # 8 x 256 tokens and logprobs per group only to encode them again was most of a claim's CPU.
+    # The answer spliced from the groups' stored bytes (response_model above documents it): decoding 8 x 256
+    # tokens and logprobs per group only to encode them again was most of a claim's CPU.
+    if queue.MSGPACK in request.headers.get("accept", ""):
+        return Response(out.response_msgpack(), media_type=queue.MSGPACK)
     return Response(out.response_json(), media_type="application/json")
 
 

@@ -7,12 +7,14 @@ Life of a group
    full), then written WHOLE to the bucket as ``runs/{run}/rollouts/{batch_id}`` (msgpack) and only then
    made visible in Redis by one Lua script: one stream entry per group ``{d: "{batch_id}:{g}", v, w}``, the
    batch's remaining-group count, ``accepted_total``, the completion of its prompts and the idempotency
-   record. The object (format 2) holds the batch's header fields, its ``prompt_ids`` and each group as the
-   claim-answer JSON (``groups_json``, encoded once from the validated groups), so a claim sends groups on
-   without decoding them and nothing is stored twice. ``batch_id`` is a hash of (worker_id,
-   Idempotency-Key, content): a retry after a lost answer or a 503 rewrites the same object and finds the
-   idempotency record (``duplicate: true``, nothing enqueued). Objects written in format 1 (the batch's
-   own msgpack fields, ``groups`` included) are still claimed and rebuilt.
+   record. The object (format 3) holds the batch's header fields, its ``prompt_ids`` and each group as
+   msgpack with packed numeric arrays (``groups_msgpack``: the bytes a msgpack body carried, untouched; a JSON
+   body's groups packed once), so a claim sends groups on without decoding them (a msgpack claim splices
+   the bytes; a JSON claim, from an older trainer, converts) and nothing is stored twice. ``batch_id`` is a
+   hash of (worker_id, Idempotency-Key, content): a retry after a lost answer or a 503 rewrites the same
+   object and finds the idempotency record (``duplicate: true``, nothing enqueued). Objects written in
+   format 2 (each group as claim-answer JSON, ``groups_json``) or format 1 (the batch's own msgpack fields,
+   ``groups`` included) are still claimed and rebuilt.
 2. ``claim`` (trainer, epoch-fenced): one Lua script hands out, oldest first, (a) pending entries idle
    for ``redelivery_timeout_s`` (``XAUTOCLAIM``) that the current epoch does not hold (``queue:owner``:
    delivery -> the epoch it was handed to; the live trainer keeps trained groups unacked until its
@@ -102,6 +104,7 @@ from bucketrl.wire import (
     RunSpec,
     SamplingSpec,
     SubmitResponse,
+    packed,
 )
 
 log = logging.getLogger("bucketrl.proxy.queue")
@@ -197,11 +200,11 @@ def batch_id_for(idem_id: str, content: bytes) -> str:
     return "b" + hashlib.sha256(idem_id.encode() + b"\0" + hashlib.sha256(content).digest()).hexdigest()[:32]
 
 
-def _content_digest(batch: RolloutBatch, groups_json: list[bytes]) -> bytes:
-    """A digest of the batch's whole content, from the canonical JSON its groups are stored as (the same for
-    a JSON and a msgpack body of one batch)."""
-    h = hashlib.sha256(f"{batch.worker_id}\0{batch.lease_id}\0{batch.version}\0{len(groups_json)}".encode())
-    for g in groups_json:
+def _content_digest(batch: RolloutBatch, groups: list[bytes]) -> bytes:
+    """A digest of the batch's whole content, from the bytes its groups are stored as (a retry sends the same
+    bytes; a retry in another encoding names another object, and the idempotency record still answers it)."""
+    h = hashlib.sha256(f"{batch.worker_id}\0{batch.lease_id}\0{batch.version}\0{len(groups)}".encode())
+    for g in groups:
         h.update(len(g).to_bytes(8, "big"))
         h.update(g)
     return h.digest()
@@ -217,7 +220,7 @@ class BatchSummary:
 
 
 def summarize(obj: dict[str, Any]) -> BatchSummary:
-    if "groups_json" in obj and "prompt_ids" in obj:  # format 2
+    if "prompt_ids" in obj and ("groups_msgpack" in obj or "groups_json" in obj):  # formats 3 and 2
         prompt_ids = [str(p) for p in obj["prompt_ids"]]
     else:  # format 1: the batch's own fields
         prompt_ids = [str(g.get("prompt_id")) for g in obj.get("groups", [])]
@@ -290,11 +293,25 @@ end
 _PRECHECK = Lua(
     prompts.QUEUED_LUA
     + """
--- KEYS: idem state cursor stream lease queue_meta prompts_meta spec ; ARGV: group
+-- KEYS: idem state cursor stream lease queue_meta prompts_meta spec write_lock ; ARGV: group token ttl_ms
+-- Also takes the batch's write lock (for ttl_ms) when the batch is new and the run is there and ready: the
+-- caller then writes without another round trip (it releases the lock if it refuses the batch after all).
 local ready = redis.call('HEXISTS', KEYS[6], 'ready') + redis.call('HEXISTS', KEYS[7], 'ready')
-return {redis.call('GET', KEYS[1]) or '', tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0'),
+local seen = redis.call('GET', KEYS[1]) or ''
+local spec = redis.call('GET', KEYS[8]) or ''
+local locked = 0
+if seen == '' and spec ~= '' and ready == 2 then
+  local holder = redis.call('GET', KEYS[9])
+  if holder == ARGV[2] then
+    locked = 1
+  elseif not holder then
+    redis.call('SET', KEYS[9], ARGV[2], 'PX', ARGV[3])
+    locked = 1
+  end
+end
+return {seen, tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0'),
         tonumber(redis.call('GET', KEYS[3]) or '0'), queued_groups(KEYS[4], ARGV[1]),
-        redis.call('HGET', KEYS[5], 'version') or '', ready, redis.call('GET', KEYS[8]) or ''}
+        redis.call('HGET', KEYS[5], 'version') or '', ready, spec, locked}
 """
 )
 
@@ -575,6 +592,11 @@ def validate_batch(batch: RolloutBatch, spec: RunSpec, cursor: int) -> None:
         )
     seen: set[str] = set()
     max_new = (batch.sampling or spec.sampling).max_new_tokens
+    # Token ids against vocab_size: one pass over all of them (numpy arrays when the body was packed), the
+    # per-array walk below only to name the offender.
+    arrays = [a for g in batch.groups for a in (g.prompt_token_ids, *(c.token_ids for c in g.completions))]
+    arrays += [c.prompt_token_ids for g in batch.groups for c in g.completions if c.prompt_token_ids is not None]
+    in_vocab = _all_below(arrays, vocab)
     for i, group in enumerate(batch.groups):
         where = f"groups[{i}]"
         _check_group_size(group, where, g_size, spec)
@@ -593,7 +615,6 @@ def validate_batch(batch: RolloutBatch, spec: RunSpec, cursor: int) -> None:
         if group.prompt_id in seen:
             raise errors.Invalid(f"{where}.prompt_id: {group.prompt_id!r} appears twice in this batch")
         seen.add(group.prompt_id)
-        _check_vocab(group.prompt_token_ids, vocab, f"{where}.prompt_token_ids")
         for c, comp in enumerate(group.completions):
             at = f"{where}.completions[{c}]"
             if comp.segments is None:
@@ -604,6 +625,11 @@ def validate_batch(batch: RolloutBatch, spec: RunSpec, cursor: int) -> None:
                     )
             else:
                 _check_trajectory(group, comp, at, max_new, spec)
+        if in_vocab:  # the one pass above saw every token id below vocab_size
+            continue
+        _check_vocab(group.prompt_token_ids, vocab, f"{where}.prompt_token_ids")
+        for c, comp in enumerate(group.completions):
+            at = f"{where}.completions[{c}]"
             _check_vocab(comp.token_ids, vocab, f"{at}.token_ids", comp)
             if comp.prompt_token_ids is not None:
                 _check_vocab(comp.prompt_token_ids, vocab, f"{at}.prompt_token_ids")
@@ -653,7 +679,7 @@ def _check_trajectory(group: RolloutGroup, comp: Completion, at: str, max_new: i
 
 
 def _check_vocab(ids: list[int], vocab: int, where: str, comp: Completion | None = None) -> None:
-    if max(ids) < vocab:
+    if _max(ids) < vocab:
         return
     j = next(j for j, t in enumerate(ids) if t >= vocab)
     token = ids[j]
@@ -665,6 +691,54 @@ def _check_vocab(ids: list[int], vocab: int, where: str, comp: Completion | None
                 break
             start += len(seg.token_ids)
     raise errors.Invalid(f"{where}[{j}]: token id {token} >= vocab_size {vocab}")
+
+
+def _all_below(arrays: list[Any], bound: int) -> bool:
+    """Every item of every list or numpy array (a packed field kept as one) is below ``bound``."""
+    if all(hasattr(a, "max") for a in arrays):
+        import numpy as np
+
+        return int(np.concatenate(arrays).max()) < bound
+    return max(_max(a) for a in arrays) < bound
+
+
+def _max(values: Any) -> int:
+    """The largest of a list or of a numpy array: each at C speed."""
+    return int(values.max()) if hasattr(values, "max") else max(values)
+
+
+def _first_at_least(values: Any, bound: int) -> int:
+    return next(j for j, t in enumerate(values) if t >= bound)
+
+
+def _admit(
+    run: str,
+    spec: RunSpec,
+    batch: RolloutBatch,
+    cursor: int,
+    latest: int,
+    queued: int,
+    leased: Any,
+) -> None:
+    """The checks before a batch is written (422, 409 ``stale``, 429), from the pre-check's readings."""
+    validate_batch(batch, spec, cursor)
+    # A version lease still on record must be for the batch's version. One no longer on record (released,
+    # or expired past its grace) is accepted: the staleness rule below is what protects training.
+    if leased and int(leased) != batch.version:
+        raise errors.Invalid(
+            f"lease_id: lease {batch.lease_id!r} is for version {int(leased)}, the batch says version {batch.version}"
+        )
+    if batch.version > latest:
+        raise errors.Invalid(f"version: {batch.version} is newer than the latest published version {latest}")
+    if batch.version < latest - spec.max_staleness:
+        raise _stale(run, batch.version, latest, spec)
+    if queued + len(batch.groups) > spec.queue_capacity_groups:
+        raise _full(run, queued, len(batch.groups), spec)
+
+
+async def _unlock_if(locked: Any, r: Any, lock_key: str, token: str) -> None:
+    if int(locked):
+        await _UNLOCK(r, [lock_key], [token])
 
 
 def validate_idempotency_key(key: str | None) -> str:
@@ -701,20 +775,34 @@ async def submit(
     spec: RunSpec | SpecLoader,
     batch: RolloutBatch,
     idempotency_key: str | None,
+    groups_msgpack: list[bytes] | None = None,
 ) -> SubmitResponse:
     """Validate, write the batch to the bucket, then enqueue its groups atomically (see module docstring).
 
     ``spec``: the run's spec, or a :data:`SpecLoader`; then the spec is the one the pre-check reads in its
-    own round trip, and the loader is called only when that finds no spec (404 or a rebuild)."""
+    own round trip, and the loader is called only when that finds no spec (404 or a rebuild).
+    ``groups_msgpack``: each group's msgpack as it arrived (``proxy/rollout_body.py``), stored as is; without
+    it each group is packed here (``wire/packed.py``)."""
     key = validate_idempotency_key(idempotency_key)
     k = QueueKeys.of(run)
     idem_id = idempotency_id(batch.worker_id, key)
     idem_key = k.idem(run, idem_id)
     lease_key = keys.run_key(run, keys.LEASE_INFO.format(id=batch.lease_id))
     spec_key = keys.run_key(run, keys.SPEC)
+    # Each group's msgpack (packed arrays), stored as is: a claim splices it into its answer undecoded. The
+    # batch's id comes from these bytes, so the pre-check can take the batch's write lock in its round trip.
+    if groups_msgpack is None:
+        groups_msgpack = [packed.packb(g) for g in batch.groups]
+    batch_id = batch_id_for(idem_id, _content_digest(batch, groups_msgpack))
+    # One attempt at a time writes (and, when refused, deletes) this batch's object: a retry arriving while
+    # an earlier attempt of the same batch is still writing waits for it, so a refused attempt can never
+    # delete the object another attempt has just enqueued (issue 10 item 8).
+    lock_key, token = keys.run_key(run, f"queue:writing:{batch_id}"), secrets.token_hex(8)
     for _ in range(3):
-        seen, latest, cursor, queued, leased, ready, raw_spec = await _PRECHECK(
-            r, [idem_key, k.state, k.p.cursor, k.stream, lease_key, k.meta, k.p.meta, spec_key], [GROUP]
+        seen, latest, cursor, queued, leased, ready, raw_spec, locked = await _PRECHECK(
+            r,
+            [idem_key, k.state, k.p.cursor, k.stream, lease_key, k.meta, k.p.meta, spec_key, lock_key],
+            [GROUP, token, SUBMIT_LOCK_TTL_MS],
         )
         if not isinstance(spec, RunSpec):
             if not raw_spec:  # unknown run (the loader answers 404), or a wiped Redis (it rebuilds): check again
@@ -729,31 +817,25 @@ async def submit(
     assert isinstance(spec, RunSpec)
     if seen:
         return SubmitResponse.model_validate_json(seen).model_copy(update={"duplicate": True})
-    latest, n = int(latest), len(batch.groups)
-    validate_batch(batch, spec, int(cursor))
-    # A version lease still on record must be for the batch's version. One no longer on record (released,
-    # or expired past its grace) is accepted: the staleness rule below is what protects training.
-    if leased and int(leased) != batch.version:
-        raise errors.Invalid(
-            f"lease_id: lease {batch.lease_id!r} is for version {int(leased)}, the batch says version {batch.version}"
-        )
-    if batch.version > latest:
-        raise errors.Invalid(f"version: {batch.version} is newer than the latest published version {latest}")
-    if batch.version < latest - spec.max_staleness:
-        await r.hincrby(k.counters, "rejected_stale_total", n)
-        raise _stale(run, batch.version, latest, spec)
-    if int(queued) + n > spec.queue_capacity_groups:
+    try:
+        _admit(run, spec, batch, int(cursor), int(latest), int(queued), leased)
+    except errors.Stale:
+        await r.hincrby(k.counters, "rejected_stale_total", len(batch.groups))
+        await _unlock_if(locked, r, lock_key, token)
+        raise
+    except errors.Backpressure:
         pipe = r.pipeline(transaction=False)
         pipe.hincrby(k.counters, "backpressure_total", 1)
         pipe.hincrby(k.counters, "submit_backpressure_total", 1)
         await pipe.execute()
-        raise _full(run, int(queued), n, spec)
-
-    # Each group's claim-answer JSON, encoded once here: a claim splices it in without decoding the group.
-    groups_json = [_GROUP_JSON.dump_json(g) for g in batch.groups]
-    batch_id = batch_id_for(idem_id, _content_digest(batch, groups_json))
+        await _unlock_if(locked, r, lock_key, token)
+        raise
+    except BaseException:
+        await _unlock_if(locked, r, lock_key, token)
+        raise
+    n = len(batch.groups)
     obj = {
-        "format": 2,
+        "format": 3,
         "batch_id": batch_id,
         "idem": idem_id,
         "run": run,
@@ -762,17 +844,14 @@ async def submit(
         "lease_id": batch.lease_id,
         "version": batch.version,
         "prompt_ids": [g.prompt_id for g in batch.groups],
-        "groups_json": groups_json,
+        "groups_msgpack": groups_msgpack,
         # What the groups were sampled with: recorded now, so a later change of the run's spec cannot change it.
         "sampling": (batch.sampling or spec.sampling).model_dump(mode="json"),
     }
     obj_bytes = msgpack.packb(obj, use_bin_type=True)
-    # One attempt at a time writes (and, when refused, deletes) this batch's object: a retry arriving while
-    # an earlier attempt of the same batch is still writing waits for it, so a refused attempt can never
-    # delete the object another attempt has just enqueued (issue 10 item 8).
-    lock_key, token = keys.run_key(run, f"queue:writing:{batch_id}"), secrets.token_hex(8)
     deadline = time.monotonic() + SUBMIT_LOCK_WAIT_S
-    while True:
+    while not int(locked):  # another attempt of this batch is writing: wait for it (or its answer)
+        await asyncio.sleep(0.05)
         got = await _BEGIN_WRITE(r, [idem_key, lock_key], [token, SUBMIT_LOCK_TTL_MS])
         if _s(got[0]) == "duplicate":
             return SubmitResponse.model_validate_json(got[1]).model_copy(update={"duplicate": True})
@@ -780,7 +859,6 @@ async def submit(
             break
         if time.monotonic() > deadline:
             raise errors.Unavailable(f"run {run!r}: an earlier attempt of this batch is still being written; retry")
-        await asyncio.sleep(0.05)
     answer = SubmitResponse(batch_id=batch_id, accepted_groups=n)
     released = False  # the enqueue script releases the lock when the object stays
     try:
@@ -840,22 +918,45 @@ async def _delete_if_held(r: Any, store: BucketStore, run: str, batch_id: str, l
 
 
 @dataclass(frozen=True)
+class StoredGroup:
+    """One group as its batch object holds it: the msgpack that arrived (format 3) or the claim-answer JSON of
+    format 2. A claim sends it on in the answer's own encoding undecoded; only the other encoding converts."""
+
+    data: bytes
+    is_json: bool = False
+
+    def model(self) -> RolloutGroup:
+        if self.is_json:
+            return RolloutGroup.model_validate_json(self.data)
+        return RolloutGroup.model_validate(msgpack.unpackb(self.data, raw=False))
+
+    def as_json(self) -> bytes:
+        return self.data if self.is_json else _GROUP_JSON.dump_json(self.model())
+
+    def as_msgpack(self) -> bytes:
+        return packed.packb(self.model()) if self.is_json else self.data
+
+
+@dataclass(frozen=True)
 class ClaimedGroup:
-    """One delivery, its group as the JSON that submit stored (sent on as is: no decoding, no re-encoding)."""
+    """One delivery, its group as submit stored it (sent on as is: no decoding, no re-encoding)."""
 
     delivery_id: str
     version: int
     worker_id: str
     batch_id: str
     attempt: int
-    group_json: bytes
+    group: StoredGroup
     sampling: SamplingSpec | None = None
 
     def delivery(self) -> Delivery:
-        return Delivery(
+        return self._envelope([self.group.model()])
+
+    def _envelope(self, groups: list[RolloutGroup]) -> Delivery:
+        return Delivery.model_construct(
             delivery_id=self.delivery_id,
             version=self.version,
-            groups=[RolloutGroup.model_validate_json(self.group_json)],
+            groups=groups,
             worker_id=self.worker_id,
             batch_id=self.batch_id,
             attempt=self.attempt,
@@ -863,21 +964,29 @@ class ClaimedGroup:
         )
 
     def delivery_json(self) -> bytes:
-        """``self.delivery().model_dump_json()``, byte for byte, without decoding the group: the envelope is
-        the model's own serialisation with an empty ``groups``, into which the stored group JSON is spliced
+        """``self.delivery().model_dump_json()``, byte for byte, without decoding a stored JSON group: the
+        envelope is the model's own serialisation with an empty ``groups``, into which the group is spliced
         (a bare ``"groups":[]`` can only be that key: quotes inside JSON strings are escaped)."""
-        envelope = Delivery.model_construct(
-            delivery_id=self.delivery_id,
-            version=self.version,
-            groups=[],
-            worker_id=self.worker_id,
-            batch_id=self.batch_id,
-            attempt=self.attempt,
-            sampling=self.sampling,
-        ).model_dump_json()
+        envelope = self._envelope([]).model_dump_json()
         before, sep, after = envelope.encode().partition(b'"groups":[]')
         assert sep, envelope
-        return b"".join((before, b'"groups":[', self.group_json, b"]", after))
+        return b"".join((before, b'"groups":[', self.group.as_json(), b"]", after))
+
+    def delivery_msgpack(self) -> bytes:
+        """The msgpack of the delivery (numeric arrays packed): the envelope's fields, then ``groups`` holding
+        the stored group's bytes (a msgpack array is its header followed by its items' bytes)."""
+        fields = self._envelope([]).model_dump(mode="json")
+        del fields["groups"]
+        p = msgpack.Packer(use_bin_type=True)
+        parts = [p.pack_map_header(len(fields) + 1)]
+        for key, value in fields.items():
+            parts += [p.pack(key), p.pack(value)]
+        parts += [p.pack("groups"), p.pack_array_header(1), self.group.as_msgpack()]
+        return b"".join(parts)
+
+
+# A claim answers msgpack (packed arrays) to a client that accepts it, JSON otherwise.
+MSGPACK = "application/msgpack"
 
 
 @dataclass
@@ -889,21 +998,32 @@ class ClaimOutcome:
 
     @property
     def deliveries(self) -> list[Delivery]:
-        """The deliveries as models (decodes every group: for callers in Python; the route sends ``response_json``)."""
+        """The deliveries as models (decodes every group: for callers in Python; the route sends the bytes)."""
         return [c.delivery() for c in self.claimed]
+
+    def _envelope(self) -> ClaimResponse:
+        return ClaimResponse(deliveries=[], dropped_stale=self.dropped, dropped_rebuilt=self.dropped_rebuilt)
 
     def response_json(self) -> bytes:
         """The :class:`ClaimResponse` JSON of this outcome, byte-identical to ``ClaimResponse(deliveries=
-        self.deliveries, dropped_stale=self.dropped).model_dump_json()`` at a fraction of the cost."""
-        envelope = (
-            ClaimResponse(deliveries=[], dropped_stale=self.dropped, dropped_rebuilt=self.dropped_rebuilt)
-            .model_dump_json()
-            .encode()
-        )
+        self.deliveries, dropped_stale=self.dropped).model_dump_json()``."""
+        envelope = self._envelope().model_dump_json().encode()
         before, sep, after = envelope.partition(b'"deliveries":[]')
         assert sep, envelope
         inner = b",".join(c.delivery_json() for c in self.claimed)
         return b"".join((before, b'"deliveries":[', inner, b"]", after))
+
+    def response_msgpack(self) -> bytes:
+        """The :class:`ClaimResponse` as msgpack, its groups spliced in as stored (packed arrays):
+        ``ClaimResponse.model_validate(msgpack.unpackb(...))`` reads back what ``deliveries`` gives."""
+        fields = self._envelope().model_dump(mode="json")
+        del fields["deliveries"]
+        p = msgpack.Packer(use_bin_type=True)
+        parts = [p.pack_map_header(len(fields) + 1), p.pack("deliveries"), p.pack_array_header(len(self.claimed))]
+        parts += [c.delivery_msgpack() for c in self.claimed]
+        for key, value in fields.items():
+            parts += [p.pack(key), p.pack(value)]
+        return b"".join(parts)
 
 
 async def claim(
@@ -999,7 +1119,7 @@ async def _deliveries(
     batch_ids = sorted({d.rsplit(":", 1)[0] for _, d, _, _, _ in parsed})
     try:
         # One thread hop for all the reads (a hop costs more CPU than reading a local object).
-        loaded = await asyncio.to_thread(lambda: [_load_groups_json(store, run, b) for b in batch_ids])
+        loaded = await asyncio.to_thread(lambda: [_load_groups(store, run, b) for b in batch_ids])
     except BaseException:
         # Claimed in Redis but not handed out: make them re-claimable now instead of after the timeout.
         k = QueueKeys.of(run)
@@ -1011,10 +1131,10 @@ async def _deliveries(
     for _sid, d, version, worker, attempt in parsed:
         b, g = d.rsplit(":", 1)
         stored = batches[b]
-        if stored is None or int(g) >= len(stored.groups_json):
+        if stored is None or int(g) >= len(stored.groups):
             lost.append(d)
             continue
-        out.claimed.append(ClaimedGroup(d, version, worker, b, attempt, stored.groups_json[int(g)], stored.sampling))
+        out.claimed.append(ClaimedGroup(d, version, worker, b, attempt, stored.groups[int(g)], stored.sampling))
     if lost:
         log.error(
             "run %r: %d claimed groups have no batch object in the bucket; counted as lost: %s",
@@ -1035,30 +1155,30 @@ def _load_batch(store: BucketStore, run: str, batch_id: str) -> dict[str, Any] |
 
 @dataclass(frozen=True)
 class StoredGroups:
-    groups_json: list[bytes]
+    groups: list[StoredGroup]
     sampling: SamplingSpec | None  # None in objects written before batches recorded it
 
 
-def _load_groups_json(store: BucketStore, run: str, batch_id: str) -> StoredGroups | None:
-    """The claim-answer JSON of each group of a batch object, and its sampling (None when the object is gone).
+def _load_groups(store: BucketStore, run: str, batch_id: str) -> StoredGroups | None:
+    """Each group of a batch object as stored, and its sampling (None when the object is gone).
 
-    Objects carry it in ``groups_json`` (written by submit from the validated groups); only that key is
-    decoded, the bulky ``groups`` is skipped unread. An object without it (written by an older proxy) is
-    decoded and validated as before.
-    """
+    Format 3 objects carry ``groups_msgpack``, format 2 ``groups_json``; only that key is decoded, the rest
+    skipped unread. A format 1 object (the batch's own fields) is decoded and validated as before."""
     try:
         raw = store.get_bytes(batch_key(run, batch_id))
     except errors.NotFound:
         return None
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(raw), 1))
     unpacker.feed(raw)
-    stored: list[bytes] | None = None
+    stored: list[StoredGroup] | None = None
     groups: list[Any] = []
     sampling: SamplingSpec | None = None
     for _ in range(unpacker.read_map_header()):
         key = unpacker.unpack()
-        if key == "groups_json":
-            stored = unpacker.unpack()
+        if key == "groups_msgpack":
+            stored = [StoredGroup(g) for g in unpacker.unpack()]
+        elif key == "groups_json":
+            stored = [StoredGroup(g, is_json=True) for g in unpacker.unpack()]
         elif key == "groups" and stored is None:
             groups = unpacker.unpack()
         elif key == "sampling":  # None in a format-1 object (the batch's own fields) that had none
@@ -1067,7 +1187,7 @@ def _load_groups_json(store: BucketStore, run: str, batch_id: str) -> StoredGrou
         else:
             unpacker.skip()
     if stored is None:
-        stored = [_GROUP_JSON.dump_json(RolloutGroup.model_validate(g)) for g in groups]
+        stored = [StoredGroup(packed.packb(RolloutGroup.model_validate(g))) for g in groups]
     return StoredGroups(stored, sampling)
 
 

@@ -111,6 +111,7 @@ async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Te
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 
+    from bucketrl.proxy.redis_mux import RedisMux
     from bucketrl.proxy.redis_pack import fast_packing
     from bucketrl.storage import open_store
 
@@ -135,6 +136,8 @@ async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Te
         retry=Retry(ExponentialBackoff(cap=0.25, base=0.02), 2),
     )
     redis = aioredis.Redis.from_pool(pool)
+    # The Lua calls of concurrent requests share one pipelined connection (redis_mux.py; state/lua.py uses it).
+    redis.bucketrl_mux = RedisMux(pool)
     return ProxyContext(settings=settings, redis=redis, store=store, telemetry=telemetry, auth=auth)
 
 
@@ -198,6 +201,7 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
             # What the cleaner has not finished stays in queue:doomed for the next sweep (any replica).
             await ctx.cleaner.drain(10.0)
             await ctx.notifier.stop()
+            await ctx.redis.bucketrl_mux.aclose()
             await ctx.redis.aclose()
 
     app = FastAPI(title="bucketrl proxy", version="1", description=API_DESCRIPTION, lifespan=lifespan)

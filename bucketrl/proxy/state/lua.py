@@ -1,4 +1,7 @@
-"""A Lua script called by SHA with a fallback to EVAL (a restarted or wiped Redis forgot its scripts)."""
+"""A Lua script called by SHA with a fallback to EVAL (a restarted or wiped Redis forgot its scripts).
+
+A client carrying a :class:`~bucketrl.proxy.redis_mux.RedisMux` (``bucketrl_mux``: the proxy's) sends the
+call on that shared pipelined connection; when it fails, or is resting after a failure, through the pool."""
 
 from __future__ import annotations
 
@@ -14,6 +17,15 @@ class Lua:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     async def __call__(self, r: Any, keys: list[str], args: list[Any]) -> Any:
+        mux = getattr(r, "bucketrl_mux", None)
+        if mux is not None and mux.available:
+            try:
+                try:
+                    return await mux.execute("EVALSHA", self.sha, len(keys), *keys, *args)
+                except redis_exc.NoScriptError:
+                    return await mux.execute("EVAL", self.source, len(keys), *keys, *args)
+            except (redis_exc.ConnectionError, redis_exc.TimeoutError, OSError):
+                pass  # the shared connection failed: through the pool (whose retry re-sends, as it always has)
         try:
             return await r.evalsha(self.sha, len(keys), *keys, *args)
         except redis_exc.NoScriptError:

@@ -6,6 +6,7 @@ the exposed endpoint and its episodes are accounted like any other."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -48,7 +49,7 @@ def check_trajectories(d: Delivery, spec: RunSpec, model_dir: Path, adapter: Pat
         assert len(g.episodes()) == spec.group_size
         for c in g.completions:
             assert c.segments is not None and c.segments[0].kind == "model"
-            assert c.reward is None or 0.0 <= c.reward <= 1.0
+            assert c.reward is None or math.isfinite(c.reward)
             if c.finish_reason == "abort":
                 continue
             prompt = g.prompt_of(c)
@@ -63,7 +64,10 @@ def check_trajectories(d: Delivery, spec: RunSpec, model_dir: Path, adapter: Pat
 def test_a_multi_turn_run_submits_groups_of_episodes(
     proxy: ProxyHarness, tiny_model_dir: Path, adapter_v1: Path
 ) -> None:
-    trainer, spec = create_run(proxy, "mt", tiny_model_dir, adapter_v1, **TOOLS_RUN)
+    # Chatty: every episode takes max_turns turns with tool results or user messages between them (toy:tools' own
+    # environment, at the start of training, rarely gets past the first turn: tests/e2e/test_up_tools.py runs it).
+    run = {**TOOLS_RUN, "env": EnvSpec(name="tests.envs.env_fixtures:Chatty")}
+    trainer, spec = create_run(proxy, "mt", tiny_model_dir, adapter_v1, **run)
     settings = worker_settings(proxy, "mt", "gen-a", max_groups=4)
     with Consumer(trainer) as consumer, running_worker(settings) as worker:
         got = consumer.wait_for(lambda ds: sum(len(d.groups) for d in ds) >= 4, timeout_s=120)
@@ -72,10 +76,12 @@ def test_a_multi_turn_run_submits_groups_of_episodes(
     assert checked > 0
     episodes = [c for d in got for g in d.groups for c in g.completions]
     with_env = [c for c in episodes if c.segments and any(s.kind == "env" for s in c.segments)]
-    assert with_env, "no episode got past its first turn"  # a tool result (or the template's turn header) in context
+    # Tool results or user messages in context between the model's turns (a sample holds none only when a split
+    # left it a single turn).
+    assert len(with_env) >= len(episodes) // 2
     m = worker.metrics.snapshot()
     assert m["episode/episodes_total"] == 16 and m["rollout/groups_submitted_total"] == 4
-    assert m["episode/turns_total"] >= 16 and m["episode/tokens_trained_total"] > 0
+    assert m["episode/turns_total"] == 16 * 3 and m["episode/tokens_context_total"] > 0
     status = proxy.client("mt", "viewer").status()
     pushed = next(w for w in status.workers if w.worker_id == "gen-a")
     assert pushed is not None

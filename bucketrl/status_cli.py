@@ -45,6 +45,13 @@ KEY_METRICS = (
     "rollout/unscorable_total",
     "reward/unscorable_frac",
     "sync/adapter_load_s",
+    # Multi-turn runs (generators): bucketrl/generator/metrics.py
+    "episode/turns_mean",
+    "episode/tool_calls_mean",
+    "episode/env_time_frac",
+    "episode/tool_errors_total",
+    "episode/timeouts_total",
+    "episode/failed_total",
 )
 
 

@@ -101,3 +101,18 @@ def test_every_group_is_handed_over_exactly_once(tiny_model_dir: Path, adapter_d
             assert [e.reward for e in group.episodes] == [1.0] * 4
             del group, done  # freed at once (refcounting): the next group may get its address
         assert len(h.svc.book) == 0
+
+
+def test_the_sim_engine_serves_episodes(tiny_model_dir: Path, adapter_dir: Path) -> None:
+    """BUCKETRL_ENGINE=sim (scale benchmarks) behind the endpoint: well-formed turns, recorded like any other."""
+    from bucketrl.generator.settings import GeneratorSettings
+
+    env = make_env("tests.envs.env_fixtures:Chatty", {})
+    spec = episode_spec(tiny_model_dir)
+    with harness(tiny_model_dir, adapter_dir, spec, env, engine=GeneratorSettings(engine="sim", seed=0)) as h:
+        group = h.run_group(EXAMPLE)
+    for ep in group.episodes:
+        assert ep.error is None and len(ep.turns) == 3
+        for t in ep.turns:
+            assert 1 <= len(t.completion_ids) <= 8 and max(t.completion_ids) < 64
+            assert len(t.logprobs) == len(t.completion_ids) and max(t.logprobs) <= 0.0

@@ -102,6 +102,16 @@
       id: "throughput", title: "Generator throughput (tokens/s)", x: "time", yMin: 0,
       series: [{ role: "generator", metric: "rollout/generated_tok_s", label: "", perWorker: true }],
     },
+    {
+      // Multi-turn runs only (run spec env): per episode, since each generator's previous push.
+      id: "episodes", title: "Episodes: model turns and tool calls per episode, share of time outside the engine",
+      x: "time", yMin: 0,
+      series: [
+        { role: "generator", metric: "episode/turns_mean", label: "turns", perWorker: true },
+        { role: "generator", metric: "episode/tool_calls_mean", label: "tool calls", perWorker: true, dash: [5, 3] },
+        { role: "generator", metric: "episode/env_time_frac", label: "env time fraction", perWorker: true, dash: [2, 2] },
+      ],
+    },
   ];
   const MAX_SAMPLE_ROWS = 12;
   const MAX_EVAL_ROWS = 12;

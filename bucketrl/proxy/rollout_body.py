@@ -8,6 +8,9 @@ in a few numpy passes over all of them: no Python list of 2,048 numbers is ever 
 (older workers) takes the same path; its groups are stored as they came too. A JSON body (old submitters) is
 validated as before and each group packed once.
 
+All of it (the groups packed for a JSON body, the content digest) is done by :func:`decode`, which
+``body.off_loop`` runs in the decoder process for a large body: the event loop is left the write and the enqueue.
+
 Errors, limits and large bodies as in ``body.py``: 415 before reading an unknown Content-Type, 413 over
 ``max_rollout_bytes``, 422 naming the field; bodies over ``body.INLINE_DECODE_BYTES`` decode in the decoder
 process (``body.off_loop``).
@@ -15,6 +18,7 @@ process (``body.off_loop``).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import msgpack
@@ -30,10 +34,22 @@ from bucketrl.wire.packed import packb, validate_keeping_arrays
 
 @dataclass(frozen=True)
 class SubmittedBatch:
-    """A validated batch (numeric arrays may be numpy arrays) and each group's msgpack, as it will be stored."""
+    """A validated batch (numeric arrays may be numpy arrays), each group's msgpack as it will be stored, and the
+    digest of the batch's content (:func:`content_digest`; the batch id is made from it)."""
 
     batch: RolloutBatch
     groups_msgpack: list[bytes]
+    digest: bytes
+
+
+def content_digest(batch: RolloutBatch, groups: list[bytes]) -> bytes:
+    """A digest of the batch's whole content, from the bytes its groups are stored as (a retry sends the same
+    bytes; a retry in another encoding names another object, and the idempotency record still answers it)."""
+    h = hashlib.sha256(f"{batch.worker_id}\0{batch.lease_id}\0{batch.version}\0{len(groups)}".encode())
+    for g in groups:
+        h.update(len(g).to_bytes(8, "big"))
+        h.update(g)
+    return h.digest()
 
 
 def decode(raw: bytes | bytearray, ctype: str) -> SubmittedBatch:
@@ -49,10 +65,11 @@ def decode(raw: bytes | bytearray, ctype: str) -> SubmittedBatch:
                 raise _invalid(exc) from None
             except RecursionError:
                 raise errors.Invalid("body: nested too deeply") from None
-            return SubmittedBatch(batch, spans)
+            return SubmittedBatch(batch, spans, content_digest(batch, spans))
     # JSON, or msgpack this reader does not take apart (not a map, garbage): the generic decoder says why.
     batch = body.decode_model(RolloutBatch, raw, ctype)
-    return SubmittedBatch(batch, [packb(g) for g in batch.groups])
+    groups = [packb(g) for g in batch.groups]
+    return SubmittedBatch(batch, groups, content_digest(batch, groups))
 
 
 def _split_msgpack(raw: bytes) -> tuple[dict[str, object], list[bytes]] | None:

@@ -44,11 +44,18 @@ M = TypeVar("M", bound=BaseModel)
 KEEP_ARRAYS = {"packed_arrays": "keep"}
 
 
+_SIZES = {EXT_INT32: 4, EXT_FLOAT32: 4, EXT_FLOAT64: 8}
+_numpy: Any = None
+
+
 def _np() -> Any:
     # numpy is imported on first use: the CLI and plain-list models never pay its import.
-    import numpy
+    global _numpy
+    if _numpy is None:
+        import numpy
 
-    return numpy
+        _numpy = numpy
+    return _numpy
 
 
 @dataclass(frozen=True)
@@ -90,8 +97,8 @@ class NumericArray:
             want = "int32" if self.kind == "int" else "float32 or float64"
             got = _NAMES.get(ext.code, f"msgpack ext type {ext.code}")
             raise PydanticCustomError("packed_array", f"a packed {got} array; {name} must be {want}")
-        np = _np()
-        size = np.dtype(dtype).itemsize
+        np = _numpy or _np()
+        size = _SIZES[ext.code]
         if len(ext.data) % size:
             raise PydanticCustomError(
                 "packed_array", f"packed {_NAMES[ext.code]} data of {len(ext.data)} bytes is not whole items"

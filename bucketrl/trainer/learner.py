@@ -130,6 +130,7 @@ class Learner:
         turns: list[int] = []
         multi_turn = False
         env_tokens = 0  # env-segment tokens of the trained samples
+        ep_sums: dict[str, float] = {}  # the groups' episode_stats, summed (what the generator measured)
         for item in groups:
             comps = item.group.completions
             # One advantage per EPISODE (a single-turn completion is an episode of one sample); a split
@@ -148,6 +149,8 @@ class Learner:
                     advantages[i], trainable[i] = adv.advantages[e], keep
                 turns.append(sum(comps[i].turns() for i in members[e]))
             multi_turn = multi_turn or any(c.segments is not None for c in comps)
+            for name, value in item.group.episode_stats.items():
+                ep_sums[name] = ep_sums.get(name, 0.0) + value
             env_tokens += sum(
                 len(c.token_ids) - c.model_tokens() for c, keep in zip(comps, trainable, strict=True) if keep
             )
@@ -192,6 +195,7 @@ class Learner:
             stats["episodes/turns_max"] = float(max(turns))
             stats["episodes/samples_per_episode"] = sum(len(g.group.completions) for g in groups) / episodes
             stats["train/tokens_env"] = float(env_tokens)
+        stats.update(_episode_metrics(ep_sums))
         return samples, stats
 
     def train_step(self, groups: list[StepGroup], *, policy_version: int) -> dict[str, float]:
@@ -384,3 +388,20 @@ def _add_mismatch(
         slot = acc.setdefault(worker, [0.0, 0.0])
         slot[0] += float(diff[i])
         slot[1] += float(counts[i])
+
+
+def _episode_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """The step's tool and timing figures from its groups' summed ``episode_stats`` (none when no group
+    carried them: single-turn steps, or groups from a generator that does not send them)."""
+    n = sums.get("episodes", 0.0)
+    if n <= 0:
+        return {}
+    gen_s, env_s = sums.get("gen_s", 0.0), sums.get("env_s", 0.0)
+    out = {
+        "episodes/tool_calls_mean": sums.get("tool_calls", 0.0) / n,
+        "episodes/tool_errors": sums.get("tool_errors", 0.0),
+        "episodes/timeouts": sums.get("timeouts", 0.0),
+    }
+    if gen_s + env_s > 0:
+        out["episodes/env_time_frac"] = env_s / (gen_s + env_s)
+    return out

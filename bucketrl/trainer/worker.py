@@ -425,6 +425,12 @@ class TrainerWorker:
         if turns is not None:
             trained, context = stats.get("train/tokens", 0.0), stats.get("train/tokens_context", 0.0)
             extra = f" tokens trained {trained:.0f} of {context:.0f} in context, turns {turns:.2f}"
+            calls = stats.get("episodes/tool_calls_mean")
+            if calls is not None:
+                extra += f", tool calls {calls:.2f} (errors {stats['episodes/tool_errors']:.0f})"
+                frac = stats.get("episodes/env_time_frac")
+                if frac is not None:
+                    extra += f", env time {frac:.0%}"
         log.info(
             "step %d/%d loss %.4f reward %.3f staleness %.2f wait %.2fs step %.2fs%s",
             step,

@@ -86,6 +86,17 @@ def _is_none(value: object) -> bool:
     return value is None
 
 
+def _is_empty(value: object) -> bool:
+    # A group without episode stats (every single-turn group) serialises with the bytes it had before them.
+    return not value
+
+
+# A group's episode sums (RolloutGroup.episode_stats): a short name -> a finite, non-negative number.
+EpisodeStatName = Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")]
+EpisodeStatValue = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
+MAX_EPISODE_STATS = 16
+
+
 class Completion(WireModel):
     """One sampled completion: single-turn (``token_ids`` + ``logprobs``) or a multi-turn trajectory
     (``segments``), docs/design.md "Multi-turn trajectories".
@@ -249,6 +260,12 @@ class RolloutGroup(WireModel):
     # Why completions have ``reward: null``: the first message of each failure kind in this group
     # (exception, timeout, non_numeric, non_finite, none). The trainer counts and reports them.
     reward_errors: dict[str, str] = Field(default_factory=dict, max_length=8)
+    # Multi-turn groups: sums over the group's G episodes (``episodes``, ``tool_calls``, ``tool_errors``,
+    # ``timeouts``, ``gen_s``, ``env_s``) that the trainer reports per step (its trackers see what the generator
+    # measured). Informational only: nothing trains on them. Omitted when empty (single-turn bytes unchanged).
+    episode_stats: dict[EpisodeStatName, EpisodeStatValue] = Field(
+        default_factory=dict, max_length=MAX_EPISODE_STATS, exclude_if=_is_empty
+    )
 
     @field_validator("reward_errors")
     @classmethod

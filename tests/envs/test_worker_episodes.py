@@ -82,6 +82,12 @@ def test_a_multi_turn_run_submits_groups_of_episodes(
     m = worker.metrics.snapshot()
     assert m["episode/episodes_total"] == 16 and m["rollout/groups_submitted_total"] == 4
     assert m["episode/turns_total"] == 16 * 3 and m["episode/tokens_context_total"] > 0
+    # Each group carries its G episodes' sums to the trainer (its step metrics), agreeing with the worker's own.
+    stats = [g.episode_stats for d in got for g in d.groups]
+    assert [(s["episodes"], s["turns"]) for s in stats] == [(4.0, 12.0)] * 4
+    assert all(s["gen_s"] > 0 and s["env_s"] >= 0 for s in stats)
+    for key in ("tool_calls", "tool_errors", "timeouts"):
+        assert sum(s[key] for s in stats) == m[f"episode/{key}_total"], key
     status = proxy.client("mt", "viewer").status()
     pushed = next(w for w in status.workers if w.worker_id == "gen-a")
     assert pushed is not None

@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from bucketrl.wire import Completion, RolloutBatch, RolloutGroup, RunSpec, Segment
+from bucketrl.wire.packed import packb, validate_keeping_arrays
 from tests.proxy.harness import ProxyHarness
 from tests.proxy.test_rollouts_routes import Setup
 
@@ -81,6 +82,48 @@ def test_serialised_forms_round_trip_and_single_turn_bytes_are_unchanged() -> No
     )
     # A multi-turn completion without the split fields does not carry them as nulls either.
     assert set(traj().model_dump()) == {"reward", "finish_reason", "segments"}
+
+
+EP_STATS = {"episodes": 2.0, "tool_calls": 3.0, "tool_errors": 1.0, "timeouts": 0.0, "gen_s": 0.75, "env_s": 0.25}
+
+
+def test_episode_stats_round_trip_and_groups_without_them_serialise_as_before() -> None:
+    plain = RolloutGroup(
+        prompt_id="0-0",
+        prompt_index=0,
+        prompt_token_ids=[1, 2],
+        completions=[Completion(token_ids=[4], logprobs=[-0.5], reward=1.0, finish_reason="stop")],
+    )
+    # No episode_stats key at all: a single-turn group's bytes (and a batch's digest) are what they were.
+    assert plain.model_dump_json() == (
+        '{"prompt_id":"0-0","prompt_index":0,"prompt_token_ids":[1,2],"completions":[{"token_ids":[4],'
+        '"logprobs":[-0.5],"reward":1.0,"finish_reason":"stop"}],"reward_errors":{}}'
+    )
+    assert "episode_stats" not in msgpack.unpackb(packb(plain))
+    with_stats = plain.model_copy(update={"completions": [traj()], "episode_stats": EP_STATS})
+    for group in (plain, with_stats):
+        assert RolloutGroup.model_validate_json(group.model_dump_json(), strict=True) == group
+        assert RolloutGroup.model_validate(msgpack.unpackb(packb(group)), strict=True) == group
+        kept = validate_keeping_arrays(RolloutGroup, msgpack.unpackb(packb(group)))
+        assert kept.episode_stats == group.episode_stats
+
+
+@pytest.mark.parametrize(
+    ("stats", "needle"),
+    [
+        ({"tool_calls": float("nan")}, "finite"),
+        ({"tool_calls": -1.0}, "greater than or equal to 0"),
+        ({"Tool Calls": 1.0}, "should match pattern"),
+        ({"x" * 33: 1.0}, "at most 32 characters"),
+        ({f"k{i}": 1.0 for i in range(17)}, "at most 16 items"),
+        ({"tool_calls": "many"}, "valid number"),
+    ],
+)
+def test_bad_episode_stats_are_refused(stats: dict[str, Any], needle: str) -> None:
+    data = {"prompt_id": "0-0", "prompt_index": 0, "prompt_token_ids": [1], "completions": [traj().model_dump()]}
+    with pytest.raises(ValidationError, match="episode_stats") as exc:
+        RolloutGroup.model_validate({**data, "episode_stats": stats})
+    assert needle in str(exc.value)
 
 
 def _error(data: dict[str, Any]) -> str:
@@ -176,9 +219,9 @@ def test_run_spec_episode_limits_have_defaults_and_bounds() -> None:
 # -- the proxy ------------------------------------------------------------------------------------------
 
 
-def _multi_turn_batch(s: Setup, comps_of: Any) -> RolloutBatch:
+def _multi_turn_batch(s: Setup, comps_of: Any, **group_kw: Any) -> RolloutBatch:
     single = s.batch(1)
-    group = single.groups[0].model_copy(update={"completions": comps_of()})
+    group = single.groups[0].model_copy(update={"completions": comps_of(), **group_kw})
     return single.model_copy(update={"groups": [group]})
 
 
@@ -192,12 +235,14 @@ def test_multi_turn_batches_round_trip_through_the_proxy(proxy_file: ProxyHarnes
             traj(1.0, episode=0, prompt_token_ids=[1, 2, 3, 4, 5, 6, 7]),
             traj(0.0, episode=1),
         ],
+        episode_stats=EP_STATS,
     )
     assert s.g.submit_rollouts(plain, "mt-json", use_msgpack=False).accepted_groups == 1
     assert s.g.submit_rollouts(split, "mt-msgpack", use_msgpack=True).accepted_groups == 1
     got = s.t.claim("trainer-0", max_groups=2)
     groups = [d.groups[0] for d in got.deliveries]
     assert groups == [plain.groups[0], split.groups[0]]  # bit-exact through both encodings and the bucket
+    assert (groups[0].episode_stats, groups[1].episode_stats) == ({}, EP_STATS)
     assert groups[1].episodes() == [[0, 1], [2]]
     assert groups[0].completions[0].loss_mask() == [1, 1, 0, 0, 0, 1]
 

@@ -242,6 +242,33 @@ def test_split_episode_advantages_and_exclusions_are_per_episode(tiny_model_dir:
         assert stats["sample/aborted"] == (1.0 if reason == "abort" else 0.0)
 
 
+def test_a_step_reports_the_tool_calls_errors_timeouts_and_env_time_its_groups_measured(tiny_model_dir: Path) -> None:
+    """The generator's per-group episode sums (RolloutGroup.episode_stats) become the step's metrics, so they
+    reach the trackers, the step log and the metrics the trainer posts; a step of groups without them (single-turn)
+    reports none."""
+    learner = _learner(tiny_model_dir)
+    seg = [("model", [9, 10], [-1.0, -1.0]), ("env", [20], None), ("model", [11], [-1.0])]
+
+    def group(i: int, stats: dict[str, float]) -> RolloutGroup:
+        comps = [Completion.from_segments(seg, 1.0), Completion.from_segments(seg, 0.0)]
+        return RolloutGroup(
+            prompt_id=f"0-{i}", prompt_index=i, prompt_token_ids=PROMPT, completions=comps, episode_stats=stats
+        )
+
+    a = {"episodes": 2.0, "turns": 4.0, "tool_calls": 3.0, "tool_errors": 1.0, "timeouts": 0.0, "gen_s": 3.0}
+    b = {"episodes": 2.0, "turns": 4.0, "tool_calls": 1.0, "tool_errors": 0.0, "timeouts": 1.0, "gen_s": 1.0}
+    stats = learner.train_step(
+        [StepGroup(group(0, {**a, "env_s": 1.0}), 1, "gen"), StepGroup(group(1, {**b, "env_s": 3.0}), 1, "gen")],
+        policy_version=1,
+    )
+    assert stats["episodes/tool_calls_mean"] == 1.0  # 4 calls over 4 episodes
+    assert (stats["episodes/tool_errors"], stats["episodes/timeouts"]) == (1.0, 1.0)
+    assert stats["episodes/env_time_frac"] == 0.5  # 4 s of env time, 4 s of generation
+    _, single = learner.build_samples([StepGroup(group(2, {}), 1, "gen")])
+    assert not [k for k in single if k in ("episodes/tool_calls_mean", "episodes/tool_errors", "episodes/timeouts")]
+    assert "episodes/env_time_frac" not in single
+
+
 SAMPLINGS = [
     SamplingSpec(temperature=1.0, max_new_tokens=6),
     SamplingSpec(temperature=0.8, top_k=8, top_p=0.9, max_new_tokens=6),

@@ -178,7 +178,7 @@ def main() -> None:
             "max_staleness": 64,
             "sampling": {"max_new_tokens": args.max_new_tokens},
             "reward": {"name": "toy"},
-            "dataset": {"uri": "toy:bench", "size": 100_000},
+            "dataset": {"uri": "toy:digits", "size": 100_000},
             "vocab_size": 64,
             "queue_capacity_groups": max(256, n * args.groups_per_step),
             "groups_per_step": args.groups_per_step,

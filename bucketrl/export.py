@@ -2,22 +2,26 @@
 
     bucketrl export out/adapter                         # the last `bucketrl up` from here, latest version
     bucketrl export out/adapter --dir runs/demo --version 40
-    bucketrl export out/adapter --proxy http://proxy:8000 --run demo --token $VIEWER_TOKEN
+    bucketrl export out/adapter --proxy http://proxy:8000 --run demo --token $GENERATOR_TOKEN  # a generator token
 
 The folder holds ``adapter_config.json`` and ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base,
 "out/adapter")`` loads it, and so does vLLM (``--enable-lora --lora-modules mine=out/adapter``). With a run
 directory the version is read from its bucket directly (the proxy need not run); with ``--proxy`` it is
-downloaded (sha256 checked). Only committed versions exist (the proxy garbage-collects old ones; the latest is
-always kept). Exit codes: 0 written, 1 not found or unreachable, 2 bad usage.
+downloaded (sha256 checked). Either way the tar streams to a file beside the folder, is checked as the
+generator checks it (exactly the PEFT files, nothing a loader would unpickle) and is unpacked from there:
+memory stays bounded whatever the adapter's size. Only committed versions exist (the proxy garbage-collects
+old ones; the latest is always kept). Exit codes: 0 written, 1 not found or unreachable, 2 bad usage.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import IO, Annotated
 
 import typer
 
@@ -50,6 +54,14 @@ def _run_of(run_dir: Path) -> str:
 
 def adapter_bytes_from_bucket(bucket_url: str, run: str, version: int | None) -> tuple[int, bytes]:
     """(version, tar) of a committed adapter version read from the bucket; the newest when ``version`` is None."""
+    buf = io.BytesIO()
+    got = adapter_tar_from_bucket(bucket_url, run, version, buf)
+    return got, buf.getvalue()
+
+
+def adapter_tar_from_bucket(bucket_url: str, run: str, version: int | None, out: IO[bytes]) -> int:
+    """Write a committed adapter version's tar (the newest when ``version`` is None) into ``out`` chunk by chunk;
+    returns the version."""
     from bucketrl.proxy.state.versions import adapter_prefix
     from bucketrl.storage import open_store
     from bucketrl.storage.dirs import iter_bundle, list_dirs, read_manifest
@@ -64,14 +76,18 @@ def adapter_bytes_from_bucket(bucket_url: str, run: str, version: int | None) ->
         prefix = adapter_prefix(run, version)
         if read_manifest(store, prefix) is None:
             raise ExportError(f"run {run!r} has no version {version} in {bucket_url} (old versions are deleted)")
-        return version, b"".join(iter_bundle(store, prefix))
+        for chunk in iter_bundle(store, prefix):
+            out.write(chunk)
+        return version
     finally:
         close = getattr(store, "close", None)
         if close is not None:
             close()
 
 
-def adapter_bytes_from_proxy(proxy: str, run: str, token: str, version: int | None) -> tuple[int, bytes]:
+def adapter_tar_from_proxy(proxy: str, run: str, token: str, version: int | None, out: IO[bytes]) -> int:
+    """Stream an adapter version's tar (the latest when ``version`` is None) into ``out`` (sha256 checked against
+    the proxy's header): an adapter of any size costs one chunk of memory. Returns the version."""
     from bucketrl.client import ProxyClient
 
     with ProxyClient(proxy, run, token, retries=1, timeout_s=60.0) as client:
@@ -79,18 +95,30 @@ def adapter_bytes_from_proxy(proxy: str, run: str, token: str, version: int | No
             version = client.get_run().state.latest_version
             if version < 1:
                 raise ExportError(f"run {run!r} has no adapter versions yet")
-        return version, client.download_adapter(version)
+        client.download_adapter_to(version, out)
+        return version
 
 
-def write_peft_folder(tar: bytes, out: Path) -> Path:
-    """Unpack the adapter tar into ``out`` (created; an existing adapter folder is replaced, nothing else is)."""
+def write_peft_folder(tar: bytes | Path, out: Path) -> Path:
+    """Unpack the adapter tar (bytes or a file) into ``out`` (created; an existing adapter folder is replaced,
+    nothing else is). The tar is checked first as the generator checks it (exactly the PEFT files, a JSON
+    config, safetensors weights: nothing a loader would unpickle), then unpacked member by member from the
+    file, none larger than the tar."""
+    from bucketrl import bundles
     from bucketrl.tarball import unpack
 
     if out.exists() and any(out.iterdir()) and not all((out / f).exists() for f in ADAPTER_FILES):
         raise ExportError(f"{out} exists and is not an adapter folder: choose an empty or new directory")
+    size = len(tar) if isinstance(tar, bytes) else tar.stat().st_size
+    with io.BytesIO(tar) if isinstance(tar, bytes) else tar.open("rb") as fh:
+        try:
+            bundles.check_adapter_tar(fh)
+        except Exception as exc:  # a hostile tar: Invalid, tarfile errors, MemoryError...
+            raise ExportError(f"not a usable adapter tar: {getattr(exc, 'message', None) or exc}") from None
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".export-", dir=out.parent) as tmp:
-        names = unpack(tar, tmp)
+        allowed = dict.fromkeys((*bundles.ADAPTER_FILES, *bundles.ADAPTER_OPTIONAL), size)
+        names = unpack(tar, tmp, max_bytes=size, expected=allowed)
         missing = [f for f in ADAPTER_FILES if f not in names]
         if missing:
             raise ExportError(f"the adapter bundle lacks {missing}")
@@ -99,6 +127,16 @@ def write_peft_folder(tar: bytes, out: Path) -> Path:
         Path(tmp).rename(out)
         Path(tmp).mkdir()  # TemporaryDirectory removes what it created
     return out
+
+
+def export_adapter(out: Path, version: int | None, fetch: Callable[[int | None, IO[bytes]], int]) -> tuple[int, Path]:
+    """``fetch(version, file)`` writes the tar into a file beside ``out`` (on disk, never whole in memory), which
+    is checked and unpacked from there and removed; returns (version, folder)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(prefix=".export-", suffix=".tar", dir=out.parent) as fh:
+        got = fetch(version, fh)
+        fh.flush()
+        return got, write_peft_folder(Path(fh.name), out)
 
 
 def export_command(
@@ -122,19 +160,15 @@ def export_command(
         raise typer.Exit(code=2)
     try:
         if proxy is not None:
-            got, tar = adapter_bytes_from_proxy(
-                proxy,
-                run or os.environ.get("BUCKETRL_RUN", "demo"),
-                token or os.environ.get("BUCKETRL_TOKEN", ""),
-                version,
-            )
+            run_id, tok = run or os.environ.get("BUCKETRL_RUN", "demo"), token or os.environ.get("BUCKETRL_TOKEN", "")
+            got, path = export_adapter(out, version, lambda v, fh: adapter_tar_from_proxy(proxy, run_id, tok, v, fh))
         else:
             run_dir = dir or last_up_dir()
             if run_dir is None:
                 typer.echo("bucketrl export: pass --dir <run directory> (or --proxy, --run, --token)", err=True)
                 raise typer.Exit(code=2)
-            got, tar = adapter_bytes_from_bucket(_bucket_url(run_dir), run or _run_of(run_dir), version)
-        path = write_peft_folder(tar, out)
+            url, run_id = _bucket_url(run_dir), run or _run_of(run_dir)
+            got, path = export_adapter(out, version, lambda v, fh: adapter_tar_from_bucket(url, run_id, v, fh))
     except (ExportError, errors.BucketRLError, ValueError, OSError) as exc:
         typer.echo(f"bucketrl export: {getattr(exc, 'message', None) or exc}", err=True)
         raise typer.Exit(code=1) from None

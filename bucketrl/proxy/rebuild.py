@@ -34,6 +34,7 @@ from redis import exceptions as redis_exc
 
 from bucketrl import errors
 from bucketrl.proxy import keys
+from bucketrl.proxy.state import runs
 from bucketrl.proxy.state.checkpoints import checkpoint_prefix
 from bucketrl.proxy.state.versions import adapter_prefix
 from bucketrl.storage import dirs
@@ -58,6 +59,7 @@ class RunSnapshot:
     spec: RunSpec
     versions: dict[int, dirs.Manifest] = field(default_factory=dict)
     checkpoints: dict[int, dirs.Manifest] = field(default_factory=dict)
+    max_new_tokens_bound: int = 0  # the largest sampling.max_new_tokens the spec has had (its bucket markers)
     registered_epoch: int = 0  # the largest trainer epoch recorded at registration
 
     @property
@@ -84,6 +86,8 @@ def scan_run(store: Any, run: str) -> RunSnapshot | None:
     snap = RunSnapshot(run=run, spec=spec)
     epochs = [key.rsplit("/", 1)[1] for key in store.list_keys(f"runs/{run}/trainer-epochs/")]
     snap.registered_epoch = max((int(e) for e in epochs if e.isdigit()), default=0)
+    bounds = [key.rsplit("/", 1)[1] for key in store.list_keys(f"runs/{run}/sampling-bounds/")]
+    snap.max_new_tokens_bound = max([spec.sampling.max_new_tokens, *(int(b) for b in bounds if b.isdigit())])
     for name in dirs.list_dirs(store, f"runs/{run}/adapters"):
         if (m := re.fullmatch(r"v(\d+)", name)) and (man := dirs.read_manifest(store, adapter_prefix(run, int(m[1])))):
             snap.versions[int(m[1])] = man
@@ -107,13 +111,20 @@ async def restore(ctx: Any, snap: RunSnapshot) -> None:
     latest = max([int(state.get(b"latest_version", 0)), *snap.versions])
     epoch = max(int(state.get(b"trainer_epoch", 0)), snap.max_epoch)
     step = max([int(state.get(b"trainer_step", 0)), *snap.checkpoints])
+    bound = max(int(state.get(runs.BOUND_FIELD.encode(), 0)), snap.max_new_tokens_bound)
     pipe = r.pipeline(transaction=True)
     # The spec in the same transaction as the state: a route that finds the spec must find latest_version and
     # the epoch too (a publish racing the rebuild was refused "latest is 0" as a version conflict).
     pipe.set(k(keys.SPEC), snap.spec.model_dump_json(), nx=True)
     pipe.hset(
         k(keys.STATE),
-        mapping={"latest_version": latest, "trainer_epoch": epoch, "trainer_step": step, "updated_at": wall},
+        mapping={
+            "latest_version": latest,
+            "trainer_epoch": epoch,
+            "trainer_step": step,
+            "updated_at": wall,
+            runs.BOUND_FIELD: bound,
+        },
     )
     pipe.hsetnx(k(keys.STATE), "created_at", wall)
     for n, man in snap.versions.items():

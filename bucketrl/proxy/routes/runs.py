@@ -55,6 +55,9 @@ async def put_run(
         await rebuild.rebuild_run_if_in_bucket(ctx, run)
     created, changed = await runs.put_spec(ctx.redis, run, spec)
     if created or changed or not await asyncio.to_thread(ctx.store.exists, run_json_key(run)):
+        # The bound's marker before run.json: a rebuild that finds the spec finds the bound it raised.
+        marker = runs.bound_marker_key(run, spec.sampling.max_new_tokens)
+        await asyncio.to_thread(ctx.store.put_bytes, marker, b"")
         await _store_spec(ctx, run, spec)
     if created:
         response.status_code = 201

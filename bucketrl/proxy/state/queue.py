@@ -302,7 +302,8 @@ if seen == '' and spec ~= '' and ready == 2 then
 end
 return {seen, tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0'),
         tonumber(redis.call('GET', KEYS[3]) or '0'), queued_groups(KEYS[4], ARGV[1]),
-        redis.call('HGET', KEYS[5], 'version') or '', ready, spec, locked}
+        redis.call('HGET', KEYS[5], 'version') or '', ready, spec, locked,
+        redis.call('HGET', KEYS[2], 'max_new_tokens_bound') or ''}
 """
 )
 
@@ -573,8 +574,10 @@ return #redis.call('XCLAIM', unpack(args))
 # -- submit --------------------------------------------------------------------------------------------
 
 
-def validate_batch(batch: RolloutBatch, spec: RunSpec, cursor: int) -> None:
-    """Semantic checks the schema cannot make (422 naming the field). ``cursor``: prompts issued so far."""
+def validate_batch(batch: RolloutBatch, spec: RunSpec, cursor: int, max_new_bound: int | None = None) -> None:
+    """Semantic checks the schema cannot make (422 naming the field). ``cursor``: prompts issued so far.
+    ``max_new_bound``: the largest ``sampling.max_new_tokens`` the run's spec has ever had (``runs.bound_of``;
+    default the spec's current one)."""
     g_size, vocab, size = spec.group_size, spec.vocab_size, spec.dataset.size
     if len(batch.groups) > spec.queue_capacity_groups:
         raise errors.Invalid(
@@ -582,7 +585,15 @@ def validate_batch(batch: RolloutBatch, spec: RunSpec, cursor: int) -> None:
             f"{spec.queue_capacity_groups}); submit smaller batches"
         )
     seen: set[str] = set()
-    max_new = (batch.sampling or spec.sampling).max_new_tokens
+    # A batch's completions are as long as its sampling allowed, but that sampling is the generator's own claim:
+    # it may be what an older spec said (a batch in flight across a change), never more than any spec ever said.
+    bound = max(spec.sampling.max_new_tokens, max_new_bound or 0)
+    if batch.sampling is not None and batch.sampling.max_new_tokens > bound:
+        raise errors.Invalid(
+            f"sampling.max_new_tokens: {batch.sampling.max_new_tokens}, more than the run's spec has ever allowed "
+            f"({bound})"
+        )
+    max_new = batch.sampling.max_new_tokens if batch.sampling is not None else bound
     # Token ids against vocab_size: one pass over all of them (numpy arrays when the body was packed), the
     # per-array walk below only to name the offender.
     arrays = [a for g in batch.groups for a in (g.prompt_token_ids, *(c.token_ids for c in g.completions))]
@@ -710,9 +721,10 @@ def _admit(
     latest: int,
     queued: int,
     leased: Any,
+    max_new_bound: int,
 ) -> None:
     """The checks before a batch is written (422, 409 ``stale``, 429), from the pre-check's readings."""
-    validate_batch(batch, spec, cursor)
+    validate_batch(batch, spec, cursor, max_new_bound)
     # A version lease still on record must be for the batch's version. One no longer on record (released,
     # or expired past its grace) is accepted: the staleness rule below is what protects training.
     if leased and int(leased) != batch.version:
@@ -792,7 +804,7 @@ async def submit(
     # delete the object another attempt has just enqueued (issue 10 item 8).
     lock_key, token = keys.run_key(run, f"queue:writing:{batch_id}"), secrets.token_hex(8)
     for _ in range(3):
-        seen, latest, cursor, queued, leased, ready, raw_spec, locked = await _PRECHECK(
+        seen, latest, cursor, queued, leased, ready, raw_spec, locked, bound = await _PRECHECK(
             r,
             [idem_key, k.state, k.p.cursor, k.stream, lease_key, k.meta, k.p.meta, spec_key, lock_key],
             [GROUP, token, SUBMIT_LOCK_TTL_MS],
@@ -811,7 +823,7 @@ async def submit(
     if seen:
         return SubmitResponse.model_validate_json(seen).model_copy(update={"duplicate": True})
     try:
-        _admit(run, spec, batch, int(cursor), int(latest), int(queued), leased)
+        _admit(run, spec, batch, int(cursor), int(latest), int(queued), leased, runs.bound_of(spec, bound))
     except errors.Stale:
         await r.hincrby(k.counters, "rejected_stale_total", len(batch.groups))
         await _unlock_if(locked, r, lock_key, token)

@@ -1,7 +1,13 @@
 """Runs: the spec (JSON), the run state hash and the trainer fencing epoch.
 
 Keys (``bucketrl.proxy.keys``): ``brl:runs`` (set of run ids), ``brl:{run}:spec`` (RunSpec JSON),
-``brl:{run}:state`` (hash: latest_version, trainer_epoch, trainer_step, created_at, updated_at).
+``brl:{run}:state`` (hash: latest_version, trainer_epoch, trainer_step, created_at, updated_at, and
+``max_new_tokens_bound``: the largest ``sampling.max_new_tokens`` the run's spec has ever had).
+
+The bound is what a submitted batch's completions are checked against (``queue.validate_batch``): a batch
+sampled under an older, larger spec stays acceptable after the spec lowers it, and a generator cannot declare
+its own, larger one. It only grows; the bucket keeps it as ``runs/{run}/sampling-bounds/{n}`` markers (the
+largest wins), so a rebuild after a Redis wipe restores it.
 
 ``put_spec`` is a WATCH/MULTI compare-and-set, so two trainers creating the same run concurrently
 agree on one spec and the loser of a conflicting immutable field gets 409.
@@ -88,6 +94,19 @@ def check_epoch(run: str, given: int, current: int) -> None:
         raise errors.Fenced(f"run {run!r}: trainer epoch {given} was never issued (current is {current})")
 
 
+BOUND_FIELD = "max_new_tokens_bound"
+
+
+def bound_marker_key(run: str, max_new_tokens: int) -> str:
+    return f"runs/{run}/sampling-bounds/{max_new_tokens:012d}"
+
+
+def bound_of(spec: RunSpec, stored: bytes | str | int | None) -> int:
+    """The run's max_new_tokens bound: the stored one, never below the spec's current value (a run created
+    before the bound was kept has none stored)."""
+    return max(spec.sampling.max_new_tokens, int(stored or 0))
+
+
 async def put_spec(r: Any, run: str, spec: RunSpec) -> tuple[bool, bool]:
     """Create or confirm ``run``; returns ``(created, changed)``. 409 if an immutable field differs."""
     spec_key, state_key = keys.run_key(run, keys.SPEC), keys.run_key(run, keys.STATE)
@@ -105,7 +124,7 @@ async def put_spec(r: Any, run: str, spec: RunSpec) -> tuple[bool, bool]:
                     pipe.hsetnx(state_key, "trainer_epoch", 0)
                     pipe.hsetnx(state_key, "trainer_step", 0)
                     pipe.hsetnx(state_key, "created_at", now)
-                    pipe.hset(state_key, "updated_at", now)
+                    pipe.hset(state_key, mapping={"updated_at": now, BOUND_FIELD: spec.sampling.max_new_tokens})
                     pipe.sadd(keys.RUNS_SET, run)
                     await pipe.execute()
                     return True, False
@@ -120,9 +139,11 @@ async def put_spec(r: Any, run: str, spec: RunSpec) -> tuple[bool, bool]:
                 if current == spec:
                     await pipe.reset()
                     return False, False
+                # Under the WATCH on the spec: the bound only changes with the spec, so this read is current.
+                bound = max(bound_of(current, await pipe.hget(state_key, BOUND_FIELD)), spec.sampling.max_new_tokens)
                 pipe.multi()
                 pipe.set(spec_key, body)
-                pipe.hset(state_key, "updated_at", now)
+                pipe.hset(state_key, mapping={"updated_at": now, BOUND_FIELD: bound})
                 await pipe.execute()
                 return False, True
             except redis_exc.WatchError:

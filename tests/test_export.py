@@ -34,6 +34,7 @@ def test_a_large_adapter_exports_through_a_file_not_memory(redis_server: RedisSe
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
+    print(f"export of a {len(tar) / 1e6:.1f} MB adapter: Python allocation peak {peak / 1e6:.2f} MB")
     assert peak < len(tar) / 8, f"peak {peak / 1e6:.1f} MB for a {len(tar) / 1e6:.1f} MB tar"
     assert (got, path) == (1, out)
     weights = (out / "adapter_model.safetensors").read_bytes()

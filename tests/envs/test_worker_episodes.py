@@ -74,11 +74,18 @@ def test_a_multi_turn_run_submits_groups_of_episodes(
         wait_until(lambda: worker.thread.join(0) or not worker.thread.is_alive(), 60, "the worker to stop")
     checked = sum(check_trajectories(d, spec, tiny_model_dir, adapter_v1) for d in got)
     assert checked > 0
-    episodes = [c for d in got for g in d.groups for c in g.completions]
-    with_env = [c for c in episodes if c.segments and any(s.kind == "env" for s in c.segments)]
-    # Tool results or user messages in context between the model's turns (a sample holds none only when a split
-    # left it a single turn).
-    assert len(with_env) >= len(episodes) // 2
+    # Every episode's 3 model turns are trained, in one sample or split over several (a chat template that
+    # re-renders the random tiny model's reply differently splits there); inside a sample, tool results or user
+    # messages sit in context between the model's turns.
+    groups = [g for d in got for g in d.groups]
+    episodes = [[g.completions[i] for i in idx] for g in groups for idx in g.episodes()]
+    assert len(episodes) == 16
+    for samples in episodes:
+        assert sum(c.turns() for c in samples) == 3, [c.turns() for c in samples]
+        for c in samples:
+            env = sum(1 for s in c.segments or [] if s.kind == "env")
+            assert env == c.turns() - 1, (env, c.turns())
+    assert any(c.turns() > 1 for samples in episodes for c in samples)
     m = worker.metrics.snapshot()
     assert m["episode/episodes_total"] == 16 and m["rollout/groups_submitted_total"] == 4
     assert m["episode/turns_total"] == 16 * 3 and m["episode/tokens_context_total"] > 0

@@ -38,7 +38,7 @@ class RedisMux:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
         self._conn: Any = None
-        self._opening: asyncio.Future[Any] | None = None
+        self._opening: asyncio.Task[Any] | None = None
         self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
         self._out: list[bytes] = []
         self._flush_scheduled = False
@@ -63,21 +63,23 @@ class RedisMux:
         return await fut
 
     async def _open(self) -> Any:
-        if self._opening is not None:
-            return await asyncio.shield(self._opening)
-        self._opening = asyncio.get_running_loop().create_future()
+        # The connect runs as a task of its own that every caller awaits through a shield: a caller cancelled
+        # mid-connect (its client went away) must not fail the others waiting on the same connect.
+        if self._opening is None:
+            self._opening = asyncio.get_running_loop().create_task(self._connect(), name="bucketrl-redis-mux-connect")
+            self._opening.add_done_callback(_retrieve)
+        return await asyncio.shield(self._opening)
+
+    async def _connect(self) -> Any:
         try:
             conn = self._pool.connection_class(**self._pool.connection_kwargs)
             await conn.connect()
-        except BaseException as exc:
+        except BaseException:
             self._failed_at = time.monotonic()
-            self._opening.set_exception(exc)
-            self._opening.exception()  # retrieved: the caller raises it
-            self._opening = None
             raise
+        finally:
+            self._opening = None
         self._conn = conn
-        self._opening.set_result(conn)
-        self._opening = None
         self._reader = asyncio.create_task(self._read(conn), name="bucketrl-redis-mux-reader")
         return conn
 
@@ -139,3 +141,9 @@ class RedisMux:
             self._reader.cancel()
         if conn is not None:
             await conn.disconnect(nowait=True)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark a failed connect's exception as seen: its callers raised it, or all of them went away."""
+    if not task.cancelled():
+        task.exception()

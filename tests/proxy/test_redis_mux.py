@@ -2,7 +2,7 @@
 
 - many concurrent calls from one event-loop pass leave in one write and each gets its own reply, in order,
   exactly what the pool answers; an error reply fails only its own call; a caller cancelled mid-call does not
-  shift the replies of the others;
+  shift the replies of the others, and one cancelled while the shared connection opens does not fail them;
 - a Redis that forgot its scripts (SCRIPT FLUSH) is answered through EVAL;
 - Redis going away fails the waiting calls and :class:`Lua` sends them through the pool instead (which fails
   while Redis is down, as before); once Redis is back, calls go through the shared connection again.
@@ -71,6 +71,23 @@ def test_concurrent_calls_share_writes_and_get_their_own_replies(redis_server: R
         plain = aioredis.Redis.from_url(redis_server.url)
         assert await ECHO(plain, ["k0"], ["p"]) == [b"k0", b"p", int(await plain.get("k0"))]
         await plain.aclose()
+        await mux.aclose()
+        await r.aclose()
+
+    _run(body())
+
+
+def test_a_caller_cancelled_while_the_connection_opens_does_not_fail_the_others(redis_server: RedisServer) -> None:
+    async def body() -> None:
+        r = _client(redis_server)
+        mux: RedisMux = r.bucketrl_mux
+        first = asyncio.create_task(mux.execute("PING"))
+        others = [asyncio.create_task(mux.execute("ECHO", str(i))) for i in range(3)]
+        await asyncio.sleep(0)  # every caller is now waiting on the one connect
+        assert mux._opening is not None and not mux._opening.done()
+        first.cancel()
+        assert await asyncio.gather(*others) == [str(i).encode() for i in range(3)]
+        assert first.cancelled()
         await mux.aclose()
         await r.aclose()
 

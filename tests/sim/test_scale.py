@@ -52,8 +52,12 @@ def test_64_simulated_generators_every_group_accounted_for(tmp_path: Path) -> No
     assert g["generated"] == g["accepted"] + g["refused_stale_at_submit"]
     assert g["fleet_accepted"] == g["accepted"]
     assert r["accounting_ok"]
-    # the only refusals were admission control's (429 on a long-polled prompt lease)
-    assert set(r["non_2xx"]) <= {"prompts/lease 429"}
+    # the only refusals were admission control's (429 on a long-polled prompt lease) and, on a loaded machine where
+    # a generator falls behind, 409 `stale` on submit: one per group the proxy counted refused as stale (a batch is
+    # one group here: prompts_per_request=1)
+    refusals = dict(r["non_2xx"])
+    assert refusals.pop("rollouts 409", 0) == g["refused_stale_at_submit"]
+    assert set(refusals) <= {"prompts/lease 429"}
     # every generator followed the trainer's versions (loaded several), and weight sync was measured
     assert r["generators_seen"] == GENERATORS and r["min_versions_loaded"] >= 2
     assert r["sync_versions"] >= 1 and r["sync_p50_s"] is not None and r["load_p50_s"] is not None

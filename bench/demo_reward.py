@@ -10,14 +10,10 @@ of its last 20 steps >= 0.6 and >= 2x that of its first 20 steps. Exit code 0 wh
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
+
+from up_run import timed_up  # bench/up_run.py: run as `python bench/...`, its folder is on sys.path
 
 TARGET_WALL_S = 600.0
 TARGET_LAST20 = 0.6
@@ -25,22 +21,9 @@ TARGET_RATIO = 2.0
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", type=Path, help="run directory (default: a fresh temp dir)")
-    parser.add_argument("--keep", action="store_true", help="keep the run directory")
-    parser.add_argument("up_args", nargs="*", help="extra `bucketrl up` options (after --)")
-    args = parser.parse_args()
-    run_dir = args.dir or Path(tempfile.mkdtemp(prefix="bucketrl-demo-")) / "demo"
-    cmd = [sys.executable, "-m", "bucketrl.cli", "up", "--dir", str(run_dir), "--no-live", *args.up_args]
-    print("$", " ".join(cmd), flush=True)
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, check=False)
-    wall = time.monotonic() - t0
-    summary_path = run_dir / "summary.json"
-    if proc.returncode != 0 or not summary_path.exists():
-        print(f"demo failed (exit {proc.returncode}); logs in {run_dir / 'logs'}")
+    args, run_dir, wall, s = timed_up(__doc__, "demo", [])
+    if s is None:
         return 1
-    s = json.loads(summary_path.read_text())
     first, last = s["reward_first20"], s["reward_last20"]
     ok = wall <= TARGET_WALL_S and last >= TARGET_LAST20 and last >= TARGET_RATIO * first
     print()

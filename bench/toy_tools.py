@@ -12,15 +12,12 @@ at the end: the mean of its last 20 steps >= 2x that of its first 20 steps. Exit
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
+
+from up_run import timed_up  # bench/up_run.py: run as `python bench/...`, its folder is on sys.path
 
 TARGET_WALL_S = 600.0
 TARGET_RATIO = 2.0
@@ -33,25 +30,9 @@ def step_log(trainer_log: Path) -> list[tuple[int, float, float]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", type=Path, help="run directory (default: a fresh temp dir)")
-    parser.add_argument("--keep", action="store_true", help="keep the run directory")
-    parser.add_argument("up_args", nargs="*", help="extra `bucketrl up` options (after --)")
-    args = parser.parse_args()
-    run_dir = args.dir or Path(tempfile.mkdtemp(prefix="bucketrl-tools-")) / "tools"
-    cmd = [
-        sys.executable, "-m", "bucketrl.cli", "up", "--dir", str(run_dir), "--no-live", "--dataset", "toy:tools",
-        *args.up_args,
-    ]  # fmt: skip
-    print("$", " ".join(cmd), flush=True)
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, check=False)
-    wall = time.monotonic() - t0
-    summary_path = run_dir / "summary.json"
-    if proc.returncode != 0 or not summary_path.exists():
-        print(f"run failed (exit {proc.returncode}); logs in {run_dir / 'logs'}")
+    args, run_dir, wall, s = timed_up(__doc__, "tools", ["--dataset", "toy:tools"])
+    if s is None:
         return 1
-    s = json.loads(summary_path.read_text())
     first, last = s["reward_first20"], s["reward_last20"]
     steps = step_log(run_dir / "logs" / "trainer.log")
     turns_first = sum(t for _, _, t in steps[:20]) / max(1, len(steps[:20]))

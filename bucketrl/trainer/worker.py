@@ -65,6 +65,8 @@ EXIT_FENCED = 3
 BUCKET_DATASET_URI = "bucket:dataset.jsonl"
 # Steps over which the share of completions without a reward is compared with max_unscorable_fraction.
 UNSCORABLE_WINDOW = 3
+# The checkpointed counter of the newest evaluated version the trainer has reported (_new_eval_metrics).
+EVAL_REPORTED = "eval/reported_version"
 
 T = TypeVar("T")
 
@@ -408,8 +410,9 @@ class TrainerWorker:
         stats["perf/rollout_wait_s"] = wait_s
         if step % self.settings.sync_every == 0:
             self._publish()
-        if step % self.settings.checkpoint_every == 0:
-            self._checkpoint()
+        # Snapshotted now (its cost is part of the step), stored after this step's metrics push: that push may
+        # report an eval result, and the checkpoint must hold what was reported up to its step (_new_eval_metrics).
+        store_checkpoint = self._checkpoint(submit=False) if step % self.settings.checkpoint_every == 0 else None
         if math.isfinite(self.last_sync_s):
             stats["perf/weight_sync_s"] = self.last_sync_s
         stats["sample/dropped_stale"] = float(dropped)
@@ -419,6 +422,8 @@ class TrainerWorker:
         stats["policy/version"] = float(self.policy_version)
         stats["perf/step_s"] = time.perf_counter() - t0
         self._push(step, stats)
+        if store_checkpoint is not None:
+            store_checkpoint()
         # Multi-turn steps also say how many tokens were trained of those in context, and the turns per episode.
         turns = stats.get("episodes/turns_mean")
         extra = ""
@@ -589,7 +594,9 @@ class TrainerWorker:
         self.latest_version = self.policy_version = version
         self.policy_step = step
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, *, submit: bool = True) -> Callable[[], None]:
+        """Snapshot the learner now and store it on the uploader thread: at once, or (``submit=False``) when the
+        returned function is called, so that jobs submitted in between (the step's metrics push) run first."""
         from bucketrl.trainer.checkpoint import TrainerState, snapshot
 
         t0 = time.perf_counter()
@@ -610,6 +617,10 @@ class TrainerWorker:
         )
 
         def job() -> None:
+            # The eval results reported so far are the uploader thread's (it reports them with the metrics pushes,
+            # which ran before this job): read now, so a resumed trainer reports none of them again.
+            if EVAL_REPORTED in self.counters:
+                snap.state.counters[EVAL_REPORTED] = self.counters[EVAL_REPORTED]
             tar = snap.pack(self.scratch)
             self._retrying(lambda: self.write_client.put_checkpoint(step, tar))
             # Only now that the checkpoint (which lists them) is durable: ack what it trained on.
@@ -624,10 +635,15 @@ class TrainerWorker:
             )
             self._audit({"event": "checkpoint", "epoch": self.epoch, "step": step, "acked": consumed})
 
-        self._uploader().submit(f"checkpoint {step}", job)
+        def store() -> None:
+            self._uploader().submit(f"checkpoint {step}", job)
+
+        if submit:
+            store()
         self.consumed = []
         self.ledger.checkpointed()
         self.last_checkpoint_step = step
+        return store
 
     def _push(self, step: int, stats: dict[str, float]) -> None:
         metrics = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(v)}
@@ -649,21 +665,25 @@ class TrainerWorker:
         self._uploader().submit(f"metrics {step}", job)
 
     def _new_eval_metrics(self) -> dict[str, float]:
-        """The newest evaluated version's results, once (uploader thread): pushed with this step's metrics, so
-        they reach the proxy's history and every tracker at the step they became known (``eval/version`` says
-        which policy they measure). The last version reported is a checkpointed counter: a resumed trainer does
-        not report it again."""
+        """The oldest evaluated version not reported yet, once (uploader thread): pushed with this step's metrics,
+        so it reaches the proxy's history and every tracker at the step it became known (``eval/version`` says
+        which policy it measures). One per step, oldest first: when several versions finished since the last
+        push (eval faster than training), each is reported at a step of its own; versions are published at most
+        once per step, so the reports keep up. The newest version reported is a checkpointed counter (stored by
+        the checkpoint job, after the pushes before it): a resumed trainer reports none of them again. A version
+        whose evaluation finishes after a newer one was reported is not reported (it is in the bucket, the status
+        and the dashboard's table)."""
         try:
             results = self.write_client.eval_results()
         except errors.BucketRLError as exc:
             log.warning("eval results not read: %s", exc.message)
             return {}
-        done = self.counters.get("eval/reported_version", 0.0)
+        done = self.counters.get(EVAL_REPORTED, 0.0)
         new = [e for e in results if e.version > done]
         if not new:
             return {}
-        e = new[-1]
-        self.counters["eval/reported_version"] = float(e.version)
+        e = min(new, key=lambda r: r.version)
+        self.counters[EVAL_REPORTED] = float(e.version)
         out = {
             "eval/version": float(e.version),
             "eval/pass@1": e.pass_at_1,

@@ -17,7 +17,7 @@ import uuid
 
 from bucketrl import errors
 from bucketrl.client import ProxyClient
-from bucketrl.wire import Completion, RolloutBatch, RolloutGroup
+from bucketrl.wire import Completion, EvalResult, EvalSample, RolloutBatch, RolloutGroup
 
 EOS = 1
 
@@ -34,6 +34,7 @@ class FakeGenerator(threading.Thread):
         seed: int = 0,
         lag: int = 0,
         multi_turn: bool = False,
+        evaluate: bool = False,
     ) -> None:
         super().__init__(daemon=True, name=f"fake-{worker_id}")
         self.client = ProxyClient(url, run, token, retries=2, backoff_s=0.05)
@@ -42,6 +43,10 @@ class FakeGenerator(threading.Thread):
         self.lag = lag
         # Multi-turn episodes (1-3 model turns with env tokens between; every other group splits its episodes).
         self.multi_turn = multi_turn
+        # Evaluation during training: before each batch, evaluate the leased version's eval prompts (if the run
+        # asks) with reward 0.1 * version and length = version, so a test knows each version's result.
+        self.evaluate = evaluate
+        self.evaluated: list[int] = []
         self.rng = random.Random(seed)
         self.halt = threading.Event()
         self.accepted: list[str] = []
@@ -71,6 +76,8 @@ class FakeGenerator(threading.Thread):
             lease = self.client.lease_version(self.worker_id, version=max(1, latest.version - self.lag), ttl_s=60)
             self.client.release_lease(latest.lease_id)
         try:
+            if self.evaluate:
+                self._evaluate(lease.version)
             prompts = self.client.lease_prompts(self.worker_id, n=2, ttl_s=60).prompts
             if not prompts:
                 self.halt.wait(0.1)
@@ -97,6 +104,15 @@ class FakeGenerator(threading.Thread):
         finally:
             with contextlib.suppress(errors.BucketRLError):
                 self.client.release_lease(lease.lease_id)
+
+    def _evaluate(self, version: int) -> None:
+        items = self.client.lease_eval(self.worker_id, [version], n=64).items
+        if items:
+            sample = EvalSample(reward=0.1 * version, length=version)
+            self.client.submit_eval(
+                self.worker_id, [EvalResult(version=i.version, index=i.index, samples=[sample]) for i in items]
+            )
+            self.evaluated.append(version)
 
     def _group(self, prompt_id: str, index: int) -> RolloutGroup:
         if self.multi_turn:

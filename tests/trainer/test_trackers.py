@@ -24,15 +24,25 @@ from tests.trainer.test_worker import spec_json
 DATASET = {"uri": "toy:digits", "size": 16}
 
 
-def train(proxy: ProxyHarness, model_dir: Path, tmp_path: Path, max_steps: int, report_to: str) -> None:
+def train(
+    proxy: ProxyHarness,
+    model_dir: Path,
+    tmp_path: Path,
+    max_steps: int,
+    report_to: str,
+    *,
+    checkpoint_every: int = 2,
+    eval_spec: dict[str, Any] | None = None,
+) -> None:
+    extra = {} if eval_spec is None else {"eval": eval_spec}
     settings = TrainerSettings(
         proxy_url=proxy.url,
         token=TOKENS["trainer"],
         run="r1",
         worker_id="trainer-a",
-        run_spec=spec_json(model_dir, DATASET),
+        run_spec=spec_json(model_dir, DATASET, **extra),
         max_steps=max_steps,
-        checkpoint_every=2,
+        checkpoint_every=checkpoint_every,
         device="cpu",
         lr=1e-2,
         claim_wait_s=0.5,
@@ -41,7 +51,7 @@ def train(proxy: ProxyHarness, model_dir: Path, tmp_path: Path, max_steps: int, 
         tracker_project=f"proj-{tmp_path.name}",
         work_dir=str(tmp_path / "work"),
     )
-    gen = FakeGenerator(proxy.url, "r1", TOKENS["generator"], worker_id="gen-a")
+    gen = FakeGenerator(proxy.url, "r1", TOKENS["generator"], worker_id="gen-a", evaluate=eval_spec is not None)
     gen.start()
     out: list[str] = []
     try:
@@ -167,6 +177,52 @@ def test_tensorboard_wandb_and_trackio_get_the_trainers_metrics_and_resume_conti
     assert len(runs) == 1, runs  # resume="allow": one trackio run across both trainers
     logs = SQLiteStorage.get_logs(project, runs[0])
     assert_same(want, {int(r["step"]): r for r in logs}, NAMES)
+
+
+EVAL_NAMES = ["eval/reward", "eval/version", "eval/pass@1", "eval/mean_length", "eval/unscorable_frac"]
+
+
+@pytest.mark.slow
+def test_eval_results_reach_every_tracker_once_per_version_across_a_resume(
+    redis_server: RedisServer, tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each evaluated version's result is pushed with the trainer's metrics once, at the step it became known,
+    and reaches the trackers under the same names. The first trainer reports v1 at its last step, which it
+    checkpoints: the resumed trainer must not report v1 again (the checkpoint holds what was reported up to its
+    step, although the report is made on the uploader thread after the checkpoint was snapshotted)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _fresh_wandb()
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    every_version = {"every": 1, "size": 2}
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
+        train(
+            proxy, tiny_model_dir, tmp_path, 1, "tensorboard,wandb,trackio", checkpoint_every=1, eval_spec=every_version
+        )
+        train(
+            proxy, tiny_model_dir, tmp_path, 4, "tensorboard,wandb,trackio", checkpoint_every=1, eval_spec=every_version
+        )
+        want = pushed(proxy)
+        results = {e.version: e for e in proxy.client("r1", "viewer").eval_results()}
+    assert sorted(want) == [1, 2, 3, 4]
+    reported = [int(m["eval/version"]) for _, m in sorted(want.items()) if "eval/version" in m]
+    assert reported and reported[0] == 1, want  # the generator evaluates v1 before its first rollouts
+    assert reported == sorted(set(reported)), f"an evaluated version reported twice: {reported}"
+    for m in want.values():
+        if "eval/version" in m:
+            e = results[int(m["eval/version"])]
+            assert (m["eval/reward"], m["eval/mean_length"]) == pytest.approx((e.reward_mean, e.mean_length))
+    evals = {step: m for step, m in want.items() if "eval/version" in m}
+
+    tb = tensorboard_scalars(tmp_path / "trackers" / "tensorboard" / "r1")
+    assert_same(evals, {s: m for s, m in tb.items() if "eval/version" in m}, EVAL_NAMES)
+    rows, _, _ = wandb_history(tmp_path / "trackers")
+    assert_same(evals, {int(r["_step"]): r for r in rows if "eval/version" in r}, EVAL_NAMES)
+    from trackio.sqlite_storage import SQLiteStorage
+
+    project = f"proj-{tmp_path.name}"
+    logs = SQLiteStorage.get_logs(project, SQLiteStorage.get_runs(project)[0])
+    assert_same(evals, {int(r["step"]): r for r in logs if "eval/version" in r}, EVAL_NAMES)
 
 
 def test_an_unreachable_tracker_is_warned_about_once_and_training_goes_on(

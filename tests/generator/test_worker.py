@@ -8,12 +8,14 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ from bucketrl import errors
 from bucketrl.generator.worker import GeneratorWorker
 from bucketrl.preflight import ConfigError
 from bucketrl.tarball import pack_dir
-from bucketrl.wire import Delivery, RewardSpec, RunSpec, SamplingSpec
+from bucketrl.wire import DatasetSpec, Delivery, EvalSpec, RewardSpec, RunSpec, SamplingSpec
 from tests.generator.helpers import make_adapter, teacher_forced_logprobs
 from tests.generator.worker_support import (
     PROMPTS,
@@ -281,3 +283,67 @@ def test_worker_waits_for_its_run_and_refuses_a_config_it_cannot_serve(
     with pytest.raises(ConfigError, match="max_new_tokens 16 exceeds the context of 16 tokens: lower sampling"):
         cramped.run()
     assert proxy.client("w5", "viewer").status().prompts_inflight == 0
+
+
+def _greedy_text(model_dir: Path, adapter_dir: Path, tok: Any, prompt: str, max_new: int) -> str:
+    """Greedy decoding by hand (argmax per step, stop after EOS) with the adapter, the reference for eval."""
+    from tests.generator.helpers import _peft_model
+
+    model = _peft_model(str(model_dir), str(adapter_dir))
+    cfg = model.get_base_model().config
+    eos = getattr(model.get_base_model().generation_config, "eos_token_id", None) or cfg.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    ids, out = list(tok.encode(prompt)), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            t = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(t)
+            out.append(t)
+            if t in eos_ids:
+                break
+    return str(tok.decode(out, skip_special_tokens=True))
+
+
+def test_eval_prompts_are_sampled_with_the_eval_settings_and_training_goes_on(
+    proxy: ProxyHarness, tiny_model_dir: Path, adapters: dict[int, Path], tmp_path: Path
+) -> None:
+    """Evaluation during training on a real worker: greedy by default (each eval answer is the adapter's greedy
+    completion, so the exact-match reward is 1.0 for every prompt; the run's temperature-1 sampling would almost
+    never hit it), then ``n`` samples per prompt with the eval's own sampling (its max_new_tokens, not the run's)
+    for pass@n; scored by the run's reward; training groups keep flowing meanwhile."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    size, max_new = 3, 8
+    answers = [_greedy_text(tiny_model_dir, adapters[1], tok, p, max_new) for p in PROMPTS[:size]]
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text(
+        "".join(json.dumps({"question": p, "solution": a}) + "\n" for p, a in zip(PROMPTS[:size], answers, strict=True))
+    )
+    eval_set = DatasetSpec(uri=str(eval_file), prompt_field="question", answer_field="solution", size=size)
+    greedy = EvalSpec(every=1, size=size, dataset=eval_set)
+    trainer, spec = create_run(
+        proxy,
+        "w-eval",
+        tiny_model_dir,
+        adapters[1],
+        reward=RewardSpec(name="exact"),
+        sampling=SamplingSpec(temperature=1.0, max_new_tokens=max_new),
+        eval=greedy,
+    )
+    viewer = proxy.client("w-eval", "viewer")
+    with running_worker(worker_settings(proxy, "w-eval", "gen-a")), Consumer(trainer) as consumer:
+        (v1,) = wait_until(lambda: viewer.eval_results(), 180, "v1 evaluated")
+        assert (v1.version, v1.prompts, v1.samples, v1.k) == (1, size, size, 1)
+        assert (v1.reward_mean, v1.pass_at_1, v1.unscorable_frac) == (1.0, 1.0, 0.0), (v1, answers)
+        assert v1.mean_length <= max_new
+        # pass@n with the eval's own sampling settings, for the next version.
+        sampled = greedy.model_copy(update={"n": 3, "sampling": SamplingSpec(temperature=1.0, max_new_tokens=2)})
+        trainer.put_run(spec.model_copy(update={"eval": sampled}))
+        trainer.publish_adapter(2, pack_dir(adapters[2]))
+        v2 = wait_until(lambda: next((e for e in viewer.eval_results() if e.version == 2), None), 180, "v2 evaluated")
+        assert (v2.prompts, v2.samples, v2.k) == (size, 3 * size, 3)
+        assert 1.0 <= v2.mean_length <= 2.0  # the eval's max_new_tokens (2), not the run's (8)
+        # Training went on: groups of both versions reached the trainer, and no eval prompt did.
+        trained = consumer.wait_for(lambda ds: {d.version for d in ds} >= {1, 2}, 120)
+        assert all(len(g.completions) == spec.group_size for d in trained for g in d.groups)
+    status = viewer.status()
+    assert [e.version for e in status.eval] == [1, 2]

@@ -12,7 +12,9 @@ The checks, in the order a user meets them:
 4. the context window: the longest prompt plus ``max_new_tokens`` fits the model's context (and the
    generator's ``BUCKETRL_MAX_MODEL_LEN``); :func:`default_max_new_tokens` picks a default that fits;
 5. the reward: it imports, accepts ``reward.kwargs``, and one call on the first dataset row (with the row's
-   answer as the completion) returns a number or None within the reward timeout.
+   answer as the completion) returns a number or None within the reward timeout;
+6. a multi-turn run's environment (``env.name``): it imports, is a class with ``rollout``, and is built from
+   ``env.kwargs`` (:func:`check_env`; ``bucketrl up`` checks it with the reward, before the model).
 
 ``names`` maps each check to what the user changes: ``bucketrl up`` passes its flags (``--reward``), the
 workers the run spec's fields (``reward.name``).
@@ -41,6 +43,7 @@ UP_NAMES = {
     "reward": "--reward",
     "reward_kwargs": "--reward-kwargs",
     "env": "--env",
+    "env_kwargs": "--env-kwargs",
     "lora": "--lora-target-modules",
     "max_new_tokens": "--max-new-tokens",
     "context": "--max-new-tokens",
@@ -53,6 +56,7 @@ SPEC_NAMES = {
     "reward": "reward.name (run spec)",
     "reward_kwargs": "reward.kwargs (run spec)",
     "env": "env.name (run spec)",
+    "env_kwargs": "env.kwargs (run spec)",
     "lora": "lora.target_modules (run spec)",
     "max_new_tokens": "sampling.max_new_tokens (run spec)",
     "context": "sampling.max_new_tokens (run spec) or BUCKETRL_MAX_MODEL_LEN",
@@ -375,7 +379,8 @@ def check_run(
 
 
 def check_env(env: Any, names: dict[str, str] = UP_NAMES) -> None:
-    """A multi-turn run's environment: importable, constructible from env.kwargs; and what it needs installed."""
+    """A multi-turn run's environment: importable, a class with a ``rollout`` method, constructible from
+    env.kwargs; and what it needs installed. The instance made to check is closed again (``aclose``)."""
     from bucketrl.envs.protocol import EXTERNAL, make_env
 
     for module, extra in (("openai", "generator"), ("fastapi", "generator"), ("uvicorn", "generator")):
@@ -386,9 +391,32 @@ def check_env(env: Any, names: dict[str, str] = UP_NAMES) -> None:
     if env.name == EXTERNAL:
         return
     try:
-        make_env(env.name, env.kwargs)
+        instance = make_env(env.name, env.kwargs)
     except errors.Invalid as exc:
-        raise ConfigError(f"{names['env']}: {exc.message}") from None
+        # The constructor refused the kwargs: the option to change is the kwargs, not the name.
+        which = names["env_kwargs"] if "env.kwargs" in exc.message else names["env"]
+        raise ConfigError(f"{which}: {exc.message}") from None
+    _close_env(instance)
+
+
+def _close_env(instance: Any, timeout_s: float = 10.0) -> None:
+    """Await the checked instance's ``aclose`` (what it holds open), on a loop of its own in a daemon thread:
+    the caller may be inside an event loop, and an ``aclose`` that hangs must not hold up the check."""
+    aclose = getattr(instance, "aclose", None)
+    if aclose is None:
+        return
+
+    def run() -> None:
+        import asyncio
+        import contextlib
+
+        # The user's code: a failing close is not a configuration error.
+        with contextlib.suppress(BaseException):
+            asyncio.run(asyncio.wait_for(aclose(), timeout_s))
+
+    t = threading.Thread(target=run, name="preflight-env-close", daemon=True)
+    t.start()
+    t.join(timeout_s + 1.0)
 
 
 def _short(exc: BaseException) -> str:

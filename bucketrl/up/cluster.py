@@ -111,8 +111,15 @@ class LocalCluster:
             # Dataset and reward first: they need no torch, so their mistakes stop `up` in a few seconds.
             from bucketrl import preflight
 
+            # The generators' allow-lists (their environment is this one, plus the cluster's settings): a module
+            # they would refuse is refused here, before anything is imported.
+            self._check_trust(probe, spec["dataset"]["uri"])
             examples = preflight.check_dataset(probe.dataset)
             reward_value = preflight.check_reward(probe.reward, examples[0], timeout_s=self._reward_timeout_s())
+            if probe.env is not None:
+                # Imported and built here as each generator does at its start (a wrong --env used to surface
+                # only in a generator's log, ~20 s in, after every service had started).
+                preflight.check_env(probe.env)
         if model_dir is not None:
             from bucketrl.tasks.tiny_model import build_tiny_model
 
@@ -140,11 +147,36 @@ class LocalCluster:
         probe["dataset"].setdefault("size", 1)
         return RunSpec.model_validate(probe)
 
+    def _generator_setting(self, field: str) -> str | None:
+        """A generator setting as the generators will see it: the cluster's generator, then worker settings, then
+        this process's environment (theirs is inherited from it); None when unset (the default applies)."""
+        var = f"BUCKETRL_{field.upper()}"
+        for source in (self.cfg.generator_env, self.cfg.worker_env, os.environ):
+            if var in source:
+                return source[var]
+        return None
+
     def _reward_timeout_s(self) -> float:
         from bucketrl.generator.settings import GeneratorSettings
 
-        given = self.cfg.generator_env.get("BUCKETRL_REWARD_TIMEOUT_S")
+        given = self._generator_setting("reward_timeout_s")
         return float(given or GeneratorSettings.model_fields["reward_timeout_s"].default)
+
+    def _check_trust(self, probe: Any, dataset_uri: str) -> None:
+        """The generators' BUCKETRL_ALLOWED_REWARD_MODULES / _DATASET_LOCATIONS admit the reward, the environment
+        and the dataset the generators will read (``dataset_uri``: the run spec's, ``bucket:`` for an upload)."""
+        from bucketrl.generator import trust
+        from bucketrl.generator.settings import GeneratorSettings
+
+        def allowed(field: str) -> str:
+            given = self._generator_setting(field)
+            return given if given is not None else str(GeneratorSettings.model_fields[field].default)
+
+        modules = allowed("allowed_reward_modules")
+        trust.check_reward(probe.reward.name, modules)
+        if probe.env is not None:
+            trust.check_env(probe.env.name, modules, probe.env.kwargs)
+        trust.check_dataset(dataset_uri, allowed("allowed_dataset_locations"))
 
     def _preflight(self, probe: Any, examples: list[Any] | None) -> Any:
         """The model checks every worker repeats at its start, here before any process starts (ConfigError)."""

@@ -36,6 +36,19 @@ def hangs(completion, answer, *, prompt):
     time.sleep(600)
 """
 
+ENV_MODULE = """
+class Echo:
+    def __init__(self, hint: str = "") -> None:
+        self.hint = hint
+
+    async def rollout(self, ctx):
+        return None
+
+
+class NotAnEnv:
+    pass
+"""
+
 # (case name, up options, text the one-line message must contain)
 CASES: list[tuple[str, list[str], list[str]]] = [
     ("no such reward module", ["--reward", "nosuchmod:score"], ["--reward", "cannot import 'nosuchmod'"]),
@@ -50,7 +63,19 @@ CASES: list[tuple[str, list[str], list[str]]] = [
     ("uncached hub name", ["--model", "no-such-org/no-such-model-xyz"], ["--model no-such-org/no-such-model-xyz"]),
     ("bucket dataset without a file", ["--dataset", "bucket:dataset.jsonl"], ["pass the local .jsonl file"]),
     ("GPT-2 without q_proj", ["--model", "gpt2-tiny", "--lora-target-modules", "q_proj"], ["q_proj", "c_attn"]),
+    # Multi-turn: the environment is imported and built as a generator does it (it used to stop only ~20 s in,
+    # in a generator, after every service had started).
+    ("no such env module", ["--dataset", "toy:tools", "--env", "nosuchmod:Thing"], ["--env", "'nosuchmod'"]),
+    ("env class without rollout", ["--dataset", "toy:tools", "--env", "myenv:NotAnEnv"], ["--env", "rollout"]),
+    (
+        "env kwargs refused",
+        ["--dataset", "toy:tools", "--env", "myenv:Echo", "--env-kwargs", '{"nope": 1}'],
+        ["--env-kwargs", "unexpected keyword argument 'nope'"],
+    ),
+    ("env module not allowed", ["--dataset", "toy:tools", "--env", "myenv:Echo"], ["BUCKETRL_ALLOWED_REWARD_MODULES"]),
 ]
+# The user's environment for a case (the generators inherit it): an operator's allow-list.
+CASE_ENV = {"env module not allowed": {"BUCKETRL_ALLOWED_REWARD_MODULES": "myreward"}}
 
 
 def _gpt2(path: Path, tokenizer_from: Path) -> None:
@@ -88,7 +113,7 @@ def _run_case(work: Path, name: str, args: list[str]) -> tuple[str, int, str, fl
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **CASE_ENV.get(name, {})},
     )
     return name, out.returncode, out.stdout + out.stderr, time.monotonic() - t0
 
@@ -97,6 +122,7 @@ def _run_case(work: Path, name: str, args: list[str]) -> tuple[str, int, str, fl
 def test_each_mistake_stops_at_once_with_one_line(tmp_path: Path, tiny_model_dir: Path) -> None:
     work = tmp_path
     (work / "myreward.py").write_text(REWARD_MODULE)
+    (work / "myenv.py").write_text(ENV_MODULE)
     (work / "questions.jsonl").write_text(
         "".join(json.dumps({"question": f"{i}+1=", "solution": str(i + 1)}) + "\n" for i in range(5))
     )
@@ -117,6 +143,7 @@ def test_each_mistake_stops_at_once_with_one_line(tmp_path: Path, tiny_model_dir
         run_dir = work / "runs" / name.replace(" ", "-")
         if (run_dir / "services.json").exists():
             problems.append(f"{name}: started services: {(run_dir / 'services.json').read_text()}")
+    print("seconds to stop: " + ", ".join(f"{r[0]} {r[3]:.1f}" for r in results))
     leftovers = _processes_under(work / "runs")
     assert not leftovers, f"processes left behind: {leftovers}"
     assert not problems, "\n\n".join(problems)

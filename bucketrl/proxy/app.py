@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
+from starlette.responses import Response
 
 from bucketrl.proxy import body, errors, lean
 from bucketrl.proxy.auth import TokenAuth
@@ -78,30 +79,34 @@ class LatencyMiddleware:
             child.observe(time.perf_counter() - start)
 
 
+async def identity_refusal(ctx: ProxyContext) -> Response | None:
+    """The 503 ``bucket_identity`` answer while the bucket is not verified as this deployment's
+    (``identity.py``), else None. Once verified, one attribute read."""
+    if ctx.identity.ok:
+        return None
+    from bucketrl.proxy import identity
+
+    state = await identity.check(ctx)
+    if state.ok:
+        return None
+    return errors.error_response(
+        503, "bucket_identity", str(state.problem), True, {"Retry-After": str(errors.OUTAGE_RETRY_AFTER_S)}
+    )
+
+
 class IdentityGate:
     """Pure-ASGI gate: ``/v1`` routes answer 503 ``bucket_identity`` until the bucket is verified as this
-    deployment's (``identity.py``). Once verified, one attribute read per request."""
+    deployment's (:func:`identity_refusal`)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            from bucketrl.proxy import identity
-
-            ctx = scope["app"].state.ctx
-            if not ctx.identity.ok:
-                state = await identity.check(ctx)
-                if not state.ok:
-                    response = errors.error_response(
-                        503,
-                        "bucket_identity",
-                        str(state.problem),
-                        True,
-                        {"Retry-After": str(errors.OUTAGE_RETRY_AFTER_S)},
-                    )
-                    await response(scope, receive, send)
-                    return
+            refused = await identity_refusal(scope["app"].state.ctx)
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 
@@ -208,8 +213,10 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
     errors.install(app)
     for router in all_routers():
         app.include_router(router)
-    lean.install(app)  # the hot routes without FastAPI's per-request dependency solving (lean.py)
+    # The hot routes without FastAPI's per-request dependency solving or Starlette's middleware chain (lean.py).
+    hot = app.state.lean_routes = lean.install(app)
     app.add_middleware(IdentityGate)
+    app.add_middleware(lean.HotPath, routes=hot, identity_gate=identity_refusal)
     app.add_middleware(LatencyMiddleware, telemetry=telemetry)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.routing import APIRoute, request_response
 from pydantic import TypeAdapter
+from starlette.routing import Match
 
 from bucketrl.proxy import body, deps, rollout_body
 from bucketrl.wire import ClaimRequest, PromptLeaseRequest, VersionLeaseRequest
@@ -132,8 +134,31 @@ ROUTES: dict[tuple[str, str], tuple[str, Callable[[Request, Callable[..., Any]],
 }
 
 
-def install(app: FastAPI) -> list[str]:
-    """Give each hot route of ``app`` its fast handler (FastAPI's stays as the slow path). Returns the routes."""
+@dataclass(frozen=True)
+class LeanRoute:
+    """One hot route: its FastAPI route (path template, response model, status) and its fast handler."""
+
+    method: str
+    route: APIRoute
+    fast: Fast
+    adapter: TypeAdapter[Any] | None
+    status: int
+
+    async def respond(self, request: Request) -> Response:
+        """The route's answer through the fast handler; raises :class:`_Slow` for FastAPI's handler to take."""
+        value = await self.fast(request, self.route.endpoint)
+        if isinstance(value, Response):
+            return value
+        assert self.adapter is not None, self.route.path
+        return Response(self.adapter.dump_json(value, by_alias=True), status_code=self.status, media_type=_JSON)
+
+
+_JSON = "application/json"
+
+
+def install(app: FastAPI) -> list[LeanRoute]:
+    """Give each hot route of ``app`` its fast handler (FastAPI's stays as the slow path). Returns the routes,
+    for :class:`HotPath`."""
     done = []
     for route in app.routes:
         if not isinstance(route, APIRoute):
@@ -145,25 +170,99 @@ def install(app: FastAPI) -> list[str]:
             name, fast = entry
             if route.endpoint.__name__ != name:
                 raise RuntimeError(f"lean route {method} {route.path}: its endpoint is now {route.endpoint.__name__}")
-            route.app = request_response(_handler(route, fast))
-            done.append(f"{method} {route.path}")
+            _check_first_match(app, route, method)
+            adapter = TypeAdapter(route.response_model) if route.response_model else None
+            lean = LeanRoute(method, route, fast, adapter, route.status_code or 200)
+            route.app = request_response(_handler(route, lean))
+            done.append(lean)
     return done
 
 
-def _handler(route: APIRoute, fast: Callable[[Request, Callable[..., Any]], Awaitable[Any]]) -> Handler:
+def _check_first_match(app: FastAPI, route: APIRoute, method: str) -> None:
+    """HotPath matches its routes directly: no route registered before one of them may take its requests."""
+    path = re.sub(r"{[^}]+}", "x", route.path)
+    scope = {"type": "http", "path": path, "root_path": "", "method": method}
+    for other in app.routes:
+        if other is route:
+            return
+        if other.matches(scope)[0] is Match.FULL:
+            raise RuntimeError(f"lean route {method} {route.path}: {path} is taken first by {other!r}")
+
+
+def _handler(route: APIRoute, lean: LeanRoute) -> Handler:
+    # Reached through Starlette's router only when HotPath passed the request on (a path it does not match).
     slow = route.get_route_handler()
-    endpoint = route.endpoint
-    status = route.status_code or 200
-    adapter: TypeAdapter[Any] | None = TypeAdapter(route.response_model) if route.response_model else None
 
     async def handler(request: Request) -> Response:
         try:
-            value = await fast(request, endpoint)
+            return await lean.respond(request)
         except _Slow:
             return await slow(request)
-        if isinstance(value, Response):
-            return value
-        assert adapter is not None, route.path
-        return Response(adapter.dump_json(value, by_alias=True), status_code=status, media_type="application/json")
 
     return handler
+
+
+class HotPath:
+    """Pure-ASGI layer in front of the bucket-identity gate, the exception middleware and the router: a request
+    for a hot route goes straight to its :class:`LeanRoute`.
+
+    Starlette would take every request through its exception middleware, FastAPI's exit-stack middleware, the
+    router's walk over all routes and the route's own request/response wrapper, each a coroutine frame and a
+    ``send`` wrapper; on the hot routes that chain cost about as much CPU as the handler's own Python. This
+    layer takes the same steps for them in one frame: the route matched by Starlette's own ``Route.matches``
+    (path template and method), the bucket-identity gate, the handler, and an exception turned into its
+    answer by the app's own exception table (what Starlette's ``ExceptionMiddleware`` would do). An exception
+    the table sends to the server-error middleware (500) propagates to it, as it would from the router. A
+    request that is not plainly well-formed (:class:`_Slow`, raised before its body is read) and every other
+    route go down the full stack unchanged.
+    """
+
+    def __init__(self, app: Any, routes: list[LeanRoute], identity_gate: Callable[[Any], Awaitable[Any]]) -> None:
+        self.app = app
+        self.routes = routes
+        self.identity_gate = identity_gate
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and not scope.get("root_path"):
+            for lean in self.routes:
+                match, child = lean.route.matches(scope)
+                if match is Match.FULL:
+                    # In place, as the router does: the latency middleware outside reads the route from it.
+                    scope["route"] = lean.route
+                    scope.update(child)
+                    await self._serve(lean, scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+    async def _serve(self, lean: LeanRoute, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        request = Request(scope, receive, send)
+        fastapi_app = scope["app"]
+        refused = await self.identity_gate(fastapi_app.state.ctx)
+        if refused is not None:
+            await refused(scope, receive, send)
+            return
+        try:
+            response = await lean.respond(request)
+        except _Slow:
+            await self.app(scope, receive, send)
+            return
+        except Exception as exc:
+            handler = _exception_handler(fastapi_app, exc)
+            if handler is None:
+                raise
+            response = await handler(request, exc)
+            exc.__traceback__ = None  # as Starlette does: a reused exception instance would pile up tracebacks
+        await response(scope, receive, send)
+
+
+def _exception_handler(app: FastAPI, exc: Exception) -> Callable[..., Awaitable[Response]] | None:
+    """The handler Starlette's ``ExceptionMiddleware`` would pick for ``exc`` (most derived class first); None
+    for what it leaves to the server-error middleware (the ``Exception`` / 500 handler)."""
+    handlers = app.exception_handlers
+    for cls in type(exc).__mro__:
+        if cls is Exception:
+            return None
+        handler = handlers.get(cls)
+        if handler is not None:
+            return handler
+    return None

@@ -33,15 +33,23 @@ from tests.proxy.test_rollouts_routes import Setup
 def test_every_lean_route_exists_with_its_endpoint() -> None:
     # install() raises if a listed route's endpoint changed name (its signature may have changed too)
     app = create_app(ProxySettings(tokens="admin:" + "x" * 32))
-    assert sorted(lean.install(app)) == sorted(f"{m} {p}" for m, p in lean.ROUTES)
+    assert sorted(f"{r.method} {r.route.path}" for r in lean.install(app)) == sorted(f"{m} {p}" for m, p in lean.ROUTES)
+
+
+def _hot_routes(proxy: ProxyHarness) -> list[APIRoute]:
+    return [
+        r for r in proxy.app.routes if isinstance(r, APIRoute) and any((m, r.path) in lean.ROUTES for m in r.methods)
+    ]
 
 
 @contextmanager
 def fastapi_handlers(proxy: ProxyHarness) -> Iterator[None]:
-    """The hot routes served by FastAPI's own handlers while inside."""
-    routes = [
-        r for r in proxy.app.routes if isinstance(r, APIRoute) and any((m, r.path) in lean.ROUTES for m in r.methods)
-    ]
+    """The hot routes served by FastAPI's own handlers, through Starlette's whole middleware chain and router,
+    while inside (HotPath, in front of them, matches none of its routes meanwhile)."""
+    hot: list[lean.LeanRoute] = proxy.app.state.lean_routes
+    saved = list(hot)
+    hot.clear()
+    routes = _hot_routes(proxy)
     lean_apps = [r.app for r in routes]
     for r in routes:
         r.app = request_response(r.get_route_handler())
@@ -50,6 +58,7 @@ def fastapi_handlers(proxy: ProxyHarness) -> Iterator[None]:
     finally:
         for r, app in zip(routes, lean_apps, strict=True):
             r.app = app
+        hot.extend(saved)
 
 
 def _shape(resp: httpx.Response) -> tuple[int, Any]:
@@ -144,6 +153,41 @@ def test_lean_handlers_answer_what_fastapi_answers(proxy_file: ProxyHarness) -> 
     assert {200, 202, 204, 401, 403, 404, 409, 415, 422} <= set(statuses), statuses
     for req, a, b in zip(requests(), lean_answers, slow_answers, strict=True):
         assert a == b, (req[:2], a, b)
+
+
+def test_hot_path_serves_the_hot_routes_past_the_router_with_their_route_labels(proxy_file: ProxyHarness) -> None:
+    # The router's copies of the hot routes are made to fail: every hot request must still be answered (HotPath
+    # took it before the router), while a route HotPath does not hold still goes through the router.
+    s = Setup(proxy_file, queue_capacity_groups=64, groups_per_step=16)
+    routes = [
+        r
+        for r in proxy_file.app.routes
+        if isinstance(r, APIRoute) and any((m, r.path) in lean.ROUTES for m in r.methods)
+    ]
+    saved = [r.app for r in routes]
+
+    async def unreachable(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError(f"the router was reached for {scope['method']} {scope['path']}")
+
+    for r in routes:
+        r.app = unreachable
+    try:
+        batch = s.batch(2)
+        assert s.g.submit_rollouts(batch, uuid.uuid4().hex, use_msgpack=True).accepted_groups == 2
+        claimed = s.t.claim("trainer-0", max_groups=2)
+        assert len(claimed.deliveries) == 2
+        s.t.ack([d.delivery_id for d in claimed.deliveries])
+        assert s.g.lease_version("gen-0").version == 1
+        assert s.t.status().queue.acked_total == 2  # the status route is not a hot one: the router serves it
+    finally:
+        for r, app in zip(routes, saved, strict=True):
+            r.app = app
+    with proxy_file.http("viewer") as http:
+        metrics = http.get("/metrics").text
+    # The latency middleware outside HotPath labels each request by its route template (scope["route"] in place).
+    for method, path in [("POST", "/v1/runs/{run}/rollouts"), ("POST", "/v1/runs/{run}/rollouts/claim")]:
+        assert f'method="{method}",route="{path}",status="2' in metrics, (method, path)
+    assert 'route="unmatched"' not in metrics
 
 
 @pytest.mark.parametrize(

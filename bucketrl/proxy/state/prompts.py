@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -141,6 +142,7 @@ class PromptKeys:
     channel: str
 
     @classmethod
+    @functools.lru_cache(maxsize=4096)  # frozen, and built on every request: once per run is enough
     def of(cls, run: str) -> PromptKeys:
         k = keys.run_key
         return cls(

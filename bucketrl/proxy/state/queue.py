@@ -74,6 +74,7 @@ Runbook: ``redis-cli XINFO GROUPS brl:{run}:queue:stream`` (pending, lag), ``HGE
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -161,6 +162,7 @@ class QueueKeys:
     p: prompts.PromptKeys = field(repr=False)
 
     @classmethod
+    @functools.lru_cache(maxsize=4096)  # frozen, and built on every request: once per run is enough
     def of(cls, run: str) -> QueueKeys:
         k = keys.run_key
         return cls(

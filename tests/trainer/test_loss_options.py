@@ -112,12 +112,19 @@ def _next_token_logprobs(learner: Learner, adapter: bool) -> torch.Tensor:
     return torch.log_softmax(logits.double(), -1)
 
 
+NUCLEI = {"top_k": SamplingSpec(temperature=1.0, top_k=1, max_new_tokens=8), "top_p": SamplingSpec(top_p=1e-6)}
+
+
+@pytest.mark.parametrize("nucleus", sorted(NUCLEI))
 @pytest.mark.parametrize("outside", ["policy", "reference"])
-def test_kl_with_top_k_is_finite_and_uses_temperature_only_logprobs(tiny_model_dir: Path, outside: str) -> None:
-    """top_k=1: only each model's argmax is inside its nucleus. A sampled token that is the reference's argmax
-    but not the policy's (outside the policy's nucleus) made the k3 term infinite and the step was skipped;
-    one that is the policy's argmax but not the reference's gave a per-token KL near 1e4."""
-    spec = tiny_spec(tiny_model_dir, sampling=SamplingSpec(temperature=1.0, top_k=1, max_new_tokens=8))
+def test_kl_with_top_k_or_top_p_is_finite_and_uses_temperature_only_logprobs(
+    tiny_model_dir: Path, outside: str, nucleus: str
+) -> None:
+    """top_k=1 (or a top_p so small that only the most likely token is kept): only each model's argmax is inside
+    its nucleus. A sampled token that is the reference's argmax but not the policy's (outside the policy's
+    nucleus) made the k3 term infinite and the step was skipped; one that is the policy's argmax but not the
+    reference's gave a per-token KL near 1e4."""
+    spec = tiny_spec(tiny_model_dir, sampling=NUCLEI[nucleus])
     spec = spec.model_copy(update={"loss": LossSpec(kl_coef=0.1)})
     learner = Learner(spec, settings())
     for seed in range(1, 20):  # an adapter whose argmax after PROMPT differs from the base model's

@@ -1,8 +1,10 @@
 """The end of ``bucketrl up``: summary figures, a table, and two PNG plots in the run directory.
 
 - ``summary.json``: the figures below (what ``bench/demo_reward.py`` prints).
-- ``reward.png``: reward per trainer step and its 10-step rolling mean.
-- ``pipeline.png``: step time, rollout wait vs backpressure, staleness and queue depth, weight sync.
+- ``reward.png``: reward per trainer step, its 10-step rolling mean and the eval reward per evaluated version.
+- ``pipeline.png``: one x axis per row (as the dashboard): by trainer step, step time, staleness and queue depth,
+  completion length and the truncated / unscorable fractions, entropy, KL and the clipped fraction; by seconds,
+  rollout wait vs backpressure and weight sync.
 
 matplotlib is imported inside :func:`plot` with the Agg backend (no display needed).
 """
@@ -77,6 +79,7 @@ def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = Non
         "sync_latency_max_s": sync.max if sync else None,
         "sync_latency_versions": sync.count if sync else 0,
     }
+    figures.update(learning_figures(watcher))
     figures.update(eval_figures(watcher))
     # The run's latest sample completions with their rewards (newest first): what the model writes now.
     figures["samples"] = [x.model_dump() for x in (watcher.status.samples if watcher.status else [])[:5]]
@@ -86,6 +89,24 @@ def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = Non
 def _frac(figures: dict[str, Any]) -> str:
     mean, worst = figures.get("unscorable_frac_mean"), figures.get("unscorable_frac_max")
     return "–" if mean is None else f"{mean:.1%} / {worst:.1%}"
+
+
+# What the policy does while it learns (summary name -> the trainer's metric), first and last window of steps.
+LEARNING = {
+    "completion_length": "completions/mean_length",
+    "entropy": "entropy",
+    "kl": "kl",  # logged only with loss.kl_coef > 0
+    "clip_frac": "clip_ratio/region_mean",  # tokens whose ratio the objective clipped
+    "truncated_frac": "completions/clipped_ratio",  # completions cut by max_new_tokens
+}
+
+
+def learning_figures(watcher: RunWatcher) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, metric in LEARNING.items():
+        head, tail = windows([v for _, v in watcher.trainer_series(metric)])
+        out[f"{name}_first"], out[f"{name}_last"] = _mean(head), _mean(tail)
+    return out
 
 
 def eval_curve(watcher: RunWatcher) -> list[tuple[float, float]]:
@@ -153,6 +174,16 @@ def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary"):
         ("generated tokens", fmt(int(figures["generated_tokens"]))),
         ("completions without a reward (mean / worst step)", _frac(figures)),
     ]
+    for name, label, unit, digits in (
+        ("completion_length", "completion length", " tokens", 1),
+        ("entropy", "entropy (per token)", "", 3),
+        ("kl", "KL to the base model (per token)", "", 4),
+        ("clip_frac", "clipped fraction (tokens)", "", 3),
+        ("truncated_frac", "truncated completions (max_new_tokens)", "", 3),
+    ):
+        if figures.get(f"{name}_first") is not None:
+            first, last = fmt(figures[f"{name}_first"], unit, digits), fmt(figures[f"{name}_last"], unit, digits)
+            rows.append((f"{label}, first / last {window} steps", f"{first} / {last}"))
     for kind, message in (figures.get("reward_errors") or {}).items():
         rows.append((f"  first reward error: {kind}", message[:120]))
 
@@ -213,55 +244,7 @@ def plot(watcher: RunWatcher, out_dir: Path, title: str = "") -> list[Path]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
-    t0 = min([p["ts"] for p in watcher.pushes[:1]] + [s["ts"] for s in watcher.status_history[:1]] or [0.0])
-
-    def trainer(ax: Any, metric: str, label: str) -> None:
-        series = watcher.trainer_series(metric)
-        if series:
-            ax.plot(*zip(*series, strict=True), label=label)
-
-    ax = axes[0][0]
-    trainer(ax, "perf/step_s", "step")
-    trainer(ax, "perf/fwd_bwd_s", "forward + backward")
-    trainer(ax, "perf/rollout_wait_s", "rollout wait")
-    ax.set(title="Trainer step time", xlabel="trainer step", ylabel="seconds")
-
-    ax = axes[0][1]
-    for worker, series in watcher.timed_series("rollout/backpressure_s", role="generator").items():
-        ax.plot([t - t0 for t, _ in series], [v for _, v in series], ".-", lw=0.8, label=f"backpressure {worker}")
-    wait = watcher.timed_series("perf/rollout_wait_s", role="trainer")
-    for series in wait.values():
-        ax.plot([t - t0 for t, _ in series], [v for _, v in series], "k.", ms=4, label="trainer rollout wait")
-    ax.set(title="Rollout wait (trainer) vs backpressure (generators)", xlabel="seconds", ylabel="seconds")
-
-    ax = axes[1][0]
-    trainer(ax, "sample/staleness_mean", "staleness mean")
-    trainer(ax, "sample/staleness_max", "staleness max")
-    ax.set(title="Staleness (versions) and queue depth (groups)", xlabel="trainer step", ylabel="versions")
-    if watcher.status_history:
-        by_step: dict[int, int] = {}
-        for s in watcher.status_history:
-            by_step[int(s["step"])] = int(s["queue"])
-        ax2 = ax.twinx()
-        ax2.plot(list(by_step), list(by_step.values()), color="gray", ls="--", label="queue depth")
-        ax2.set_ylabel("queued groups")
-        ax2.legend(loc="upper right", fontsize=8)
-
-    ax = axes[1][1]
-    trainer(ax, "perf/weight_sync_s", "trainer publish")
-    for worker, series in watcher.timed_series("sync/adapter_load_s", role="generator").items():
-        versions = dict(watcher.timed_series("sync/adapter_version", role="generator").get(worker, []))
-        pts = [(versions.get(t), v) for t, v in series if versions.get(t) is not None]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), ".", label=f"adapter load {worker}")
-    ax.set(title="Weight sync", xlabel="version / step", ylabel="seconds")
-
-    for row in axes:
-        for ax in row:
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=8, loc="upper left")
+    fig, _ = pipeline_figure(watcher)
     fig.suptitle(f"Pipeline health {title}".strip())
     fig.tight_layout()
     paths.append(out_dir / "pipeline.png")
@@ -274,3 +257,77 @@ def write_summary(figures: dict[str, Any], out_dir: Path) -> Path:
     path = out_dir / "summary.json"
     path.write_text(json.dumps(figures, indent=2) + "\n")
     return path
+
+
+def pipeline_figure(watcher: RunWatcher) -> tuple[Any, Any]:
+    """``pipeline.png``'s figure and its 3 x 2 axes. One x axis per row, as in the dashboard: rows 0 and 1 by
+    trainer step, row 2 by seconds since the run's first data point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 2, figsize=(12, 10.5))
+    t0 = min([p["ts"] for p in watcher.pushes[:1]] + [s["ts"] for s in watcher.status_history[:1]] or [0.0])
+
+    def trainer(ax: Any, metric: str, label: str, **kw: Any) -> None:
+        series = watcher.trainer_series(metric)
+        if series:
+            ax.plot(*zip(*series, strict=True), label=label, **kw)
+
+    def timed(ax: Any, metric: str, role: str, label: str, fmt: str = ".-", **kw: Any) -> None:
+        for worker, series in watcher.timed_series(metric, role=role).items():
+            name = label if role == "trainer" else f"{label} {worker}"
+            ax.plot([t - t0 for t, _ in series], [v for _, v in series], fmt, lw=0.8, label=name, **kw)
+
+    ax = axes[0][0]
+    trainer(ax, "perf/step_s", "step")
+    trainer(ax, "perf/fwd_bwd_s", "forward + backward")
+    trainer(ax, "perf/rollout_wait_s", "rollout wait")
+    ax.set(title="Trainer step time", xlabel="trainer step", ylabel="seconds")
+
+    ax = axes[0][1]
+    trainer(ax, "sample/staleness_mean", "staleness mean")
+    trainer(ax, "sample/staleness_max", "staleness max")
+    ax.set(title="Staleness (versions) and queue depth (groups)", xlabel="trainer step", ylabel="versions")
+    if watcher.status_history:
+        by_step: dict[int, int] = {}
+        for s in watcher.status_history:
+            by_step[int(s["step"])] = int(s["queue"])
+        ax2 = ax.twinx()
+        ax2.plot(list(by_step), list(by_step.values()), color="gray", ls="--", label="queue depth")
+        ax2.set_ylabel("queued groups")
+        ax2.legend(loc="upper right", fontsize=8)
+
+    ax = axes[1][0]
+    trainer(ax, "completions/mean_length", "completion length (tokens)")
+    ax.set(title="Completion length; truncated and unscorable fractions", xlabel="trainer step", ylabel="tokens")
+    ax2 = ax.twinx()
+    trainer(ax2, "completions/clipped_ratio", "truncated (max_new_tokens)", color="tab:red", ls="--")
+    trainer(ax2, "reward/unscorable_frac", "without a reward", color="tab:purple", ls=":")
+    ax2.set(ylabel="fraction", ylim=(0, 1.02))
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(loc="upper right", fontsize=8)
+
+    ax = axes[1][1]
+    trainer(ax, "entropy", "entropy")
+    trainer(ax, "kl", "KL to the base model")
+    trainer(ax, "clip_ratio/region_mean", "clipped fraction")
+    ax.set(title="Entropy, KL (per token) and clipped fraction", xlabel="trainer step")
+
+    ax = axes[2][0]
+    timed(ax, "rollout/backpressure_s", "generator", "backpressure")
+    timed(ax, "perf/rollout_wait_s", "trainer", "trainer rollout wait", "k.", ms=4)
+    ax.set(title="Rollout wait (trainer) vs backpressure (generators)", xlabel="seconds", ylabel="seconds")
+
+    ax = axes[2][1]
+    timed(ax, "perf/weight_sync_s", "trainer", "trainer publish", "k.-")
+    timed(ax, "sync/adapter_load_s", "generator", "adapter load", ".")
+    ax.set(title="Weight sync", xlabel="seconds", ylabel="seconds")
+
+    for row in axes:
+        for ax in row:
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8, loc="upper left")
+    return fig, axes

@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from bucketrl.up.live import render
-from bucketrl.up.report import counter_total, plot, summarize, summary_table, write_summary
+from bucketrl.up.report import counter_total, pipeline_figure, plot, summarize, summary_table, write_summary
 from bucketrl.up.synclatency import SyncLatency
 from bucketrl.up.watch import RunWatcher
 from bucketrl.wire import EvalVersionResult, RunStatus, SampleCompletion
@@ -34,6 +35,12 @@ def _watcher(steps: int = 40) -> RunWatcher:
                     "sample/staleness_mean": 1.0,
                     "sample/staleness_max": 2.0,
                     "ratio": 1.0,
+                    "completions/mean_length": 12.0 if k <= 20 else 6.0,
+                    "completions/clipped_ratio": 0.25,
+                    "reward/unscorable_frac": 0.0,
+                    "entropy": 2.0 if k <= 20 else 1.0,
+                    "kl": 0.001 * k,
+                    "clip_ratio/region_mean": 0.05,
                 },
             }
         )
@@ -93,6 +100,14 @@ def test_summary_figures_and_table(tmp_path: Path) -> None:
     console.print(summary_table(figures))
     text = console.export_text()
     assert "8.00x" in text and "400 / 1000 ms" in text
+    # What the policy does while it learns, first and last 20 steps (issue 13).
+    assert (figures["completion_length_first"], figures["completion_length_last"]) == (12.0, 6.0)
+    assert (figures["entropy_first"], figures["entropy_last"]) == (2.0, 1.0)
+    assert figures["kl_last"] == pytest.approx(0.001 * 30.5) and figures["clip_frac_first"] == 0.05
+    assert figures["truncated_frac_last"] == 0.25
+    for needle in ("completion length", "12.0 tokens / 6.0 tokens", "entropy", "2.000 / 1.000", "KL", "0.0305"):
+        assert needle in text, needle
+    assert "clipped fraction" in text and "truncated completions" in text
     assert write_summary(figures, tmp_path).exists()
 
 
@@ -100,6 +115,21 @@ def test_plots_are_written(tmp_path: Path) -> None:
     paths = plot(_watcher(), tmp_path, title="(test)")
     assert [p.name for p in paths] == ["reward.png", "pipeline.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_pipeline_plot_has_one_x_axis_per_row_and_the_learning_charts() -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = pipeline_figure(_watcher())
+    try:
+        assert [{ax.get_xlabel() for ax in row} for row in axes] == [{"trainer step"}, {"trainer step"}, {"seconds"}]
+        labels = {line.get_label() for ax in fig.axes for line in ax.get_lines()}
+        for label in ("completion length (tokens)", "truncated (max_new_tokens)", "without a reward", "entropy"):
+            assert label in labels, (label, labels)
+        assert {"KL to the base model", "clipped fraction", "trainer publish", "adapter load gen-0"} <= labels
+        assert all(len(line.get_xdata()) > 0 for ax in fig.axes for line in ax.get_lines())
+    finally:
+        plt.close(fig)
 
 
 def test_live_view_renders_state() -> None:

@@ -109,4 +109,11 @@ def test_ctrl_c_stops_everything_and_a_rerun_resumes(tmp_path: Path) -> None:
     evaluated = [step for step, _ in summary["eval_curve"]]
     assert summary["eval_versions"] >= 2 and evaluated == sorted(set(evaluated)), summary["eval_curve"]
     assert summary["eval_reward_first"] is not None
+    # ... and in the TensorBoard files: each evaluated version once (steps retrained after the resume are purged
+    # with their reports), with the reward the proxy recorded for it.
+    reported = [int(e.value) for e in acc.Scalars("eval/version")]
+    assert len(reported) >= 2 and reported == sorted(set(reported)), reported
+    curve = [reward for _, reward in summary["eval_curve"]]
+    for e in acc.Scalars("eval/reward"):
+        assert any(e.value == pytest.approx(r, abs=1e-6) for r in curve), (e.value, curve)
     print(f"\n[up] Ctrl-C at step {stopped_at}, resumed to {summary['last_step']}; versions 1..{published[-1]}")

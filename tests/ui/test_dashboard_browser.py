@@ -32,6 +32,8 @@ CHARTS = (
     "entropy_kl",
 )
 
+EVAL_SERIES = "eval (held-out)"  # the reward chart's eval curve (dashboard.js)
+
 # Coloured (non-background) pixels of a chart's canvas: proves lines were drawn, not just an empty frame.
 INK = """
 (() => {
@@ -74,6 +76,9 @@ def test_dashboard_draws_live_charts_without_console_errors(tmp_path: Path) -> N
                      60, f"every chart to have points (have {seen['charts']})")  # fmt: skip
             # Evaluation during training (--eval-every 2) and sample completions reach their tables.
             wait_for(lambda: (browser.pump(0.5), json.loads(state()).get("evalRows", 0) > 0)[1], 90, "an eval row")
+            # ... and the eval curve on the reward chart (the trainer reports each evaluated version once).
+            wait_for(lambda: (browser.pump(0.5), json.loads(state())["series"]["reward"].get(EVAL_SERIES, 0) > 0)[1],
+                     90, "the eval curve on the reward chart")  # fmt: skip
             browser.pump(2.5)  # one more poll: the page keeps running without errors
             seen = json.loads(state())
             ink = browser.evaluate(INK)
@@ -89,6 +94,7 @@ def test_dashboard_draws_live_charts_without_console_errors(tmp_path: Path) -> N
     print(f"\ndashboard: polls {seen['polls']}, points per chart {seen['charts']}, ink {ink}, screenshot {shot}")
     assert problems == [], problems
     assert seen["lastError"] is None and seen["run"] == "demo"
+    assert seen["series"]["reward"][EVAL_SERIES] > 0, seen["series"]["reward"]
     for chart in CHARTS:
         assert seen["charts"][chart] > 0, chart
         assert ink[chart] > 50, (chart, ink[chart])

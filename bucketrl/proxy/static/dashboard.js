@@ -3,7 +3,7 @@
 // Data: GET /v1/runs/{run}/metrics/recent (every metrics push of every worker, oldest first) and
 // GET /v1/runs/{run}/status (queue, versions, workers). Queue depth is not a pushed metric, so its chart
 // is the history of status polls since the page opened. No libraries, no CDN: the proxy serves this file.
-// window.bucketrlDashboard exposes what was drawn (points per chart, polls, last error) for tests.
+// window.bucketrlDashboard exposes what was drawn (points per chart and per series, polls, last error) for tests.
 "use strict";
 
 (() => {
@@ -124,7 +124,7 @@
     statusHistory: [], // {ts, queue, capacity, inflight}
     fetchedOnce: false,
   };
-  const exposed = { charts: {}, polls: 0, lastError: null, run: null };
+  const exposed = { charts: {}, series: {}, polls: 0, lastError: null, run: null };
   window.bucketrlDashboard = exposed;
 
   const $ = (id) => document.getElementById(id);
@@ -427,7 +427,9 @@
   function render(status) {
     ensureCanvases();
     for (const chart of CHARTS) {
-      exposed.charts[chart.id] = drawChart($("chart-" + chart.id), chart, seriesFor(chart));
+      const series = seriesFor(chart);
+      exposed.charts[chart.id] = drawChart($("chart-" + chart.id), chart, series);
+      exposed.series[chart.id] = Object.fromEntries(series.map((s) => [s.label, s.points.length]));
     }
     const rewards = state.pushes.filter((p) => p.role === "trainer" && "reward" in p.metrics).slice(-10);
     const meanReward = rewards.length ? rewards.reduce((a, p) => a + p.metrics.reward, 0) / rewards.length : undefined;

@@ -322,10 +322,19 @@ class RewardPool:
     MAX_CHUNK = 64
 
     def __init__(
-        self, spec: RewardSpec, *, workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 120.0
+        self,
+        spec: RewardSpec,
+        *,
+        workers: int = 2,
+        timeout_s: float = 10.0,
+        start_timeout_s: float = 120.0,
+        on_failure: Callable[[Scored], None] | None = None,
     ) -> None:
         validate_reward(spec)  # a clear error now, not "unscorable" for every completion later
         self.spec = spec
+        # Called (on the scoring thread) with each item that has no value, as soon as it is known: a reward that
+        # hangs takes timeout_s per item, and a batch's results come only at its end (minutes later).
+        self.on_failure = on_failure
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.unscorable_total = 0
@@ -410,6 +419,7 @@ class RewardPool:
                             failed_starts += 1
                         elif p.jobs:  # the item being scored killed the process: it alone is lost
                             results[p.jobs[0]] = Scored(None, "exception", "the reward function killed its process")
+                            self._failed(results[p.jobs[0]])
                             todo[:0] = p.jobs[1:]
                         self._replace(p, crashed=True)
                         break
@@ -425,6 +435,7 @@ class RewardPool:
                         self.errors_total += 1
                         results[tag] = Scored(None, "exception", value)
                         log.warning("reward %s raised: %s", self.spec.name, value)
+                    self._failed(results[tag])
             now = time.monotonic()
             for p in list(self._procs):
                 if p.deadline > now or (p.ready and not p.jobs):
@@ -435,6 +446,7 @@ class RewardPool:
                     results[p.jobs[0]] = Scored(
                         None, "timeout", f"the reward function ran past {self.timeout_s:g}s (BUCKETRL_REWARD_TIMEOUT_S)"
                     )
+                    self._failed(results[p.jobs[0]])
                     todo[:0] = p.jobs[1:]  # only the hung item is lost
                 else:
                     failed_starts += 1
@@ -444,6 +456,14 @@ class RewardPool:
                 log.error("reward processes keep failing to start; leaving %d items unscorable", len(todo))
                 break
         return results
+
+    def _failed(self, scored: Scored) -> None:
+        if scored.kind is None or self.on_failure is None:
+            return
+        try:
+            self.on_failure(scored)
+        except Exception:  # a note must never stop the scoring
+            log.exception("reward on_failure hook failed")
 
     def _replace(self, p: _Proc, *, crashed: bool) -> None:
         if crashed:

@@ -106,6 +106,14 @@ class GeneratorMetrics:
                 self.totals[name] = self.totals.get(name, 0.0) + 1
                 self.reward_errors.setdefault(r.kind, r.message or r.kind)
 
+    def reward_error(self, scored: Scored) -> None:
+        """Keep the first message of a failure kind as soon as the pool sees it (counted later, by
+        :meth:`unscorable`): the next heartbeat shows it while the batch is still being scored."""
+        if scored.kind is None:
+            return
+        with self._lock:
+            self.reward_errors.setdefault(scored.kind, scored.message or scored.kind)
+
     def episode(self, ep: Episode) -> None:
         """Count a closed episode (called from the episodes' thread)."""
         samples = ep.samples()

@@ -162,7 +162,9 @@ class GeneratorWorker:
                 f"the engine holds {self.engine.max_model_len} tokens (BUCKETRL_MAX_MODEL_LEN, capped by the model), "
                 f"no room for a prompt before sampling.max_new_tokens={spec.sampling.max_new_tokens}"
             )
-        self._pool = RewardPool(spec.reward, workers=s.reward_workers, timeout_s=s.reward_timeout_s)
+        self._pool = RewardPool(
+            spec.reward, workers=s.reward_workers, timeout_s=s.reward_timeout_s, on_failure=self.metrics.reward_error
+        )
         if s.adapter_cache_dir:
             self._cache_dir = Path(s.adapter_cache_dir) / s.run
             self._cache_dir.mkdir(parents=True, exist_ok=True)

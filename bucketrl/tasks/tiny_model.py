@@ -82,7 +82,16 @@ def build_tiny_model(
     model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
     model.generation_config.eos_token_id = ids[EOS]
     model.generation_config.pad_token_id = ids[PAD]
-    model.save_pretrained(out, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    # Quietly: a progress bar for one small shard is noise in `bucketrl up`'s start-up lines.
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
     build_tokenizer(out, vocab_size)
     (out / "bucketrl_tiny.json").write_text(json.dumps({"seed": seed, "vocab_size": vocab_size}))
     return out

@@ -106,9 +106,14 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
         watcher.close()
         cluster.release()
     wall = time.monotonic() - started
+    # After a configuration error the same command fails the same way: say what a rerun needs.
+    resume = (
+        f"after fixing it: bucketrl up --dir {cluster.dir} <the corrected option> (the other options are kept)"
+        if code == EXIT_CONFIG
+        else f"resume: bucketrl up --dir {cluster.dir}"
+    )
     if watcher.pushes and not watcher.trainer_series("perf/step_s"):
-        resume = f"no trainer step was taken (no summary); resume: bucketrl up --dir {cluster.dir}"
-        console.print(resume, soft_wrap=True)
+        console.print(f"no trainer step was taken (no summary); {resume}", soft_wrap=True)
     elif watcher.pushes:
         sync = measure(cluster.logs, cfg.run)
         figures = report.summarize(watcher, wall, sync)
@@ -121,9 +126,7 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
             console.print("plots: " + ", ".join(str(p) for p in paths), soft_wrap=True)
         except Exception as exc:  # a plot must never hide the summary
             console.print(f"[yellow]plots failed: {exc}[/]")
-        console.print(
-            f"summary: {cluster.dir / 'summary.json'}   resume: bucketrl up --dir {cluster.dir}", soft_wrap=True
-        )
+        console.print(f"summary: {cluster.dir / 'summary.json'}   {resume}", soft_wrap=True)
         if figures.get("adapter"):
             console.print(f"final adapter: {figures['adapter']}", soft_wrap=True)
     return code
@@ -250,8 +253,12 @@ def _print_line(console: Console, watcher: RunWatcher, max_steps: int) -> None:
         console.print(f"starting: {watcher.waiting_for()}", soft_wrap=True)
         return
     phases = ", ".join(f"{w.worker_id}: {w.phase}" for w in s.workers if w.phase)
+    errors = "; ".join(f"{k}: {m}" for k, m in reward_errors(watcher).items())[:300]
     if s.trainer.step == 0:
-        console.print(f"step 0/{max_steps}  v{s.latest_version}  {phases}", soft_wrap=True)
+        # Before the first step, the generators' first reward errors (a reward that hangs takes its timeout per
+        # completion: the first step may be minutes away).
+        shown = f"  REWARD ERRORS ({errors})" if errors else ""
+        console.print(f"step 0/{max_steps}  v{s.latest_version}  {phases}{shown}", soft_wrap=True)
         return
     reward = watcher.rolling_reward(10)
     shown = "–" if reward is None else f"{reward:.3f}"
@@ -263,7 +270,6 @@ def _print_line(console: Console, watcher: RunWatcher, max_steps: int) -> None:
     trainer = watcher.trainer_id()
     unscorable = watcher.latest(trainer or "", "reward/unscorable_frac")
     if unscorable:
-        errors = "; ".join(f"{k}: {m}" for k, m in reward_errors(watcher).items())
         line += f"  UNSCORABLE {unscorable:.0%} ({errors})"
     console.print(line, soft_wrap=True)
 

@@ -99,7 +99,8 @@ def render(
     # The panel is cropped to the terminal: a token there could not be copied whole. The full link was printed
     # above the live view (one line, never wrapped); here the address without it.
     base, _, fragment = dashboard.partition("#")
-    shown = f"dashboard {base}" + (" (the link with its token is printed above)" if fragment else "")
+    # Short enough to stay whole in 80 columns (a default run's address is 44 characters).
+    shown = f"dashboard {base}" + (" (link with token: above)" if fragment else "")
     footer = Text(shown, no_wrap=True, overflow="ellipsis", style="dim")
     hint = Text("Ctrl-C stops everything cleanly; run again with the same --dir to resume.", style="dim")
     parts: list = [head, Text(""), workers, Text("")]

@@ -226,6 +226,7 @@ def test_a_reward_that_fails_stops_the_run_with_its_message(tmp_path: Path) -> N
     assert run.returncode == 2, out[-4000:]
     assert "configuration error" in out and "could not score" in out and "ValueError: cannot parse" in out, out[-3000:]
     assert "BUCKETRL_MAX_UNSCORABLE_FRACTION" in out
+    assert "resume:" not in out and "after fixing it: bucketrl up --dir" in out  # a rerun as is fails the same way
     print(f"stopped after {time.monotonic() - t0:.0f}s")
     pids = json.loads((work / "runs/bad/services.json").read_text())
     assert not [n for n, pid in pids.items() if alive(pid)]
@@ -267,6 +268,52 @@ def test_sigkill_of_up_leaves_no_process(tmp_path: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_closed_terminal_stops_every_service_within_seconds(tmp_path: Path) -> None:
+    """SIGHUP (the terminal closed) in the middle of training: `up` stops as for Ctrl-C. Every worker honours the
+    SIGTERM it gets within seconds (the trainer finishes its step and checkpoints, the generator submits or
+    releases its batch), nothing is SIGKILLed, nothing is left running. (The issue: the trainer ignored SIGTERM
+    for 25 s and a closed terminal left services spinning.)"""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bucketrl.cli", "up", "--dir", str(run_dir), "--no-live", "--generators", "1",
+         "--max-steps", "500"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "XDG_STATE_HOME": str(tmp_path / ".state")},
+    )  # fmt: skip
+    audit = run_dir / "logs" / "trainer-audit.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            steps = audit.read_text().count('"event": "step"') if audit.exists() else 0
+            if steps >= 3:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None and steps >= 3, "the run did not reach step 3"
+        pids = json.loads((run_dir / "services.json").read_text())
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGHUP)
+        while time.monotonic() < t0 + 90 and any(alive(p) for p in pids.values()):
+            time.sleep(0.1)
+        gone_s = time.monotonic() - t0
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in json.loads((run_dir / "services.json").read_text()).values() if run_dir.exists() else []:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    print(f"every service gone {gone_s:.1f}s after the SIGHUP")
+    assert proc.returncode == 0, out[-3000:]
+    assert not [n for n, p in pids.items() if alive(p)], out[-3000:]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "stopped at step" in trainer_log, trainer_log[-3000:]  # a clean stop, checkpointed: not a SIGKILL
+    # Workers get 60 s before a SIGKILL: well under that, every one of them stopped on its own.
+    assert gone_s < 30, f"services took {gone_s:.1f}s to stop"
+    assert "summary" in out
+
+
 def test_a_generator_configuration_error_stops_up_at_once(tmp_path: Path) -> None:
     """A worker exiting 2 (here a generator whose reward does not import: `up`'s own preflight is off, as for a
     mistake only a worker can see) stops `up` at once with the worker's one-line reason; nothing restarts."""
@@ -283,6 +330,7 @@ def test_a_generator_configuration_error_stops_up_at_once(tmp_path: Path) -> Non
     assert code == 2, text[-3000:]
     assert "gen-0 stopped on a configuration error: reward.name (run spec): " in text, text[-3000:]
     assert "cannot import 'nosuchmod'" in text
+    assert "resume:" not in text
     print(f"stopped after {time.monotonic() - t0:.0f}s")
     stopped = json.loads((tmp_path / "run" / "stopped.json").read_text())
     assert stopped["service"] == "gen-0" and "nosuchmod" in stopped["reason"]

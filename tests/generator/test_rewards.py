@@ -144,6 +144,19 @@ def test_pool_survives_bad_rewards(fn: str, counter: str) -> None:
         assert pool.score([RewardItem("ok", None, "")] * 4) == [1.0] * 4
 
 
+def test_pool_reports_each_failure_as_it_happens() -> None:
+    """A reward that hangs costs its timeout per item: the first failure is known (on_failure, which the generator
+    pushes as a note: live view, dashboard, status) a whole timeout before the batch's results are."""
+    seen: list[tuple[float, str | None]] = []
+    hook = lambda r: seen.append((time.monotonic(), r.kind))  # noqa: E731
+    with RewardPool(RewardSpec(name=f"{FIX}:hangs"), workers=1, timeout_s=1.5, on_failure=hook) as pool:
+        got = pool.score_detailed([RewardItem(c, None, "") for c in ("a", "b", "ok")])
+        done = time.monotonic()
+    assert [r.kind for r in got] == ["timeout", "timeout", None]
+    assert [k for _, k in seen] == ["timeout", "timeout"]
+    assert seen[0][0] < done - 1.0, (seen, done)
+
+
 def test_pool_turns_garbage_results_into_none() -> None:
     with RewardPool(RewardSpec(name=f"{FIX}:garbage"), workers=1) as pool:
         assert pool.score([RewardItem(c, None, "") for c in ("nan", "str", "inf", "fine")]) == [None, None, None, 0.5]

@@ -106,6 +106,18 @@ def test_windows_never_overlap_on_short_runs() -> None:
     assert windows([1.0]) == ([1.0], [1.0]) and windows([]) == ([], [])
 
 
+def test_summary_averages_leave_out_start_up() -> None:
+    """The first steps wait for model loads and the generators' first adapter: the means are over the rest."""
+    now = time.time()
+    w = RunWatcher("http://127.0.0.1:9", "demo", "t")
+    metrics = lambda k: {"reward": 0.1, "perf/step_s": 10.0 if k <= 3 else 0.5, "perf/rollout_wait_s": 30.0 * (k == 1)}  # noqa: E731
+    w._merge([{"worker_id": "trainer", "role": "trainer", "ts": now + k, "step": k, "metrics": metrics(k)}
+              for k in range(1, 21)])  # fmt: skip
+    figures = summarize(w, wall_s=1.0)
+    assert figures["step_s_mean"] == pytest.approx(0.5) and figures["rollout_wait_s_mean"] == pytest.approx(0.0)
+    assert figures["steps"] == 20
+
+
 def _push(step: int, reward: float, ts: float) -> dict:
     return {"worker_id": "trainer", "role": "trainer", "ts": ts, "step": step, "metrics": {"reward": reward}}
 
@@ -255,6 +267,36 @@ def test_gpt2_trains_lora_on_its_conv1d_layers(tmp_path: Path, tiny_model_dir: P
     PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2"), str(snap.write(tmp_path / "ad")))
 
 
+def test_line_mode_shows_reward_errors_before_the_first_step() -> None:
+    """--no-live: a reward that hangs may keep the first step minutes away; its first error shows at step 0."""
+    from rich.console import Console
+
+    from bucketrl.up.launcher import _print_line
+    from bucketrl.wire import RunStatus
+
+    w = RunWatcher("http://127.0.0.1:9", "demo", "t")
+    w.status = RunStatus.model_validate(
+        {
+            "run": "demo",
+            "latest_version": 1,
+            "versions": [],
+            "queue": {"groups": 0, "capacity": 64},
+            "prompts_inflight": 8,
+            "workers": [
+                {"worker_id": "gen-0", "role": "generator", "last_seen_s": 0.1, "phase": "generating",
+                 "notes": {"reward_error/timeout": "the reward function ran past 10s (BUCKETRL_REWARD_TIMEOUT_S)"}},
+            ],
+            "trainer": {"epoch": 1, "step": 0},
+            "metrics": {},
+        }
+    )  # fmt: skip
+    console = Console(width=80, record=True, force_terminal=False)
+    _print_line(console, w, 10)
+    text = console.export_text()
+    assert "step 0/10" in text and "gen-0: generating" in text
+    assert "REWARD ERRORS (timeout: the reward function ran past 10s" in text
+
+
 def test_live_view_shows_phases_failing_rewards_and_an_unbroken_address() -> None:
     from rich.console import Console
 
@@ -289,4 +331,4 @@ def test_live_view_shows_phases_failing_rewards_and_an_unbroken_address() -> Non
     assert "generating" in text and "training" in text
     assert "75%" in text and "ValueError: cannot" in text  # (wrapped in 80 columns)
     # No token cut in pieces: the panel (cropped to the terminal) shows the address without it.
-    assert token[:8] not in text and "dashboard http://127.0.0.1:41234/ui?run=demo" in text
+    assert token[:8] not in text and "dashboard http://127.0.0.1:41234/ui?run=demo (link with token: above)" in text

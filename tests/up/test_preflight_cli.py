@@ -104,7 +104,7 @@ def _processes_under(path: Path) -> list[str]:
     return found
 
 
-def _run_case(work: Path, name: str, args: list[str]) -> tuple[str, int, str, float]:
+def _run_case(work: Path, name: str, args: list[str]) -> tuple[str, int, str, str, float]:
     run_dir = work / "runs" / name.replace(" ", "-")
     t0 = time.monotonic()
     out = subprocess.run(
@@ -115,7 +115,7 @@ def _run_case(work: Path, name: str, args: list[str]) -> tuple[str, int, str, fl
         timeout=180,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **CASE_ENV.get(name, {})},
     )
-    return name, out.returncode, out.stdout + out.stderr, time.monotonic() - t0
+    return name, out.returncode, out.stdout + out.stderr, out.stderr, time.monotonic() - t0
 
 
 @pytest.mark.slow
@@ -130,7 +130,7 @@ def test_each_mistake_stops_at_once_with_one_line(tmp_path: Path, tiny_model_dir
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda c: _run_case(work, c[0], c[1]), CASES))
     problems = []
-    for (name, _, needles), (_, code, output, seconds) in zip(CASES, results, strict=True):
+    for (name, _, needles), (_, code, output, stderr, seconds) in zip(CASES, results, strict=True):
         last = [line for line in output.splitlines() if line.strip()][-1:] or [""]
         if code != 2:
             problems.append(f"{name}: exit {code}, not 2:\n{output[-2000:]}")
@@ -138,12 +138,14 @@ def test_each_mistake_stops_at_once_with_one_line(tmp_path: Path, tiny_model_dir
             problems.append(f"{name}: printed a traceback:\n{output[-2000:]}")
         elif not all(n in last[0] for n in needles):
             problems.append(f"{name}: last line {last[0]!r} lacks {needles}")
+        elif len([line for line in stderr.splitlines() if line.strip()]) != 1:  # no warnings, no progress bars
+            problems.append(f"{name}: more than the one line on stderr:\n{stderr[-2000:]}")
         elif seconds > 150:  # only a hang: a loaded machine is slow (15-20 s alone here), a crash loop took 112 s
             problems.append(f"{name}: took {seconds:.0f}s")
         run_dir = work / "runs" / name.replace(" ", "-")
         if (run_dir / "services.json").exists():
             problems.append(f"{name}: started services: {(run_dir / 'services.json').read_text()}")
-    print("seconds to stop: " + ", ".join(f"{r[0]} {r[3]:.1f}" for r in results))
+    print("seconds to stop: " + ", ".join(f"{r[0]} {r[4]:.1f}" for r in results))
     leftovers = _processes_under(work / "runs")
     assert not leftovers, f"processes left behind: {leftovers}"
     assert not problems, "\n\n".join(problems)

@@ -26,6 +26,14 @@ def raises(completion, answer, *, prompt):
 def string(completion, answer, *, prompt):
     return "1.0"
 """
+ENV = """
+class Echo:
+    def __init__(self, hint: str = "") -> None:
+        self.hint = hint
+
+    async def rollout(self, ctx):
+        return None
+"""
 CASES = {
     "no such reward module": ["--reward", "nosuchmod:score"],
     "module without the function": ["--reward", "myreward:missing"],
@@ -35,6 +43,8 @@ CASES = {
     "completion does not fit the context": ["--max-new-tokens", "600"],
     "missing model path": ["--model", "/nonexistent/model"],
     "bucket: dataset without a file": ["--dataset", "bucket:dataset.jsonl"],
+    "no such env module": ["--dataset", "toy:tools", "--env", "nosuchmod:Thing"],
+    "env kwargs refused": ["--dataset", "toy:tools", "--env", "myenv:Echo", "--env-kwargs", '{"nope": 1}'],
 }
 
 
@@ -43,6 +53,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bucketrl-mistakes-") as tmp:
         work = Path(tmp)
         (work / "myreward.py").write_text(REWARD)
+        (work / "myenv.py").write_text(ENV)
         rows = [json.dumps({"question": f"{i}+1=", "solution": str(i + 1)}) for i in range(5)]
         (work / "questions.jsonl").write_text("\n".join(rows) + "\n")
         print(f"{'case':38} {'seconds':>7} {'exit':>4}  last line")

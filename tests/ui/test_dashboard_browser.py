@@ -104,6 +104,7 @@ def test_dashboard_draws_live_charts_without_console_errors(tmp_path: Path) -> N
     # (charts-time includes the multi-turn "episodes" chart, empty in this single-turn run.)
     assert layout == {"charts-step": 8, "charts-time": 5}, layout
     assert "gen-0" in workers and "generator" in workers and "trainer" in workers, workers
+    assert "generating" in workers, workers  # each worker's phase (issue 11), not an empty heartbeat
     assert "policy version" in cards and "–" not in cards.split("reward")[1].splitlines()[1], cards
     assert "token=" not in url and "run=demo" in url, url
     assert shot.stat().st_size > 20_000

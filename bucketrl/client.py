@@ -449,11 +449,13 @@ class ProxyClient:
         sync_every: int = 1,
         request_id: str | None = None,
         release: list[str] | None = None,
+        hold_rebuilt: bool = False,
     ) -> ClaimResponse:
         """``min_version``: drop (and count) groups older than it too, besides ``latest - max_staleness``.
         ``train_version`` / ``sync_every``: the trainer's pace, for the proxy's admission control.
         ``request_id``: the same on every retry of one claim (a replay answers the same deliveries);
-        ``release``: delivery ids given back untrained."""
+        ``release``: delivery ids given back untrained; ``hold_rebuilt``: hand over re-queued groups below the
+        floor flagged ``rebuilt_stale`` instead of dropping them (the caller acks or releases each)."""
         return self._json(
             "POST",
             self._path("/rollouts/claim"),
@@ -467,6 +469,7 @@ class ProxyClient:
                 sync_every=sync_every,
                 request_id=request_id,
                 release=release or [],
+                hold_rebuilt=hold_rebuilt,
             ),
             # msgpack with packed arrays: a fraction of the JSON's size and of its decoding (wire/packed.py).
             headers=self._fence({"Accept": f"{MSGPACK}, application/json;q=0.5"}),

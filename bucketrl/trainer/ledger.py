@@ -4,7 +4,9 @@ A delivery can reach the trainer again although the trainer already has it: afte
 rebuilds the queue from the bucket, and groups trained since the last checkpoint are still unacked (acks wait
 for the checkpoint that holds their effect), so they are queued again; so are groups acked just before the
 wipe whose bucket settlement had not landed yet. Such a repeat is not trained again: it is *held* and acked
-with the next checkpoint (its effect is in the weights that checkpoint saves, or in an earlier one).
+with the next checkpoint (its effect is in the weights that checkpoint saves, or in an earlier one). A
+re-queued delivery that is below the claim's version floor is handed over flagged (``rebuilt_stale``) rather
+than dropped, because only this ledger knows whether the lineage trained it: held if so, else given back.
 
 A trainer restarted from a checkpoint starts a new ledger from that checkpoint's list: what the dead
 process trained after the checkpoint is gone from the weights, so it is trained again (correctly).
@@ -63,7 +65,8 @@ class DeliveryLedger:
             return [d for d in ids if d in self._taken]
 
     def give_back(self, ids: list[str]) -> None:
-        """Taken but not trained (held back as too stale): forget them, and have the next claim release them."""
+        """Not trained (held back as too stale, or handed over below the floor after a rebuild and never taken):
+        forget them, and have the next claim release them (the proxy then drops and counts them stale)."""
         with self._lock:
             self._taken.difference_update(ids)
             gone = set(ids)

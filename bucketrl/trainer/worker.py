@@ -557,15 +557,23 @@ class TrainerWorker:
                     sync_every=self.settings.sync_every,
                     request_id=rid,
                     release=rel,
+                    hold_rebuilt=True,
                 )
             )
-            # Re-queued groups (after a Redis wipe) this lineage trained already, dropped as stale by this claim: held
-            # and acked with the next checkpoint, which counts them acked on the proxy, so not dropped here either.
+            # Groups a rebuild re-queued (after a Redis wipe) below the floor: never trained now. Those this lineage
+            # trained before are held and acked with the next checkpoint (counted acked, as they were); the rest are
+            # given back, and the proxy drops and counts them stale.
+            below = [d.delivery_id for d in resp.deliveries if d.rebuilt_stale]
+            held = self.ledger.trained(below)
+            if len(held) < len(below):
+                self.ledger.give_back(sorted(set(below) - set(held)))
+            # (An older proxy ignores hold_rebuilt: it drops them and lists them, and the ack of those this lineage
+            # trained moves them to acked.)
             trained_before = self.ledger.trained(resp.dropped_rebuilt)
             dropped += resp.dropped_stale - len(trained_before)
-            fresh, again = self.ledger.admit(resp.deliveries)
+            fresh, again = self.ledger.admit([d for d in resp.deliveries if not d.rebuilt_stale])
             got += fresh
-            repeats += again + trained_before
+            repeats += again + held + trained_before
             n = sum(len(d.groups) for d in got)
         return got, dropped, repeats
 

@@ -376,6 +376,17 @@ class ClaimRequest(WireModel):
         max_length=4096,
         description="Delivery ids this trainer gives back untrained (held back as too stale): claimable again now.",
     )
+    # Exactly-once across a Redis wipe: the rebuild re-queues groups this trainer's lineage may have trained
+    # already (unacked until its checkpoint, or acked after the proxy's last snapshot). Only the trainer's ledger
+    # knows which; so instead of dropping such a group as stale (and counting a trained group as dropped), the
+    # proxy hands it over flagged ``rebuilt_stale``, and the trainer acks it with its next checkpoint (trained
+    # before) or gives it back in ``release`` (never trained: then dropped and counted stale).
+    hold_rebuilt: bool = Field(
+        False,
+        description="Hand over re-queued (rebuilt after a Redis wipe) groups below the version floor, flagged "
+        "rebuilt_stale, instead of dropping them: the trainer acks those its lineage trained and releases the rest "
+        "(never trains one).",
+    )
 
 
 class Delivery(WireModel):
@@ -388,6 +399,9 @@ class Delivery(WireModel):
     attempt: int = 1
     # The sampling settings the group was generated with (None: recorded by an older proxy; use the run's).
     sampling: SamplingSpec | None = None
+    # Below the claim's version floor, handed over only because the claim asked for it (``hold_rebuilt``): a
+    # group a rebuild re-queued. Never to be trained: acked if the lineage trained it before, else released.
+    rebuilt_stale: bool = False
 
 
 class ClaimResponse(WireModel):

@@ -276,6 +276,36 @@ def test_groups_trained_before_a_wipe_are_counted_acked_once_though_dropped_stal
     assert a.accepted_groups == 3
 
 
+def test_a_rebuilt_group_below_the_floor_is_handed_over_flagged_replayed_and_dropped_once_given_back(
+    proxy_file: ProxyHarness, redis_server: RedisServer
+) -> None:
+    """A claim with ``hold_rebuilt`` (the trainer's) never drops a group a rebuild re-queued: it hands it over
+    flagged ``rebuilt_stale`` (only the trainer's ledger knows whether it trained it). A replay of that claim
+    answers it flagged again; a new epoch gets it flagged too (its holder died); once given back (``release``:
+    never trained) the next claim drops and counts it, and an ack of a held one counts it acked."""
+    s = Setup(proxy_file, groups_per_step=8, max_staleness=1)
+    s.g.submit_rollouts(s.batch(2), "a")
+    _flushall(proxy_file, redis_server.url)  # both groups come back marked re-queued
+    s.t.publish_adapter(2, adapter_tar(2))
+    s.t.publish_adapter(3, adapter_tar(3))  # v1 < 3 - 1: below the floor
+    first = s.t.claim("trainer-0", max_groups=8, request_id="q1", hold_rebuilt=True)
+    assert [d.rebuilt_stale for d in first.deliveries] == [True, True] and first.dropped_stale == 0
+    again = s.t.claim("trainer-0", max_groups=8, request_id="q1", hold_rebuilt=True)  # the answer was lost
+    assert [(d.delivery_id, d.rebuilt_stale) for d in again.deliveries] == [
+        (d.delivery_id, True) for d in first.deliveries
+    ]
+    keep, give = (d.delivery_id for d in first.deliveries)
+    t2 = proxy_file.client("r1", "trainer")
+    t2.register_trainer("trainer-1")  # the holder died: its successor gets both, still flagged
+    passed = t2.claim("trainer-1", max_groups=8, hold_rebuilt=True)
+    assert {(d.delivery_id, d.rebuilt_stale) for d in passed.deliveries} == {(keep, True), (give, True)}
+    gone = t2.claim("trainer-1", max_groups=8, hold_rebuilt=True, release=[give])  # never trained: given back
+    assert (gone.deliveries, gone.dropped_stale, gone.dropped_rebuilt) == ([], 1, [])
+    assert t2.ack([keep]) == 1  # trained before the wipe: acked with the next checkpoint
+    q = proxy_file.client("r1", "viewer").status().queue
+    assert (q.accepted_total, q.acked_total, q.dropped_stale_total, q.groups, q.pending) == (2, 1, 1, 0, 0), q
+
+
 def test_a_claim_or_ack_reaching_a_wiped_redis_is_retryable_not_fenced(
     proxy_file: ProxyHarness, redis_server: RedisServer
 ) -> None:

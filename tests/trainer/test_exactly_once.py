@@ -156,3 +156,119 @@ def test_the_ledger_holds_repeats_gives_back_and_forgets_old_checkpoints() -> No
     assert set(ledger.remembered()) == {d(0).delivery_id, d(1).delivery_id}  # what a checkpoint records
     ledger.checkpointed()
     assert d(1).delivery_id in ledger and d(0).delivery_id not in ledger  # the seed is 2 checkpoints old
+
+
+def _flushall(proxy: Any, url: str) -> None:
+    """FLUSHALL on the running redis-server (as the chaos test does), then the proxy's rebuild from the bucket."""
+    from bucketrl.proxy import rebuild
+
+    r = redis.Redis.from_url(url)
+    try:
+        r.flushall()
+    finally:
+        r.close()
+    assert any(proxy.call(rebuild.rebuild_if_wiped) for _ in range(3))
+
+
+def _claimer(proxy_url: str, worker_id: str, spec: Any) -> TrainerWorker:
+    """A real worker whose claim path (``_claim_groups``: the claim loop and its ledger) is driven step by step."""
+    from tests.trainer.helpers import settings
+
+    w = TrainerWorker(
+        settings(
+            proxy_url=proxy_url,
+            token=TOKENS["trainer"],
+            run="r1",
+            worker_id=worker_id,
+            claim_wait_s=0.2,
+            max_rollout_wait_s=30,
+        )
+    )
+    w.spec = spec
+    w.epoch = w.claim_client.epoch = w.write_client.epoch = w.client.register_trainer(worker_id).epoch
+    return w
+
+
+def _close(w: TrainerWorker) -> None:
+    w._prefetch.shutdown()
+    for c in (w.client, w.claim_client, w.write_client):
+        c.close()
+
+
+def test_groups_trained_before_a_wipe_end_counted_acked_though_stale_after_it_and_the_trainer_died(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The README's old known limit, exact: trainer A acked batch a (checkpoint 1) and b (checkpoint 2) after the
+    proxy's last snapshot; Redis is wiped, so the rebuild re-queues a, b and the never-claimed d, and the versions
+    move past them (stale). A's next claim meets them; A dies before its next checkpoint; B resumes from
+    checkpoint 2 (which lists b, and a among its earlier deliveries) and acks b. The proxy used to drop a, b and d
+    as stale at A's claim: B's resume ack moved b back to acked, a stayed counted dropped although the trainer's log
+    shows it acked (acked_total 4 for 6 acked). Now a re-queued group below the floor is handed over flagged and
+    never trained: the ledger of the trainer holding it acks it (trained before) or gives it back (d: dropped)."""
+    from bucketrl.proxy.state import prompts
+    from tests.proxy.harness import adapter_tar
+    from tests.proxy.test_rollouts_routes import Setup
+
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
+        s = Setup(proxy, groups_per_step=2, max_staleness=4)  # admission: 8 groups queued or leased
+        a, b, _d = (s.g.submit_rollouts(s.batch(2), key) for key in ("a", "b", "d"))  # d: never claimed
+        assert proxy.call(lambda ctx: ctx.cleaner.drain(10.0))
+        store = proxy.ctx.store
+        # The bucket when Redis is wiped: the background settle of the acks below (a snapshot covering them, then
+        # the deletion of the finished batch objects) has not happened yet.
+        kept = [*store.list_keys(prompts.snapshot_prefix("r1")), *store.list_keys("runs/r1/rollouts/")]
+        saved = {key: store.get_bytes(key) for key in kept}
+
+        ta = _claimer(proxy.url, "trainer-a", s.spec)
+        tb: TrainerWorker | None = None
+        try:
+            acked_in_log: list[str] = []
+            checkpoint_earlier: list[str] = []
+            for batch in (a, b):  # one step per checkpoint: claim, train, checkpoint, ack
+                got, dropped, repeats = ta._claim_groups(1)
+                ids = [x.delivery_id for x in got]
+                assert (dropped, repeats) == (0, []) and {i.rsplit(":", 1)[0] for i in ids} == {batch.batch_id}
+                checkpoint_earlier = ta.ledger.remembered()
+                assert ta.write_client.ack(ids) == 2
+                acked_in_log += ids
+                ta.ledger.checkpointed()
+            checkpoint_consumed = ids  # checkpoint 2: b's groups, a's among its earlier ones
+            assert proxy.call(lambda ctx: ctx.cleaner.drain(10.0))
+            store.delete(store.list_keys(prompts.snapshot_prefix("r1")))
+            for key, body in saved.items():
+                store.put_bytes(key, body)  # (the batch objects too)
+            _flushall(proxy, redis_server.url)
+            q = proxy.client("r1", "viewer").status().queue
+            assert (q.accepted_total, q.acked_total, q.groups) == (6, 0, 6)  # a, b and d are queued again
+
+            for v in range(2, 7):  # v1 < 6 - max_staleness 4: all six are stale
+                ta.write_client.publish_adapter(v, adapter_tar(v))
+            s.lease_id = s.g.lease_version("gen-0").lease_id
+            c = s.g.submit_rollouts(s.batch(2, version=6), "c")
+            got, dropped, repeats = ta._claim_groups(6)  # floor v2
+            assert {x.delivery_id.rsplit(":", 1)[0] for x in got} == {c.batch_id}  # nothing below the floor trained
+            assert sorted(repeats) == sorted(acked_in_log) and dropped == 2  # a and b held; d given back, dropped
+            # A dies here, before the checkpoint that would ack c and the held a and b.
+            _close(ta)
+
+            tb = _claimer(proxy.url, "trainer-b", s.spec)  # resumes from checkpoint 2
+            tb.ledger.seed(checkpoint_earlier)
+            tb.ledger.seed(checkpoint_consumed)
+            tb.write_client.ack(checkpoint_consumed)
+            acked_in_log += checkpoint_consumed
+            got, dropped, repeats = tb._claim_groups(6)
+            trained = [x.delivery_id for x in got]
+            assert {i.rsplit(":", 1)[0] for i in trained} == {c.batch_id}  # A's work died with it: trained again
+            tb.write_client.ack(trained + repeats)  # its next checkpoint
+            acked_in_log += trained + repeats
+            assert proxy.call(lambda ctx: ctx.cleaner.drain(10.0))
+            q = proxy.client("r1", "viewer").status().queue
+            assert q.acked_total == len(set(acked_in_log)) == 6, (q, sorted(set(acked_in_log)))
+            assert (q.accepted_total, q.dropped_stale_total, q.lost_total, q.groups, q.pending) == (8, 2, 0, 0, 0), q
+            _flushall(proxy, redis_server.url)  # and so it stays across another wipe
+            q2 = proxy.client("r1", "viewer").status().queue
+            assert (q2.accepted_total, q2.acked_total, q2.dropped_stale_total, q2.groups + q2.pending) == (8, 6, 2, 0)
+        finally:
+            _close(ta)
+            if tb is not None:
+                _close(tb)

@@ -145,6 +145,7 @@ async def claim(
         cleaner=ctx.cleaner,
         request_id=req.request_id,
         release=req.release,
+        hold_rebuilt=req.hold_rebuilt,
     )
     # The answer spliced from the groups' stored bytes (response_model above documents it): decoding 8 x 256
     # tokens and logprobs per group only to encode them again was most of a claim's CPU.

@@ -43,10 +43,14 @@ Accounting (invariant 4), all in the run's ``counters`` hash and updated inside 
 ``lost_total`` stays 0 unless a batch object vanished from the bucket behind the proxy's back (logged).
 The counters are lifetime counts: after a Redis wipe the rebuild continues them from the newest snapshot
 (``_requeue``), so the identity holds over the run's whole life; groups settled after that snapshot was
-written come back as queued (the trainer holds the ones it trained: ``trainer/ledger.py``). Those entries carry
-``r`` (re-queued by a rebuild): when a claim drops one as stale it is recorded in ``queue:redropped`` and listed
-in the claim's ``dropped_rebuilt``, and a later ack of it (the trainer trained it before the wipe) moves it from
-``dropped_stale_total`` to ``acked_total``: a trained group is counted acked exactly once.
+written come back as queued (the trainer holds the ones it trained: ``trainer/ledger.py``). Those entries are
+marked re-queued (``queue:rebuilt``): only the trainer's ledger knows whether its lineage trained one, so a claim
+with ``hold_rebuilt`` (the trainer's) never drops a marked entry below the floor: it hands it over flagged
+``rebuilt_stale``, pending like any delivery (a trainer that dies holding it passes it on to the next epoch, a
+replayed claim answers it again). The trainer acks it with its next checkpoint (trained before the wipe: counted
+acked, exactly once) or gives it back (``release`` clears the mark; the next claim drops and counts it stale). A
+claim without ``hold_rebuilt`` (an older trainer) drops it, records it in ``queue:redropped`` and lists it in
+``dropped_rebuilt``; a later ack of it moves it from ``dropped_stale_total`` to ``acked_total``.
 
 Readiness (a wiped Redis must not look like an empty queue)
 ------------------------------------------------------------
@@ -59,7 +63,8 @@ start an empty queue (and hide the batches) nor restart the dataset at prompt 0.
 Redis keys (``brl:{run}:`` prefix): ``queue:stream`` (+ group ``trainer``), ``queue:entry`` (delivery id ->
 stream id), ``queue:attempts`` (delivery id -> deliveries so far), ``queue:remaining`` (batch -> unsettled
 groups), ``queue:settled`` (batch -> "g,g," settled so far), ``queue:owner`` (delivery -> the epoch holding it),
-``queue:claimreq:{epoch}:{request_id}`` (a claim's delivery ids, for its replay), ``queue:redropped`` (rebuilt
+``queue:claimreq:{epoch}:{request_id}`` (a claim's delivery ids, for its replay; ``!`` before a flagged one),
+``queue:rebuilt`` (deliveries a rebuild re-queued, until settled or given back), ``queue:redropped`` (rebuilt
 deliveries dropped as stale, an ack may still count acked; in the snapshot), ``queue:meta`` (epoch seen
 by the queue), ``queue:doomed`` (finished batch -> the seq the snapshot must reach before its object goes),
 ``idem:{hash of worker_id, key}`` (JSON SubmitResponse, TTL ``IDEMPOTENCY_TTL_S``), ``counters``.
@@ -159,6 +164,7 @@ class QueueKeys:
     doomed: str
     owner: str
     redropped: str
+    rebuilt: str
     p: prompts.PromptKeys = field(repr=False)
 
     @classmethod
@@ -178,6 +184,7 @@ class QueueKeys:
             doomed=cleanup.doomed_key(run),
             owner=k(run, "queue:owner"),
             redropped=prompts.redropped_key(run),
+            rebuilt=k(run, "queue:rebuilt"),
             p=prompts.PromptKeys.of(run),
         )
 
@@ -385,11 +392,12 @@ _CLAIM = Lua(
     _COMMON
     + """
 -- KEYS: stream state counters entry remaining attempts settled meta p_meta bseq doomed pace channel owner request
---       redropped
+--       redropped rebuilt
 -- ARGV: group consumer n epoch idle_ms max_staleness min_version train_version sync_every groups_per_step
---       request_id request_ttl_s release_id...
+--       request_id request_ttl_s hold_rebuilt release_id...
 local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
 local n, epoch, idle_ms, ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local hold = ARGV[13] == '1'
 if redis.call('HEXISTS', KEYS[8], 'ready') == 0 then return {'notready'} end
 local cur = tonumber(redis.call('HGET', KEYS[2], 'trainer_epoch') or '0')
 if epoch ~= cur then return {'fenced', cur} end
@@ -398,19 +406,24 @@ if epoch > tonumber(redis.call('HGET', KEYS[8], 'epoch') or '0') then
   release_pending(stream, group, consumer, idle_ms)
   redis.call('HSET', KEYS[8], 'epoch', epoch)
 end
--- deliveries the trainer gives back untrained (held back): re-claimable now, by anyone
-for i = 13, #ARGV do
+-- deliveries the trainer gives back untrained (held back, or re-queued by a rebuild and not in its lineage):
+-- re-claimable now, by anyone, and no longer handed over below the floor (the trainer said it never trained them)
+for i = 14, #ARGV do
   local d = ARGV[i]
   local id = redis.call('HGET', KEYS[4], d)
   if id and redis.call('HGET', KEYS[14], d) == ARGV[4] then
     redis.call('HDEL', KEYS[14], d)
+    redis.call('HDEL', KEYS[17], d)
     redis.call('XCLAIM', stream, group, consumer, 0, id, 'IDLE', idle_ms + 1, 'JUSTID')
   end
 end
 -- a replayed claim (same request id: the answer of the first was lost) gets the first one's deliveries again
 if ARGV[11] ~= '' and redis.call('EXISTS', KEYS[15]) == 1 then
   local out = {}
-  for _, d in ipairs(redis.call('LRANGE', KEYS[15], 0, -1)) do
+  for _, x in ipairs(redis.call('LRANGE', KEYS[15], 0, -1)) do
+    -- '!' marks a delivery the first attempt handed over below the floor (rebuilt_stale)
+    local d, flag = x, 0
+    if string.sub(x, 1, 1) == '!' then d, flag = string.sub(x, 2), 1 end
     local id = redis.call('HGET', KEYS[4], d)
     if id and redis.call('HGET', KEYS[14], d) == ARGV[4] then
       local e = redis.call('XRANGE', stream, id, id)[1]
@@ -419,7 +432,7 @@ if ARGV[11] ~= '' and redis.call('EXISTS', KEYS[15]) == 1 then
         for i = 1, #f, 2 do
           if f[i] == 'v' then v = f[i + 1] elseif f[i] == 'w' then w = f[i + 1] end
         end
-        table.insert(out, {id, d, v, w, tonumber(redis.call('HGET', KEYS[6], d) or '1')})
+        table.insert(out, {id, d, v, w, tonumber(redis.call('HGET', KEYS[6], d) or '1'), flag})
       end
     end
   end
@@ -429,34 +442,43 @@ end
 local latest = tonumber(redis.call('HGET', KEYS[2], 'latest_version') or '0')
 local min_version = math.max(latest - ms, tonumber(ARGV[7]))
 local out, finished, redropped = {}, {}, {}
-local dropped = 0
+local dropped, handed = 0, 0
 local function take(entries, redelivered)
   for _, e in ipairs(entries) do
     if type(e) == 'table' and type(e[2]) == 'table' then
-      local id, f, d, v, w, rebuilt = e[1], e[2], '', '0', '', false
+      local id, f, d, v, w = e[1], e[2], '', '0', ''
       for i = 1, #f, 2 do
-        if f[i] == 'd' then d = f[i + 1] elseif f[i] == 'v' then v = f[i + 1] elseif f[i] == 'w' then w = f[i + 1]
-        elseif f[i] == 'r' then rebuilt = true end
+        if f[i] == 'd' then d = f[i + 1] elseif f[i] == 'v' then v = f[i + 1] elseif f[i] == 'w' then w = f[i + 1] end
       end
+      -- re-queued by a rebuild (and not given back since): the trainer's lineage may have trained it already
+      local rebuilt = redis.call('HEXISTS', KEYS[17], d) == 1
       if redelivered and redis.call('HGET', KEYS[14], d) == ARGV[4] then
         -- this live epoch holds it (trained, waiting for its checkpoint's ack): never hand it back to it;
         -- XAUTOCLAIM reset its idle time, so it is looked at again only after another timeout
+      elseif tonumber(v) < min_version and rebuilt and hold then
+        -- below the floor, but only the trainer knows whether it trained it: handed over flagged, never trained;
+        -- it acks it (trained before the wipe: counted acked) or releases it (then dropped below)
+        redis.call('HSET', KEYS[14], d, ARGV[4])
+        table.insert(out, {id, d, v, w, redis.call('HINCRBY', KEYS[6], d, 1), 1})
+        handed = handed + 1
       elseif tonumber(v) < min_version then
         redis.call('XACK', stream, group, id)
         redis.call('XDEL', stream, id)
         redis.call('HDEL', KEYS[4], d)
         redis.call('HDEL', KEYS[6], d)
         redis.call('HDEL', KEYS[14], d)
+        redis.call('HDEL', KEYS[17], d)
         dropped = dropped + 1
         settle(KEYS[5], KEYS[7], d, finished)
         if rebuilt then
-          -- re-queued by a rebuild: the trainer may have trained it already; its ack moves it to acked
+          -- (a claim without hold_rebuilt, from an older trainer) the trainer may have trained it already; its
+          -- ack moves it to acked
           redis.call('HSET', KEYS[16], d, 1)
           table.insert(redropped, d)
         end
       else
         redis.call('HSET', KEYS[14], d, ARGV[4])
-        table.insert(out, {id, d, v, w, redis.call('HINCRBY', KEYS[6], d, 1)})
+        table.insert(out, {id, d, v, w, redis.call('HINCRBY', KEYS[6], d, 1), 0})
       end
     end
   end
@@ -485,7 +507,7 @@ if dropped > 0 then redis.call('HINCRBY', KEYS[3], 'dropped_stale_total', droppe
 local changed = #out + dropped > 0
 local tv = tonumber(ARGV[8])
 if tv > 0 then
-  local at, room = tv, n - #out
+  local at, room = tv, n - (#out - handed)
   if room <= 0 then at, room = tv + 1, tonumber(ARGV[10]) end
   local prev = redis.call('HMGET', KEYS[12], 'at', 'room', 'sync')
   if tonumber(prev[1]) ~= at or tonumber(prev[2]) ~= room or prev[3] ~= ARGV[9] then
@@ -495,7 +517,7 @@ if tv > 0 then
 end
 if changed then redis.call('PUBLISH', KEYS[13], '1') end
 if ARGV[11] ~= '' and #out > 0 then
-  for _, e in ipairs(out) do redis.call('RPUSH', KEYS[15], e[2]) end
+  for _, e in ipairs(out) do redis.call('RPUSH', KEYS[15], (e[6] == 1 and '!' or '') .. e[2]) end
   redis.call('EXPIRE', KEYS[15], ARGV[12])
 end
 return {'ok', dropped, last_id(stream), out, finished, persist_need(KEYS[10], KEYS[9], finished, KEYS[11], dropped > 0),
@@ -507,6 +529,7 @@ _ACK = Lua(
     _COMMON
     + """
 -- KEYS: stream state counters entry remaining attempts settled p_meta queue_meta bseq doomed owner redropped
+--       rebuilt
 -- ARGV: group epoch counter delivery_id...   (epoch 0 = unfenced internal use)
 if redis.call('HEXISTS', KEYS[9], 'ready') == 0 then return {'notready'} end
 local stream, group, epoch = KEYS[1], ARGV[1], tonumber(ARGV[2])
@@ -525,6 +548,7 @@ for i = 4, #ARGV do
     redis.call('HDEL', KEYS[6], d)
     redis.call('HDEL', KEYS[12], d)
     redis.call('HDEL', KEYS[13], d)
+    redis.call('HDEL', KEYS[14], d)
     n = n + 1
     settle(KEYS[5], KEYS[7], d, finished)
   elseif ARGV[3] == 'acked_total' and redis.call('HDEL', KEYS[13], d) == 1 then
@@ -955,6 +979,7 @@ class ClaimedGroup:
     attempt: int
     group: StoredGroup
     sampling: SamplingSpec | None = None
+    rebuilt_stale: bool = False  # handed over below the floor (a claim with hold_rebuilt): never trained
 
     def delivery(self) -> Delivery:
         return self._envelope([self.group.model()])
@@ -968,6 +993,7 @@ class ClaimedGroup:
             batch_id=self.batch_id,
             attempt=self.attempt,
             sampling=self.sampling,
+            rebuilt_stale=self.rebuilt_stale,
         )
 
     def delivery_json(self) -> bytes:
@@ -1050,6 +1076,7 @@ async def claim(
     cleaner: cleanup.BatchCleaner | None = None,
     request_id: str | None = None,
     release: list[str] | None = None,
+    hold_rebuilt: bool = False,
 ) -> ClaimOutcome:
     """Up to ``max_groups`` deliveries; waits up to ``wait_s`` for the first one (long-poll).
 
@@ -1057,7 +1084,8 @@ async def claim(
     its policy will have when it trains on this claim, minus max_staleness) is dropped and counted.
     ``train_version`` (that version) and ``sync_every`` record the trainer's pace for admission control.
     ``cleaner``: settle the bucket objects of batches this finishes in the background (the proxy's routes);
-    without one they are settled before this returns.
+    without one they are settled before this returns. ``hold_rebuilt``: a group a rebuild re-queued that is
+    below the floor is handed over flagged ``rebuilt_stale`` instead of dropped (``ClaimRequest.hold_rebuilt``).
     """
     k = QueueKeys.of(run)
     deadline = time.monotonic() + wait_s
@@ -1075,10 +1103,12 @@ async def claim(
                 *(k.meta, k.p.meta, k.bseq, k.doomed, k.p.pace, k.p.channel, k.owner),
                 k.claim_request(run, epoch, request_id),
                 k.redropped,
+                k.rebuilt,
             ],
             [
                 *(GROUP, consumer, max_groups, epoch, idle_ms, spec.max_staleness, min_version or 0),
                 *(train_version or 0, sync_every, spec.groups_per_step, request_id or "", CLAIM_REPLAY_TTL_S),
+                "1" if hold_rebuilt else "0",
                 *release_ids,
             ],
         )
@@ -1122,8 +1152,8 @@ async def _deliveries(
     cleaner: cleanup.BatchCleaner | None = None,
 ) -> ClaimOutcome:
     """Turn claimed stream entries into deliveries by reading their batch objects from the bucket."""
-    parsed = [(_s(e[0]), _s(e[1]), int(e[2]), _s(e[3]), int(e[4])) for e in entries]
-    batch_ids = sorted({d.rsplit(":", 1)[0] for _, d, _, _, _ in parsed})
+    parsed = [(_s(e[0]), _s(e[1]), int(e[2]), _s(e[3]), int(e[4]), bool(int(e[5]))) for e in entries]
+    batch_ids = sorted({d.rsplit(":", 1)[0] for _, d, *_ in parsed})
     try:
         # One thread hop for all the reads (a hop costs more CPU than reading a local object).
         loaded = await asyncio.to_thread(lambda: [_load_groups(store, run, b) for b in batch_ids])
@@ -1135,13 +1165,14 @@ async def _deliveries(
     batches = dict(zip(batch_ids, loaded, strict=True))
     out = ClaimOutcome([])
     lost: list[str] = []
-    for _sid, d, version, worker, attempt in parsed:
+    for _sid, d, version, worker, attempt, below in parsed:
         b, g = d.rsplit(":", 1)
         stored = batches[b]
         if stored is None or int(g) >= len(stored.groups):
             lost.append(d)
             continue
-        out.claimed.append(ClaimedGroup(d, version, worker, b, attempt, stored.groups[int(g)], stored.sampling))
+        group = stored.groups[int(g)]
+        out.claimed.append(ClaimedGroup(d, version, worker, b, attempt, group, stored.sampling, rebuilt_stale=below))
     if lost:
         log.error(
             "run %r: %d claimed groups have no batch object in the bucket; counted as lost: %s",
@@ -1245,7 +1276,7 @@ async def _settle(
             r,
             [
                 *(k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled),
-                *(k.p.meta, k.meta, k.bseq, k.doomed, k.owner, k.redropped),
+                *(k.p.meta, k.meta, k.bseq, k.doomed, k.owner, k.redropped, k.rebuilt),
             ],
             [GROUP, epoch, counter, *ids],
         )
@@ -1463,6 +1494,9 @@ async def _requeue(
             pipe.hincrby(k.counters, "lost_total", lost)
             if entry_map:
                 pipe.hset(k.entry, mapping=entry_map)
+                # each of them may have been trained already: a claim with hold_rebuilt hands it over even when
+                # below the floor (the trainer's ledger decides: ack or release), never drops it unasked
+                pipe.hset(k.rebuilt, mapping=dict.fromkeys(entry_map, 1))
             pipe.hset(k.meta, "ready", 1)
             await pipe.execute()
         except redis_exc.WatchError:

@@ -184,6 +184,49 @@ def test_a_late_older_snapshot_never_replaces_a_newer_one(redis_server: RedisSer
     run(redis_server, body)
 
 
+def test_a_snapshot_landing_after_a_wipe_never_shadows_the_rebuilt_state(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Plausible-list item, across a wipe: a persist that read the state before a FLUSHALL lands its snapshot after
+    the rebuild read an older one. The rebuilt state's later snapshots must still be the newest (they used to be
+    numbered from the older snapshot's seq, below the late one's: a restore read the stale pre-wipe state, and the
+    late writer's prune deleted the rebuilt ones)."""
+    from bucketrl.storage import open_store
+    from tests.proxy.test_queue_state import RUN, make_spec, setup_run
+
+    store = open_store(f"file://{tmp_path / 'b'}")
+    spec = make_spec(groups_per_step=16, queue_capacity_groups=64)  # admission: room for the leases below
+    meta = prompts.PromptKeys.of(RUN).meta
+
+    async def body(r: Any) -> None:
+        await setup_run(r, spec)
+        await prompts.lease(r, store, RUN, spec, "g", 1, 60)
+        await prompts.persist(r, store, RUN, spec, min_seq=int(await r.hget(meta, "seq")))
+        older = {key: store.get_bytes(key) for key in store.list_keys(prompts.snapshot_prefix(RUN))}
+        for _ in range(6):  # changes the older snapshot does not cover
+            await prompts.lease(r, store, RUN, spec, "g", 1, 60)
+        late_seq = int(await r.hget(meta, "seq"))
+        await prompts.persist(r, store, RUN, spec, min_seq=late_seq)
+        late_key = prompts.numbered_snapshot_key(RUN, late_seq)
+        late = store.get_bytes(late_key)
+        # When Redis is wiped, that write is still in flight: the bucket holds the older snapshot only.
+        store.delete(store.list_keys(prompts.snapshot_prefix(RUN)))
+        for key, raw in older.items():
+            store.put_bytes(key, raw)
+        await r.flushall()
+        await setup_run(r, spec)
+        await queue.ensure_ready(r, store, RUN, spec)  # rebuilt from the older snapshot
+        store.put_bytes(late_key, late)  # the slow PUT lands now
+        await prompts.lease(r, store, RUN, spec, "g", 1, 60)
+        seq = int(await r.hget(meta, "seq"))
+        await prompts.persist(r, store, RUN, spec, min_seq=seq)
+        newest = json.loads(prompts.read_snapshot(store, RUN) or b"{}")
+        assert newest["seq"] == seq > late_seq, (newest["seq"], seq, late_seq)
+        assert store.list_keys(prompts.snapshot_prefix(RUN)) == [prompts.numbered_snapshot_key(RUN, seq)]
+
+    run(redis_server, body)
+
+
 def test_a_claim_whose_bucket_read_failed_hands_the_groups_out_again_to_the_same_epoch(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:

@@ -121,6 +121,9 @@ PACE_SLICE_S = 0.5
 # Versions of slack the pace rule keeps by default (module docstring; BUCKETRL_PACE_SLACK_VERSIONS): measured
 # in the demo, 0 dropped about 10 % of the accepted groups, 1 almost none.
 PACE_SLACK_VERSIONS = 1
+# How far a restore moves the state's seq past its snapshot's: far more than the changes (leases, submits) a wiped
+# Redis can have made since its last snapshot was written (every settle writes one).
+RESTORE_SEQ_STRIDE = 1_000_000
 _LOCK_TTL_MS = 30_000
 _LOCK_WAIT_S = 15.0
 
@@ -774,9 +777,18 @@ def _restore_commands(
     leases = {p: v for p, v in snap.get("leases", {}).items() if float(v[0]) > now}
     pipe.delete(k.inflight, k.owner, k.reissue, k.open)
     pipe.set(k.cursor, reserved)
+    # The rebuilt state's seq jumps far past the snapshot's: a persist that read the state before the wipe may land
+    # its snapshot (numbered with the old, higher seq) after this restore read the older one; the rebuilt state's
+    # snapshots must still be numbered above it, or a restore would read that stale one and its writer's prune
+    # would delete the rebuilt state's.
     pipe.hset(
         k.meta,
-        mapping={"seq": int(snap.get("seq", 0)) + 1, "persisted_seq": 0, "persisted_reserved": reserved, "ready": 1},
+        mapping={
+            "seq": int(snap.get("seq", 0)) + RESTORE_SEQ_STRIDE,
+            "persisted_seq": 0,
+            "persisted_reserved": reserved,
+            "ready": 1,
+        },
     )
     seen: set[str] = set()
     for pid in open_ids:

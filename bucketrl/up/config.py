@@ -77,8 +77,10 @@ class UpConfig(BaseModel):
     trainer_shard_base: bool = Field(
         False, description="Shard the trainer's frozen base across its ranks with FSDP2 (needs trainer_procs > 1)."
     )
-    # everysec: a Redis crash may lose its last second (the proxy rebuilds from the bucket); always: none.
-    redis_fsync: Literal["everysec", "always"] = "everysec"
+    # always: a SIGKILLed Redis loses nothing it acknowledged (what the chaos test runs). everysec may lose its last
+    # second of acknowledged writes (accepted submits, acks, publishes), and the proxy cannot tell: that is a
+    # rollback, not a wipe (the ready flags survive), so nothing is rebuilt from the bucket.
+    redis_fsync: Literal["everysec", "always"] = "always"
     prompt_lease_ttl_s: float = Field(60.0, gt=1.0, description="A killed generator's prompts return after this.")
     # Give up on a service only when it keeps dying quickly: this many deaths within restart_window_s.
     restart_max_deaths: int = Field(5, ge=1, description="Deaths within restart_window_s that end the run.")

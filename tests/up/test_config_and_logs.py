@@ -23,6 +23,8 @@ def test_default_is_the_measured_demo(tmp_path: Path) -> None:
     assert spec.vocab_size == VOCAB_SIZE
     assert spec.dataset.uri == "toy:digits" and spec.reward.name == "toy"
     assert UpConfig(run="r1").run_dir == (Path("runs") / "r1").resolve()
+    # Issue 10: a SIGKILLed Redis must lose nothing it acknowledged (everysec can lose a second, undetected).
+    assert cfg.redis_fsync == "always"
 
 
 def test_knobs_reach_the_spec(tmp_path: Path) -> None:

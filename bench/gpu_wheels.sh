@@ -10,11 +10,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="${PIP:-.venv/bin/pip}"
-DEST=.gpu-wheels
+DEST="${DEST:-.gpu-wheels}"
 mkdir -p "$DEST"
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
-"$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
+"$PIP" download -q --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" --implementation cp "${PLATFORMS[@]}" \
   -d "$DEST" \
   pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4 annotated-types==0.8.0 \
   typing-inspection==0.4.5 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 redis==8.1.0 \

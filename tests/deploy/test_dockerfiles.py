@@ -218,3 +218,33 @@ def test_every_writable_path_the_image_names_is_mounted_by_the_chart(
         assert any(path == m or path.startswith(m + "/") for m in mounts), (
             f"{service}: {name}={path} is not on a volume"
         )
+
+
+@pytest.mark.parametrize("service", ["trainer", "generator"])
+def test_gpu_variant_shares_every_stage_with_the_built_cpu_one_but_its_base(service: str) -> None:
+    """tests/containers builds and runs VARIANT=cpu; VARIANT=gpu cannot be built here (its CUDA bases cannot be
+    fetched). What keeps the GPU image honest is that it is the CPU one with only the base swapped: the final stage
+    (bucketrl, user, env, entry point) is the same text, and VARIANT picks nothing else."""
+    path = ROOT / "services" / service / "Dockerfile"
+    cpu, gpu = (parse_dockerfile(path, {"VARIANT": v}) for v in ("cpu", "gpu"))
+    assert _final(cpu).instructions == _final(gpu).instructions
+    used_cpu, used_gpu = _used_stages(cpu), _used_stages(gpu)
+    only_gpu = [s for s in used_gpu if s.name not in {c.name for c in used_cpu}]
+    uses = [line for line in path.read_text().splitlines() if "VARIANT" in line and not line.lstrip().startswith("#")]
+    if service == "trainer":
+        # One chain for both, on the same Python base; VARIANT picks the torch wheel (+cpu or CUDA) and nothing else.
+        assert only_gpu == [] and used_cpu == used_gpu
+        runs = [r for s in used_cpu for r in s.args("RUN") if "VARIANT" in r]
+        assert len(runs) == 1 and "torch==${TORCH_VERSION}+cpu" in runs[0] and 'torch==${TORCH_VERSION}"' in runs[0]
+        assert [u for u in uses if not u.startswith(("ARG VARIANT", "RUN case", "      *)"))] == [], uses
+    else:
+        # The final stage builds FROM the variant's stage: for gpu, the vLLM image with the same user and pin files.
+        assert _final(cpu).base == "cpu" and _final(gpu).base == "gpu"
+        (base,) = only_gpu
+        assert base.name == "gpu" and base.base.startswith("vllm/vllm-openai:")
+        (cpu_base,) = [s for s in used_cpu if s.name == "cpu"]
+        user = [r for r in cpu_base.args("RUN") if "useradd" in r]
+        assert user and all("--uid 10001 --gid 10001" in r for r in user)
+        assert any("--uid 10001 --gid 10001" in r for r in base.args("RUN"))
+        assert not base.args("COPY"), "the gpu base copies nothing of the project: bucketrl comes in the final stage"
+        assert [u for u in uses if not u.startswith(("ARG VARIANT", "FROM ${VARIANT} AS final"))] == [], uses

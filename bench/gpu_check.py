@@ -126,34 +126,61 @@ class GpuCluster(LocalCluster):
 
 
 class GpuMemory(threading.Thread):
-    """Peak memory of each GPU process, polled from nvidia-smi once a second (when there is one)."""
+    """Peak GPU memory from nvidia-smi, polled once a second (when there is one): per process where the driver
+    lists them, and per device (``memory.used`` above what was in use before the run), which a sandbox that hides
+    other processes' rows (containers, gVisor) still reports."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True, name="gpu-memory")
         self.available = shutil.which("nvidia-smi") is not None
         self.peak_mib: dict[int, float] = {}
         self.peak_total_mib = 0.0
+        self.baseline_mib: float | None = None
+        self.peak_device_mib = 0.0
         self.halt = threading.Event()
 
     def run(self) -> None:
-        while self.available and not self.halt.wait(1.0):
-            try:
-                out = subprocess.run(
-                    ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                    capture_output=True,
-                    text=True,
-                    timeout=10,
-                ).stdout
-            except (OSError, subprocess.SubprocessError):
-                continue
-            total = 0.0
-            for line in out.splitlines():
-                parts = [x.strip() for x in line.split(",")]
-                if len(parts) == 2 and parts[0].isdigit():
-                    mib = float(parts[1]) if parts[1].replace(".", "").isdigit() else 0.0
-                    self.peak_mib[int(parts[0])] = max(self.peak_mib.get(int(parts[0]), 0.0), mib)
-                    total += mib
-            self.peak_total_mib = max(self.peak_total_mib, total)
+        while self.available:
+            self.poll()
+            if self.halt.wait(1.0):
+                return
+
+    @staticmethod
+    def _query(*args: str) -> list[list[str]]:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        return [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
+
+    @staticmethod
+    def _mib(text: str) -> float | None:
+        try:
+            return float(text)
+        except ValueError:
+            return None  # "[N/A]", "[Not Supported]"
+
+    def poll(self) -> None:
+        total = 0.0
+        for row in self._query("--query-compute-apps=pid,used_memory"):
+            if len(row) == 2 and row[0].isdigit() and (mib := self._mib(row[1])) is not None:
+                self.peak_mib[int(row[0])] = max(self.peak_mib.get(int(row[0]), 0.0), mib)
+                total += mib
+        self.peak_total_mib = max(self.peak_total_mib, total)
+        used = [m for row in self._query("--query-gpu=memory.used") if row and (m := self._mib(row[0])) is not None]
+        if used:
+            if self.baseline_mib is None:
+                self.baseline_mib = sum(used)  # first poll: before any bucketrl process touched the GPU
+            self.peak_device_mib = max(self.peak_device_mib, sum(used) - self.baseline_mib)
+
+    def figures(self) -> dict[str, float | None]:
+        """GiB: all processes' peak (None when no process row was ever seen) and the devices' peak growth."""
+        return {
+            "gpu_peak_gib_total": round(self.peak_total_mib / 1024, 2) if self.peak_mib else None,
+            "gpu_peak_gib_device": round(self.peak_device_mib / 1024, 2) if self.baseline_mib is not None else None,
+        }
 
 
 def _children(pid: int) -> set[int]:
@@ -331,7 +358,7 @@ def collect(
         "logprob_abs_gap_mean": _mean(gaps),
         "logprob_abs_gap_max": max(gaps) if gaps else None,
         "trainer_torch_peak_gib": max(peak) if peak else None,
-        "gpu_peak_gib_total": round(memory.peak_total_mib / 1024, 2) if memory.available else None,
+        **memory.figures(),
         "gpu_peak_gib_by_service": per_service,
     }
 
@@ -357,6 +384,7 @@ def report(f: dict[str, Any]) -> None:
          f"{fmt(f['logprob_abs_gap_max'])}"),
         ("trainer peak GPU memory (torch, GiB)", f["trainer_torch_peak_gib"]),
         ("peak GPU memory, all processes (nvidia-smi, GiB)", f["gpu_peak_gib_total"]),
+        ("peak GPU memory used, devices (nvidia-smi, GiB)", f["gpu_peak_gib_device"]),
         ("  by service (GiB)", f["gpu_peak_gib_by_service"] or None),
     ]  # fmt: skip
     for name, value in rows:

@@ -102,6 +102,7 @@ def test_gpu_check_as_on_the_gpu_machine_reports_every_figure(device_env: dict[s
     assert figures["logprob_abs_gap_mean"] is not None and figures["logprob_abs_gap_mean"] < 0.05
     # No GPU here: said so, not made up.
     assert figures["trainer_torch_peak_gib"] is None and figures["gpu_peak_gib_total"] is None
+    assert figures["gpu_peak_gib_device"] is None
 
 
 def test_gpu_check_multi_rank_sharded_trainer(device_env: dict[str, str], tmp_path: Path) -> None:

@@ -28,6 +28,8 @@ from pydantic import TypeAdapter
 from starlette.routing import Match
 
 from bucketrl.proxy import body, deps, rollout_body
+from bucketrl.proxy.routes import prompts as prompt_routes
+from bucketrl.proxy.state import prompts
 from bucketrl.wire import ClaimRequest, PromptLeaseRequest, VersionLeaseRequest
 from bucketrl.wire.common import ID_PATTERN, MAX_WIRE_INT
 from bucketrl.wire.rollouts import AckRequest
@@ -114,12 +116,37 @@ async def _release_lease(request: Request, endpoint: Callable[..., Any]) -> Any:
     return await endpoint(request.app.state.ctx, principal, run, lease_id)
 
 
+# The specs of runs this process leased prompts for, with their digests: the next lease of the run takes its
+# spec from here, and the lease's own script checks the digest against the stored spec (one Redis round trip
+# instead of two). Bounded: only runs that exist get in, and it starts over past _SPECS_MAX of them.
+_LEASE_SPECS: dict[str, tuple[deps.RunRef, str]] = {}
+_SPECS_MAX = 1024
+
+
 async def _prompt_lease(request: Request, endpoint: Callable[..., Any]) -> Any:
     run = _run(request)
-    principal = await _GENERATOR(request, None)
-    ref = await deps.get_run(request, run)
+    await _GENERATOR(request, None)
+    ctx = request.app.state.ctx
+    known = _LEASE_SPECS.get(run)
+    ref, digest = known if known is not None else await _read_spec(request, run)
     req = await _PROMPT_LEASE(request)
-    return await endpoint(request.app.state.ctx, principal, ref, req)
+    try:
+        return await prompt_routes.lease_prompts(ctx, ref, req, digest)
+    except prompts.SpecChanged:
+        if known is None:  # read in this very request and already another one: leave it unchecked this once
+            return await prompt_routes.lease_prompts(ctx, await deps.get_run(request, run), req)
+    # Another spec was stored since this process cached it (or the run is gone): read it as the route does.
+    ref, digest = await _read_spec(request, run)
+    return await prompt_routes.lease_prompts(ctx, ref, req, digest)
+
+
+async def _read_spec(request: Request, run: str) -> tuple[deps.RunRef, str]:
+    _LEASE_SPECS.pop(run, None)
+    ref = await deps.get_run(request, run)  # 404 unknown_run, a wiped Redis rebuilt, as the route's RunDep
+    if len(_LEASE_SPECS) >= _SPECS_MAX:
+        _LEASE_SPECS.clear()
+    _LEASE_SPECS[run] = ref, prompts.spec_digest(ref.spec)
+    return _LEASE_SPECS[run]
 
 
 # (method, path) -> (the endpoint's name, its fast handler): the name guards against serving a route whose

@@ -21,12 +21,13 @@ import pytest
 from fastapi.routing import APIRoute, request_response
 from redis.asyncio.connection import Connection
 
+from bucketrl import errors
 from bucketrl.proxy import lean
 from bucketrl.proxy.app import create_app
 from bucketrl.proxy.redis_pack import fast_packing
 from bucketrl.proxy.settings import ProxySettings
 from bucketrl.wire import packed
-from tests.proxy.harness import TOKENS, ProxyHarness
+from tests.proxy.harness import TOKENS, ProxyHarness, make_spec
 from tests.proxy.test_rollouts_routes import Setup
 
 
@@ -188,6 +189,38 @@ def test_hot_path_serves_the_hot_routes_past_the_router_with_their_route_labels(
     for method, path in [("POST", "/v1/runs/{run}/rollouts"), ("POST", "/v1/runs/{run}/rollouts/claim")]:
         assert f'method="{method}",route="{path}",status="2' in metrics, (method, path)
     assert 'route="unmatched"' not in metrics
+
+
+def test_prompt_leases_take_the_cached_spec_and_see_every_change_of_it(
+    proxy_file: ProxyHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A prompt lease reads its run's spec only when this process has none cached for the run or the lease's
+    # script found the stored spec changed; the numbers it leases by are always the stored spec's.
+    reads: list[str] = []
+    real_get_run = lean.deps.get_run
+
+    async def counting_get_run(request: Any, run: str) -> Any:
+        reads.append(run)
+        return await real_get_run(request, run)
+
+    monkeypatch.setattr(lean.deps, "get_run", counting_get_run)
+    run = f"spec-{uuid.uuid4().hex[:8]}"
+    admin = proxy_file.client(run)
+    gen = proxy_file.client(run, "generator")
+    admin.put_run(make_spec(groups_per_step=2, max_staleness=1))  # admission: 2 prompts in flight at most
+    assert len(gen.lease_prompts("gen-0", 1).prompts) == 1
+    assert len(gen.lease_prompts("gen-0", 8).prompts) == 1  # the cached spec's limit: 2 in all
+    assert reads == [run]  # read once: the second lease took it from the cache
+    with pytest.raises(errors.Backpressure):
+        gen.lease_prompts("gen-0", 1)
+    admin.put_run(make_spec(groups_per_step=6, max_staleness=1))  # another spec: 6 in flight
+    assert len(gen.lease_prompts("gen-0", 8).prompts) == 4  # by the new spec, read again when the script said so
+    assert reads == [run, run]
+    # The run gone from Redis behind the cache: the route's own answer (404 unknown_run), not a stale lease.
+    proxy_file.call(lambda ctx: ctx.redis.delete(f"brl:{run}:spec"))
+    with pytest.raises(errors.NotFound) as gone:
+        gen.lease_prompts("gen-0", 1)
+    assert gone.value.code == "unknown_run"
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Response
 
 from bucketrl.proxy import body
-from bucketrl.proxy.deps import CtxDep, GeneratorRole, RunDep
+from bucketrl.proxy.context import ProxyContext
+from bucketrl.proxy.deps import CtxDep, GeneratorRole, RunDep, RunRef
 from bucketrl.proxy.errors import responses
 from bucketrl.proxy.routes import dataset
 from bucketrl.proxy.state import prompts
@@ -44,6 +45,12 @@ async def lease(
     ref: RunDep,
     req: Annotated[PromptLeaseRequest, Depends(body.decoded(PromptLeaseRequest))],
 ) -> PromptLease:
+    return await lease_prompts(ctx, ref, req)
+
+
+async def lease_prompts(ctx: ProxyContext, ref: RunRef, req: PromptLeaseRequest, spec_digest: str = "") -> PromptLease:
+    """The lease route's work. ``spec_digest``: ``ref.spec`` came from a cache (``lean.py``), checked against
+    the stored spec by the lease's own script (``prompts.SpecChanged`` if it is no longer that spec)."""
     return await prompts.lease(
         ctx.redis,
         ctx.store,
@@ -57,6 +64,7 @@ async def lease(
         notifier=ctx.notifier,
         slack=ctx.settings.pace_slack_versions,
         request_id=req.request_id,
+        spec_digest=spec_digest,
     )
 
 

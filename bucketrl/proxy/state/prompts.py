@@ -85,6 +85,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import re
@@ -221,9 +222,14 @@ end
 _LEASE = Lua(
     QUEUED_LUA
     + """
--- KEYS: cursor inflight owner reissue open meta stream counters queue_meta state pace request
--- ARGV: ttl_s n (unused) worker size limit group version groups_per_step max_staleness slack request_id
+-- KEYS: cursor inflight owner reissue open meta stream counters queue_meta state pace request spec
+-- ARGV: ttl_s n spec_digest worker size limit group version groups_per_step max_staleness slack request_id
+-- spec_digest: the sha1 of the spec the caller's numbers come from ('' = unchecked); another stored spec
+-- (changed, or gone) refuses with -2 before anything is done.
 -- Lease times are Redis TIME: every replica agrees on when a lease expires, whatever its own clock says.
+if ARGV[3] ~= '' and redis.sha1hex(redis.call('GET', KEYS[13]) or '') ~= ARGV[3] then
+  return {-2}
+end
 if redis.call('HEXISTS', KEYS[6], 'ready') == 0 or redis.call('HEXISTS', KEYS[9], 'ready') == 0 then
   return {-1}
 end
@@ -425,8 +431,12 @@ async def lease(
     notifier: Notifier | None = None,
     slack: int = PACE_SLACK_VERSIONS,
     request_id: str | None = None,
+    spec_digest: str = "",
 ) -> PromptLease:
     """Lease up to ``n`` prompts (fewer when admission control allows fewer). 429 when none may be.
+
+    ``spec_digest``: :func:`spec_digest` of ``spec`` when the caller took it from a cache instead of reading it
+    in this request: :class:`SpecChanged` (nothing done) when the run's stored spec is no longer that one.
 
     ``request_id``: a replay of a lease that handed prompts out answers those (the ones the worker still holds).
 
@@ -435,7 +445,9 @@ async def lease(
     every ``PACE_SLICE_S``) and tries again until ``wait_s`` passes; the 429 after a wait says Retry-After 0.
     """
     if wait_s <= 0 or notifier is None:
-        return await _lease_once(r, store, run, spec, worker_id, n, ttl_s, version, slack, request_id=request_id)
+        return await _lease_once(
+            r, store, run, spec, worker_id, n, ttl_s, version, slack, request_id=request_id, spec_digest=spec_digest
+        )
     t0 = time.monotonic()
     deadline = t0 + wait_s
     while True:
@@ -443,7 +455,18 @@ async def lease(
         with notifier.waiter(run, "pipeline", "versions") as event:
             try:
                 got = await _lease_once(
-                    r, store, run, spec, worker_id, n, ttl_s, version, slack, count_refusal=False, request_id=request_id
+                    r,
+                    store,
+                    run,
+                    spec,
+                    worker_id,
+                    n,
+                    ttl_s,
+                    version,
+                    slack,
+                    count_refusal=False,
+                    request_id=request_id,
+                    spec_digest=spec_digest,
                 )
                 got.waited_s = time.monotonic() - t0
                 return got
@@ -457,6 +480,16 @@ async def lease(
                     raise
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), min(remaining, PACE_SLICE_S))
+
+
+class SpecChanged(errors.Unavailable):
+    """The run's stored spec is not the one a cached-spec lease was computed from (changed, or the run gone):
+    nothing was done; the caller reads the spec again and retries. A 503 (retryable) if it ever got out."""
+
+
+def spec_digest(spec: RunSpec) -> str:
+    """The digest a lease's script compares with the stored spec's (stored as ``model_dump_json``)."""
+    return hashlib.sha1(spec.model_dump_json().encode()).hexdigest()  # an identity, not a security check
 
 
 class PacedOut(errors.Backpressure):
@@ -489,6 +522,7 @@ async def _lease_once(
     *,
     count_refusal: bool = True,
     request_id: str | None = None,
+    spec_digest: str = "",
 ) -> PromptLease:
     k = PromptKeys.of(run)
     limit = admission_limit(spec)
@@ -499,13 +533,16 @@ async def _lease_once(
                 *(k.cursor, k.inflight, k.owner, k.reissue, k.open, k.meta),
                 *(k.stream, k.counters, k.queue_meta, k.state, k.pace),
                 keys.run_key(run, f"prompts:leasereq:{worker_id}:{request_id or '-'}"),
+                keys.run_key(run, keys.SPEC),
             ],
             [
-                *(repr(float(ttl_s)), n, "", worker_id, spec.dataset.size, limit, STREAM_GROUP),
+                *(repr(float(ttl_s)), n, spec_digest, worker_id, spec.dataset.size, limit, STREAM_GROUP),
                 *(version or 0, spec.groups_per_step, spec.max_staleness, effective_slack(slack, spec)),
                 request_id or "",
             ],
         )
+        if int(res[0]) == -2:
+            raise SpecChanged(f"run {run!r}: its spec changed; read it again")
         if int(res[0]) != -1:
             break
         # First touch of this run since Redis (re)started: restore from the bucket before handing anything out.

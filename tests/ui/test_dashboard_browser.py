@@ -79,6 +79,14 @@ def test_dashboard_draws_live_charts_without_console_errors(tmp_path: Path) -> N
             # ... and the eval curve on the reward chart (the trainer reports each evaluated version once).
             wait_for(lambda: (browser.pump(0.5), json.loads(state())["series"]["reward"].get(EVAL_SERIES, 0) > 0)[1],
                      90, "the eval curve on the reward chart")  # fmt: skip
+            # A worker's notes (here a generator's first reward error, as a failing reward makes it push them)
+            # reach its row in the workers table.
+            from bucketrl.wire import MetricsPush
+
+            note = {"reward_error/timeout": "the reward function ran past 10s (BUCKETRL_REWARD_TIMEOUT_S)"}
+            cluster.client("generator").push_metrics(MetricsPush(worker_id="gen-9", phase="generating", notes=note))
+            rows = lambda: browser.evaluate("document.querySelector('#workers').innerText")  # noqa: E731
+            wait_for(lambda: (browser.pump(0.5), "reward_error/timeout" in rows())[1], 30, "the note in its row")
             browser.pump(2.5)  # one more poll: the page keeps running without errors
             seen = json.loads(state())
             ink = browser.evaluate(INK)
@@ -105,6 +113,7 @@ def test_dashboard_draws_live_charts_without_console_errors(tmp_path: Path) -> N
     assert layout == {"charts-step": 8, "charts-time": 5}, layout
     assert "gen-0" in workers and "generator" in workers and "trainer" in workers, workers
     assert "generating" in workers, workers  # each worker's phase (issue 11), not an empty heartbeat
+    assert "reward_error/timeout: the reward function ran past 10s" in workers, workers
     assert "policy version" in cards and "–" not in cards.split("reward")[1].splitlines()[1], cards
     assert "token=" not in url and "run=demo" in url, url
     assert shot.stat().st_size > 20_000

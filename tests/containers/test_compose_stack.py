@@ -200,6 +200,7 @@ def test_compose_stack_trains_scales_survives_kills_and_resumes_after_down_up(st
     resumed = [int(m) for m in re.findall(r"resumed from checkpoint step (\d+)", stack.logs(trainer))]
     assert resumed and resumed[-1] >= 10, f"no resume from the step-10 checkpoint in the trainer log: {resumed}"
     wait_for("training past the kill", lambda: step(stack) > ckpt, stack, timeout_s=300)
+    assert stack.status()["queue"]["lost_total"] == 0, "accepted groups vanished after the kills"
     # The killed generator is restarted by its on-failure policy: three generators again.
     wait_for("3 generators again", lambda: len(stack.containers("generator")) == 3, stack, timeout_s=120)
 
@@ -219,10 +220,17 @@ def test_compose_stack_trains_scales_survives_kills_and_resumes_after_down_up(st
         r = httpx.get(f"{stack.url}/v1/runs/demo/checkpoints/latest", headers=trainer_auth, timeout=10)
         assert r.status_code == 200, r.text
         kept["checkpoint"] = int(r.json()["step"])
+        # Nothing lost across two kills and a down/up: with no worker running the queue's accounting is exact
+        # (what the killed trainer had claimed but not acked is pending, handed out again to its next epoch).
+        q = stack.status()["queue"]
+        assert q["lost_total"] == 0, q
+        assert q["accepted_total"] == q["acked_total"] + q["dropped_stale_total"] + q["groups"] + q["pending"], q
+        kept["accepted"] = int(q["accepted_total"])
 
     stack.up(before_workers=state_survived)
-    assert kept["step"] >= 10 and kept["checkpoint"] >= 10, kept
+    assert kept["step"] >= 10 and kept["checkpoint"] >= 10 and kept["accepted"] > 0, kept
     wait_for("training after down/up", lambda: step(stack) > before, stack, timeout_s=420)
     info = httpx.get(f"{stack.url}/v1/runs/demo", headers=stack.viewer, timeout=10).json()
     assert info["state"]["latest_version"] >= before, info["state"]
+    assert stack.status()["queue"]["lost_total"] == 0
     print(f"\ncompose stack: {first} steps, killed at {ckpt}, resumed from {resumed[-1]}; after down/up {kept}")

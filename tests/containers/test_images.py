@@ -163,6 +163,7 @@ def test_chart_hardened_containers_train_and_probes_tell_liveness_from_readiness
     containers: list[str],
     redis_server: RedisServer,
     moto_server: MotoServer,
+    tmp_path: Path,
 ) -> None:
     suffix = uuid.uuid4().hex[:8]
     bucket = f"img-{suffix}"
@@ -172,10 +173,20 @@ def test_chart_hardened_containers_train_and_probes_tell_liveness_from_readiness
     proxy_url = f"http://127.0.0.1:{port}"
     aws = moto_server.env()
 
+    # The tokens as the chart gives them: a Secret's key mounted read-only, mode 0440, group = the pod's fsGroup.
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text("".join(f"{r}:{t}\n" for r, t in tokens.items()))
+    os.chown(tokens_file, 0, 10001)
+    tokens_file.chmod(0o440)
+
     proxy = f"brl-proxy-{suffix}"
     containers.append(proxy)
     podman.podman(
         *hardened(proxy),
+        "-v",
+        f"{tokens_file}:/etc/bucketrl/tokens/tokens:ro",
+        "-e",
+        "BUCKETRL_TOKENS_FILE=/etc/bucketrl/tokens/tokens",
         "-e",
         f"BUCKETRL_REDIS_URL={redis_server.url}",
         "-e",
@@ -188,8 +199,6 @@ def test_chart_hardened_containers_train_and_probes_tell_liveness_from_readiness
         f"AWS_SECRET_ACCESS_KEY={aws['AWS_SECRET_ACCESS_KEY']}",
         "-e",
         "AWS_DEFAULT_REGION=us-east-1",
-        "-e",
-        "BUCKETRL_TOKENS=" + ",".join(f"{r}:{t}" for r, t in tokens.items()),
         "-e",
         f"BUCKETRL_PORT={port}",
         IMAGES["proxy"],

@@ -118,6 +118,32 @@ def test_summary_averages_leave_out_start_up() -> None:
     assert figures["steps"] == 20
 
 
+def test_summary_shows_unscorable_completions_and_the_first_error_of_each_kind() -> None:
+    from rich.console import Console
+
+    from bucketrl.up.report import summary_table
+    from bucketrl.wire import RunStatus
+
+    now = time.time()
+    note = {"reward_error/non_numeric": "the reward function returned str '1.0', not a number"}
+    w = RunWatcher("http://127.0.0.1:9", "demo", "t")
+    w._merge([{"worker_id": "trainer", "role": "trainer", "ts": now + k, "step": k,
+               "metrics": {"reward": 0.1, "reward/unscorable_frac": 0.25 * k}} for k in range(1, 4)])  # fmt: skip
+    w.status = RunStatus.model_validate(
+        {
+            "run": "demo", "latest_version": 3, "versions": [], "queue": {"groups": 0, "capacity": 64},
+            "prompts_inflight": 0, "trainer": {"epoch": 1, "step": 3}, "metrics": {},
+            "workers": [{"worker_id": "gen-0", "role": "generator", "last_seen_s": 0.1,
+                         "notes": note}],
+        }
+    )  # fmt: skip
+    console = Console(width=160, record=True, force_terminal=False)
+    console.print(summary_table(summarize(w, wall_s=1.0)))
+    text = console.export_text()
+    assert "completions without a reward (mean / worst step)" in text and "50.0% / 75.0%" in text
+    assert "first reward error: non_numeric" in text and "str '1.0', not a number" in text
+
+
 def _push(step: int, reward: float, ts: float) -> dict:
     return {"worker_id": "trainer", "role": "trainer", "ts": ts, "step": step, "metrics": {"reward": reward}}
 

@@ -187,8 +187,12 @@ class LocalCluster:
         max_len = self.cfg.generator_env.get("BUCKETRL_MAX_MODEL_LEN") or self.cfg.worker_env.get(
             "BUCKETRL_MAX_MODEL_LEN"
         )
+        names = preflight.UP_NAMES
+        if self.cfg.builtin_model:  # "--model has none" would puzzle a user who gave no --model
+            names = {**names, "model": "the built-in model (--model chooses another)"}
         return preflight.check_run(
             probe,
+            names=names,
             max_model_len=int(max_len) if max_len else GeneratorSettings.model_fields["max_model_len"].default,
             choose_max_new_tokens=not max_new_tokens_given(self.cfg),
             examples=examples,

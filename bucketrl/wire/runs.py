@@ -145,6 +145,17 @@ class RunSpec(StrictWireModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _eval_is_single_turn(self) -> "RunSpec":
+        # Generators evaluate by sampling single completions; a multi-turn run's episodes need its environment
+        # (not built yet). Refused rather than never evaluated with nothing said.
+        if self.eval is not None and self.env is not None:
+            raise ValueError(
+                "eval (evaluation during training) is not supported for multi-turn runs (env) yet: drop eval "
+                "(or --eval-every)"
+            )
+        return self
+
     def eval_dataset(self) -> DatasetSpec | None:
         """The eval set as a dataset spec (``size`` = the prompts evaluated per version)."""
         if self.eval is None:

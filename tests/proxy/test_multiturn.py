@@ -216,6 +216,15 @@ def test_run_spec_episode_limits_have_defaults_and_bounds() -> None:
             RunSpec.model_validate({**base, "episode": bad})
 
 
+def test_a_multi_turn_run_with_eval_is_refused() -> None:
+    """Generators evaluate single completions only: a multi-turn run asking for eval would never be evaluated."""
+    base = {"base_model": "m", "reward": {"name": "toy"}, "dataset": {"uri": "toy:digits", "size": 4}, "vocab_size": 64}
+    RunSpec.model_validate({**base, "eval": {"every": 2}})
+    RunSpec.model_validate({**base, "env": {"name": "toy:tools"}})
+    with pytest.raises(ValidationError, match="not supported for multi-turn runs"):
+        RunSpec.model_validate({**base, "env": {"name": "toy:tools"}, "eval": {"every": 2}})
+
+
 # -- the proxy ------------------------------------------------------------------------------------------
 
 

@@ -91,6 +91,13 @@ class TrainerSettings(WorkerSettings):
         "forward under the exact version that generated them, so mismatch/logprob_abs_diff/{worker} is reported "
         "even when no sample is on-policy; 0 = on-policy samples only (free).",
     )
+    final_eval_wait_s: float = Field(
+        60.0,
+        ge=0.0,
+        le=3600.0,
+        description="BUCKETRL_FINAL_EVAL_WAIT_S: at max_steps, wait up to this long for the generators to evaluate "
+        "the final version (when the run's eval covers it) so its result reaches the trackers; 0 = do not wait.",
+    )
     # Experiment trackers (bucketrl/trainer/trackers.py).
     report_to: str = Field(
         "none",

@@ -53,7 +53,7 @@ from bucketrl.client import ProxyClient
 from bucketrl.trainer.ledger import DeliveryLedger
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.trainer.uploader import Uploader
-from bucketrl.wire import Delivery, MetricsPush, RunSpec
+from bucketrl.wire import Delivery, EvalVersionResult, MetricsPush, RunSpec
 
 log = logging.getLogger("bucketrl.trainer")
 
@@ -412,7 +412,10 @@ class TrainerWorker:
             self._publish()
         # Snapshotted now (its cost is part of the step), stored after this step's metrics push: that push may
         # report an eval result, and the checkpoint must hold what was reported up to its step (_new_eval_metrics).
-        store_checkpoint = self._checkpoint(submit=False) if step % self.settings.checkpoint_every == 0 else None
+        # The last step's checkpoint is _finish's, after the run's final eval report.
+        final = step >= self.settings.max_steps
+        due = step % self.settings.checkpoint_every == 0 and not final
+        store_checkpoint = self._checkpoint(submit=False) if due else None
         if math.isfinite(self.last_sync_s):
             stats["perf/weight_sync_s"] = self.last_sync_s
         stats["sample/dropped_stale"] = float(dropped)
@@ -421,7 +424,8 @@ class TrainerWorker:
         stats["sample/dropped_stale_total"] = self.counters["sample/dropped_stale_total"]
         stats["policy/version"] = float(self.policy_version)
         stats["perf/step_s"] = time.perf_counter() - t0
-        self._push(step, stats)
+        # The last step's eval report is made by _finish, which can wait for the final version's evaluation.
+        self._push(step, stats, report_eval=not final)
         if store_checkpoint is not None:
             store_checkpoint()
         # Multi-turn steps also say how many tokens were trained of those in context, and the turns per episode.
@@ -653,11 +657,11 @@ class TrainerWorker:
         self.last_checkpoint_step = step
         return store
 
-    def _push(self, step: int, stats: dict[str, float]) -> None:
+    def _push(self, step: int, stats: dict[str, float], *, report_eval: bool = True) -> None:
         metrics = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(v)}
         notes = {f"reward_error/{kind}": text for kind, text in self.reward_errors.items()}
         trackers = self.trackers
-        with_eval = self.spec is not None and self.spec.eval is not None
+        with_eval = report_eval and self.spec is not None and self.spec.eval is not None
 
         def job() -> None:
             if with_eval:
@@ -681,16 +685,23 @@ class TrainerWorker:
         the checkpoint job, after the pushes before it): a resumed trainer reports none of them again. A version
         whose evaluation finishes after a newer one was reported is not reported (it is in the bucket, the status
         and the dashboard's table)."""
+        results = self._eval_results(self.write_client)
+        return {} if results is None else self._eval_report(results, newest=False)
+
+    def _eval_results(self, client: ProxyClient) -> list[EvalVersionResult] | None:
         try:
-            results = self.write_client.eval_results()
+            return client.eval_results()
         except errors.BucketRLError as exc:
             log.warning("eval results not read: %s", exc.message)
-            return {}
+            return None
+
+    def _eval_report(self, results: list[EvalVersionResult], *, newest: bool) -> dict[str, float]:
+        """The eval metrics of the oldest (or newest) version not reported yet, marked reported; {} if none."""
         done = self.counters.get(EVAL_REPORTED, 0.0)
         new = [e for e in results if e.version > done]
         if not new:
             return {}
-        e = min(new, key=lambda r: r.version)
+        e = (max if newest else min)(new, key=lambda r: r.version)
         self.counters[EVAL_REPORTED] = float(e.version)
         out = {
             "eval/version": float(e.version),
@@ -703,11 +714,43 @@ class TrainerWorker:
             out["eval/reward"] = e.reward_mean
         return out
 
+    def _report_final_eval(self, step: int) -> None:
+        """The run's last eval report, at its last step (whose own push left it out). When the run evaluates the
+        final version, wait up to ``final_eval_wait_s`` for the generators to finish it: the policy a user keeps
+        is the one whose score they want, and it is published only now. Then report the newest version not
+        reported yet (older unreported ones, if any, stay in the bucket, the status and the dashboard's table).
+        The last step's checkpoint is stored after this report, so a trainer resumed to train past max_steps
+        does not report it again."""
+        spec = self.spec
+        if spec is None or spec.eval is None:
+            return
+        self._uploader().drain()  # the final version is committed; every earlier push has reported
+        final = self.policy_version
+        wait_s = self.settings.final_eval_wait_s if spec.eval.evaluates(final) else 0.0
+        if wait_s > 0:
+            log.info("waiting up to %.0f s for the evaluation of the final version v%d", wait_s, final)
+        deadline = time.monotonic() + wait_s
+        while True:
+            results = self._eval_results(self.client)
+            if results is None:
+                return
+            if any(e.version == final for e in results) or time.monotonic() >= deadline:
+                break
+            if self.stop_requested.wait(1.0):
+                break
+        if wait_s > 0 and not any(e.version == final for e in results):
+            log.warning("v%d was not evaluated within %.0f s (BUCKETRL_FINAL_EVAL_WAIT_S)", final, wait_s)
+        metrics = self._eval_report(results, newest=True)
+        if metrics:
+            self._push(step, metrics, report_eval=False)
+
     def _finish(self) -> int:
         step = self.learner.step
         stopped = self.stop_requested.is_set()
         if self.policy_step != step and not stopped:
             self._publish()
+        if not stopped and step >= self.settings.max_steps:
+            self._report_final_eval(step)
         if step > 0 and self.last_checkpoint_step != step:
             self._checkpoint()
         self._uploader().drain()

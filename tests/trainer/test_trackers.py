@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from bucketrl.tarball import unpack
 from bucketrl.trainer.settings import TrainerSettings
-from bucketrl.trainer.trackers import parse_report_to
-from bucketrl.trainer.worker import EXIT_OK, TrainerWorker
+from bucketrl.trainer.trackers import default_report_to, parse_report_to
+from bucketrl.trainer.worker import EVAL_REPORTED, EXIT_OK, TrainerWorker
 from tests.proxy.harness import TOKENS, ProxyHarness, running
 from tests.support.services import RedisServer
 from tests.trainer.fake_generator import FakeGenerator
@@ -65,8 +66,12 @@ def pushed(proxy: ProxyHarness) -> dict[int, dict[str, float]]:
     """step -> the metrics the trainer pushed to the proxy for it."""
     with proxy.http("viewer") as http:
         records = http.get("/v1/runs/r1/metrics/recent", params={"count": 500}).raise_for_status().json()
-    # (phase pushes carry no step and no metrics)
-    return {r["step"]: r["metrics"] for r in records if r["worker_id"] == "trainer-a" and r["step"] is not None}
+    # (phase pushes carry no step and no metrics; the last step's eval report is a push of its own)
+    out: dict[int, dict[str, float]] = {}
+    for r in records:
+        if r["worker_id"] == "trainer-a" and r["step"] is not None:
+            out.setdefault(r["step"], {}).update(r["metrics"])
+    return out
 
 
 def tensorboard_scalars(logdir: Path) -> dict[int, dict[str, float]]:
@@ -79,6 +84,18 @@ def tensorboard_scalars(logdir: Path) -> dict[int, dict[str, float]]:
         for ev in acc.Scalars(tag):
             out.setdefault(ev.step, {})[tag] = ev.value
     return out
+
+
+def tensorboard_text(logdir: Path, tag: str) -> str:
+    """A text summary (``SummaryWriter.add_text``) read back with TensorBoard's reader, without the JSON fence."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+    acc.Reload()
+    (event,) = acc.Tensors(f"{tag}/text_summary")
+    text = tensor_util.make_ndarray(event.tensor_proto).item().decode()
+    return text.removeprefix("```json").removesuffix("```")
 
 
 def _leveldb_log_records(data: bytes) -> list[bytes]:
@@ -164,6 +181,8 @@ def test_tensorboard_wandb_and_trackio_get_the_trainers_metrics_and_resume_conti
     assert_same(want, tb, NAMES)
     for step, metrics in want.items():  # every pushed metric, under the same name
         assert set(metrics) <= set(tb[step]), set(metrics) - set(tb[step])
+    tb_config = json.loads(tensorboard_text(tmp_path / "trackers" / "tensorboard" / "r1", "run_spec"))
+    assert tb_config["run_spec"]["group_size"] == 4 and tb_config["trainer"]["lr"] == 1e-2, tb_config
 
     rows, ids, config = wandb_history(tmp_path / "trackers")
     assert len(ids) == 2 and ids[0] == ids[1], "the resumed trainer logs to the same wandb run"
@@ -177,6 +196,8 @@ def test_tensorboard_wandb_and_trackio_get_the_trainers_metrics_and_resume_conti
     assert len(runs) == 1, runs  # resume="allow": one trackio run across both trainers
     logs = SQLiteStorage.get_logs(project, runs[0])
     assert_same(want, {int(r["step"]): r for r in logs}, NAMES)
+    trackio_config = SQLiteStorage.get_run_config(project, runs[0]) or {}
+    assert trackio_config["run_spec"]["group_size"] == 4 and trackio_config["trainer"]["lr"] == 1e-2, trackio_config
 
 
 EVAL_NAMES = ["eval/reward", "eval/version", "eval/pass@1", "eval/mean_length", "eval/unscorable_frac"]
@@ -187,27 +208,31 @@ def test_eval_results_reach_every_tracker_once_per_version_across_a_resume(
     redis_server: RedisServer, tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each evaluated version's result is pushed with the trainer's metrics once, at the step it became known,
-    and reaches the trackers under the same names. The first trainer reports v1 at its last step, which it
-    checkpoints: the resumed trainer must not report v1 again (the checkpoint holds what was reported up to its
-    step, although the report is made on the uploader thread after the checkpoint was snapshotted)."""
+    oldest first, and reaches the trackers under the same names. The last step waits for the final version's
+    evaluation and reports it. A checkpoint holds what was reported up to its step (the report is made on the
+    uploader thread, after the step's checkpoint was snapshotted): a resumed trainer reports nothing twice."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     _fresh_wandb()
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
     every_version = {"every": 1, "size": 2}
+    report_to = "tensorboard,wandb,trackio"
     with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
-        train(
-            proxy, tiny_model_dir, tmp_path, 1, "tensorboard,wandb,trackio", checkpoint_every=1, eval_spec=every_version
-        )
-        train(
-            proxy, tiny_model_dir, tmp_path, 4, "tensorboard,wandb,trackio", checkpoint_every=1, eval_spec=every_version
-        )
+        train(proxy, tiny_model_dir, tmp_path, 2, report_to, checkpoint_every=1, eval_spec=every_version)
+        first = pushed(proxy)
+        # Step 1's checkpoint records the version step 1 reported (v1: evaluated before the first rollouts).
+        assert first[1]["eval/version"] == 1, first[1]
+        unpack(proxy.client("r1", "trainer").download_checkpoint(1), tmp_path / "ckpt1")
+        assert json.loads((tmp_path / "ckpt1" / "state.json").read_text())["counters"][EVAL_REPORTED] == 1
+        # The last step (2) reports the final version, v3 (published by step 2), waited for.
+        assert first[2]["eval/version"] == 3, first[2]
+        train(proxy, tiny_model_dir, tmp_path, 4, report_to, checkpoint_every=1, eval_spec=every_version)
         want = pushed(proxy)
         results = {e.version: e for e in proxy.client("r1", "viewer").eval_results()}
     assert sorted(want) == [1, 2, 3, 4]
     reported = [int(m["eval/version"]) for _, m in sorted(want.items()) if "eval/version" in m]
-    assert reported and reported[0] == 1, want  # the generator evaluates v1 before its first rollouts
     assert reported == sorted(set(reported)), f"an evaluated version reported twice: {reported}"
+    assert want[4]["eval/version"] == 5, reported  # the second trainer's final version
     for m in want.values():
         if "eval/version" in m:
             e = results[int(m["eval/version"])]
@@ -249,6 +274,8 @@ def test_an_unreachable_tracker_is_warned_about_once_and_training_goes_on(
 
 
 def test_report_to_is_checked_at_start_up() -> None:
+    # The defaults: none for `bucketrl trainer`; `bucketrl up` writes TensorBoard files when tensorboard is here.
+    assert TrainerSettings.model_fields["report_to"].default == "none" and default_report_to() == "tensorboard"
     assert parse_report_to("none") == [] and parse_report_to("") == []
     assert parse_report_to("tensorboard, wandb") == ["tensorboard", "wandb"]
     with pytest.raises(ValueError, match="mlflow is not one of"):

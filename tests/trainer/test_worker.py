@@ -220,9 +220,9 @@ class _RecordingWorker(TrainerWorker):
         super().__init__(*args, **kw)  # type: ignore[arg-type]
         self.pushed: list[tuple[int, dict[str, float]]] = []
 
-    def _push(self, step: int, stats: dict[str, float]) -> None:
+    def _push(self, step: int, stats: dict[str, float], *, report_eval: bool = True) -> None:
         self.pushed.append((step, dict(stats)))
-        super()._push(step, stats)
+        super()._push(step, stats, report_eval=report_eval)
 
 
 def test_no_trained_group_is_staler_than_max_staleness(

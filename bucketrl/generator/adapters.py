@@ -151,6 +151,10 @@ class VersionBook:
         self.newest_known = 0  # the newest version the proxy announced
         self._loading: int | None = None  # the version pending() handed to the main thread to load
         self._fetching: dict[int, str] = {}  # version -> lease id, while its adapter downloads
+        # Versions whose evaluation this worker takes part in and the proxy still has prompts of (worker.py
+        # _evaluate_some): kept loaded past the staleness window until it is done, or the version would never be
+        # evaluated (nobody else holds it once the window moved on).
+        self._pinned: set[int] = set()
 
     def name(self, version: int) -> str:
         from bucketrl.generator.engines.base import adapter_name
@@ -252,20 +256,34 @@ class VersionBook:
             slot.lease_id = new_id
             return True
 
+    def pin(self, version: int) -> None:
+        """Keep ``version`` loaded past the staleness window (its evaluation is not done)."""
+        with self._lock:
+            self._pinned.add(version)
+
+    def unpin(self, *versions: int) -> None:
+        with self._lock:
+            self._pinned.difference_update(versions)
+
+    def pinned(self) -> set[int]:
+        with self._lock:
+            return set(self._pinned)
+
     def retire(self, max_staleness: int, capacity: int, reserve: int = 0) -> list[VersionSlot]:
         """Loaded versions to unload now (and forget, releasing their lease).
 
-        Unused (no work in flight) and not current, and either older than the staleness window or needed
-        to keep ``loaded + reserve <= capacity`` (oldest first).
+        Unused (no work in flight) and not current, and either older than the staleness window (unless
+        pinned) or needed to keep ``loaded + reserve <= capacity`` (oldest first, pinned ones last: an idle
+        version that is not current samples nothing for training).
         """
         with self._lock:
             cur = self._current_locked()
             idle = sorted(
                 (s for s in self._slots.values() if s.loaded and s.inflight == 0 and s is not cur),
-                key=lambda s: s.version,
+                key=lambda s: (s.version in self._pinned, s.version),
             )
             floor = self.newest_known - max_staleness
-            out = [s for s in idle if s.version < floor]
+            out = [s for s in idle if s.version < floor and s.version not in self._pinned]
             loaded = sum(s.loaded for s in self._slots.values()) - len(out)
             for s in idle:
                 if loaded + reserve <= capacity:
@@ -275,6 +293,7 @@ class VersionBook:
                     loaded -= 1
             for s in out:
                 del self._slots[s.version]
+                self._pinned.discard(s.version)
             return out
 
     def take_idle_leases(self) -> list[str]:

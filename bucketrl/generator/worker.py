@@ -410,6 +410,7 @@ class GeneratorWorker:
         batch. Versions the proxy had nothing more for are not asked about again."""
         spec = self.spec
         if spec is None or spec.eval is None or self.engine is None or self._pool is None or spec.env is not None:
+            self.book.unpin(*self.book.pinned())
             return  # multi-turn runs are not evaluated by generators (yet): their episodes need the environment
         if self._eval_broken is not None and self._eval_broken == spec.eval_dataset():
             return
@@ -436,7 +437,9 @@ class GeneratorWorker:
             log.warning("cannot lease eval prompts: %s", exc.message)
             return
         if not items:
+            # Every prompt of these versions is done or leased to others: nothing keeps them loaded for eval.
             self._eval_done.update(dict.fromkeys(versions, now))
+            self.book.unpin(*versions)
             return
         version = items[0].version
         items = [i for i in items if i.version == version and i.index < len(examples)]
@@ -444,6 +447,9 @@ class GeneratorWorker:
             slot = self.book.begin(version)
         except KeyError:  # retired since the lease: the lease expires and another generator does it
             return
+        # The proxy had prompts of it: keep it loaded past the staleness window until none are left, else a
+        # version whose eval outlasts the window is never finished (seen: 16 of 32 prompts of v51 in the demo).
+        self.book.pin(version)
         try:
             sampling = spec.eval_sampling()
             assert sampling is not None

@@ -52,6 +52,23 @@ def test_retire_makes_room_for_a_pending_version_oldest_first() -> None:
     assert book.retire(max_staleness=4, capacity=3, reserve=1) == []
 
 
+def test_a_pinned_version_outlives_the_window_and_goes_last_for_room() -> None:
+    """A version whose evaluation is not done stays loaded past the staleness window; when the engine needs a
+    slot, idle unpinned versions go first; unpinned, it retires as usual."""
+    book = _book(1, 2, 3, 4)  # window {3, 4}
+    book.pin(1)
+    assert [s.version for s in book.retire(max_staleness=1, capacity=10)] == [2]
+    assert book.loaded_versions() == [1, 3, 4]
+    book.add(5, "L5", Path("/x/v5"), 0.1)
+    assert [s.version for s in book.retire(max_staleness=2, capacity=3, reserve=1)] == [3]  # not the pinned v1
+    assert [s.version for s in book.retire(max_staleness=2, capacity=2, reserve=1)] == [1]  # no other left
+    assert book.pinned() == set()
+    book = _book(1, 2, 3)
+    book.pin(1)
+    book.unpin(1)
+    assert [s.version for s in book.retire(max_staleness=1, capacity=10)] == [1]
+
+
 def test_idle_leases_are_handed_out_once_and_no_longer_renewed() -> None:
     book = _book(1, 2)
     book.begin(2)

@@ -347,3 +347,27 @@ def test_eval_prompts_are_sampled_with_the_eval_settings_and_training_goes_on(
         assert all(len(g.completions) == spec.group_size for d in trained for g in d.groups)
     status = viewer.status()
     assert [e.version for e in status.eval] == [1, 2]
+
+
+def test_a_version_being_evaluated_stays_loaded_until_its_eval_is_done(
+    proxy: ProxyHarness, tiny_model_dir: Path, adapters: dict[int, Path]
+) -> None:
+    """Eval takes one small batch per training batch, so a version's evaluation can outlast its staleness
+    window. The generator keeps it loaded until the proxy has no prompt of it left: unloaded with the window
+    (as before), nobody holds it any more and it is never evaluated (the demo lost v51 that way)."""
+    size = 12  # 6 eval batches of prompts_per_request 2
+    trainer, _ = create_run(
+        proxy, "w-pin", tiny_model_dir, adapters[1], max_staleness=1, eval=EvalSpec(every=2, size=size, split="x")
+    )
+    # (the eval set is the run's bucket dataset: eval.dataset None reads it with the split, which a bucket
+    # dataset ignores)
+    viewer = proxy.client("w-pin", "viewer")
+    with running_worker(worker_settings(proxy, "w-pin", "gen-a")) as worker, Consumer(trainer):
+        wait_until(lambda: 1 in worker.book.pinned(), 180, "v1's evaluation started")
+        assert not viewer.eval_results(), "v1 evaluated within one batch: the test needs a larger eval set"
+        trainer.publish_adapter(2, pack_dir(adapters[2]))
+        trainer.publish_adapter(3, pack_dir(adapters[1]))  # v1 leaves the window (newest 3, max_staleness 1)
+        wait_until(lambda: 3 in worker.book.loaded_versions(), 120, "v3 loaded")
+        v1 = wait_until(lambda: next((e for e in viewer.eval_results() if e.version == 1), None), 180, "v1 eval")
+        assert v1.prompts == size
+        wait_until(lambda: 1 not in worker.book.loaded_versions(), 60, "v1 unloaded once its eval was done")

@@ -178,8 +178,9 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
         app.state.ctx = ctx
         ctx.notifier = Notifier.from_url(settings.redis_url, settings.redis_timeout_s)
         ctx.notifier.start()
-        from bucketrl.proxy import identity
+        from bucketrl.proxy import durability, identity
 
+        await durability.warn_if_rollback_possible(ctx.redis)
         if not (await identity.check(ctx, force=True)).ok:
             log.warning("not serving yet: %s (rechecked on requests and by the maintenance loop)", ctx.identity.problem)
         elif settings.rebuild_forced:

@@ -147,15 +147,21 @@ class Submitter:
     def close(self, timeout_s: float) -> bool:
         """Finish the queued batches within ``timeout_s``; then abandon the rest (released). True if all finished."""
         deadline = time.monotonic() + timeout_s
-        while True:
+        # A reward that is running past its deadlines with no answer would only use up the time: abandon at once
+        # (a run stopped because nothing scores used to wait out the whole timeout here).
+        hopeless = lambda: self.pool.hanging  # noqa: E731
+        while not hopeless():
             try:
-                self.queue.put(_STOP, timeout=max(0.05, deadline - time.monotonic()))
+                self.queue.put(_STOP, timeout=min(0.5, max(0.05, deadline - time.monotonic())))
                 break
             except queue.Full:
                 if time.monotonic() >= deadline:
                     break
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        while self._thread.is_alive() and not hopeless() and time.monotonic() < deadline:
+            self._thread.join(min(0.5, max(0.0, deadline - time.monotonic())))
         finished = not self._thread.is_alive()
+        if not finished and hopeless():
+            log.warning("shutdown: the reward %s is hanging; not waiting for it", self.pool.spec.name)
         if not finished:
             self.abandon.set()
             self._thread.join(self.pool.timeout_s + 30.0)

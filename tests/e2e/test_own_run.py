@@ -40,6 +40,15 @@ def strict(completion, answer, *, prompt):
     if completion.strip() != (answer or "").strip():
         raise ValueError(f"cannot parse {completion[:20]!r}")
     return 1.0
+
+
+def hangs(completion, answer, *, prompt):
+    """Scores the exact answer (the preflight's call); hangs on anything else, past every deadline."""
+    if completion.strip() == (answer or "").strip():
+        return 1.0
+    import time
+
+    time.sleep(3600)
 '''
 
 
@@ -233,6 +242,32 @@ def test_a_reward_that_fails_stops_the_run_with_its_message(tmp_path: Path) -> N
     # `bucketrl status` (no options: the last `up` from here) says why the run stopped.
     status = _cli(work, "status")
     assert "trainer stopped on a configuration error" in status.stderr, status.stderr
+
+
+def test_a_reward_that_hangs_on_everything_stops_the_run_within_a_minute(tmp_path: Path) -> None:
+    """A reward that passes the preflight but hangs on every completion: the run stops (exit 2) naming the timeout,
+    within ~60 s of `up`'s start. It used to take one 10 s deadline per completion over 2 scoring processes: the
+    first step's 64 completions, over 5 minutes of a silent-looking run; now a batch costs its first 2 rounds."""
+    work = tmp_path
+    (work / "myreward.py").write_text(REWARD_MODULE)
+    (work / "data.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": "9" * 30}) + "\n" for i in range(8))
+    )
+    t0 = time.monotonic()
+    run = _cli(
+        work,
+        "up", "--dir", "runs/hang", "--no-live", "--dataset", "data.jsonl", "--reward", "myreward:hangs",
+        "--max-new-tokens", "4", "--generators", "1",
+        timeout=240,
+    )  # fmt: skip
+    seconds = time.monotonic() - t0
+    out = run.stdout + run.stderr
+    assert run.returncode == 2, out[-4000:]
+    assert "could not score" in out and "ran past 10s (BUCKETRL_REWARD_TIMEOUT_S)" in out, out[-3000:]
+    print(f"stopped after {seconds:.0f}s")
+    assert seconds < 90, f"took {seconds:.0f}s"  # ~45 s alone here: start-up, then 2 rounds of 10 s deadlines
+    pids = json.loads((work / "runs/hang/services.json").read_text())
+    assert not [n for n, pid in pids.items() if alive(pid)]
 
 
 def test_sigkill_of_up_leaves_no_process(tmp_path: Path) -> None:

@@ -149,12 +149,41 @@ def test_pool_reports_each_failure_as_it_happens() -> None:
     pushes as a note: live view, dashboard, status) a whole timeout before the batch's results are."""
     seen: list[tuple[float, str | None]] = []
     hook = lambda r: seen.append((time.monotonic(), r.kind))  # noqa: E731
-    with RewardPool(RewardSpec(name=f"{FIX}:hangs"), workers=1, timeout_s=1.5, on_failure=hook) as pool:
+    # hang_probe=0: two hung items in a row would otherwise end the batch (see the next test).
+    pool = RewardPool(RewardSpec(name=f"{FIX}:hangs"), workers=1, timeout_s=1.5, on_failure=hook, hang_probe=0)
+    with pool:
         got = pool.score_detailed([RewardItem(c, None, "") for c in ("a", "b", "ok")])
         done = time.monotonic()
     assert [r.kind for r in got] == ["timeout", "timeout", None]
     assert [k for _, k in seen] == ["timeout", "timeout"]
     assert seen[0][0] < done - 1.0, (seen, done)
+
+
+def test_a_reward_that_hangs_on_everything_costs_a_batch_two_deadlines() -> None:
+    """Once the first hang_probe (2 x workers) completions of a batch all time out and none answered, the rest of
+    the batch is timed out without a call: 2 rounds of deadlines, not one per completion (12 x 1.5 s / 2 = 9 s)."""
+    with RewardPool(RewardSpec(name=f"{FIX}:hangs"), workers=2, timeout_s=1.5) as pool:
+        assert pool.hang_probe == 4
+        t0 = time.monotonic()
+        got = pool.score_detailed([RewardItem(f"bad{i}", None, "") for i in range(12)])
+        seconds = time.monotonic() - t0
+        assert [r.kind for r in got] == ["timeout"] * 12
+        assert pool.timeouts_total == 4 and pool.skipped_total == 8 and pool.unscorable_total == 12
+        assert sum("not called on this one" in (r.message or "") for r in got) == 8
+        assert all("BUCKETRL_REWARD_TIMEOUT_S" in (r.message or "") for r in got)
+        assert seconds < 8, seconds  # 2 deadlines side by side, twice, + respawns (was 6 deadlines: 9 s)
+        assert pool.hanging  # a shutting-down generator does not wait for it
+        # The next batch is probed again: a reward that recovers is scored.
+        assert pool.score([RewardItem("ok", None, "")] * 3) == [1.0] * 3
+        assert not pool.hanging
+
+
+def test_a_reward_that_answers_is_never_skipped() -> None:
+    """One answer in the batch ends the probe: a reward that hangs on some completions is called on every one."""
+    with RewardPool(RewardSpec(name=f"{FIX}:hangs"), workers=1, timeout_s=1.0, hang_probe=2) as pool:
+        got = pool.score([RewardItem(c, None, "") for c in ("ok", "bad", "bad", "bad", "ok")])
+        assert got == [1.0, None, None, None, 1.0]
+        assert pool.timeouts_total == 3 and pool.skipped_total == 0
 
 
 def test_pool_turns_garbage_results_into_none() -> None:

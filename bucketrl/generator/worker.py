@@ -689,7 +689,7 @@ class GeneratorWorker:
         self.stop_event.set()
         self._version_ready.set()
         if self.submitter is not None and not self.submitter.close(s.shutdown_timeout_s):
-            log.warning("shutdown: in-flight batches not submitted in %.0fs were released", s.shutdown_timeout_s)
+            log.warning("shutdown: in-flight batches not submitted (within %.0fs) were released", s.shutdown_timeout_s)
         leftover = self.ledger.ids()
         if leftover:
             try:

@@ -1,7 +1,10 @@
 """Each mistake a new user makes with their own data, reward or model, run through `bucketrl up` as a subprocess:
 it stops in seconds with exit code 2 and one line naming what to change, no traceback, no process started.
 
-The cases run concurrently (each is a separate `bucketrl up` in its own directory); a failure lists them all.
+Each case must stop within 30 s of its own start (issue 11). The cases that read a model (importing torch and
+transformers is most of their ~10 s) run one at a time, so that the bound is measured as a user meets it, not
+under three other `up`s; the rest (1-2 s alone; the hanging reward waits out its 10 s deadline) run 4 at a time,
+each still within 30 s. A failure lists every case.
 """
 
 from __future__ import annotations
@@ -79,6 +82,15 @@ CASES: list[tuple[str, list[str], list[str]]] = [
     ),
     ("env module not allowed", ["--dataset", "toy:tools", "--env", "myenv:Echo"], ["BUCKETRL_ALLOWED_REWARD_MODULES"]),
 ]
+# The cases that load a model's config and tokenizer (and build it on the meta device): run one at a time.
+MODEL_CASES = {
+    "completion does not fit",
+    "uncached hub name",
+    "GPT-2 without q_proj",
+    "chat rows, model without a template",
+}
+# What the issue allows a mistake, from `up`'s start to its exit.
+STOP_WITHIN_S = 30.0
 # The user's environment for a case (the generators inherit it): an operator's allow-list.
 CASE_ENV = {"env module not allowed": {"BUCKETRL_ALLOWED_REWARD_MODULES": "myreward"}}
 
@@ -134,8 +146,12 @@ def test_each_mistake_stops_at_once_with_one_line(tmp_path: Path, tiny_model_dir
     chat = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
     (work / "chat.jsonl").write_text(json.dumps(chat) + "\n")
     _gpt2(work / "gpt2-tiny", tiny_model_dir)
+    assert {name for name, _, _ in CASES} >= MODEL_CASES
+    cheap_cases = [c for c in CASES if c[0] not in MODEL_CASES]
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda c: _run_case(work, c[0], c[1]), CASES))
+        cheap = {r[0]: r for r in pool.map(lambda c: _run_case(work, c[0], c[1]), cheap_cases)}
+    alone = {c[0]: _run_case(work, c[0], c[1]) for c in CASES if c[0] in MODEL_CASES}
+    results = [cheap.get(name) or alone[name] for name, _, _ in CASES]
     problems = []
     for (name, _, needles), (_, code, output, stderr, seconds) in zip(CASES, results, strict=True):
         last = [line for line in output.splitlines() if line.strip()][-1:] or [""]
@@ -147,8 +163,8 @@ def test_each_mistake_stops_at_once_with_one_line(tmp_path: Path, tiny_model_dir
             problems.append(f"{name}: last line {last[0]!r} lacks {needles}")
         elif len([line for line in stderr.splitlines() if line.strip()]) != 1:  # no warnings, no progress bars
             problems.append(f"{name}: more than the one line on stderr:\n{stderr[-2000:]}")
-        elif seconds > 150:  # only a hang: a loaded machine is slow (15-20 s alone here), a crash loop took 112 s
-            problems.append(f"{name}: took {seconds:.0f}s")
+        elif seconds > STOP_WITHIN_S:  # a crash loop took 50-112 s
+            problems.append(f"{name}: took {seconds:.1f}s, over {STOP_WITHIN_S:g}s")
         run_dir = work / "runs" / name.replace(" ", "-")
         if (run_dir / "services.json").exists():
             problems.append(f"{name}: started services: {(run_dir / 'services.json').read_text()}")

@@ -217,14 +217,20 @@ def _logprobs_match_the_trainer(work: Path, spec_dict: dict, adapter: Path) -> N
     assert torch.allclose(trainer_lp, peft_lp, atol=1e-4), (trainer_lp, peft_lp)
 
 
-def test_a_reward_that_fails_stops_the_run_with_its_message(tmp_path: Path) -> None:
-    """The reward passes the preflight (it scores the reference answer) but raises on what the model writes:
-    the trainer stops the run (exit 2) with the reward's message; `up` prints it and stops everything."""
-    work = tmp_path
+def _reward_run_dir(work: Path) -> Path:
+    """``work`` holding REWARD_MODULE and an 8-row dataset whose answer the model never writes: each reward passes
+    the preflight (it is called on the reference answer) and meets its failure only on the model's completions."""
     (work / "myreward.py").write_text(REWARD_MODULE)
     (work / "data.jsonl").write_text(
         "".join(json.dumps({"prompt": f"{i}+1=", "answer": "9" * 30}) + "\n" for i in range(8))
     )
+    return work
+
+
+def test_a_reward_that_fails_stops_the_run_with_its_message(tmp_path: Path) -> None:
+    """The reward passes the preflight (it scores the reference answer) but raises on what the model writes:
+    the trainer stops the run (exit 2) with the reward's message; `up` prints it and stops everything."""
+    work = _reward_run_dir(tmp_path)
     t0 = time.monotonic()
     run = _cli(
         work,
@@ -248,11 +254,7 @@ def test_a_reward_that_hangs_on_everything_stops_the_run_within_a_minute(tmp_pat
     """A reward that passes the preflight but hangs on every completion: the run stops (exit 2) naming the timeout,
     within ~60 s of `up`'s start. It used to take one 10 s deadline per completion over 2 scoring processes: the
     first step's 64 completions, over 5 minutes of a silent-looking run; now a batch costs its first 2 rounds."""
-    work = tmp_path
-    (work / "myreward.py").write_text(REWARD_MODULE)
-    (work / "data.jsonl").write_text(
-        "".join(json.dumps({"prompt": f"{i}+1=", "answer": "9" * 30}) + "\n" for i in range(8))
-    )
+    work = _reward_run_dir(tmp_path)
     t0 = time.monotonic()
     run = _cli(
         work,

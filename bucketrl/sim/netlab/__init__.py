@@ -27,6 +27,9 @@ The reply goes back the same way: loopback to the relay, held half the RTT, out 
     sudo python -m bucketrl.sim.netlab up --regions a,b --rtt-ms 100 --mbit 200 --expose 8080
 
 prints the namespaces, addresses and relays as JSON and holds them until Ctrl-C (or SIGTERM).
+``python -m bucketrl.sim.netlab check --rtt-ms 100 --mbit 200`` measures what a lab's links deliver on this
+machine now (RTT and download rate through a relay); ``sweep`` removes labs whose owner died; ``drop`` cuts a link
+of a lab held by ``up`` for N seconds.
 """
 
 from bucketrl.sim.netlab.cleanup import sweep

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import threading
 import uuid
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
@@ -88,7 +87,8 @@ class Relay:
         return f"{self.host}:{self.port}"
 
 
-_LIVE: weakref.WeakSet[Lab] = weakref.WeakSet()
+# Strong references: a lab dropped without close() must still be closed at exit, not forgotten by the GC.
+_LIVE: set[Lab] = set()
 _HOOKS_INSTALLED = False
 
 

@@ -2,11 +2,14 @@
 trip and rate are what a TCP client in a region measures, a dropped link stalls and recovers, and nothing of a lab
 is left after it closes, even when its owner was SIGKILLed.
 
-Root only (CI runs as root). Every address used is one the lab assigned inside its own namespaces, or loopback.
+The lab's tests need root (CI runs as root) and are skipped without it; the relay's own tests run anywhere, on
+loopback. Every address used is one the lab assigned inside its own namespaces, or loopback.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -21,11 +24,10 @@ from typing import Any
 import pytest
 
 from bucketrl.sim.netlab import Lab, LinkSpec, Relay, cleanup
+from bucketrl.sim.netlab.delay import DelayRelay
 
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
-    pytest.mark.timeout(120),
-]
+pytestmark = pytest.mark.timeout(120)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
 PROBE = [sys.executable, "-m", "bucketrl.sim.netlab.probe"]
 A = LinkSpec(rtt_ms=100, mbit=20)
@@ -57,6 +59,7 @@ def running() -> Iterator[Running]:
         yield Running(lab, lab.expose("a", port), lab.expose("b", port))
 
 
+@needs_root
 def test_rtt_through_the_relay_is_the_set_rtt(running: Running) -> None:
     a = _probe(running.lab, "a", "rtt", "--addr", running.relay_a.address, "--count", "10")
     b = _probe(running.lab, "b", "rtt", "--addr", running.relay_b.address, "--count", "10")
@@ -68,6 +71,7 @@ def test_rtt_through_the_relay_is_the_set_rtt(running: Running) -> None:
     assert min(a["rtt_ms"]) >= 95, a
 
 
+@needs_root
 def test_throughput_through_a_20_mbit_link_both_ways(running: Running) -> None:
     down = _probe(running.lab, "a", "bulk", "--addr", running.relay_a.address, "--bytes", "4000000")
     up = _probe(running.lab, "a", "upload", "--addr", running.relay_a.address, "--bytes", "4000000")
@@ -80,6 +84,7 @@ def test_throughput_through_a_20_mbit_link_both_ways(running: Running) -> None:
     assert 0.095 <= down["first_byte_s"] <= 0.5, down
 
 
+@needs_root
 @pytest.mark.parametrize("mode", ["blackhole", "down"])
 def test_a_dropped_link_stalls_for_the_outage_then_works(running: Running, mode: str) -> None:
     lab = running.lab
@@ -121,6 +126,7 @@ def _ip_state() -> str:
     )
 
 
+@needs_root
 def test_closing_leaves_nothing() -> None:
     lab = Lab({"x": LinkSpec(rtt_ms=10, mbit=50)})
     sleeper = lab.popen("x", ["sleep", "300"])
@@ -158,6 +164,7 @@ _KILLED_OWNER = textwrap.dedent(
 )
 
 
+@needs_root
 def test_a_sigkilled_owner_is_swept_by_the_next_lab() -> None:
     owner = subprocess.Popen([sys.executable, "-c", _KILLED_OWNER], stdout=subprocess.PIPE, text=True)
     assert owner.stdout is not None
@@ -177,6 +184,7 @@ def test_a_sigkilled_owner_is_swept_by_the_next_lab() -> None:
     assert not _running(info["relay_pid"])
 
 
+@needs_root
 def test_sigterm_cleans_up_at_once() -> None:
     owner = subprocess.Popen([sys.executable, "-c", _KILLED_OWNER], stdout=subprocess.PIPE, text=True)
     assert owner.stdout is not None
@@ -188,6 +196,7 @@ def test_sigterm_cleans_up_at_once() -> None:
     assert not _running(info["relay_pid"])
 
 
+@needs_root
 def test_cli_up_serves_a_delayed_port_and_cleans_up_on_ctrl_c() -> None:
     argv = ["up", "--regions", "a", "--rtt-ms", "30", "--mbit", "50", "--expose", "8080"]
     cli = subprocess.Popen([sys.executable, "-m", "bucketrl.sim.netlab", *argv], stdout=subprocess.PIPE, text=True)
@@ -228,3 +237,108 @@ def test_cli_up_serves_a_delayed_port_and_cleans_up_on_ctrl_c() -> None:
                     p.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+# --- the relay alone, on loopback (no root) ------------------------------------------------------------------------
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+
+
+async def _relay_order_and_delay() -> dict[str, Any]:
+    target = await asyncio.start_server(_echo, "127.0.0.1", 0)
+    relay = DelayRelay(("127.0.0.1", 0), ("127.0.0.1", target.sockets[0].getsockname()[1]), one_way_ms=30)
+    port = await relay.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    loop = asyncio.get_running_loop()
+    sent = [f"{i}\n".encode() for i in range(300)]
+    t0 = loop.time()
+
+    async def send() -> None:
+        for i in range(0, len(sent), 10):  # bursts with gaps, so chunks of different sizes and times interleave
+            writer.write(b"".join(sent[i : i + 10]))
+            await writer.drain()
+            await asyncio.sleep(0.003)
+
+    sender = asyncio.create_task(send())
+    first = await reader.readline()
+    first_s = loop.time() - t0
+    got = [first] + [await reader.readline() for _ in range(len(sent) - 1)]
+    await sender
+    t_eof = loop.time()
+    writer.write_eof()  # the half-close travels delayed too: the echo server sees it, closes, and that comes back
+    tail = await reader.read()
+    eof_s = loop.time() - t_eof
+    writer.close()
+    await relay.close()
+    target.close()
+    return {"in_order": got == sent, "first_s": first_s, "eof_s": eof_s, "tail": tail}
+
+
+def test_relay_delays_each_direction_keeps_order_and_forwards_half_close() -> None:
+    res = asyncio.run(_relay_order_and_delay())
+    print(f"relay alone, 30 ms each way: first echo {res['first_s'] * 1000:.1f} ms, EOF {res['eof_s'] * 1000:.1f} ms")
+    assert res["in_order"]
+    assert res["tail"] == b""
+    assert 0.058 <= res["first_s"] <= 0.2, res  # 30 ms each way
+    assert 0.058 <= res["eof_s"] <= 0.2, res
+
+
+async def _relay_back_pressure(window: int, total: int) -> dict[str, Any]:
+    release = asyncio.Event()
+    digest = hashlib.sha256()
+    received = 0
+    done = asyncio.Event()
+
+    async def slow_sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal received
+        await release.wait()  # read nothing until told: the relay must stop taking bytes, not buffer them all
+        while data := await reader.read(1 << 20):
+            digest.update(data)
+            received += len(data)
+        writer.close()
+        done.set()
+
+    target = await asyncio.start_server(slow_sink, "127.0.0.1", 0)
+    relay = DelayRelay(("127.0.0.1", 0), ("127.0.0.1", target.sockets[0].getsockname()[1]), 10, window_bytes=window)
+    port = await relay.start()
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    block = os.urandom(1 << 20)
+    sent_digest = hashlib.sha256()
+    sent = 0
+    stalled_at = None
+    while sent < total:
+        writer.write(block)
+        sent_digest.update(block)
+        sent += len(block)
+        try:
+            await asyncio.wait_for(writer.drain(), 0.5)
+        except TimeoutError:
+            stalled_at = sent
+            break
+    release.set()
+    while sent < total:
+        writer.write(block)
+        sent_digest.update(block)
+        sent += len(block)
+        await writer.drain()
+    writer.write_eof()
+    await asyncio.wait_for(done.wait(), 30)
+    writer.close()
+    await relay.close()
+    target.close()
+    same = digest.digest() == sent_digest.digest()
+    return {"stalled_at": stalled_at, "sent": sent, "received": received, "same": same}
+
+
+def test_relay_applies_back_pressure_and_loses_nothing() -> None:
+    res = asyncio.run(_relay_back_pressure(window=256 * 1024, total=48 << 20))
+    print(f"back-pressure: sender stalled after {res['stalled_at'] / 2**20:.0f} MiB")
+    # The sender stalls once the window and the sockets' buffers (loopback autotunes them to a few MB each) are
+    # full; a relay that buffered without bound would have taken all 48 MB.
+    assert res["stalled_at"] is not None and res["stalled_at"] <= 40 << 20, res
+    assert res["received"] == res["sent"] and res["same"], res

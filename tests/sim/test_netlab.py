@@ -25,6 +25,7 @@ import pytest
 
 from bucketrl.sim.netlab import Lab, LinkSpec, Relay, cleanup
 from bucketrl.sim.netlab.delay import DelayRelay
+from bucketrl.sim.netlab.drop import DropMode
 
 pytestmark = pytest.mark.timeout(120)
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
@@ -86,7 +87,7 @@ def test_throughput_through_a_20_mbit_link_both_ways(running: Running) -> None:
 
 @needs_root
 @pytest.mark.parametrize("mode", ["blackhole", "down"])
-def test_a_dropped_link_stalls_for_the_outage_then_works(running: Running, mode: str) -> None:
+def test_a_dropped_link_stalls_for_the_outage_then_works(running: Running, mode: DropMode) -> None:
     lab = running.lab
     client = lab.popen(
         "a",
@@ -97,7 +98,7 @@ def test_a_dropped_link_stalls_for_the_outage_then_works(running: Running, mode:
     )
     assert client.stdin is not None and client.stdout is not None
     assert client.stdout.readline().strip() == "CONNECTED"
-    timer = lab.drop_for("a", 2.0, mode=mode)  # type: ignore[arg-type]
+    timer = lab.drop_for("a", 2.0, mode=mode)
     client.stdin.write("go\n")
     client.stdin.flush()
     out, _ = client.communicate(timeout=30)

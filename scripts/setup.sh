@@ -27,6 +27,9 @@ if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
   # netavark (podman's network backend) sets up compose's bridge networks with iptables; Debian only suggests it.
   command -v iptables >/dev/null || need="$need iptables"
   [ -x /usr/sbin/debootstrap ] || need="$need debootstrap"
+  # The network lab (bucketrl/sim/netlab, tests/sim/test_netlab.py): namespaces, tbf links and nft drop rules.
+  command -v tc >/dev/null || need="$need iproute2"
+  command -v nft >/dev/null || need="$need nftables"
   if [ -n "$need" ]; then
     apt-get update -qq >/dev/null 2>&1 || true
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null 2>&1 || echo "warning: apt-get install$need failed"

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from markdown.extensions.toc import slugify
 
+from tests.deploy.support import SERVICES, env_names, settings_class
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -101,3 +103,14 @@ def test_no_measured_range_is_quoted_in_two_files() -> None:
             seen.setdefault(re.sub(r"\s", "", figure), set()).add(page.relative_to(ROOT).as_posix())
     twice = {figure: sorted(files) for figure, files in seen.items() if len(files) > 1}
     assert not twice, f"figures quoted in more than one file (keep one, link to it): {twice}"
+
+
+def test_every_setting_the_docs_name_is_one_a_service_reads() -> None:
+    # A renamed or removed setting must not live on in the docs (tests/deploy checks the deploy files the same way).
+    known = set().union(*(env_names(settings_class(component)) for component in SERVICES))
+    unknown = {
+        page.relative_to(ROOT).as_posix(): sorted(names - known)
+        for page in _pages()
+        if (names := set(re.findall(r"\bBUCKETRL_[A-Z0-9_]*[A-Z0-9]\b", page.read_text()))) - known
+    }
+    assert not unknown, f"settings named in the docs that no service reads: {unknown}"

@@ -1,9 +1,10 @@
 """The README stays a front door and the docs stay one site: size, strict build, links, each figure quoted once.
 
 The docs rule (issue 21): a measured figure appears once in the tree, with its command and conditions, so that
-re-measuring it changes one place. The headline figures live in the README's table; every other figure in one
-docs page. A measured range with a unit ("119–161 ms") is distinctive enough to find a copy, so the checks below
-look for those; single round numbers ("10 s", a default) are left alone.
+re-measuring it changes one place. The headline figures live in the README's table (the site includes it into
+docs/performance.md with pymdownx.snippets, so it is still written once); every other figure in one docs page.
+A measured range with a unit ("119–161 ms") is distinctive enough to find a copy, so the checks below look for
+those; single round numbers ("10 s", a default) are left alone.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The GRPO loss (docs/design.md section 5): a pure function over a typed batch of per-token tensors.
 
-Three objectives, chosen per run by ``LossSpec.objective`` (README "Training" compares them with TRL and AReaL):
+Three objectives, chosen per run by ``LossSpec.objective`` (docs/training.md compares them with TRL and AReaL):
 
 * ``ppo_clip`` (TRL's): ``r = pi_theta / pi_behav`` against the generator's behaviour logprobs,
   ``loss_t = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``.

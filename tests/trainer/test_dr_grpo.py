@@ -2,8 +2,8 @@
 against the paper's formulas, on hand-computed tensors: advantages ``R_i - mean(R)`` with no std, and the loss
 ``-1/(G * C) * sum_i sum_t min(r A_i, clip(r) A_i)`` with a CONSTANT ``C`` (the generation budget: TRL's
 ``max_completion_length``, oat's ``generate_max_length``) where GRPO divides each sequence by its own ``|o_i|``.
-Then the run-spec fields (``aggregation: constant``, ``constant_normalizer``, TRL's ``loss_type``) and their
-refusals, through ``bucketrl up`` as a user meets them.
+Then the run-spec fields (``aggregation: constant``, ``constant_normalizer``) and the refusals (TRL's
+``loss_type`` among them), through ``bucketrl up`` as a user meets them.
 """
 
 from __future__ import annotations
@@ -226,13 +226,6 @@ def test_defaults_are_unchanged_and_the_constant_is_filled_from_the_budget() -> 
     assert mine.constant_normalizer is None
 
 
-def test_trls_loss_type_names_mean_the_aggregation() -> None:
-    assert LossSpec.model_validate({"loss_type": "dr_grpo"}).aggregation == "constant"
-    assert LossSpec.model_validate({"loss_type": "grpo"}).aggregation == "sequence"
-    assert LossSpec.model_validate({"loss_type": "dapo", "aggregation": "token"}).aggregation == "token"
-    assert "loss_type" not in RunSpec.model_validate(_spec(loss_type="dr_grpo")).model_dump()["loss"]
-
-
 @pytest.mark.parametrize(
     ("loss", "needle"),
     [
@@ -240,8 +233,11 @@ def test_trls_loss_type_names_mean_the_aggregation() -> None:
             {"aggregation": "token", "constant_normalizer": 512},
             "constant_normalizer is only used by aggregation 'constant'",
         ),
-        ({"loss_type": "dr_grpo", "aggregation": "sequence"}, "loss_type 'dr_grpo' is aggregation 'constant'"),
-        ({"loss_type": "bnpo"}, "loss_type 'bnpo' is not supported"),
+        # TRL's field, refused with bucketrl's spelling of it (as an alias it would disagree with the aggregation
+        # of a spec merged over the defaults, which is what `bucketrl up --run-spec` builds).
+        ({"loss_type": "dr_grpo"}, "write aggregation 'constant' for TRL's 'dr_grpo' \\(with scale_rewards 'none'"),
+        ({"loss_type": "grpo"}, "write aggregation 'sequence' for TRL's 'grpo'"),
+        ({"loss_type": "bnpo"}, "TRL's 'bnpo' has no equivalent"),
         ({"aggregation": "constant", "constant_normalizer": 0}, "greater than or equal to 1"),
         ({"aggregation": "lengthwise"}, "'token', 'sequence' or 'constant'"),
     ],
@@ -251,9 +247,19 @@ def test_nonsense_combinations_are_refused(loss: dict, needle: str) -> None:
         RunSpec.model_validate(_spec(**loss))
 
 
-def test_bucketrl_up_refuses_a_wrong_loss_with_one_line_and_starts_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("loss", "needle"),
+    [
+        ({"aggregation": "token", "constant_normalizer": 512}, "constant_normalizer is only used by aggregation"),
+        ({"objective": "decoupled", "loss_type": "dr_grpo"}, "write aggregation 'constant' for TRL's 'dr_grpo'"),
+    ],
+    ids=["constant without constant aggregation", "TRL's loss_type"],
+)
+def test_bucketrl_up_refuses_a_wrong_loss_with_one_line_and_starts_nothing(
+    tmp_path: Path, loss: dict, needle: str
+) -> None:
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"loss": {"aggregation": "token", "constant_normalizer": 512}}))
+    spec.write_text(json.dumps({"loss": loss}))
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [
@@ -278,6 +284,5 @@ def test_bucketrl_up_refuses_a_wrong_loss_with_one_line_and_starts_nothing(tmp_p
     stderr = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2, out.stdout + out.stderr
     assert len(stderr) == 1 and "Traceback" not in out.stdout + out.stderr, out.stderr
-    assert stderr[0].startswith("bucketrl up: run spec field loss:")
-    assert "constant_normalizer is only used by aggregation 'constant' (Dr.GRPO)" in stderr[0]
+    assert stderr[0].startswith("bucketrl up: run spec field loss:") and needle in stderr[0], stderr[0]
     assert not (run_dir / "services.json").exists()

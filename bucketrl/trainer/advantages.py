@@ -13,6 +13,10 @@ signal: every advantage is 0. Such groups are counted (``sample/zero_variance_gr
 (TRL's behaviour) and contribute no gradient.
 
 ``std`` is the unbiased (n - 1) standard deviation, as in TRL.
+
+``scale_rewards="none"`` is Dr.GRPO's advantage (Liu et al. 2025, "Understanding R1-Zero-Like Training"):
+``A_i = R_i - mean(R)``. Dividing by the std weighs a group by the inverse of its reward spread, so prompts
+almost always solved (or almost never) get the largest steps: the paper's question-level difficulty bias.
 """
 
 from __future__ import annotations

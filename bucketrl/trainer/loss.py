@@ -27,6 +27,13 @@ Aggregation (``LossSpec.aggregation``):
 * ``token``: sum of per-token losses over every unmasked token of the step / number of those tokens
   (DAPO / TRL's default: long completions weigh in proportion to their length).
 * ``sequence``: mean over each sequence's tokens, then mean over sequences (the original GRPO).
+* ``constant`` (Liu et al. 2025, "Understanding R1-Zero-Like Training", Dr.GRPO): sum of per-token losses over
+  every unmasked token of the step / (number of sequences * ``constant_normalizer``), the paper's
+  ``1/G sum_i sum_t`` with the generation budget as the constant (TRL's ``loss_type="dr_grpo"`` with
+  ``max_completion_length``, oat's ``generate_max_length``). A token's gradient no longer depends on its own
+  sequence's length (``sequence`` divides it by ``|o_i|``: larger steps for short correct answers, smaller
+  penalties for long wrong ones) nor on the other sequences' lengths (``token``). Dr.GRPO also drops the std
+  from the advantages: ``scale_rewards="none"`` (advantages.py).
 
 Gradient accumulation: a step is split into micro-batches; pass the step's totals as
 ``token_normalizer`` / ``sequence_normalizer`` so the summed micro-batch losses equal the loss of the
@@ -91,8 +98,8 @@ def grpo_loss(
 ) -> LossOutput:
     """The loss of docs/design.md section 5 and the sums behind its stats (see :func:`finalize_stats`).
 
-    ``token_normalizer`` (token aggregation) and ``sequence_normalizer`` (sequence aggregation) default to
-    this batch's own unmasked-token and sequence counts.
+    ``token_normalizer`` (token aggregation) and ``sequence_normalizer`` (sequence and constant aggregation)
+    default to this batch's own unmasked-token and sequence counts.
     """
     mask = batch.mask.to(batch.logprobs.dtype)
     if batch.logprobs.shape != batch.behaviour_logprobs.shape or batch.logprobs.shape != mask.shape:
@@ -141,6 +148,11 @@ def grpo_loss(
     if spec.aggregation == "token":
         denom = token_normalizer if token_normalizer is not None else n_tokens
         loss = masked.sum() / max(denom, 1.0)
+    elif spec.aggregation == "constant":
+        if spec.constant_normalizer is None:
+            raise ValueError("aggregation 'constant' needs loss.constant_normalizer (a RunSpec fills it in)")
+        sequences = sequence_normalizer if sequence_normalizer is not None else float(lp.shape[0])
+        loss = masked.sum() / (max(sequences, 1.0) * spec.constant_normalizer)
     else:
         seq_len = mask.sum(-1).clamp(min=1.0)
         per_seq = masked.sum(-1) / seq_len

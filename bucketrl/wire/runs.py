@@ -52,6 +52,11 @@ class DatasetSpec(StrictWireModel):
     split: ShortStr = "train"
 
 
+# TRL's ``loss_type`` names and the aggregation each means, for the message refusing them (TRL's ``bnpo``
+# normalises per micro-batch, which no bucketrl option does).
+TRL_LOSS_TYPES: dict[str, str] = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}
+
+
 class LossSpec(StrictWireModel):
     # ppo_clip (TRL's token-level ratio), decoupled (AReaL's), gspo (sequence-level ratio): docs/training.md.
     objective: Literal["ppo_clip", "decoupled", "gspo"] = "ppo_clip"
@@ -59,13 +64,46 @@ class LossSpec(StrictWireModel):
     epsilon_high: float = Field(0.28, ge=0.0, le=10.0)
     # Truncation cap C of the decoupled objective's importance weight min(pi_prox/pi_behav, C).
     is_cap: float = Field(2.0, gt=0.0)
-    aggregation: Literal["token", "sequence"] = "token"
+    # How the step's per-token losses become one number: token (sum / the step's trained tokens), sequence (mean
+    # per completion, then over completions), constant (Dr.GRPO: sum / (completions * constant_normalizer), so
+    # no completion's own length scales its tokens' gradient). Dr.GRPO is constant with scale_rewards none.
+    aggregation: Literal["token", "sequence", "constant"] = "token"
+    # Tokens per completion in the constant aggregation's denominator (Dr.GRPO's generation budget; TRL's
+    # max_completion_length, oat's generate_max_length). None: filled by the run spec with its sampling
+    # max_new_tokens (multi-turn: episode.max_episode_tokens) when the spec is validated.
+    constant_normalizer: int | None = Field(None, ge=1, le=MAX_EPISODE_TOKENS)
     scale_rewards: Literal["group", "none"] = "group"
     filter_zero_variance: bool = False
     kl_coef: float = Field(0.0, ge=0.0)
     # TRL's name (DAPO's overlong filtering): completions cut by max_new_tokens (finish_reason "length") still
     # enter their group's advantage statistics but are not trained on. Aborted completions never are.
     mask_truncated_completions: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trl_loss_type(cls, data: Any) -> Any:
+        # TRL's spelling, refused with the field that means it: accepting it as an alias would leave two
+        # spellings to disagree (a spec merged over defaults, as `bucketrl up --run-spec` does, has both).
+        if isinstance(data, dict) and "loss_type" in data:
+            name = data["loss_type"]
+            means = TRL_LOSS_TYPES.get(name) if isinstance(name, str) else None
+            if means is None:
+                raise ValueError(
+                    f"loss_type is TRL's field; bucketrl has aggregation token|sequence|constant, and TRL's "
+                    f"{name!r} has no equivalent (grpo: sequence, dapo: token, dr_grpo: constant)"
+                )
+            hint = " (with scale_rewards 'none': the paper's Dr.GRPO)" if name == "dr_grpo" else ""
+            raise ValueError(f"loss_type is TRL's field: write aggregation {means!r} for TRL's {name!r}{hint}")
+        return data
+
+    @model_validator(mode="after")
+    def _constant_normalizer_needs_constant(self) -> "LossSpec":
+        if self.constant_normalizer is not None and self.aggregation != "constant":
+            raise ValueError(
+                f"constant_normalizer is only used by aggregation 'constant' (Dr.GRPO), not {self.aggregation!r}: "
+                "drop it or set aggregation constant"
+            )
+        return self
 
 
 class EvalSpec(StrictWireModel):
@@ -143,6 +181,15 @@ class RunSpec(StrictWireModel):
                 f"queue_capacity_groups ({self.queue_capacity_groups}) must be >= groups_per_step "
                 f"({self.groups_per_step}) or the trainer can never fill a step"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fill_constant_normalizer(self) -> "RunSpec":
+        # Dr.GRPO's constant is the generation budget. Filled here, once, so that the trainer (which only sees
+        # the loss settings) and GET /v1/runs show the number used; a later PUT keeps what it is sent.
+        if self.loss.aggregation == "constant" and self.loss.constant_normalizer is None:
+            budget = self.episode.max_episode_tokens if self.env is not None else self.sampling.max_new_tokens
+            self.loss = self.loss.model_copy(update={"constant_normalizer": budget})
         return self
 
     @model_validator(mode="after")

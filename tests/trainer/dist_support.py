@@ -39,10 +39,13 @@ def free_port() -> int:
 
 
 def specs(model_dir: Path) -> dict[str, RunSpec]:
-    """Both loss aggregations (their normalisers are the step's totals over all ranks), with and without KL."""
+    """The loss aggregations (their normalisers are the step's totals over all ranks), with and without KL; Dr.GRPO
+    (constant: the step's sequence count over all ranks times the budget) with truncated IS."""
+    dr_grpo = LossSpec(objective="decoupled", aggregation="constant", scale_rewards="none")
     return {
         "token": tiny_spec(model_dir),
         "sequence_kl": tiny_spec(model_dir, loss=LossSpec(aggregation="sequence", kl_coef=0.05)),
+        "dr_grpo": tiny_spec(model_dir, loss=dr_grpo),
     }
 
 

@@ -57,7 +57,7 @@ def test_ranks_train_like_one_process(world: int, tiny_model_dir: Path, ranked: 
     got = ranked[world]
     steps = dist_support.batches()
 
-    for name in ("token", "sequence_kl"):
+    for name in ("token", "sequence_kl", "dr_grpo"):
         have, want = got[name], single[name]
         assert have["losses"] == pytest.approx(want["losses"], abs=TOL), name
         assert_close(have["grads"], want["grads"], f"{name} gradients of step 1")
@@ -97,7 +97,7 @@ def test_ranks_with_the_base_sharded_by_fsdp2_train_like_one_process(world: int,
     """FSDP2 (fully_shard per block, gloo on CPU): each rank holds 1/N of the frozen base; the ranks run their
     token-balanced shares in lockstep (filler passes), and the update is one process's."""
     got = ranked[world]
-    for name in ("token", "sequence_kl", "stale"):
+    for name in ("token", "sequence_kl", "dr_grpo", "stale"):
         have, want = got[f"{name}_fsdp"], single[name]
         assert have["losses"] == pytest.approx(want["losses"], abs=TOL), name
         assert_close(have["grads"], want["grads"], f"{name} (FSDP2) gradients of step 1")

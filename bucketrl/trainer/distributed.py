@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 import torch
 import torch.distributed as dist
 
+from bucketrl.trainer.exits import RankFailure
 from bucketrl.trainer.settings import TrainerSettings
-from bucketrl.trainer.worker import RankFailure
 
 if TYPE_CHECKING:
     from bucketrl.trainer.learner import Learner, StepGroup

@@ -26,7 +26,6 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,13 +33,11 @@ from bucketrl.trainer.advantages import group_advantages
 from bucketrl.trainer.batching import Sample, group_samples, make_micro_batches
 from bucketrl.trainer.loss import LossBatch, LossOutput, finalize_stats, grpo_loss
 from bucketrl.trainer.model import AdapterSnapshot, PolicyModel
+from bucketrl.trainer.ranks import Ranks, shard_groups
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.trainer.sharding import filler_batch
 from bucketrl.wire.rollouts import RolloutGroup
 from bucketrl.wire.runs import RunSpec, SamplingSpec
-
-if TYPE_CHECKING:
-    from bucketrl.trainer.distributed import Ranks
 
 log = logging.getLogger("bucketrl.trainer")
 
@@ -211,8 +208,6 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         if samples:
             if self.ranks is not None:  # this rank's share; the statistics above cover the whole step
-                from bucketrl.trainer.distributed import shard_groups
-
                 share = shard_groups(groups, self.ranks.world)[self.ranks.rank]
                 samples, _ = self.build_samples([groups[i] for i in share])
             t_check = time.perf_counter()

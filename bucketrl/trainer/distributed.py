@@ -63,7 +63,8 @@ from bucketrl.trainer.ranks import Message, Ranks, init_ranks
 from bucketrl.trainer.settings import TrainerSettings
 
 if TYPE_CHECKING:
-    from bucketrl.trainer.learner import Learner, StepGroup
+    from bucketrl.trainer.learner import Learner
+    from bucketrl.trainer.step_group import StepGroup
     from bucketrl.wire.runs import RunSpec
 
 log = logging.getLogger("bucketrl.trainer")
@@ -175,7 +176,8 @@ def main(settings: TrainerSettings, *, echo: Callable[[str], None] = print) -> i
         if ranks.speaks:
             from bucketrl.trainer.worker import TrainerWorker
 
-            worker = TrainerWorker(settings, echo=echo, ranks=ranks)
+            speaker = SpeakerHooks(ranks, settings.dist_heartbeat_s)
+            worker = TrainerWorker(settings, echo=echo, ranks=ranks, speaker=speaker)
             worker.install_signal_handlers()
             code = worker.run()
             return code

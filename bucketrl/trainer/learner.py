@@ -25,7 +25,6 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
@@ -36,25 +35,15 @@ from bucketrl.trainer.model import AdapterSnapshot, PolicyModel
 from bucketrl.trainer.ranks import Ranks, shard_groups
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.trainer.sharding import filler_batch
+from bucketrl.trainer.step_group import StepGroup
 from bucketrl.wire.rollouts import Completion, RolloutGroup
-from bucketrl.wire.runs import LossSpec, RunSpec, SamplingSpec
+from bucketrl.wire.runs import LossSpec, RunSpec
 
 log = logging.getLogger("bucketrl.trainer")
 
 MISMATCH_PREFIX = "mismatch/logprob_abs_diff/"
 # Metric names are limited to 128 characters on the wire.
 _MAX_WORKER_IN_NAME = 128 - len(MISMATCH_PREFIX)
-
-
-@dataclass(frozen=True)
-class StepGroup:
-    """A claimed group and where it came from (its delivery's version and generator)."""
-
-    group: RolloutGroup
-    version: int
-    worker_id: str = ""
-    # What the group was sampled with (None: the run's sampling settings).
-    sampling: SamplingSpec | None = None
 
 
 class Learner:

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from bucketrl.trainer.exits import RankFailure
 from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.trainer.step_group import StepGroup
 
 if TYPE_CHECKING:
-    from bucketrl.trainer.learner import StepGroup
     from bucketrl.wire.runs import RunSpec
 
 log = logging.getLogger("bucketrl.trainer")

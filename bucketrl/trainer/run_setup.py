@@ -114,6 +114,7 @@ def open_run_trackers(settings: TrainerSettings, spec: RunSpec, run_created_at: 
 
 def _tracker_settings(settings: TrainerSettings) -> dict[str, Any]:
     """The trainer's own hyper-parameters for the tracker config (no token, no URLs)."""
-    keep = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm", "warmup_steps")
-    keep += ("lr_schedule", "min_lr_ratio", "max_steps", "sync_every", "checkpoint_every", "seed", "dtype")
+    keep: tuple[str, ...] = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm")
+    keep += ("warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps", "sync_every", "checkpoint_every", "seed")
+    keep += ("dtype",)
     return {k: getattr(settings, k) for k in keep}

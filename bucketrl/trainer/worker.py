@@ -39,7 +39,6 @@ import json
 import logging
 import math
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +55,7 @@ from bucketrl.trainer.reporting import EVAL_REPORTED, EvalReports, RewardWatch, 
 from bucketrl.trainer.retry import retrying
 from bucketrl.trainer.run_setup import ensure_run, open_run_trackers
 from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.trainer.step_group import StepGroup
 from bucketrl.trainer.uploader import Uploader
 from bucketrl.wire import Delivery, MetricsPush, RunSpec
 
@@ -74,16 +74,19 @@ class TrainerWorker:
     :class:`~bucketrl.trainer.reporting.EvalReports` and :class:`~bucketrl.trainer.reporting.RewardWatch`.
     """
 
-    def __init__(self, settings: TrainerSettings, *, echo: Callable[[str], None] = print, ranks: Any = None) -> None:
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        *,
+        echo: Callable[[str], None] = print,
+        ranks: Any = None,
+        speaker: Any = None,
+    ) -> None:
         self.settings = settings
-        # Under torchrun this is rank 0, which speaks for all ranks: ``speaker`` tells the others what to train
-        # (bucketrl/trainer/distributed.py). None: a single-process trainer.
+        # Under torchrun this is rank 0, which speaks for all ranks: ``speaker`` (distributed.SpeakerHooks, passed in
+        # by the torchrun entry, bucketrl/trainer/distributed.py) tells the others what to train. None: one process.
         self.ranks = ranks
-        self.speaker: Any = None
-        if ranks is not None:
-            from bucketrl.trainer.distributed import SpeakerHooks
-
-            self.speaker = SpeakerHooks(ranks, settings.dist_heartbeat_s)
+        self.speaker: Any = speaker
         self.worker_id = settings.resolved_worker_id("trainer")
         # One client per thread (main, claim prefetch, uploader): each keeps its own connection. They share one
         # outage budget (BUCKETRL_OUTAGE_BUDGET_S) and log an outage once, whichever thread meets it first.
@@ -304,8 +307,6 @@ class TrainerWorker:
     def _collect(self, deliveries: list[Delivery]) -> tuple[list[Delivery], int, list[Any]]:
         """The deliveries within the staleness window, how many groups were held back, and the step's groups;
         the completions without a reward are counted (and may stop the run)."""
-        from bucketrl.trainer.learner import StepGroup
-
         assert self.spec is not None
         deliveries, held_back = within_staleness(
             deliveries, policy_version=self.policy_version, max_staleness=self.spec.max_staleness, ledger=self.ledger
@@ -560,23 +561,3 @@ class TrainerWorker:
         line = json.dumps({**record, "t": time.time()}) + "\n"
         with self._audit_lock, Path(self.settings.audit_log).open("a") as fh:
             fh.write(line)
-
-
-def main(settings: TrainerSettings) -> int:
-    import os
-
-    world = int(os.environ.get("WORLD_SIZE", "1") or "1")  # torchrun sets it
-    where = f" [rank {os.environ.get('RANK', '?')}/{world}]" if world > 1 else ""
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s",
-        stream=sys.stderr,
-    )
-    if world > 1:
-        from bucketrl.trainer.distributed import exit_rank
-        from bucketrl.trainer.distributed import main as rank_main
-
-        exit_rank(rank_main(settings))
-    worker = TrainerWorker(settings)
-    worker.install_signal_handlers()
-    return worker.run()

@@ -96,7 +96,7 @@ def up_command(
     from bucketrl.preflight import EXIT_CONFIG
     from bucketrl.up.config import UpConfig, load_saved_options
 
-    given = {
+    given: dict[str, Any] = {
         k: v
         for k, v in {
             "run": run,

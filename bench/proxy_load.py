@@ -86,7 +86,7 @@ from typing import Any
 import httpx
 import msgpack
 
-from bucketrl.sim.cluster import cpu_seconds
+from bucketrl.sim.backends import cpu_seconds
 from bucketrl.wire.packed import pack_array
 
 RUN = "bench"

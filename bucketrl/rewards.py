@@ -460,24 +460,9 @@ class RewardPool:
                         results[tag] = Scored(None, "exception", value)
                         log.warning("reward %s raised: %s", self.spec.name, value)
                     self._failed(results[tag])
-            now = time.monotonic()
-            for p in list(self._procs):
-                if p.deadline > now or (p.ready and not p.jobs):
-                    continue
-                if p.jobs:
-                    self.timeouts_total += 1
-                    timed_out += 1
-                    self.hanging = not answered
-                    log.warning("reward %s exceeded %.1fs; replacing its process", self.spec.name, self.timeout_s)
-                    results[p.jobs[0]] = Scored(
-                        None, "timeout", f"the reward function ran past {self.timeout_s:g}s (BUCKETRL_REWARD_TIMEOUT_S)"
-                    )
-                    self._failed(results[p.jobs[0]])
-                    todo[:0] = p.jobs[1:]  # only the hung item is lost
-                else:
-                    failed_starts += 1
-                    log.error("reward process did not start within %.0fs", self.start_timeout_s)
-                self._replace(p, crashed=False)
+            hung, not_started = self._expire(results, todo, answered)
+            timed_out += hung
+            failed_starts += not_started
             if self.hang_probe and timed_out >= self.hang_probe and not answered:
                 self._skip_hung(results, todo, timed_out)
                 break
@@ -485,6 +470,30 @@ class RewardPool:
                 log.error("reward processes keep failing to start; leaving %d items unscorable", len(todo))
                 break
         return results
+
+    def _expire(self, results: list[Scored], todo: list[int], answered: int) -> tuple[int, int]:
+        """Replace the processes past their deadline: one scoring an item (it times out, the rest of its jobs go
+        back to ``todo``) or one that never started. Returns how many of each."""
+        timed_out = failed_starts = 0
+        now = time.monotonic()
+        for p in list(self._procs):
+            if p.deadline > now or (p.ready and not p.jobs):
+                continue
+            if p.jobs:
+                self.timeouts_total += 1
+                timed_out += 1
+                self.hanging = not answered
+                log.warning("reward %s exceeded %.1fs; replacing its process", self.spec.name, self.timeout_s)
+                results[p.jobs[0]] = Scored(
+                    None, "timeout", f"the reward function ran past {self.timeout_s:g}s (BUCKETRL_REWARD_TIMEOUT_S)"
+                )
+                self._failed(results[p.jobs[0]])
+                todo[:0] = p.jobs[1:]  # only the hung item is lost
+            else:
+                failed_starts += 1
+                log.error("reward process did not start within %.0fs", self.start_timeout_s)
+            self._replace(p, crashed=False)
+        return timed_out, failed_starts
 
     def _skip_hung(self, results: list[Scored], todo: list[int], timed_out: int) -> None:
         """The batch's first ``timed_out`` completions all ran past the deadline and none answered: time out the

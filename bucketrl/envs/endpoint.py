@@ -64,77 +64,11 @@ def make_app(hub: EpisodeService) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=om.ChatCompletion)
     async def chat(req: om.ChatRequest) -> om.ChatCompletion:
-        _plain(req.n, req.stream)
-        ep = hub.book.episode_for(req.model)
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        try:
-            prompt_ids = render(hub.tokenizer, messages, tools)
-        except Exception as exc:  # jinja errors: the template refused these messages
-            raise EndpointError(400, "chat_template", f"the chat template cannot render these messages: {exc}") from exc
-        sample = await hub.sample(ep, prompt_ids, req.max_completion_tokens or req.max_tokens)
-        text = hub.decode(sample.token_ids)
-        parsed = parse(text, hub.syntax, [t.function.name for t in req.tools or []])
-        ep.stats.tool_calls += len(parsed.calls)
-        ep.stats.malformed_calls += parsed.malformed
-        ep.stats.tool_errors += parsed.malformed
-        ep.final_text = parsed.content or ""
-        calls = [
-            om.ToolCallModel(id=c.id, function=om.FunctionCall(name=c.name, arguments=c.arguments))
-            for c in parsed.calls
-        ] or None
-        finish = "tool_calls" if calls else ("length" if sample.finish_reason == "length" else "stop")
-        return om.ChatCompletion(
-            id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
-            created=int(time.time()),
-            model=ep.model,
-            choices=[
-                om.ChatChoice(
-                    message=om.AssistantMessage(content=parsed.content, tool_calls=calls),
-                    finish_reason=finish,
-                    logprobs=_chat_logprobs(hub, sample.token_ids, sample.logprobs) if req.logprobs else None,
-                )
-            ],
-            usage=_usage(prompt_ids, sample.token_ids),
-        )
+        return await _chat_completion(hub, req)
 
     @app.post("/v1/completions", response_model=om.TextCompletion)
     async def completions(req: om.CompletionRequest) -> om.TextCompletion:
-        _plain(req.n, req.stream)
-        if req.echo:
-            raise EndpointError(400, "unsupported", "echo is not supported")
-        ep = hub.book.episode_for(req.model)
-        if isinstance(req.prompt, str):
-            prompt_ids = [int(t) for t in hub.tokenizer.encode(req.prompt, add_special_tokens=False)]
-        else:
-            prompt_ids = list(req.prompt)
-            bad = [t for t in prompt_ids if not 0 <= t < hub.vocab_size]
-            if bad:
-                raise EndpointError(400, "invalid_prompt", f"prompt token id {bad[0]} is outside [0, {hub.vocab_size})")
-        if not prompt_ids:
-            raise EndpointError(400, "invalid_prompt", "the prompt has no tokens")
-        sample = await hub.sample(ep, prompt_ids, req.max_tokens)
-        text = hub.decode(sample.token_ids)
-        ep.final_text = text
-        logprobs = None
-        if req.logprobs is not None:
-            pieces = [hub.decode([t]) for t in sample.token_ids]
-            offsets, at = [], 0
-            for p in pieces:
-                offsets.append(at)
-                at += len(p)
-            logprobs = om.CompletionLogprobs(tokens=pieces, token_logprobs=list(sample.logprobs), text_offset=offsets)
-        return om.TextCompletion(
-            id=f"cmpl-{uuid.uuid4().hex[:24]}",
-            created=int(time.time()),
-            model=ep.model,
-            choices=[
-                om.CompletionChoice(
-                    text=text, finish_reason="length" if sample.finish_reason == "length" else "stop", logprobs=logprobs
-                )
-            ],
-            usage=_usage(prompt_ids, sample.token_ids),
-        )
+        return await _text_completion(hub, req)
 
     @app.post("/v1/episodes", response_model=om.EpisodeOpen)
     async def open_episode() -> om.EpisodeOpen:
@@ -150,6 +84,89 @@ def make_app(hub: EpisodeService) -> FastAPI:
         return om.EpisodeFinished(episode_id=ep.id, turns=len(ep.turns), group_complete=ep.group.done)
 
     return app
+
+
+async def _chat_completion(hub: EpisodeService, req: om.ChatRequest) -> om.ChatCompletion:
+    """One model turn of the episode ``req.model`` names, from chat messages (tool calls parsed out)."""
+    _plain(req.n, req.stream)
+    ep = hub.book.episode_for(req.model)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    try:
+        prompt_ids = render(hub.tokenizer, messages, tools)
+    except Exception as exc:  # jinja errors: the template refused these messages
+        raise EndpointError(400, "chat_template", f"the chat template cannot render these messages: {exc}") from exc
+    sample = await hub.sample(ep, prompt_ids, req.max_completion_tokens or req.max_tokens)
+    text = hub.decode(sample.token_ids)
+    parsed = parse(text, hub.syntax, [t.function.name for t in req.tools or []])
+    ep.stats.tool_calls += len(parsed.calls)
+    ep.stats.malformed_calls += parsed.malformed
+    ep.stats.tool_errors += parsed.malformed
+    ep.final_text = parsed.content or ""
+    calls = [
+        om.ToolCallModel(id=c.id, function=om.FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.calls
+    ] or None
+    finish = "tool_calls" if calls else ("length" if sample.finish_reason == "length" else "stop")
+    return om.ChatCompletion(
+        id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        created=int(time.time()),
+        model=ep.model,
+        choices=[
+            om.ChatChoice(
+                message=om.AssistantMessage(content=parsed.content, tool_calls=calls),
+                finish_reason=finish,
+                logprobs=_chat_logprobs(hub, sample.token_ids, sample.logprobs) if req.logprobs else None,
+            )
+        ],
+        usage=_usage(prompt_ids, sample.token_ids),
+    )
+
+
+async def _text_completion(hub: EpisodeService, req: om.CompletionRequest) -> om.TextCompletion:
+    """One model turn of the episode ``req.model`` names, from a text or token-id prompt."""
+    _plain(req.n, req.stream)
+    if req.echo:
+        raise EndpointError(400, "unsupported", "echo is not supported")
+    ep = hub.book.episode_for(req.model)
+    prompt_ids = _completion_prompt_ids(hub, req)
+    sample = await hub.sample(ep, prompt_ids, req.max_tokens)
+    text = hub.decode(sample.token_ids)
+    ep.final_text = text
+    logprobs = _text_logprobs(hub, sample.token_ids, sample.logprobs) if req.logprobs is not None else None
+    return om.TextCompletion(
+        id=f"cmpl-{uuid.uuid4().hex[:24]}",
+        created=int(time.time()),
+        model=ep.model,
+        choices=[
+            om.CompletionChoice(
+                text=text, finish_reason="length" if sample.finish_reason == "length" else "stop", logprobs=logprobs
+            )
+        ],
+        usage=_usage(prompt_ids, sample.token_ids),
+    )
+
+
+def _completion_prompt_ids(hub: EpisodeService, req: om.CompletionRequest) -> list[int]:
+    """A completion request's prompt as token ids (a text prompt tokenized without special tokens)."""
+    if isinstance(req.prompt, str):
+        prompt_ids = [int(t) for t in hub.tokenizer.encode(req.prompt, add_special_tokens=False)]
+    else:
+        prompt_ids = list(req.prompt)
+        bad = [t for t in prompt_ids if not 0 <= t < hub.vocab_size]
+        if bad:
+            raise EndpointError(400, "invalid_prompt", f"prompt token id {bad[0]} is outside [0, {hub.vocab_size})")
+    if not prompt_ids:
+        raise EndpointError(400, "invalid_prompt", "the prompt has no tokens")
+    return prompt_ids
+
+
+def _text_logprobs(hub: EpisodeService, token_ids: list[int], logprobs: list[float]) -> om.CompletionLogprobs:
+    pieces = [hub.decode([t]) for t in token_ids]
+    offsets, at = [], 0
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
+    return om.CompletionLogprobs(tokens=pieces, token_logprobs=list(logprobs), text_offset=offsets)
 
 
 def _plain(n: int, stream: bool) -> None:

@@ -16,22 +16,26 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from bucketrl import errors
+from bucketrl.client import ProxyClient
+from bucketrl.datasets import Example
 from bucketrl.envs.episodes import EndpointError, GroupRun
 from bucketrl.envs.files import merge_json_file
 from bucketrl.envs.protocol import EXTERNAL, make_env
 from bucketrl.envs.service import EpisodeService
-from bucketrl.generator.submit import GeneratedBatch
-from bucketrl.wire import PromptLeaseItem
-
-if TYPE_CHECKING:
-    from bucketrl.generator.worker import GeneratorWorker
+from bucketrl.generator.adapters import VersionBook
+from bucketrl.generator.engines.base import Engine
+from bucketrl.generator.metrics import GeneratorMetrics
+from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
+from bucketrl.wire import PromptLeaseItem, RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +43,47 @@ IDLE_POLL_S = 0.02
 AGENT_LEASE_WAIT_S = 2.0
 
 
+class EpisodeHost(Protocol):
+    """What the driver uses of the generator worker that runs it
+    (:class:`~bucketrl.generator.worker.GeneratorWorker` is one): its run, engine and books, and the four steps
+    it shares with the single-turn loop."""
+
+    settings: GeneratorSettings
+    worker_id: str
+    client: ProxyClient
+    spec: RunSpec | None
+    engine: Engine | None
+    tokenizer: Any
+    examples: list[Example]
+    metrics: GeneratorMetrics
+    book: VersionBook
+    ledger: PromptLedger
+    submitter: Submitter | None
+    stop_event: threading.Event
+    leaser: ThreadPoolExecutor  # runs lease_prompts off the main thread
+
+    def sync_versions(self) -> None:
+        """Load fetched versions, retire unused ones (between engine steps and during waits)."""
+
+    def budget(self) -> int | None:
+        """Groups still allowed under ``max_groups`` (None = unlimited)."""
+
+    def lease_prompts(self, n: int) -> list[PromptLeaseItem]:
+        """Lease up to ``n`` training prompts (in flight from now on); [] when the proxy had none."""
+
+    def prompt_ids(self, index: int) -> list[int]:
+        """The token ids of the dataset's prompt ``index``."""
+
+
 class EpisodeDriver:
-    def __init__(self, worker: GeneratorWorker) -> None:
+    def __init__(self, worker: EpisodeHost) -> None:
         w = self.w = worker
         s, spec = w.settings, w.spec
         assert spec is not None and spec.env is not None and w.engine is not None
         env = None if spec.env.name == EXTERNAL else make_env(spec.env.name, spec.env.kwargs)
         self.exposed = s.openai_port is not None
         self.svc = EpisodeService(
-            tokenizer=w._tokenizer,
+            tokenizer=w.tokenizer,
             spec=lambda: w.spec,  # type: ignore[arg-type,return-value]
             max_model_len=w.engine.max_model_len,
             env=env,
@@ -86,9 +122,9 @@ class EpisodeDriver:
         w = self.w
         try:
             while not w.stop_event.is_set():
-                w._sync_versions()
+                w.sync_versions()
                 self._start_groups()
-                self.svc.queue.serve(w.engine, wait_s=IDLE_POLL_S, while_running=w._sync_versions)  # type: ignore[arg-type]
+                self.svc.queue.serve(w.engine, wait_s=IDLE_POLL_S, while_running=w.sync_versions)  # type: ignore[arg-type]
                 self._hand_over()
                 if self._done():
                     assert w.submitter is not None
@@ -98,7 +134,7 @@ class EpisodeDriver:
             self._drain()
 
     def _done(self) -> bool:
-        budget = self.w._budget()
+        budget = self.w.budget()
         return budget is not None and budget <= 0 and len(self.svc.book) == 0 and self._lease is None
 
     def _slot_ok(self) -> bool:
@@ -121,11 +157,11 @@ class EpisodeDriver:
         if w.stop_event.is_set() or not self._slot_ok():
             return
         want = self.target - len(self.svc.book)
-        budget = w._budget()
+        budget = w.budget()
         if budget is not None:
             want = min(want, budget)
         if want > 0:
-            self._lease = (w._leaser.submit(w._lease_prompts, want), want)
+            self._lease = (w.leaser.submit(w.lease_prompts, want), want)
 
     def _pin(self, prompt: PromptLeaseItem, *, external: bool) -> GroupRun:
         w = self.w
@@ -161,7 +197,7 @@ class EpisodeDriver:
                 lease_id=group.lease_id,
                 prompts=[group.prompt],
                 examples=[group.example],
-                prompt_token_ids=[w._prompt_ids(group.prompt.index)],
+                prompt_token_ids=[w.prompt_ids(group.prompt.index)],
                 samples=[],
                 sampling=group.sampling,
                 episodes=[group.episodes],
@@ -169,7 +205,7 @@ class EpisodeDriver:
             w.submitter.put(batch, w.stop_event, w.settings.shutdown_timeout_s, idle=self._idle)
 
     def _idle(self) -> None:
-        self.w._sync_versions()
+        self.w.sync_versions()
         self.svc.queue.serve(self.w.engine, wait_s=0.0)  # type: ignore[arg-type]
 
     # -- external agents (the agent-lease thread) ------------------------------------------------------
@@ -180,7 +216,7 @@ class EpisodeDriver:
             raise EndpointError(503, "stopping", "this generator is stopping", retry_after=5)
         if not self._slot_ok():
             raise EndpointError(503, "no_policy", "no policy version is loaded yet", retry_after=2)
-        budget = w._budget()
+        budget = w.budget()
         if budget is not None and budget <= 0:
             raise EndpointError(503, "done", "this generator submitted its max_groups", retry_after=60)
         try:
@@ -216,7 +252,7 @@ class EpisodeDriver:
         self.svc.stopping = True
         deadline = time.monotonic() + w.settings.shutdown_timeout_s
         while len(self.svc.book) and time.monotonic() < deadline:
-            w._sync_versions()
+            w.sync_versions()
             self.svc.queue.serve(w.engine, wait_s=IDLE_POLL_S)  # type: ignore[arg-type]
             self._hand_over()
         if self._lease is not None:  # its prompts sit in the ledger: released with the worker's leftovers

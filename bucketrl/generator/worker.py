@@ -24,7 +24,6 @@ and the prompts are issued again.
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 import signal
 import tempfile
@@ -37,16 +36,19 @@ from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
-from bucketrl.datasets import Example, examples_for_run, prompt_token_ids
+from bucketrl.datasets import Example
 from bucketrl.generator import trust
-from bucketrl.generator.adapters import VersionBook, VersionSlot, clear_stale_tmp, fetch_adapter, gc_cache
+from bucketrl.generator.adapters import VersionBook, VersionSlot, clear_stale_tmp
 from bucketrl.generator.engines.base import Engine, check_reproducible, make_engine
+from bucketrl.generator.evaluation import Evaluator
+from bucketrl.generator.lease_keeper import LeaseKeeper
 from bucketrl.generator.metrics import GeneratorMetrics
+from bucketrl.generator.prompt_tokens import PromptTokens
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
-from bucketrl.rewards import RewardItem, RewardPool
-from bucketrl.wire import EvalResult, EvalSample, MetricsPush, PromptLeaseItem, RunSpec
-from bucketrl.wire.runs import DatasetSpec
+from bucketrl.generator.versions import AdapterVersions, release_version_lease
+from bucketrl.rewards import RewardPool
+from bucketrl.wire import MetricsPush, PromptLeaseItem, RunSpec
 
 if TYPE_CHECKING:
     from bucketrl.generator.episode_loop import EpisodeDriver
@@ -55,8 +57,6 @@ log = logging.getLogger(__name__)
 
 # While the main thread waits (a prompt lease, a full submit queue), it loads fetched versions this often (s).
 IDLE_POLL_S = 0.02
-# A version the proxy had no eval prompts of for us is asked about again after this long (s).
-EVAL_RECHECK_S = 30.0
 # MetricsPush.notes' cap.
 MAX_NOTES = 16
 # A prompt lease long-polls this long for admission control's room (the proxy caps it at its max_wait_s).
@@ -64,7 +64,16 @@ PROMPT_WAIT_S = 2.0
 
 
 class GeneratorWorker:
-    """One generator process. ``run()`` blocks until stopped (or ``max_groups`` submitted) and returns 0."""
+    """One generator process. ``run()`` blocks until stopped (or ``max_groups`` submitted) and returns 0.
+
+    The worker is the loop; its collaborators do the rest: :class:`~bucketrl.generator.versions.AdapterVersions`
+    (the adapter-sync thread, loading and retiring versions), :class:`~bucketrl.generator.prompt_tokens.PromptTokens`
+    (prompt token ids), :class:`~bucketrl.generator.submit.Submitter` (score and submit),
+    :class:`~bucketrl.generator.evaluation.Evaluator` (eval batches),
+    :class:`~bucketrl.generator.lease_keeper.LeaseKeeper` (the keeper thread) and, for multi-turn runs,
+    :class:`~bucketrl.generator.episode_loop.EpisodeDriver`, which drives episodes through the
+    :class:`~bucketrl.generator.episode_loop.EpisodeHost` this worker is.
+    """
 
     def __init__(
         self, settings: GeneratorSettings, *, client: ProxyClient | None = None, engine: Engine | None = None
@@ -81,21 +90,17 @@ class GeneratorWorker:
         self.ledger = PromptLedger()
         self.spec: RunSpec | None = None
         self.examples: list[Example] = []
-        self._prompt_cache: dict[int, list[int]] = {}
-        self._tokenizer: Any = None
+        self.tokenizer: Any = None
         self._pool: RewardPool | None = None
-        self._eval_examples: tuple[DatasetSpec, list[Example]] | None = None
-        # version -> when the proxy had no eval prompt of it for us (all done, or leased to others: asked again
-        # after EVAL_RECHECK_S, in case another generator's leases expire unfinished).
-        self._eval_done: dict[int, float] = {}
-        self._eval_broken: DatasetSpec | None = None  # an eval set that could not be read
         self.submitter: Submitter | None = None
+        self.versions: AdapterVersions | None = None
+        self.prompt_tokens: PromptTokens | None = None
+        self.evaluator: Evaluator | None = None
         self._threads: list[threading.Thread] = []
         self._cache_dir: Path | None = None
         self._own_cache_dir = False
-        self._cache_gc_at = 0  # newest_known at the last cache GC
         self._version_ready = threading.Event()
-        self._leaser = ThreadPoolExecutor(1, thread_name_prefix="prompt-lease")
+        self.leaser = ThreadPoolExecutor(1, thread_name_prefix="prompt-lease")
         self._prefetch: tuple[Future[list[PromptLeaseItem]], int] | None = None
         self.episodes: EpisodeDriver | None = None  # multi-turn runs (run spec env)
         self.phase = "starting"
@@ -126,74 +131,15 @@ class GeneratorWorker:
 
     def _setup(self) -> bool:
         """Everything before the loop. False if stopped while waiting for the run to exist."""
-        s = self.settings
         spec = self._wait_for_run()
         if spec is None:
             return False
         self.spec = spec
-        model = s.model_path or spec.base_model
-        self.announce("checking configuration")
-        # The operator's allow-lists first: nothing the spec names is imported or read unless they admit it.
-        trust.check_spec(spec, s.allowed_reward_modules, s.allowed_dataset_locations)
-        examples = self._load_examples(spec)
-        if examples is None:
+        if not self._check_configuration(spec):
             return False
-        # The same checks as `bucketrl up`'s, against this worker's model and dataset: a mistake is one line and
-        # exit code 2 (preflight.ConfigError), never a crash loop.
-        preflight.check_run(
-            spec,
-            model=model,
-            names=preflight.SPEC_NAMES,
-            client=self.client,
-            max_model_len=s.max_model_len,
-            examples=examples,
-            reward="resolve",
-        )
-        self.examples = examples[: spec.dataset.size]
-        from transformers import AutoTokenizer
-
-        self.announce("loading model")
-        self._tokenizer = AutoTokenizer.from_pretrained(model)
-        # The engine first: vLLM forks its engine core, which must happen before this process has threads.
-        if self.engine is None:
-            self.engine = make_engine(s, spec)
-        if self.engine.max_model_len <= spec.sampling.max_new_tokens:
-            raise preflight.ConfigError(
-                f"the engine holds {self.engine.max_model_len} tokens (BUCKETRL_MAX_MODEL_LEN, capped by the model), "
-                f"no room for a prompt before sampling.max_new_tokens={spec.sampling.max_new_tokens}"
-            )
-        self._pool = RewardPool(
-            spec.reward, workers=s.reward_workers, timeout_s=s.reward_timeout_s, on_failure=self.metrics.reward_error
-        )
-        if s.adapter_cache_dir:
-            self._cache_dir = Path(s.adapter_cache_dir) / s.run
-            self._cache_dir.mkdir(parents=True, exist_ok=True)
-            clear_stale_tmp(self._cache_dir)
-        else:
-            self._cache_dir = Path(tempfile.mkdtemp(prefix=f"bucketrl-{s.run}-adapters-"))
-            self._own_cache_dir = True
-        self.submitter = Submitter(
-            client=self.client,
-            worker_id=self.worker_id,
-            pool=self._pool,
-            decode=lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True),
-            book=self.book,
-            ledger=self.ledger,
-            metrics=self.metrics,
-            use_msgpack=s.use_msgpack,
-            max_batches=s.submit_queue_batches,
-            placeholder_token=self._tokenizer.eos_token_id or 0,
-        )
-        self.submitter.start()
-        if spec.env is not None:
-            from bucketrl.generator.episode_loop import EpisodeDriver
-
-            self.episodes = EpisodeDriver(self)
-            self.episodes.start()
-        for target, name in ((self._sync_adapters, "adapter-sync"), (self._keep, "keeper")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._load_model(spec)
+        self._start_collaborators(spec)
+        s = self.settings
         log.info(
             "generator %s: run %s, engine %s, G=%d, %d prompts/request, dataset %s (%d prompts)",
             self.worker_id,
@@ -205,6 +151,131 @@ class GeneratorWorker:
             len(self.examples),
         )
         return True
+
+    def _check_configuration(self, spec: RunSpec) -> bool:
+        """The allow-lists and `bucketrl up`'s checks; sets the examples. False if stopped while waiting."""
+        s = self.settings
+        self.announce("checking configuration")
+        # The operator's allow-lists first: nothing the spec names is imported or read unless they admit it.
+        trust.check_spec(spec, s.allowed_reward_modules, s.allowed_dataset_locations)
+        examples = self._load_examples(spec)
+        if examples is None:
+            return False
+        # The same checks as `bucketrl up`'s, against this worker's model and dataset: a mistake is one line and
+        # exit code 2 (preflight.ConfigError), never a crash loop.
+        preflight.check_run(
+            spec,
+            model=s.model_path or spec.base_model,
+            names=preflight.SPEC_NAMES,
+            client=self.client,
+            max_model_len=s.max_model_len,
+            examples=examples,
+            reward="resolve",
+        )
+        self.examples = examples[: spec.dataset.size]
+        return True
+
+    def _load_model(self, spec: RunSpec) -> None:
+        """The tokenizer, then the engine (unless one was passed in), checked for room to sample."""
+        from transformers import AutoTokenizer
+
+        s = self.settings
+        self.announce("loading model")
+        self.tokenizer = AutoTokenizer.from_pretrained(s.model_path or spec.base_model)
+        # The engine first: vLLM forks its engine core, which must happen before this process has threads.
+        if self.engine is None:
+            self.engine = make_engine(s, spec)
+        if self.engine.max_model_len <= spec.sampling.max_new_tokens:
+            raise preflight.ConfigError(
+                f"the engine holds {self.engine.max_model_len} tokens (BUCKETRL_MAX_MODEL_LEN, capped by the model), "
+                f"no room for a prompt before sampling.max_new_tokens={spec.sampling.max_new_tokens}"
+            )
+
+    def _make_cache_dir(self) -> Path:
+        s = self.settings
+        if s.adapter_cache_dir:
+            cache_dir = Path(s.adapter_cache_dir) / s.run
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            clear_stale_tmp(cache_dir)
+            return cache_dir
+        self._own_cache_dir = True
+        return Path(tempfile.mkdtemp(prefix=f"bucketrl-{s.run}-adapters-"))
+
+    def _start_collaborators(self, spec: RunSpec) -> None:
+        """The reward pool, adapter versions, prompt tokens, submitter, evaluator and threads (in that order)."""
+        s = self.settings
+        assert self.engine is not None
+        self._pool = RewardPool(
+            spec.reward, workers=s.reward_workers, timeout_s=s.reward_timeout_s, on_failure=self.metrics.reward_error
+        )
+        self._cache_dir = self._make_cache_dir()
+        self.versions = AdapterVersions(
+            client=self.client,
+            worker_id=self.worker_id,
+            settings=s,
+            book=self.book,
+            engine=self.engine,
+            spec=lambda: self.spec,
+            metrics=self.metrics,
+            cache_dir=self._cache_dir,
+            stop_event=self.stop_event,
+            version_ready=self._version_ready,
+            refresh_spec=self._refresh_spec,
+        )
+        self.prompt_tokens = PromptTokens(
+            tokenizer=self.tokenizer,
+            max_model_len=self.engine.max_model_len,
+            examples=self.examples,
+            max_new_tokens=lambda: self.spec.sampling.max_new_tokens,  # type: ignore[union-attr]
+            metrics=self.metrics,
+        )
+        self.submitter = Submitter(
+            client=self.client,
+            worker_id=self.worker_id,
+            pool=self._pool,
+            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            book=self.book,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            use_msgpack=s.use_msgpack,
+            max_batches=s.submit_queue_batches,
+            placeholder_token=self.tokenizer.eos_token_id or 0,
+        )
+        self.submitter.start()
+        self.evaluator = Evaluator(
+            client=self.client,
+            worker_id=self.worker_id,
+            spec=lambda: self.spec,
+            engine=self.engine,
+            pool=self._pool,
+            book=self.book,
+            metrics=self.metrics,
+            encode=self.prompt_tokens.encode,
+            tokenizer=self.tokenizer,
+            prompts_per_request=s.prompts_per_request,
+            stop_event=self.stop_event,
+        )
+        if spec.env is not None:
+            from bucketrl.generator.episode_loop import EpisodeDriver
+
+            self.episodes = EpisodeDriver(self)
+            self.episodes.start()
+        keeper = LeaseKeeper(
+            client=self.client,
+            worker_id=self.worker_id,
+            settings=s,
+            book=self.book,
+            ledger=self.ledger,
+            release_version_lease=self.versions.release,
+        )
+        threads = (
+            (self.versions.follow, "adapter-sync"),
+            (lambda: keeper.keep(self.stop_event, self.push_metrics), "keeper"),
+        )
+        for target, name in threads:
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
 
     def announce(self, phase: str, notes: dict[str, str] | None = None) -> None:
         """Tell the proxy what this worker is doing (status, dashboard, live view); best effort."""
@@ -251,8 +322,7 @@ class GeneratorWorker:
         s = self.settings
         try:
             while not self.stop_event.is_set():
-                self._load_pending()
-                self._retire()
+                self.sync_versions()
                 slot = self.book.current()
                 if slot is None or slot.version < self.book.newest_known - self.spec.max_staleness:
                     # No version yet, or ours left the staleness window (newer ones failed to load or are
@@ -260,7 +330,7 @@ class GeneratorWorker:
                     self._version_ready.wait(1.0)
                     self._version_ready.clear()
                     continue
-                budget = self._budget()
+                budget = self.budget()
                 if budget is not None and budget <= 0 and self._prefetch is None:
                     if self.metrics.inflight_groups == 0:
                         log.info("submitted %d groups (max_groups): stopping", self.submitter.groups_submitted)
@@ -275,13 +345,13 @@ class GeneratorWorker:
                 # Versions loaded (and old ones retired) while waiting for the prompts: sample with the newest. The
                 # lease was asked for the newest FETCHED version (admission control judged it by that one): load
                 # it now if the wait did not (strict on-policy drops every group of an older version).
-                self._sync_versions()
+                self.sync_versions()
                 slot = self.book.current() or slot
                 # Lease the next prompts while these are sampled: the engine never waits on the proxy.
-                after = self._budget()
+                after = self.budget()
                 n_next = s.prompts_per_request if after is None else min(s.prompts_per_request, after)
                 if n_next > 0 and not self.stop_event.is_set():
-                    self._prefetch = (self._leaser.submit(self._lease_prompts, n_next), n_next)
+                    self._prefetch = (self.leaser.submit(self.lease_prompts, n_next), n_next)
                 self._sample_and_hand_over(slot, prompts)
                 # At most one eval batch (greedy: one sample per prompt, against G per training prompt) per
                 # training batch, so an evaluated version is done while it is loaded, without starving training.
@@ -291,7 +361,7 @@ class GeneratorWorker:
                 self._prefetch[0].result()
                 self._prefetch = None
 
-    def _budget(self) -> int | None:
+    def budget(self) -> int | None:
         """Groups still allowed under ``max_groups`` (None = unlimited), counting leases in flight."""
         if self.settings.max_groups is None:
             return None
@@ -307,7 +377,7 @@ class GeneratorWorker:
             if got:
                 return got
         # Through the leaser thread too: a 429's Retry-After wait must not hold up adapter loads here.
-        return self._await(self._leaser.submit(self._lease_prompts, min(n, self.settings.prompts_per_request)))
+        return self._await(self.leaser.submit(self.lease_prompts, min(n, self.settings.prompts_per_request)))
 
     def _await(self, future: Future[list[PromptLeaseItem]]) -> list[PromptLeaseItem]:
         """``future.result()``, loading fetched adapter versions while it is not done."""
@@ -315,9 +385,9 @@ class GeneratorWorker:
             try:
                 return future.result(timeout=IDLE_POLL_S)
             except TimeoutError:
-                self._sync_versions()
+                self.sync_versions()
 
-    def _lease_prompts(self, n: int) -> list[PromptLeaseItem]:
+    def lease_prompts(self, n: int) -> list[PromptLeaseItem]:
         assert self.submitter is not None
         s = self.settings
         t0 = time.monotonic()
@@ -358,27 +428,14 @@ class GeneratorWorker:
         self.metrics.inflight(len(good))  # in flight from the lease until submitted or released
         return good
 
-    def _prompt_ids(self, index: int) -> list[int]:
-        ids = self._prompt_cache.get(index)
-        if ids is None:
-            ids = self._encode(self.examples[index], self.spec.sampling.max_new_tokens)  # type: ignore[union-attr]
-            self._prompt_cache[index] = ids
-        return ids
-
-    def _encode(self, example: Example, max_new_tokens: int) -> list[int]:
-        """The prompt's token ids (through the chat template for chat rows), cut to leave room to sample."""
-        ids = prompt_token_ids(self._tokenizer, example.prompt, example.chat())
-        room = self.engine.max_model_len - max_new_tokens  # type: ignore[union-attr]
-        if len(ids) > room:
-            # Keep the end of the prompt (where the question is) so the completion always fits.
-            ids = ids[-room:]
-            self.metrics.add("rollout/truncated_prompts_total")
-        return ids
+    def prompt_ids(self, index: int) -> list[int]:
+        assert self.prompt_tokens is not None
+        return self.prompt_tokens.ids(index)
 
     def _sample_and_hand_over(self, slot: VersionSlot, prompts: list[PromptLeaseItem]) -> None:
         assert self.spec is not None and self.engine is not None and self.submitter is not None
         spec = self.spec
-        ids = [self._prompt_ids(p.index) for p in prompts]
+        ids = [self.prompt_ids(p.index) for p in prompts]
         self.book.begin(slot.version)
         batch = GeneratedBatch(
             version=slot.version,
@@ -391,7 +448,7 @@ class GeneratorWorker:
         )
         try:
             batch.samples = self.engine.generate(
-                ids, adapter=slot.name, n=spec.group_size, sampling=spec.sampling, while_running=self._sync_versions
+                ids, adapter=slot.name, n=spec.group_size, sampling=spec.sampling, while_running=self.sync_versions
             )
         except Exception:
             log.exception("engine failed on %d prompts; releasing them", len(prompts))
@@ -399,211 +456,23 @@ class GeneratorWorker:
             self.stop_event.wait(1.0)
             return
         self.metrics.generated(sum(len(smp.token_ids) for g in batch.samples for smp in g))
-        self.submitter.put(batch, self.stop_event, self.settings.shutdown_timeout_s, idle=self._sync_versions)
+        self.submitter.put(batch, self.stop_event, self.settings.shutdown_timeout_s, idle=self.sync_versions)
 
     # -- evaluation during training (bucketrl/proxy/state/evals.py) --------------------------------------
 
     def _evaluate_some(self) -> None:
-        """One batch of eval prompts of a loaded version, sampled with the eval settings, scored with the run's
-        reward and submitted. Called when the training lease came back empty and after each training batch (the
-        prefetched training lease keeps running meanwhile): eval takes at most one small batch per training
-        batch. Versions the proxy had nothing more for are not asked about again."""
-        spec = self.spec
-        if spec is None or spec.eval is None or self.engine is None or self._pool is None or spec.env is not None:
+        """At most one eval batch (:meth:`Evaluator.evaluate_some`) between training batches."""
+        if self.evaluator is None:
             self.book.unpin(*self.book.pinned())
-            return  # multi-turn runs are not evaluated by generators (yet): their episodes need the environment
-        if self._eval_broken is not None and self._eval_broken == spec.eval_dataset():
             return
-        now = time.monotonic()
-        versions = [
-            v
-            for v in self.book.loaded_versions()
-            if spec.eval.evaluates(v) and now - self._eval_done.get(v, -math.inf) > EVAL_RECHECK_S
-        ]
-        if not versions:
-            return
-        try:
-            examples = self._eval_set(spec)
-        except errors.BucketRLError as exc:
-            # A run spec error (no such split...): say so once per eval set, keep generating for training.
-            log.error(
-                "eval set unreadable; this generator evaluates nothing until the run's eval changes: %s", exc.message
-            )
-            self._eval_broken = spec.eval_dataset()
-            return
-        try:
-            items = self.client.lease_eval(self.worker_id, versions, n=self.settings.prompts_per_request).items
-        except errors.BucketRLError as exc:
-            log.warning("cannot lease eval prompts: %s", exc.message)
-            return
-        if not items:
-            # Every prompt of these versions is done or leased to others: nothing keeps them loaded for eval.
-            self._eval_done.update(dict.fromkeys(versions, now))
-            self.book.unpin(*versions)
-            return
-        version = items[0].version
-        items = [i for i in items if i.version == version and i.index < len(examples)]
-        try:
-            slot = self.book.begin(version)
-        except KeyError:  # retired since the lease: the lease expires and another generator does it
-            return
-        # The proxy had prompts of it: keep it loaded past the staleness window until none are left, else a
-        # version whose eval outlasts the window is never finished (seen: 16 of 32 prompts of v51 in the demo).
-        self.book.pin(version)
-        try:
-            sampling = spec.eval_sampling()
-            assert sampling is not None
-            ids = [self._encode(examples[i.index], sampling.max_new_tokens) for i in items]
-            samples = self.engine.generate(ids, adapter=slot.name, n=spec.eval.n, sampling=sampling)
-        except Exception:
-            log.exception("engine failed on %d eval prompts (their lease expires; evaluated again)", len(items))
-            return
-        finally:
-            self.book.end(version)
-        decode = self._tokenizer.decode
-        flat = [
-            RewardItem(
-                decode(smp.token_ids, skip_special_tokens=True), examples[i.index].answer, examples[i.index].prompt
-            )
-            for i, group in zip(items, samples, strict=True)
-            for smp in group
-        ]
-        rewards = iter(self._pool.score(flat, cancel=self.stop_event))
-        results = [
-            EvalResult(
-                version=version,
-                index=i.index,
-                samples=[EvalSample(reward=next(rewards), length=len(smp.token_ids)) for smp in group],
-            )
-            for i, group in zip(items, samples, strict=True)
-        ]
-        try:
-            self.client.submit_eval(self.worker_id, results)
-            self.metrics.add("eval/prompts_total", len(results))
-        except errors.BucketRLError as exc:
-            log.warning("eval results not submitted (%s); the prompts are evaluated again", exc.message)
-
-    def _eval_set(self, spec: RunSpec) -> list[Example]:
-        """The eval set's examples (loaded once per eval dataset spec)."""
-        ds = spec.eval_dataset()
-        assert ds is not None
-        if self._eval_examples is None or self._eval_examples[0] != ds:
-            self._eval_examples = (ds, examples_for_run(ds, self.client))
-        return self._eval_examples[1]
+        self.evaluator.evaluate_some()
 
     # -- adapter versions -----------------------------------------------------------------------------
 
-    def _sync_versions(self) -> None:
-        """Between engine steps and during waits: load what the sync thread fetched, retire what left the
-        window (the version being sampled is in use, so it stays), so a long call or wait neither delays
-        weight sync nor piles up resident adapters."""
-        self._load_pending()
-        self._retire()
-
-    def _load_pending(self) -> None:
-        """Load the newest fetched version into the engine (older versions stay resident)."""
-        assert self.engine is not None and self.spec is not None
-        slot = self.book.pending()
-        if slot is None:
-            return
-        capacity = getattr(self.engine, "max_loras", None)
-        if capacity is not None and len(self.engine.loaded_adapters()) >= capacity:
-            return  # _retire makes room between engine calls
-        t0 = time.monotonic()
-        try:
-            self.engine.load_adapter(slot.name, slot.version, slot.path)
-        except Exception as exc:
-            log.error("adapter v%d could not be loaded (%s); staying on the current version", slot.version, exc)
-            self.metrics.add("sync/adapter_failures_total")
-            self.book.drop(slot.version)
-            self._release_version_lease(slot.lease_id)
-            return
-        self.book.mark_loaded(slot.version)
-        load_s = slot.fetch_s + (time.monotonic() - t0)
-        self.metrics.set("sync/adapter_load_s", load_s)
-        self.metrics.set("sync/adapter_version", slot.version)
-        self.metrics.set("policy/version", slot.version)
-        log.info("loaded %s in %.2fs (resident: %s)", slot.name, load_s, self.book.loaded_versions())
-
-    def _retire(self) -> None:
-        """Unload versions nobody uses that left the staleness window (or whose slot the next version needs);
-        release the leases of versions no longer sampled from."""
-        assert self.engine is not None and self.spec is not None
-        capacity = getattr(self.engine, "max_loras", None) or (self.spec.max_staleness + 2)
-        reserve = 1 if self.book.pending() is not None else 0
-        retired = self.book.retire(self.spec.max_staleness, capacity, reserve)
-        for slot in retired:
-            self.engine.unload_adapter(slot.name)
-            self._release_version_lease(slot.lease_id)
-            log.info("unloaded %s", slot.name)
-        for lease_id in self.book.take_idle_leases():
-            self._release_version_lease(lease_id)
-        if self._cache_dir is not None and (retired or self.book.newest_known > self._cache_gc_at):
-            # Superseded (fetched, never loaded) and retired versions leave the disk: the cache stays bounded
-            # (issue 10 item 11: a long run filled the chart's emptyDir).
-            self._cache_gc_at = self.book.newest_known
-            gone = gc_cache(self._cache_dir, self.book.versions(), self.book.newest_known)
-            if gone:
-                log.debug("deleted cached adapters %s", gone)
-
-    def _release_version_lease(self, lease_id: str) -> None:
-        if not lease_id:
-            return
-        try:
-            self.client.release_lease(lease_id)
-        except errors.BucketRLError as exc:  # expired already (410) or proxy away: it will expire anyway
-            log.debug("release of lease %s: %s", lease_id, exc)
-
-    def _sync_adapters(self) -> None:
-        """Thread: long-poll for new versions; lease, fetch and verify each; the main thread loads it."""
-        delay = 0.5
-        while not self.stop_event.is_set():
-            try:
-                info = self.client.wait_for_version(self.book.newest_known, wait_s=self.settings.version_wait_s)
-                if info is not None and not self.stop_event.is_set():
-                    self._fetch_version(info.version, info.sha256)
-                delay = 0.5
-            except errors.BucketRLError as exc:
-                if self.stop_event.is_set():
-                    return
-                log.warning("adapter sync: %s %s", exc.code, exc.message)
-                self.stop_event.wait(delay)
-                delay = min(delay * 2, 10.0)
-            except Exception:
-                if self.stop_event.is_set():
-                    return  # the client was closed under a long-poll at shutdown
-                log.exception("adapter sync failed")
-                self.stop_event.wait(delay)
-                delay = min(delay * 2, 10.0)
-
-    def _fetch_version(self, announced: int, sha256: str) -> None:
-        assert self._cache_dir is not None
-        s = self.settings
-        self._refresh_spec()
-        t0 = time.monotonic()
-        # Lease "the latest" rather than the announced number: never Gone, and maybe one newer already.
-        lease = self.client.lease_version(self.worker_id, None, ttl_s=s.version_lease_ttl_s)
-        self.book.begin_fetch(lease.version, lease.lease_id)  # the keeper renews it during the download
-        try:
-            expected = sha256 if lease.version == announced else None
-            path = fetch_adapter(self.client, lease.version, self._cache_dir, expected)
-        except errors.Invalid as exc:
-            self._release_version_lease(self.book.end_fetch(lease.version) or lease.lease_id)
-            if exc.retryable:  # a corrupted transfer: try again
-                raise
-            log.error("adapter v%d is unusable, skipping it: %s", lease.version, exc.message)
-            self.metrics.add("sync/adapter_failures_total")
-            self.book.newest_known = max(self.book.newest_known, lease.version)
-            return
-        except BaseException:
-            self._release_version_lease(self.book.end_fetch(lease.version) or lease.lease_id)
-            raise
-        lease_id = self.book.end_fetch(lease.version) or lease.lease_id
-        for old in self.book.add(lease.version, lease_id, path, time.monotonic() - t0):
-            self._release_version_lease(old.lease_id)  # fetched but never loaded: superseded
-        if self.stop_event.is_set():  # shutdown may have released the book's leases already
-            self._release_version_lease(lease_id)
-        self._version_ready.set()
+    def sync_versions(self) -> None:
+        """Load what the sync thread fetched and retire what left the window (:meth:`AdapterVersions.sync`)."""
+        assert self.versions is not None
+        self.versions.sync()
 
     def _refresh_spec(self) -> None:
         """Mutable run fields (sampling, max_staleness) may change between versions; pick them up."""
@@ -617,49 +486,12 @@ class GeneratorWorker:
         except errors.BucketRLError as exc:
             log.warning("keeping the current run spec: %s", exc.message)
             return
-        if self.spec is not None and spec.sampling.max_new_tokens != self.spec.sampling.max_new_tokens:
-            self._prompt_cache = {}
+        changed = self.spec is not None and spec.sampling.max_new_tokens != self.spec.sampling.max_new_tokens
+        if changed and self.prompt_tokens is not None:
+            self.prompt_tokens.forget()
         self.spec = spec
 
     # -- keeper ----------------------------------------------------------------------------------------
-
-    def _keep(self) -> None:
-        """Thread: renew leases at a third of their TTL and push metrics (the heartbeat)."""
-        s = self.settings
-        period = min(s.metrics_interval_s, s.version_lease_ttl_s / 3, s.prompt_lease_ttl_s / 3)
-        last_push = 0.0
-        while not self.stop_event.wait(period):
-            self._renew_leases()
-            if time.monotonic() - last_push >= s.metrics_interval_s:
-                self.push_metrics()
-                last_push = time.monotonic()
-
-    def _renew_leases(self) -> None:
-        s = self.settings
-        for version, lease_id in self.book.leases().items():
-            try:
-                self.client.renew_lease(lease_id, ttl_s=s.version_lease_ttl_s)
-            except errors.Gone:
-                try:  # expired (a long stall): lease the same version again if it still exists
-                    fresh = self.client.lease_version(self.worker_id, version, s.version_lease_ttl_s)
-                    if not self.book.replace_lease(version, lease_id, fresh.lease_id):
-                        self._release_version_lease(fresh.lease_id)  # released on purpose meanwhile
-                except errors.BucketRLError as exc:
-                    log.warning("version %d lease lost: %s", version, exc.message)
-            except errors.BucketRLError as exc:
-                log.warning("renewing version %d lease: %s", version, exc.message)
-        ids = self.ledger.ids()
-        if ids:
-            try:
-                renewed = self.client.renew_prompts(self.worker_id, ids, ttl_s=s.prompt_lease_ttl_s)
-                # Ids submitted meanwhile are complete, not lost: only those still held count.
-                lost = (set(ids) - {p.prompt_id for p in renewed.prompts}) & set(self.ledger.ids())
-                if lost:
-                    log.warning("%d prompt lease(s) had expired; the proxy may issue them again", len(lost))
-            except errors.Gone:
-                log.warning("all %d prompt leases had expired", len(ids))
-            except errors.BucketRLError as exc:
-                log.warning("renewing prompt leases: %s", exc.message)
 
     def push_metrics(self) -> None:
         if self.phase not in ("stopping",):
@@ -699,9 +531,9 @@ class GeneratorWorker:
                 log.warning("shutdown: could not release %d prompts (they will expire): %s", len(leftover), exc)
             self.ledger.remove(leftover)
         self.metrics.inflight(-self.metrics.inflight_groups)  # everything is settled or released now
-        self._leaser.shutdown(wait=False)
+        self.leaser.shutdown(wait=False)
         for lease_id in self.book.leases().values():
-            self._release_version_lease(lease_id)
+            release_version_lease(self.client, lease_id)
         if self.spec is not None:
             self.push_metrics()
         for t in self._threads:

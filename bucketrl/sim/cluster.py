@@ -29,35 +29,22 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bucketrl.proxy import keys
+from bucketrl.sim.backends import TOKENS, SimBackends, cpu_seconds
 from bucketrl.sim.s3front import CLASSES, cost_usd
-from bucketrl.up.processes import Service, free_port, port_open, redis_server_binary, wait_until
+from bucketrl.up.processes import Service, wait_until
 from bucketrl.up.synclatency import PUBLISHED, _ts
 
 RUN = "sim"
-# 16+ characters: the proxy refuses shorter tokens at start.
-TOKENS = {
-    "admin": "sim-admin-0123456789abcdef",
-    "trainer": "sim-trainer-0123456789abcdef",
-    "generator": "sim-gen-0123456789abcdef",
-    "viewer": "sim-view-0123456789abcdef",
-}
-AWS_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
 
 
 @dataclass
@@ -95,169 +82,11 @@ class SimScale:
         return self.fleet_processes or max(1, min(4, math.ceil(self.generators / 64)))
 
 
-def cpu_seconds(pid: int, children: bool = False) -> float:
-    """user+system CPU time of a process (and, with ``children``, of its live descendants)."""
-    total = 0.0
-    for p in [pid, *(child_pids(pid) if children else [])]:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
-def child_pids(pid: int) -> list[int]:
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                out += [int(child), *child_pids(int(child))]
-    return out
-
-
 def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-class SimBackends:
-    """Redis, moto behind the slow S3 front, and the proxy: started once, shared by the scenarios (one run
-    each). Every process is ended by its own pid."""
-
-    def __init__(
-        self, workdir: Path, *, proxy_workers: int = 1, s3_latency_ms: float = 20.0, s3_jitter_ms: float = 10.0
-    ) -> None:
-        self.dir = workdir
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.proxy_workers = proxy_workers
-        self.s3_latency_ms, self.s3_jitter_ms = s3_latency_ms, s3_jitter_ms
-        self.services: list[Service] = []
-        self.redis_port = free_port()
-        self.moto_port = free_port()
-        self.front_port = free_port()
-        self.proxy_port = free_port()
-        self.bucket = f"sim-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
-
-    @property
-    def proxy_url(self) -> str:
-        return f"http://127.0.0.1:{self.proxy_port}"
-
-    def start_service(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Service:
-        svc = Service(name, argv, self.dir / "logs" / f"{name}.log", env=env or {}).start()
-        self.services.append(svc)
-        return svc
-
-    def _wait_port(self, port: int, svc: Service, what: str) -> None:
-        wait_until(lambda: port_open(port), 60, what, svc)
-
-    def __enter__(self) -> SimBackends:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        py = sys.executable
-        (self.dir / "redis").mkdir(exist_ok=True)
-        self.redis = self.start_service(
-            "redis",
-            [
-                redis_server_binary(),
-                "--port",
-                str(self.redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(self.dir / "redis"),
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--protected-mode",
-                "no",
-            ],
-        )
-        self.moto = self.start_service("moto", [py, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.moto_port)])
-        self.front = self.start_service(
-            "s3front",
-            [
-                py,
-                "-m",
-                "bucketrl.sim.s3front",
-                "--upstream",
-                f"http://127.0.0.1:{self.moto_port}",
-                "--port",
-                str(self.front_port),
-                "--latency-ms",
-                str(self.s3_latency_ms),
-                "--jitter-ms",
-                str(self.s3_jitter_ms),
-            ],
-        )
-        self._wait_port(self.redis_port, self.redis, "redis")
-        self._wait_port(self.moto_port, self.moto, "moto")
-        self._wait_port(self.front_port, self.front, "the S3 front")
-        import boto3
-
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=f"http://127.0.0.1:{self.moto_port}",
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        )
-        s3.create_bucket(Bucket=self.bucket)
-        env = {
-            **AWS_ENV,
-            "BUCKETRL_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
-            "BUCKETRL_BUCKET_URL": f"s3://{self.bucket}/bucketrl",
-            "BUCKETRL_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.front_port}",
-            "BUCKETRL_TOKENS": ",".join(f"{r}:{t}" for r, t in TOKENS.items()),
-        }
-        self.proxy = self.start_service(
-            "proxy",
-            [
-                py,
-                "-m",
-                "bucketrl.cli",
-                "proxy",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.proxy_port),
-                "--log-level",
-                "warning",
-                "--workers",
-                str(self.proxy_workers),
-            ],
-            env,
-        )
-        self._wait_port(self.proxy_port, self.proxy, "the proxy")
-        wait_until(self._ready, 60, "proxy /readyz", self.proxy)
-
-    def _ready(self) -> bool:
-        try:
-            return httpx.get(f"{self.proxy_url}/readyz", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def proxy_cpu_s(self) -> float:
-        return cpu_seconds(self.proxy.pid or 0, children=True)
-
-    def s3_counts(self) -> dict[str, int]:
-        return httpx.get(f"http://127.0.0.1:{self.front_port}/_front/stats", timeout=10).json()
-
-    def stop(self) -> None:
-        for svc in reversed(self.services):
-            svc.stop(timeout_s=20)
 
 
 class Scenario:
@@ -386,28 +215,8 @@ def run_scale_sim(
         others = {"redis": backends.redis, "moto": backends.moto, "s3front": backends.front}
         cpu0 = {k: cpu_seconds(v.pid or 0) for k, v in others.items()}
         say(f"{run}: N={cfg.generators}, {len(fleets)} fleet processes, {cfg.steps} steps of {cfg.step_s}s")
-        deadline = time.monotonic() + cfg.timeout_s
-        first: dict[str, Any] | None = None
         started = time.monotonic()
-        capped = timed_out = False
-        while trainer.alive:
-            if cfg.max_train_s is not None and not capped and time.monotonic() - started > cfg.max_train_s:
-                say(f"{run}: {cfg.max_train_s:.0f}s of training reached: stopping the trainer")
-                trainer.signal(signal.SIGTERM)
-                capped = True
-            _, steps = _audit_steps(audit)
-            if first is None and len(steps) >= cfg.warmup_steps:
-                first = snapshot()
-            dead = [f for f in fleets if not f.alive]
-            if dead:
-                raise RuntimeError(f"{[f.name for f in dead]} exited early:\n" + "\n".join(f.log_tail() for f in dead))
-            if time.monotonic() > deadline and not timed_out:
-                # A stalled pipeline is a result too (e.g. admission control never filling a step): stop the
-                # trainer cleanly and report what was trained, flagged.
-                say(f"{run}: the trainer did not finish {cfg.steps} steps in {cfg.timeout_s:.0f}s: stopping it")
-                trainer.signal(signal.SIGTERM)
-                timed_out = True
-            time.sleep(0.1)
+        first, timed_out = _watch(trainer, fleets, cfg, run, audit, say, snapshot)
         last = snapshot()
         cpu_run1 = backends.proxy_cpu_s()
         # Where this machine's CPU went over the run (fleet start -> trainer exit): what limits it at large N.
@@ -454,6 +263,42 @@ def run_scale_sim(
     )
 
 
+def _watch(
+    trainer: Service,
+    fleets: list[Service],
+    cfg: SimScale,
+    run: str,
+    audit: Path,
+    say: Callable[[str], None],
+    snapshot: Callable[[], dict[str, Any]],
+) -> tuple[dict[str, Any] | None, bool]:
+    """Wait for the trainer to exit: the snapshot after the warm-up steps, and whether it was stopped for taking
+    too long. Stops it after ``max_train_s``; raises if a fleet process dies first."""
+    deadline = time.monotonic() + cfg.timeout_s
+    first: dict[str, Any] | None = None
+    started = time.monotonic()
+    capped = timed_out = False
+    while trainer.alive:
+        if cfg.max_train_s is not None and not capped and time.monotonic() - started > cfg.max_train_s:
+            say(f"{run}: {cfg.max_train_s:.0f}s of training reached: stopping the trainer")
+            trainer.signal(signal.SIGTERM)
+            capped = True
+        _, steps = _audit_steps(audit)
+        if first is None and len(steps) >= cfg.warmup_steps:
+            first = snapshot()
+        dead = [f for f in fleets if not f.alive]
+        if dead:
+            raise RuntimeError(f"{[f.name for f in dead]} exited early:\n" + "\n".join(f.log_tail() for f in dead))
+        if time.monotonic() > deadline and not timed_out:
+            # A stalled pipeline is a result too (e.g. admission control never filling a step): stop the
+            # trainer cleanly and report what was trained, flagged.
+            say(f"{run}: the trainer did not finish {cfg.steps} steps in {cfg.timeout_s:.0f}s: stopping it")
+            trainer.signal(signal.SIGTERM)
+            timed_out = True
+        time.sleep(0.1)
+    return first, timed_out
+
+
 def summarize(
     cfg: SimScale,
     *,
@@ -474,35 +319,7 @@ def summarize(
     errors: list[str] = []
     if trainer_rc != 0:
         errors.append(f"trainer exited with {trainer_rc}")
-    fleet = {
-        k: 0
-        for k in (
-            "groups_generated",
-            "groups_submitted",
-            "groups_duplicate",
-            "groups_stale",
-            "groups_rejected",
-            "groups_released",
-            "prompts_leased",
-            "backpressure_waits",
-        )
-    }
-    requests = 0
-    loads: list[tuple[str, int, float]] = []
-    wakes: list[tuple[str, int, float, float]] = []
-    statuses: dict[str, int] = {}
-    for i, rep in enumerate(fleet_reports):
-        if rep is None:
-            errors.append(f"fleet process {i} wrote no report")
-            continue
-        for k in fleet:
-            fleet[k] += int(rep[k])
-        requests += sum(rep["requests"].values())
-        loads += [tuple(x) for x in rep["loads"]]  # type: ignore[misc]
-        wakes += [tuple(x) for x in rep["wakes"]]  # type: ignore[misc]
-        errors += rep["errors"]
-        for k, v in rep["statuses"].items():
-            statuses[k] = statuses.get(k, 0) + v
+    fleet, requests, loads, wakes, statuses = _fleet_totals(fleet_reports, errors)
     requests += sum(trainer_report["requests"].values())
 
     start, steps = audit
@@ -513,26 +330,7 @@ def summarize(
     # weight sync: versions published after the warm-up step, before the last step
     t0 = steps.get(k0, math.inf)
     t1 = steps.get(k1, -math.inf)
-    first_load: dict[str, float] = {}
-    by_gen: dict[str, list[tuple[int, float]]] = {}
-    for gen, version, t in loads:
-        first_load[gen] = min(first_load.get(gen, math.inf), t)
-        by_gen.setdefault(gen, []).append((version, t))
-    sync: list[float] = []
-    each: list[float] = []  # publish -> one generator loaded, over (generator, version)
-    for version, (called, _answered) in sorted(publishes.items()):
-        if not (t0 <= called <= t1):
-            continue
-        serving = [g for g, t in first_load.items() if t < called]
-        done = [min((t for v, t in by_gen[g] if v >= version), default=math.inf) for g in serving]
-        each += [d - called for d in done if math.isfinite(d)]
-        if serving and all(math.isfinite(d) for d in done):
-            sync.append(max(done) - called)
-    wake = [
-        (answered - publishes[v][1]) * 1000
-        for _g, v, asked, answered in wakes
-        if v in publishes and asked < publishes[v][0] and t0 <= publishes[v][0] <= t1
-    ]
+    sync, each, wake, by_gen = _sync_latencies(loads, wakes, publishes, t0, t1)
 
     out: dict[str, Any] = {"config": asdict(cfg)}
     if first is not None:
@@ -589,6 +387,75 @@ def summarize(
         errors=errors,
     )
     return out
+
+
+def _fleet_totals(
+    fleet_reports: list[dict[str, Any] | None], errors: list[str]
+) -> tuple[dict[str, int], int, list[tuple[str, int, float]], list[tuple[str, int, float, float]], dict[str, int]]:
+    """The fleet processes' reports summed: counts, requests, adapter loads, long-poll wake-ups, statuses (a
+    missing report and each report's errors are appended to ``errors``)."""
+    fleet = {
+        k: 0
+        for k in (
+            "groups_generated",
+            "groups_submitted",
+            "groups_duplicate",
+            "groups_stale",
+            "groups_rejected",
+            "groups_released",
+            "prompts_leased",
+            "backpressure_waits",
+        )
+    }
+    requests = 0
+    loads: list[tuple[str, int, float]] = []
+    wakes: list[tuple[str, int, float, float]] = []
+    statuses: dict[str, int] = {}
+    for i, rep in enumerate(fleet_reports):
+        if rep is None:
+            errors.append(f"fleet process {i} wrote no report")
+            continue
+        for k in fleet:
+            fleet[k] += int(rep[k])
+        requests += sum(rep["requests"].values())
+        loads += [tuple(x) for x in rep["loads"]]  # type: ignore[misc]
+        wakes += [tuple(x) for x in rep["wakes"]]  # type: ignore[misc]
+        errors += rep["errors"]
+        for k, v in rep["statuses"].items():
+            statuses[k] = statuses.get(k, 0) + v
+    return fleet, requests, loads, wakes, statuses
+
+
+def _sync_latencies(
+    loads: list[tuple[str, int, float]],
+    wakes: list[tuple[str, int, float, float]],
+    publishes: dict[int, tuple[float, float]],
+    t0: float,
+    t1: float,
+) -> tuple[list[float], list[float], list[float], dict[str, list[tuple[int, float]]]]:
+    """Weight sync over the versions published in [t0, t1]: publish -> every serving generator loaded it, publish
+    -> each one loaded it, the long-polls' wake-up after the publish (ms), and each generator's loads."""
+    first_load: dict[str, float] = {}
+    by_gen: dict[str, list[tuple[int, float]]] = {}
+    for gen, version, t in loads:
+        first_load[gen] = min(first_load.get(gen, math.inf), t)
+        by_gen.setdefault(gen, []).append((version, t))
+    sync: list[float] = []
+    each: list[float] = []  # publish -> one generator loaded, over (generator, version)
+    for version, (called, _answered) in sorted(publishes.items()):
+        if not (t0 <= called <= t1):
+            continue
+        serving = [g for g, t in first_load.items() if t < called]
+        done = [min((t for v, t in by_gen[g] if v >= version), default=math.inf) for g in serving]
+        each += [d - called for d in done if math.isfinite(d)]
+        if serving and all(math.isfinite(d) for d in done):
+            sync.append(max(done) - called)
+    wake = [
+        (answered - publishes[v][1]) * 1000
+        for _g, v, asked, answered in wakes
+        if v in publishes and asked < publishes[v][0] and t0 <= publishes[v][0] <= t1
+    ]
+    return sync, each, wake, by_gen
 
 
 def _r(v: float | None, digits: int = 3) -> float | None:

@@ -11,9 +11,15 @@ imported only inside the command, so ``bucketrl --help`` stays instant.
 
 from __future__ import annotations
 
-from typing import Annotated
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from bucketrl.trainer.settings import TrainerSettings
 
 
 def trainer_command(
@@ -64,7 +70,27 @@ def trainer_command(
         raise typer.Exit(code=2) from exc
 
     from bucketrl.settings import warn_if_proxy_url_unset
-    from bucketrl.trainer.worker import main
 
     warn_if_proxy_url_unset("trainer", settings)
-    raise typer.Exit(code=main(settings))
+    raise typer.Exit(code=run_trainer(settings))
+
+
+def run_trainer(settings: TrainerSettings) -> int:
+    """One trainer process: the worker, or under torchrun (``WORLD_SIZE > 1``) one of its ranks, which exits here."""
+    from bucketrl.trainer.worker import TrainerWorker
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or "1")  # torchrun sets it
+    where = f" [rank {os.environ.get('RANK', '?')}/{world}]" if world > 1 else ""
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s",
+        stream=sys.stderr,
+    )
+    if world > 1:  # torch.distributed is imported only then
+        from bucketrl.trainer.distributed import exit_rank
+        from bucketrl.trainer.distributed import main as rank_main
+
+        exit_rank(rank_main(settings))
+    worker = TrainerWorker(settings)
+    worker.install_signal_handlers()
+    return worker.run()

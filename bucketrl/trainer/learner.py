@@ -25,39 +25,25 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from bucketrl.trainer.advantages import group_advantages
+from bucketrl.trainer.advantages import GroupAdvantages, group_advantages
 from bucketrl.trainer.batching import Sample, group_samples, make_micro_batches
 from bucketrl.trainer.loss import LossBatch, LossOutput, finalize_stats, grpo_loss
 from bucketrl.trainer.model import AdapterSnapshot, PolicyModel
+from bucketrl.trainer.ranks import Ranks, shard_groups
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.trainer.sharding import filler_batch
-from bucketrl.wire.rollouts import RolloutGroup
-from bucketrl.wire.runs import RunSpec, SamplingSpec
-
-if TYPE_CHECKING:
-    from bucketrl.trainer.distributed import Ranks
+from bucketrl.trainer.step_group import StepGroup
+from bucketrl.wire.rollouts import Completion, RolloutGroup
+from bucketrl.wire.runs import LossSpec, RunSpec
 
 log = logging.getLogger("bucketrl.trainer")
 
 MISMATCH_PREFIX = "mismatch/logprob_abs_diff/"
 # Metric names are limited to 128 characters on the wire.
 _MAX_WORKER_IN_NAME = 128 - len(MISMATCH_PREFIX)
-
-
-@dataclass(frozen=True)
-class StepGroup:
-    """A claimed group and where it came from (its delivery's version and generator)."""
-
-    group: RolloutGroup
-    version: int
-    worker_id: str = ""
-    # What the group was sampled with (None: the run's sampling settings).
-    sampling: SamplingSpec | None = None
 
 
 class Learner:
@@ -133,21 +119,8 @@ class Learner:
         ep_sums: dict[str, float] = {}  # the groups' episode_stats, summed (what the generator measured)
         for item in groups:
             comps = item.group.completions
-            # One advantage per EPISODE (a single-turn completion is an episode of one sample); a split
-            # episode's samples each get their episode's (docs/design.md "Multi-turn trajectories").
-            members = item.group.episodes()
-            results = [comps[m[0]] for m in members]
-            rewards = [None if c.finish_reason == "abort" else c.reward for c in results]
-            adv = group_advantages(
-                rewards, scale_rewards=loss.scale_rewards, filter_zero_variance=loss.filter_zero_variance
-            )
-            advantages = [0.0] * len(comps)
-            trainable = [False] * len(comps)
-            for e, (keep, c) in enumerate(zip(adv.trainable, results, strict=True)):
-                keep = keep and not (loss.mask_truncated_completions and c.finish_reason == "length")
-                for i in members[e]:
-                    advantages[i], trainable[i] = adv.advantages[e], keep
-                turns.append(sum(comps[i].turns() for i in members[e]))
+            adv, results, advantages, trainable, group_turns = _episode_advantages(item.group, loss)
+            turns += group_turns
             multi_turn = multi_turn or any(c.segments is not None for c in comps)
             for name, value in item.group.episode_stats.items():
                 ep_sums[name] = ep_sums.get(name, 0.0) + value
@@ -211,8 +184,6 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         if samples:
             if self.ranks is not None:  # this rank's share; the statistics above cover the whole step
-                from bucketrl.trainer.distributed import shard_groups
-
                 share = shard_groups(groups, self.ranks.world)[self.ranks.rank]
                 samples, _ = self.build_samples([groups[i] for i in share])
             t_check = time.perf_counter()
@@ -388,6 +359,29 @@ def _add_mismatch(
         slot = acc.setdefault(worker, [0.0, 0.0])
         slot[0] += float(diff[i])
         slot[1] += float(counts[i])
+
+
+def _episode_advantages(
+    group: RolloutGroup, loss: LossSpec
+) -> tuple[GroupAdvantages, list[Completion], list[float], list[bool], list[int]]:
+    """The group's advantages per episode, its episodes' results, each completion's advantage and whether it is
+    trained, and each episode's turns."""
+    comps = group.completions
+    # One advantage per EPISODE (a single-turn completion is an episode of one sample); a split
+    # episode's samples each get their episode's (docs/design.md "Multi-turn trajectories").
+    members = group.episodes()
+    results = [comps[m[0]] for m in members]
+    rewards = [None if c.finish_reason == "abort" else c.reward for c in results]
+    adv = group_advantages(rewards, scale_rewards=loss.scale_rewards, filter_zero_variance=loss.filter_zero_variance)
+    advantages = [0.0] * len(comps)
+    trainable = [False] * len(comps)
+    turns: list[int] = []
+    for e, (keep, c) in enumerate(zip(adv.trainable, results, strict=True)):
+        keep = keep and not (loss.mask_truncated_completions and c.finish_reason == "length")
+        for i in members[e]:
+            advantages[i], trainable[i] = adv.advantages[e], keep
+        turns.append(sum(comps[i].turns() for i in members[e]))
+    return adv, results, advantages, trainable, turns
 
 
 def _episode_metrics(sums: dict[str, float]) -> dict[str, float]:

@@ -89,6 +89,25 @@ def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float(torch.where(mask > 0, x.detach(), torch.zeros_like(x)).sum())
 
 
+def _anchor_and_weight(
+    batch: LossBatch, spec: LossSpec, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The logprobs the ratio is taken against, the per-token weight, and (decoupled) the log weight before its
+    cap."""
+    lp = batch.logprobs
+    behav = batch.behaviour_logprobs.to(lp.dtype)
+    if spec.objective in ("ppo_clip", "gspo"):
+        return behav, torch.ones_like(lp), None
+    if spec.objective == "decoupled":
+        if batch.proximal_logprobs is None:
+            raise ValueError("the decoupled objective needs proximal_logprobs")
+        anchor = batch.proximal_logprobs.to(lp.dtype).detach()
+        # Truncated importance weight pi_prox / pi_behav, capped at C; a constant for the gradient.
+        log_w = torch.where(mask > 0, anchor - behav, torch.zeros_like(lp))
+        return anchor, torch.exp(log_w).clamp(max=spec.is_cap).detach(), log_w
+    raise ValueError(f"unknown objective {spec.objective!r}")  # pragma: no cover - LossSpec's Literal forbids it
+
+
 def grpo_loss(
     batch: LossBatch,
     spec: LossSpec,
@@ -111,18 +130,7 @@ def grpo_loss(
     lp = batch.logprobs
     behav = batch.behaviour_logprobs.to(lp.dtype)
 
-    if spec.objective in ("ppo_clip", "gspo"):
-        anchor = behav
-        weight = torch.ones_like(lp)
-    elif spec.objective == "decoupled":
-        if batch.proximal_logprobs is None:
-            raise ValueError("the decoupled objective needs proximal_logprobs")
-        anchor = batch.proximal_logprobs.to(lp.dtype).detach()
-        # Truncated importance weight pi_prox / pi_behav, capped at C; a constant for the gradient.
-        log_w = torch.where(mask > 0, anchor - behav, torch.zeros_like(lp))
-        weight = torch.exp(log_w).clamp(max=spec.is_cap).detach()
-    else:  # pragma: no cover - LossSpec's Literal forbids it
-        raise ValueError(f"unknown objective {spec.objective!r}")
+    anchor, weight, log_w = _anchor_and_weight(batch, spec, mask)
 
     # Masked positions may hold arbitrary values (padding): zero the log-ratio there so exp() stays finite.
     log_ratio = torch.where(mask > 0, lp - anchor, torch.zeros_like(lp))
@@ -176,6 +184,7 @@ def grpo_loss(
     if spec.objective == "decoupled":
         sums["ratio/proximal"] = _masked_sum(ratio, mask)
         sums["is_weight_mean"] = _masked_sum(weight, mask)
+        assert log_w is not None
         sums["is_weight_truncated_frac"] = _masked_sum((torch.exp(log_w) > spec.is_cap).to(lp.dtype), mask)
     if kl is not None:
         sums["kl"] = _masked_sum(kl, mask)

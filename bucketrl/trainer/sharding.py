@@ -39,7 +39,7 @@ import torch
 from bucketrl.trainer.batching import MicroBatch, Sample, collate
 
 if TYPE_CHECKING:
-    from bucketrl.trainer.distributed import Ranks
+    from bucketrl.trainer.ranks import Ranks
 
 log = logging.getLogger("bucketrl.trainer")
 

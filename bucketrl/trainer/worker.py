@@ -38,9 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import secrets
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -50,52 +48,45 @@ from typing import Any, TypeVar
 
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
+from bucketrl.trainer.claims import ClaimLoop, within_staleness
+from bucketrl.trainer.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_FENCED, EXIT_OK, ConfigError, RankFailure, Stopped
 from bucketrl.trainer.ledger import DeliveryLedger
+from bucketrl.trainer.reporting import EVAL_REPORTED, EvalReports, RewardWatch, log_step
+from bucketrl.trainer.retry import retrying
+from bucketrl.trainer.run_setup import ensure_run, open_run_trackers
 from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.trainer.step_group import StepGroup
 from bucketrl.trainer.uploader import Uploader
-from bucketrl.wire import Delivery, EvalVersionResult, MetricsPush, RunSpec
+from bucketrl.wire import Delivery, MetricsPush, RunSpec
 
 log = logging.getLogger("bucketrl.trainer")
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_CONFIG = 2
-EXIT_FENCED = 3
-
-BUCKET_DATASET_URI = "bucket:dataset.jsonl"
-# Steps over which the share of completions without a reward is compared with max_unscorable_fraction.
-UNSCORABLE_WINDOW = 3
-# The checkpointed counter of the newest evaluated version the trainer has reported (_new_eval_metrics).
-EVAL_REPORTED = "eval/reported_version"
 
 T = TypeVar("T")
 
 
-class Stopped(Exception):
-    """A stop was requested (SIGTERM) while waiting: wind down."""
-
-
-class ConfigError(Exception):
-    """A setting is wrong: the message says which one."""
-
-
-class RankFailure(RuntimeError):
-    """Under torchrun: a collective across the trainer's ranks failed (a rank died or timed out)."""
-
-
 class TrainerWorker:
-    """One trainer process for one run. ``run()`` returns the exit code."""
+    """One trainer process for one run. ``run()`` returns the exit code.
 
-    def __init__(self, settings: TrainerSettings, *, echo: Callable[[str], None] = print, ranks: Any = None) -> None:
+    The worker is the loop (:meth:`_run`, :meth:`_step`); its collaborators:
+    :func:`~bucketrl.trainer.run_setup.ensure_run` (the run spec and dataset),
+    :class:`~bucketrl.trainer.claims.ClaimLoop` (claims, on a helper thread), the learner (the GRPO step),
+    :class:`~bucketrl.trainer.uploader.Uploader` (publish, checkpoint, ack, metrics in order),
+    :class:`~bucketrl.trainer.reporting.EvalReports` and :class:`~bucketrl.trainer.reporting.RewardWatch`.
+    """
+
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        *,
+        echo: Callable[[str], None] = print,
+        ranks: Any = None,
+        speaker: Any = None,
+    ) -> None:
         self.settings = settings
-        # Under torchrun this is rank 0, which speaks for all ranks: ``speaker`` tells the others what to train
-        # (bucketrl/trainer/distributed.py). None: a single-process trainer.
+        # Under torchrun this is rank 0, which speaks for all ranks: ``speaker`` (distributed.SpeakerHooks, passed in
+        # by the torchrun entry, bucketrl/trainer/distributed.py) tells the others what to train. None: one process.
         self.ranks = ranks
-        self.speaker: Any = None
-        if ranks is not None:
-            from bucketrl.trainer.distributed import SpeakerHooks
-
-            self.speaker = SpeakerHooks(ranks, settings.dist_heartbeat_s)
+        self.speaker: Any = speaker
         self.worker_id = settings.resolved_worker_id("trainer")
         # One client per thread (main, claim prefetch, uploader): each keeps its own connection. They share one
         # outage budget (BUCKETRL_OUTAGE_BUDGET_S) and log an outage once, whichever thread meets it first.
@@ -124,8 +115,17 @@ class TrainerWorker:
         self.run_created_at = 0.0  # the run's creation time on the proxy: names the tracker run
         self.trackers: Any = None
         self.phase = "starting"
-        self.unscorable: list[tuple[int, int]] = []  # (completions, without a reward) of the last steps
-        self.reward_errors: dict[str, str] = {}  # the first message of each reward failure kind seen
+        self.rewards = RewardWatch(settings.max_unscorable_fraction)
+        self.eval_reports = EvalReports(self.counters)  # shares the checkpointed counters
+        self.claims = ClaimLoop(
+            settings=settings,
+            client=self.claim_client,
+            worker_id=self.worker_id,
+            spec=lambda: self.spec,
+            ledger=self.ledger,
+            stop_requested=self.stop_requested,
+            retrying=self._retrying,
+        )
 
     def _new_client(self) -> ProxyClient:
         return self.settings.proxy_client(self.outage)
@@ -230,75 +230,8 @@ class TrainerWorker:
     # -- start-up -----------------------------------------------------------------------------------------
 
     def _ensure_run(self) -> RunSpec:
-        given = self.settings.run_spec_dict()
-        if given is None:
-            try:
-                info = self.client.get_run()
-                self.run_created_at = info.state.created_at
-                return info.spec
-            except errors.NotFound as exc:
-                raise ConfigError(
-                    f"run {self.settings.run!r} does not exist on the proxy: set BUCKETRL_RUN_SPEC to create it"
-                ) from exc
-        dataset = given.get("dataset")
-        upload = self._dataset_upload(dataset)
-        if isinstance(dataset, dict) and "size" not in dataset:
-            given = {**given, "dataset": {**dataset, "size": self._count_dataset(dataset, upload)}}
-        spec = RunSpec.model_validate(given)
-        try:
-            info = self.client.put_run(spec)
-            spec, self.run_created_at = info.spec, info.state.created_at
-        except errors.Conflict as exc:
-            raise ConfigError(
-                f"BUCKETRL_RUN_SPEC changes an immutable field of the existing run {self.settings.run!r}: "
-                f"{exc.message}. Use a new BUCKETRL_RUN or the original spec."
-            ) from exc
-        if upload is not None:
-            try:
-                info = self.client.upload_dataset(upload)
-            except errors.Invalid as exc:
-                raise ConfigError(f"BUCKETRL_DATASET_FILE {self.settings.dataset_file}: {exc.message}") from exc
-            except errors.Conflict as exc:
-                raise ConfigError(
-                    f"BUCKETRL_DATASET_FILE differs from the dataset run {self.settings.run!r} already has: "
-                    f"{exc.message}. Use a new BUCKETRL_RUN."
-                ) from exc
-            log.info("uploaded dataset (%d rows, sha256 %s)", info.rows, info.sha256[:12])
+        spec, self.run_created_at = ensure_run(self.settings, self.client)
         return spec
-
-    def _dataset_upload(self, dataset: Any) -> bytes | None:
-        """The bytes of BUCKETRL_DATASET_FILE, if set (the spec must point at the uploaded file)."""
-        path = self.settings.dataset_file
-        if not path:
-            return None
-        uri = dataset.get("uri") if isinstance(dataset, dict) else None
-        if uri != BUCKET_DATASET_URI:
-            raise ConfigError(
-                f"BUCKETRL_DATASET_FILE is set, so the run spec's dataset.uri must be {BUCKET_DATASET_URI!r}, "
-                f"not {uri!r}"
-            )
-        try:
-            return Path(path).expanduser().read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"BUCKETRL_DATASET_FILE: cannot read {path!r}: {exc}") from exc
-
-    def _count_dataset(self, dataset: dict[str, Any], upload: bytes | None) -> int:
-        from bucketrl.datasets import describe_dataset, parse_jsonl
-        from bucketrl.wire import DatasetSpec
-
-        fields = {k: dataset[k] for k in ("prompt_field", "answer_field", "split") if k in dataset}
-        try:
-            if upload is not None:
-                probe = DatasetSpec(uri=BUCKET_DATASET_URI, size=1, **fields)
-                size = len(parse_jsonl(upload, probe, self.settings.dataset_file))
-            else:
-                size = describe_dataset(dataset.get("uri", ""), client=self.client, **fields).size
-        except errors.Invalid as exc:
-            raise ConfigError(f"dataset {dataset.get('uri')!r}: {exc.message}") from exc
-        if size < 1:
-            raise ConfigError(f"dataset {dataset.get('uri')!r} is empty")
-        log.info("dataset %s has %d examples", dataset.get("uri"), size)
-        return size
 
     def _seed(self) -> None:
         import random
@@ -334,26 +267,8 @@ class TrainerWorker:
         self._audit({"event": "resume", "epoch": self.epoch, "step": state.step, "acked": state.consumed_delivery_ids})
 
     def _open_trackers(self) -> None:
-        """BUCKETRL_REPORT_TO's trackers, continuing the same tracker run after a resume."""
-        from bucketrl.trainer.trackers import open_trackers, parse_report_to, tracker_run_id
-
         assert self.spec is not None
-        s = self.settings
-        self.trackers = open_trackers(
-            parse_report_to(s.report_to),
-            run=s.run,
-            run_id=tracker_run_id(s.run, self.run_created_at),
-            config={"run": s.run, "run_spec": self.spec.model_dump(mode="json"), "trainer": self._tracker_settings()},
-            directory=s.tracker_dir,
-            project=s.tracker_project,
-            resume_step=self.learner.step,
-        )
-
-    def _tracker_settings(self) -> dict[str, Any]:
-        """The trainer's own hyper-parameters for the tracker config (no token, no URLs)."""
-        keep = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm", "warmup_steps")
-        keep += ("lr_schedule", "min_lr_ratio", "max_steps", "sync_every", "checkpoint_every", "seed", "dtype")
-        return {k: getattr(self.settings, k) for k in keep}
+        self.trackers = open_run_trackers(self.settings, self.spec, self.run_created_at, self.learner.step)
 
     def _ensure_published(self) -> None:
         """Make the latest version equal the current weights (v1 on a new run)."""
@@ -375,20 +290,45 @@ class TrainerWorker:
     def _step(
         self, deliveries: list[Delivery], dropped: int, wait_s: float, t0: float, repeats: list[str] | None = None
     ) -> None:
-        from bucketrl.trainer.learner import StepGroup
-
+        """One step, in stages: collect the claimed groups, train on them, consume their deliveries, publish and
+        snapshot what is due, report, then store the checkpoint."""
         self._uploader().check()  # a failed background write (e.g. fenced) ends the run before more work
-        deliveries, held_back = self._within_staleness(deliveries)
+        deliveries, held_back, groups = self._collect(deliveries)
+        stats = self._train(groups)
+        step = self._consume(deliveries, list(repeats or []), stats)
+        self.counters["sample/dropped_stale_total"] += dropped
+        stats["perf/rollout_wait_s"] = wait_s
+        store_checkpoint = self._publish_and_snapshot(step)
+        self._report(step, stats, dropped=dropped, held_back=held_back, t0=t0)
+        if store_checkpoint is not None:
+            store_checkpoint()
+        log_step(step, self.settings.max_steps, stats, wait_s)
+
+    def _collect(self, deliveries: list[Delivery]) -> tuple[list[Delivery], int, list[Any]]:
+        """The deliveries within the staleness window, how many groups were held back, and the step's groups;
+        the completions without a reward are counted (and may stop the run)."""
+        assert self.spec is not None
+        deliveries, held_back = within_staleness(
+            deliveries, policy_version=self.policy_version, max_staleness=self.spec.max_staleness, ledger=self.ledger
+        )
         groups = [StepGroup(g, d.version, d.worker_id, d.sampling) for d in deliveries for g in d.groups]
         self._check_rewards(deliveries)
+        return deliveries, held_back, groups
+
+    def _train(self, groups: list[Any]) -> dict[str, float]:
+        """The GRPO step (on every rank: rank 0 sends the others the groups first)."""
         if self.speaker is not None:
             self.speaker.step(groups, self.policy_version)
         stats = self.learner.train_step(groups, policy_version=self.policy_version)
-        stats["reward/unscorable_frac"] = self.unscorable[-1][1] / max(1, self.unscorable[-1][0])
+        stats["reward/unscorable_frac"] = self.rewards.last_fraction()
+        return stats
+
+    def _consume(self, deliveries: list[Delivery], repeats: list[str], stats: dict[str, float]) -> int:
+        """Record the step's deliveries (and repeats) as consumed, for the next checkpoint to ack; the step."""
         # Repeats of deliveries this lineage already trained (their claims came after the ones that trained
         # them, so they are trained by now): not trained again, acked with the next checkpoint.
         # (A repeat of one trained in this interval is listed once: a checkpoint acks each delivery once.)
-        self.consumed = list(dict.fromkeys(self.consumed + [d.delivery_id for d in deliveries] + list(repeats or [])))
+        self.consumed = list(dict.fromkeys(self.consumed + [d.delivery_id for d in deliveries] + repeats))
         step = self.learner.step
         self._audit(
             {
@@ -396,7 +336,7 @@ class TrainerWorker:
                 "epoch": self.epoch,
                 "step": step,
                 "deliveries": [d.delivery_id for d in deliveries],
-                "repeats": list(repeats or []),
+                "repeats": repeats,
                 "fwd_bwd_s": stats["perf/fwd_bwd_s"],
             }
         )
@@ -406,8 +346,11 @@ class TrainerWorker:
                 "held %d redelivered group(s) this lineage already trained; acked with the next checkpoint",
                 len(repeats),
             )
-        self.counters["sample/dropped_stale_total"] += dropped
-        stats["perf/rollout_wait_s"] = wait_s
+        return step
+
+    def _publish_and_snapshot(self, step: int) -> Callable[[], None] | None:
+        """Publish every ``sync_every`` steps; snapshot the checkpoint every ``checkpoint_every``: the returned
+        function stores it."""
         if step % self.settings.sync_every == 0:
             self._publish()
         # Snapshotted now (its cost is part of the step), stored after this step's metrics push: that push may
@@ -415,7 +358,10 @@ class TrainerWorker:
         # The last step's checkpoint is _finish's, after the run's final eval report.
         final = step >= self.settings.max_steps
         due = step % self.settings.checkpoint_every == 0 and not final
-        store_checkpoint = self._checkpoint(submit=False) if due else None
+        return self._checkpoint(submit=False) if due else None
+
+    def _report(self, step: int, stats: dict[str, float], *, dropped: int, held_back: int, t0: float) -> None:
+        """The step's metrics, pushed (with an eval result, if one is new) on the uploader thread."""
         if math.isfinite(self.last_sync_s):
             stats["perf/weight_sync_s"] = self.last_sync_s
         stats["sample/dropped_stale"] = float(dropped)
@@ -425,55 +371,12 @@ class TrainerWorker:
         stats["policy/version"] = float(self.policy_version)
         stats["perf/step_s"] = time.perf_counter() - t0
         # The last step's eval report is made by _finish, which can wait for the final version's evaluation.
-        self._push(step, stats, report_eval=not final)
-        if store_checkpoint is not None:
-            store_checkpoint()
-        # Multi-turn steps also say how many tokens were trained of those in context, and the turns per episode.
-        turns = stats.get("episodes/turns_mean")
-        extra = ""
-        if turns is not None:
-            trained, context = stats.get("train/tokens", 0.0), stats.get("train/tokens_context", 0.0)
-            extra = f" tokens trained {trained:.0f} of {context:.0f} in context, turns {turns:.2f}"
-            calls = stats.get("episodes/tool_calls_mean")
-            if calls is not None:
-                extra += f", tool calls {calls:.2f} (errors {stats['episodes/tool_errors']:.0f})"
-                frac = stats.get("episodes/env_time_frac")
-                if frac is not None:
-                    extra += f", env time {frac:.0%}"
-        log.info(
-            "step %d/%d loss %.4f reward %.3f staleness %.2f wait %.2fs step %.2fs%s",
-            step,
-            self.settings.max_steps,
-            stats.get("train/loss", 0.0),
-            stats.get("reward", math.nan),
-            stats.get("sample/staleness_mean", math.nan),
-            wait_s,
-            stats["perf/step_s"],
-            extra,
-        )
+        self._push(step, stats, report_eval=step < self.settings.max_steps)
 
     def _check_rewards(self, deliveries: list[Delivery]) -> None:
-        """Count the step's completions without a reward (keeping each failure kind's first message); stop the
-        run (exit 2) when over the last few steps more than ``max_unscorable_fraction`` of them had none."""
-        total = unscorable = 0
-        for d in deliveries:
-            for g in d.groups:
-                results = g.episode_results()  # a split episode counts once
-                total += len(results)
-                unscorable += sum(c.reward is None for c in results)
-                for kind, message in g.reward_errors.items():
-                    self.reward_errors.setdefault(kind, message)
-        self.unscorable = [*self.unscorable[-(UNSCORABLE_WINDOW - 1) :], (total, unscorable)]
-        seen = sum(t for t, _ in self.unscorable)
-        bad = sum(u for _, u in self.unscorable)
-        limit = self.settings.max_unscorable_fraction
-        if seen and bad / seen > limit:
-            kinds = "; ".join(f"{k}: {m}" for k, m in self.reward_errors.items()) or "no message"
-            raise preflight.ConfigError(
-                f"the reward ({self.spec.reward.name if self.spec else '?'}) could not score {bad}/{seen} completions "
-                f"of the last {len(self.unscorable)} step(s), over BUCKETRL_MAX_UNSCORABLE_FRACTION={limit:g}: "
-                f"{kinds}"
-            )
+        """:meth:`RewardWatch.check` of the step's deliveries: raises preflight.ConfigError (exit 2) when too many
+        of the last steps' completions had no reward."""
+        self.rewards.check(deliveries, self.spec.reward.name if self.spec else "?")
 
     def _announce(self, phase: str, notes: dict[str, str] | None = None) -> None:
         """Tell the proxy what this trainer is doing (status, dashboard, live view); best effort."""
@@ -499,87 +402,9 @@ class TrainerWorker:
         syncs = sum(1 for k in range(step + 1, step + steps_ahead) if k % self.settings.sync_every == 0)
         return self.policy_version + syncs
 
-    def _within_staleness(self, deliveries: list[Delivery]) -> tuple[list[Delivery], int]:
-        """The deliveries the current policy may train on, and how many groups were held back as too stale.
-
-        A last guard: the claim's ``min_version`` already excludes such groups, so this finds none unless the
-        version arithmetic of :meth:`_train_version` is broken. A held-back delivery is neither trained nor
-        consumed, so it is never acked: the next claim gives it back (``release``; a claim never redelivers a
-        delivery to the epoch holding it) and a later claim, whose ``min_version`` is at least as high, drops it
-        and counts it in ``dropped_stale_total``, which comes back to this trainer's ``sample/dropped_stale_total``.
-        So each such group is counted once, as a stale drop, by the proxy; its accounting (accepted = acked +
-        dropped + queued + pending) stays truthful: ``acked`` only ever means trained. Until then it is pending.
-        """
-        assert self.spec is not None
-        limit = self.policy_version - self.spec.max_staleness
-        keep = [d for d in deliveries if d.version >= limit]
-        if len(keep) == len(deliveries):
-            return deliveries, 0
-        held = sum(len(d.groups) for d in deliveries if d.version < limit)
-        # Given back with the next claim: the proxy drops and counts them (they are not redelivered to the
-        # epoch that holds them otherwise).
-        self.ledger.give_back([d.delivery_id for d in deliveries if d.version < limit])
-        log.warning(
-            "held back %d group(s) older than v%d (policy v%d - max_staleness %d): not trained, left unacked for "
-            "the proxy to drop and count on redelivery",
-            held,
-            limit,
-            self.policy_version,
-            self.spec.max_staleness,
-        )
-        return keep, held
-
     def _claim_groups(self, train_version: int) -> tuple[list[Delivery], int, list[str]]:
-        """Claim until ``groups_per_step`` new groups to train with ``train_version``, none older than it minus
-        max_staleness (helper thread); the claims tell the proxy this pace. Also returns the ids of repeats
-        (deliveries this lineage already took: held, never trained twice). Raises Stopped on a stop request."""
-        assert self.spec is not None
-        min_version = max(0, train_version - self.spec.max_staleness)
-        need = self.spec.groups_per_step
-        got: list[Delivery] = []
-        repeats: list[str] = []
-        dropped = n = 0
-        t0 = time.monotonic()
-        while n < need:
-            if self.stop_requested.is_set():
-                raise Stopped  # what was claimed stays unacked: the next trainer gets it at once
-            waited = time.monotonic() - t0
-            if self.settings.max_rollout_wait_s and waited > self.settings.max_rollout_wait_s:
-                raise errors.Unavailable(
-                    f"no rollouts for {waited:.0f}s (BUCKETRL_MAX_ROLLOUT_WAIT_S): are generators running?"
-                )
-            # One request id per claim, the same on its retries: a replay after a lost answer gets the same
-            # deliveries (the proxy never redelivers them to this epoch otherwise).
-            request_id, release = secrets.token_hex(12), self.ledger.take_release()
-            resp = self._retrying(
-                lambda k=need - n, rid=request_id, rel=release: self.claim_client.claim(
-                    self.worker_id,
-                    max_groups=k,
-                    wait_s=self.settings.claim_wait_s,
-                    min_version=min_version,
-                    train_version=train_version if train_version >= 1 else None,
-                    sync_every=self.settings.sync_every,
-                    request_id=rid,
-                    release=rel,
-                    hold_rebuilt=True,
-                )
-            )
-            # Groups a rebuild re-queued (after a Redis wipe) below the floor: never trained now. Those this lineage
-            # trained before are held and acked with the next checkpoint (counted acked, as they were); the rest are
-            # given back, and the proxy drops and counts them stale.
-            below = [d.delivery_id for d in resp.deliveries if d.rebuilt_stale]
-            held = self.ledger.trained(below)
-            if len(held) < len(below):
-                self.ledger.give_back(sorted(set(below) - set(held)))
-            # (An older proxy ignores hold_rebuilt: it drops them and lists them, and the ack of those this lineage
-            # trained moves them to acked.)
-            trained_before = self.ledger.trained(resp.dropped_rebuilt)
-            dropped += resp.dropped_stale - len(trained_before)
-            fresh, again = self.ledger.admit([d for d in resp.deliveries if not d.rebuilt_stale])
-            got += fresh
-            repeats += again + held + trained_before
-            n = sum(len(d.groups) for d in got)
-        return got, dropped, repeats
+        """:meth:`ClaimLoop.claim_groups` (on the claim helper thread)."""
+        return self.claims.claim_groups(train_version)
 
     # -- publish, checkpoint, metrics (snapshots now, writes on the uploader thread) ------------------------
 
@@ -659,7 +484,7 @@ class TrainerWorker:
 
     def _push(self, step: int, stats: dict[str, float], *, report_eval: bool = True) -> None:
         metrics = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(v)}
-        notes = {f"reward_error/{kind}": text for kind, text in self.reward_errors.items()}
+        notes = {f"reward_error/{kind}": text for kind, text in self.rewards.reward_errors.items()}
         trackers = self.trackers
         with_eval = report_eval and self.spec is not None and self.spec.eval is not None
 
@@ -677,42 +502,8 @@ class TrainerWorker:
         self._uploader().submit(f"metrics {step}", job)
 
     def _new_eval_metrics(self) -> dict[str, float]:
-        """The oldest evaluated version not reported yet, once (uploader thread): pushed with this step's metrics,
-        so it reaches the proxy's history and every tracker at the step it became known (``eval/version`` says
-        which policy it measures). One per step, oldest first: when several versions finished since the last
-        push (eval faster than training), each is reported at a step of its own; versions are published at most
-        once per step, so the reports keep up. The newest version reported is a checkpointed counter (stored by
-        the checkpoint job, after the pushes before it): a resumed trainer reports none of them again. A version
-        whose evaluation finishes after a newer one was reported is not reported (it is in the bucket, the status
-        and the dashboard's table)."""
-        results = self._eval_results(self.write_client)
-        return {} if results is None else self._eval_report(results, newest=False)
-
-    def _eval_results(self, client: ProxyClient) -> list[EvalVersionResult] | None:
-        try:
-            return client.eval_results()
-        except errors.BucketRLError as exc:
-            log.warning("eval results not read: %s", exc.message)
-            return None
-
-    def _eval_report(self, results: list[EvalVersionResult], *, newest: bool) -> dict[str, float]:
-        """The eval metrics of the oldest (or newest) version not reported yet, marked reported; {} if none."""
-        done = self.counters.get(EVAL_REPORTED, 0.0)
-        new = [e for e in results if e.version > done]
-        if not new:
-            return {}
-        e = (max if newest else min)(new, key=lambda r: r.version)
-        self.counters[EVAL_REPORTED] = float(e.version)
-        out = {
-            "eval/version": float(e.version),
-            "eval/pass@1": e.pass_at_1,
-            f"eval/pass@{e.k}": e.pass_at_k,
-            "eval/mean_length": e.mean_length,
-            "eval/unscorable_frac": e.unscorable_frac,
-        }
-        if e.reward_mean is not None:
-            out["eval/reward"] = e.reward_mean
-        return out
+        """:meth:`EvalReports.new_metrics` (uploader thread)."""
+        return self.eval_reports.new_metrics(self.write_client)
 
     def _report_final_eval(self, step: int) -> None:
         """The run's last eval report, at its last step (whose own push left it out). When the run evaluates the
@@ -727,20 +518,7 @@ class TrainerWorker:
         self._uploader().drain()  # the final version is committed; every earlier push has reported
         final = self.policy_version
         wait_s = self.settings.final_eval_wait_s if spec.eval.evaluates(final) else 0.0
-        if wait_s > 0:
-            log.info("waiting up to %.0f s for the evaluation of the final version v%d", wait_s, final)
-        deadline = time.monotonic() + wait_s
-        while True:
-            results = self._eval_results(self.client)
-            if results is None:
-                return
-            if any(e.version == final for e in results) or time.monotonic() >= deadline:
-                break
-            if self.stop_requested.wait(1.0):
-                break
-        if wait_s > 0 and not any(e.version == final for e in results):
-            log.warning("v%d was not evaluated within %.0f s (BUCKETRL_FINAL_EVAL_WAIT_S)", final, wait_s)
-        metrics = self._eval_report(results, newest=True)
+        metrics = self.eval_reports.final_metrics(self.client, final, wait_s, self.stop_requested)
         if metrics:
             self._push(step, metrics, report_eval=False)
 
@@ -774,25 +552,8 @@ class TrainerWorker:
             self.speaker.remember(version)
 
     def _retrying(self, call: Callable[[], T]) -> T:
-        """Retry a call through proxy outages (503 / unreachable) and other retryable answers (409
-        ``write_in_progress``: a slow write of the same bundle still holds its lock) for up to ``outage_budget_s``.
-
-        The client already retries each request through an outage for that long (with backoff honouring
-        Retry-After); this covers a retryable error raised by the call itself. Every call retried here is
-        idempotent on the proxy: a replayed claim (same request id) answers the same deliveries, a re-sent
-        publish or checkpoint of the same bytes answers 200, acks are idempotent.
-        """
-        deadline = time.monotonic() + self.settings.outage_budget_s
-        while True:
-            try:
-                return call()
-            except errors.BucketRLError as exc:
-                if not exc.retryable or isinstance(exc, errors.Fenced) or time.monotonic() > deadline:
-                    raise
-                if isinstance(exc, errors.Unavailable) and self.outage.spent():
-                    raise  # the client rode this outage out for the whole budget already: do not double it
-                log.warning("proxy unavailable (%s); retrying", exc.message)
-                time.sleep(1.0)
+        """:func:`~bucketrl.trainer.retry.retrying` within ``outage_budget_s``."""
+        return retrying(call, budget_s=self.settings.outage_budget_s, outage=self.outage)
 
     def _audit(self, record: dict[str, Any]) -> None:
         if not self.settings.audit_log:
@@ -800,23 +561,3 @@ class TrainerWorker:
         line = json.dumps({**record, "t": time.time()}) + "\n"
         with self._audit_lock, Path(self.settings.audit_log).open("a") as fh:
             fh.write(line)
-
-
-def main(settings: TrainerSettings) -> int:
-    import os
-
-    world = int(os.environ.get("WORLD_SIZE", "1") or "1")  # torchrun sets it
-    where = f" [rank {os.environ.get('RANK', '?')}/{world}]" if world > 1 else ""
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s",
-        stream=sys.stderr,
-    )
-    if world > 1:
-        from bucketrl.trainer.distributed import exit_rank
-        from bucketrl.trainer.distributed import main as rank_main
-
-        exit_rank(rank_main(settings))
-    worker = TrainerWorker(settings)
-    worker.install_signal_handlers()
-    return worker.run()

@@ -13,10 +13,14 @@ directory, one trainer and N generators; shows a live view; at the end prints a 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 def up_command(
@@ -87,14 +91,12 @@ def up_command(
     """Run proxy + Redis + trainer + generators locally; live view; summary and plots at the end.
 
     Running again with the same --dir resumes with the options saved there (options given override them)."""
-    import json
-
     from pydantic import ValidationError
 
     from bucketrl.preflight import EXIT_CONFIG
     from bucketrl.up.config import UpConfig, load_saved_options
 
-    given = {
+    given: dict[str, Any] = {
         k: v
         for k, v in {
             "run": run,
@@ -133,31 +135,20 @@ def up_command(
         typer.echo(f"bucketrl up: {message}", err=True)
         return typer.Exit(code=EXIT_CONFIG)
 
-    if reward_kwargs is not None:
-        try:
-            given["reward_kwargs"] = json.loads(reward_kwargs)
-        except json.JSONDecodeError as exc:
-            raise fail(f"--reward-kwargs is not JSON: {exc.msg} (column {exc.colno})") from None
-        if not isinstance(given["reward_kwargs"], dict):
-            raise fail("--reward-kwargs must be a JSON object, e.g. '{\"rel_tol\": 0.01}'") from None
-    if env_kwargs is not None:
-        try:
-            given["env_kwargs"] = json.loads(env_kwargs)
-        except json.JSONDecodeError as exc:
-            raise fail(f"--env-kwargs is not JSON: {exc.msg} (column {exc.colno})") from None
-        if not isinstance(given["env_kwargs"], dict):
-            raise fail("--env-kwargs must be a JSON object") from None
+    try:
+        if reward_kwargs is not None:
+            given["reward_kwargs"] = _json_object("--reward-kwargs", reward_kwargs, ", e.g. '{\"rel_tol\": 0.01}'")
+        if env_kwargs is not None:
+            given["env_kwargs"] = _json_object("--env-kwargs", env_kwargs)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     if lora_target_modules is not None:
         given["lora_target_modules"] = [m.strip() for m in lora_target_modules.split(",") if m.strip()]
     try:
         options = {**load_saved_options(given.get("run"), given.get("dir")), **given}
         cfg = UpConfig(**options)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        if not first["loc"]:  # a check across options: its message names them
-            raise fail(first["msg"].removeprefix("Value error, ")) from None
-        where = "--" + "-".join(str(p) for p in first["loc"][:1]).replace("_", "-")
-        raise fail(f"{where}: {first['msg']}") from None
+        raise fail(_option_error(exc)) from None
     except ValueError as exc:
         raise fail(str(exc)) from None
 
@@ -170,6 +161,26 @@ def up_command(
     except (RunDirBusy, ConfigError, ValueError) as exc:
         raise fail(str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else _first(exc)) from None
     raise typer.Exit(code=code)
+
+
+def _json_object(option: str, text: str, example: str = "") -> dict[str, Any]:
+    """An option's JSON object; ValueError with the line to show when it is not one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{option} is not JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a JSON object{example}")
+    return value
+
+
+def _option_error(exc: ValidationError) -> str:
+    """The options' first validation error as one line naming the option."""
+    first = exc.errors()[0]
+    if not first["loc"]:  # a check across options: its message names them
+        return first["msg"].removeprefix("Value error, ")
+    where = "--" + "-".join(str(p) for p in first["loc"][:1]).replace("_", "-")
+    return f"{where}: {first['msg']}"
 
 
 def _first(exc: Exception) -> str:

@@ -233,15 +233,7 @@ def build_run_spec(
     toy_task = uri.removeprefix("toy:") if uri.startswith("toy:") else None
     if toy_task is not None and toy_task not in TASKS:
         raise ValueError(f"--dataset {uri}: unknown toy task; choose one of {', '.join('toy:' + t for t in TASKS)}")
-    if cfg.model is not None:
-        local = Path(cfg.model).expanduser()
-        # A local directory by its absolute path: workers started elsewhere (or a resume from another
-        # directory) find the same model.
-        base_model = str(local.resolve()) if local.exists() else str(cfg.model)
-    elif "base_model" in given:
-        base_model = str(given["base_model"])
-    else:
-        base_model = str(model_dir)
+    base_model = _base_model(cfg, given, model_dir)
     spec: dict[str, Any] = default_run_spec(base_model, task=toy_task or "digits").model_dump(mode="json")
     if toy_task is None:
         # A real dataset: the toy's sampling settings make no sense; use common GRPO defaults.
@@ -264,6 +256,26 @@ def build_run_spec(
     spec["dataset"] = dataset
     if "vocab_size" not in given or cfg.model is not None:
         spec["vocab_size"] = VOCAB_SIZE if base_model == str(model_dir) else vocab_size or spec["vocab_size"]
+    _apply_options(spec, cfg)
+    spec["queue_capacity_groups"] = max(spec["queue_capacity_groups"], spec["groups_per_step"])
+    _validate(spec)
+    return spec
+
+
+def _base_model(cfg: UpConfig, given: dict[str, Any], model_dir: Path | None) -> str:
+    """``--model``, else the run-spec file's, else the built-in tiny model's directory."""
+    if cfg.model is not None:
+        local = Path(cfg.model).expanduser()
+        # A local directory by its absolute path: workers started elsewhere (or a resume from another
+        # directory) find the same model.
+        return str(local.resolve()) if local.exists() else str(cfg.model)
+    if "base_model" in given:
+        return str(given["base_model"])
+    return str(model_dir)
+
+
+def _apply_options(spec: dict[str, Any], cfg: UpConfig) -> None:
+    """The options given (env, reward, group and sampling sizes, LoRA, queue, eval) over ``spec``, in place."""
     if cfg.env is not None:
         spec["env"] = {"name": cfg.env, "kwargs": dict(cfg.env_kwargs)}
     elif cfg.env_kwargs and spec.get("env"):
@@ -295,9 +307,6 @@ def build_run_spec(
         spec["queue_capacity_groups"] = cfg.queue_capacity
     if cfg.eval_every is not None:
         spec["eval"] = {"every": cfg.eval_every, "split": "test", "size": EVAL_SIZE}
-    spec["queue_capacity_groups"] = max(spec["queue_capacity_groups"], spec["groups_per_step"])
-    _validate(spec)
-    return spec
 
 
 def max_new_tokens_given(cfg: UpConfig) -> bool:

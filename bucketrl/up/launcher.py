@@ -45,9 +45,6 @@ class _Stop:
 
 def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = None) -> int:
     """Run ``bucketrl up``; returns the process exit code (0 = the trainer finished or Ctrl-C)."""
-    from bucketrl.up import report
-    from bucketrl.up.synclatency import measure
-
     console = console or Console()
     live = console.is_terminal if live is None else live
     cluster = LocalCluster(cfg)
@@ -105,7 +102,17 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
             signal.signal(sig, handler)
         watcher.close()
         cluster.release()
-    wall = time.monotonic() - started
+    _final_report(cfg, cluster, watcher, console, code, time.monotonic() - started)
+    return code
+
+
+def _final_report(
+    cfg: UpConfig, cluster: LocalCluster, watcher: RunWatcher, console: Console, code: int, wall: float
+) -> None:
+    """The summary table, summary.json, plots and the final adapter's location, with how to resume."""
+    from bucketrl.up import report
+    from bucketrl.up.synclatency import measure
+
     # After a configuration error the same command fails the same way: say what a rerun needs.
     resume = (
         f"after fixing it: bucketrl up --dir {cluster.dir} <the corrected option> (the other options are kept)"
@@ -129,7 +136,6 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
         console.print(f"summary: {cluster.dir / 'summary.json'}   {resume}", soft_wrap=True)
         if figures.get("adapter"):
             console.print(f"final adapter: {figures['adapter']}", soft_wrap=True)
-    return code
 
 
 def _states(cluster: LocalCluster) -> dict[str, str]:

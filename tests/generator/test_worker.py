@@ -177,21 +177,21 @@ def test_a_version_retired_during_the_prompt_wait_is_not_the_one_sampled_with(
     with running_worker(worker_settings(proxy, "w5", "gen-r", metrics_interval_s=0.1)) as worker:
         with Consumer(trainer) as consumer:
             consumer.wait_for(lambda ds: len(ds) >= 1, 180)  # sampling with v1
-            lease = worker._lease_prompts
+            lease = worker.lease_prompts
 
             def held_lease(n: int) -> list:  # the proxy "answers" only when the test says so
                 blocked.set()
                 release.wait(120)
                 return lease(n)
 
-            worker._lease_prompts = held_lease  # type: ignore[method-assign]
+            worker.lease_prompts = held_lease  # type: ignore[method-assign]
             assert blocked.wait(120)
             # Now the loop waits for prompts, holding v1 as its version. v2 and v3 arrive: v1 leaves the window.
             trainer.publish_adapter(2, pack_dir(adapters[2]))
             trainer.publish_adapter(3, pack_dir(adapters[1]))
             wait_until(lambda: 3 in loaded() and 1 not in loaded(), 60, "v1 retired while the loop waits")
             assert worker.thread.is_alive()  # type: ignore[attr-defined]
-            worker._lease_prompts = lease  # type: ignore[method-assign]
+            worker.lease_prompts = lease  # type: ignore[method-assign]
             release.set()
             failed = worker.failure  # type: ignore[attr-defined]
             consumer.wait_for(lambda ds: bool(failed) or any(d.version == 3 for d in ds), 120)

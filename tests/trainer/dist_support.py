@@ -121,7 +121,7 @@ def run_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     set of processes for both sizes: starting them is what costs)."""
     import torch.distributed as dist
 
-    from bucketrl.trainer.distributed import Ranks, init_ranks
+    from bucketrl.trainer.ranks import Ranks, init_ranks
 
     torch.set_num_threads(1)
     env = {"RANK": rank, "WORLD_SIZE": 3, "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
@@ -208,7 +208,8 @@ def timeouts(ranks: Any, out: str) -> None:
     import time
     from concurrent.futures import Future
 
-    from bucketrl.trainer.distributed import Message, SpeakerHooks
+    from bucketrl.trainer.distributed import SpeakerHooks
+    from bucketrl.trainer.ranks import Message
     from bucketrl.trainer.worker import RankFailure
 
     result: dict[str, Any] = {}

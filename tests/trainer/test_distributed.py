@@ -14,8 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 from bucketrl.trainer.checkpoint import restore_checkpoint
-from bucketrl.trainer.distributed import group_tokens, shard_groups
 from bucketrl.trainer.learner import Learner, StepGroup
+from bucketrl.trainer.ranks import group_tokens, shard_groups
 from tests.trainer import dist_support
 from tests.trainer.helpers import random_group
 

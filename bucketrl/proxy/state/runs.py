@@ -60,9 +60,7 @@ async def get_spec_and_epoch(r: Any, run: str) -> tuple[RunSpec | None, int]:
 
 
 # One command (cheaper for the proxy than a two-command pipeline). ``or false``: a Lua table cannot hold nil.
-_SPEC_AND_EPOCH = Lua(
-    "return {redis.call('GET', KEYS[1]) or false, redis.call('HGET', KEYS[2], 'trainer_epoch') or false}"
-)
+_SPEC_AND_EPOCH = Lua.load("run_spec_and_epoch.lua")
 
 
 async def get_state(r: Any, run: str) -> RunState:
@@ -159,14 +157,7 @@ def epoch_record_key(run: str, epoch: int) -> str:
 REGISTER_REPLAY_TTL_S = 600
 
 # KEYS: state, request. ARGV: now, request_ttl_s. Returns {epoch, 1 if new}.
-_REGISTER = Lua("""
-local seen = redis.call('GET', KEYS[2])
-if seen then return {tonumber(seen), 0} end
-local epoch = redis.call('HINCRBY', KEYS[1], 'trainer_epoch', 1)
-redis.call('HSET', KEYS[1], 'updated_at', ARGV[1])
-redis.call('SET', KEYS[2], epoch, 'EX', ARGV[2])
-return {epoch, 1}
-""")
+_REGISTER = Lua.load("trainer_register.lua")
 
 
 async def register_trainer(r: Any, run: str) -> int:

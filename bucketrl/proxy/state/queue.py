@@ -149,8 +149,6 @@ class QueueKeys:
 
 
 batch_key = cleanup.batch_key
-
-
 marker_key = cleanup.marker_key
 
 

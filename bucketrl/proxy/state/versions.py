@@ -27,6 +27,7 @@ from bucketrl import bundles, errors
 from bucketrl.proxy import keys
 from bucketrl.proxy.state.locks import WriteLock, fenced_or_restoring
 from bucketrl.proxy.state.lua import Lua
+from bucketrl.proxy.state.runs import latest_version
 from bucketrl.proxy.state.uploads import spool_verified
 from bucketrl.storage import dirs
 from bucketrl.wire import AdapterVersionInfo
@@ -66,8 +67,6 @@ async def live_record(r: Any, run: str, version: int) -> dict[str, str]:
     """The record of a downloadable version: 404 if never published, 410 if garbage-collected."""
     rec = await get_record(r, run, version)
     if rec is None:
-        from bucketrl.proxy.state.runs import latest_version
-
         latest = await latest_version(r, run)
         if version > latest:
             raise errors.NotFound(f"run {run!r} has no version {version} (latest is {latest})", code="unknown_version")
@@ -78,8 +77,6 @@ async def live_record(r: Any, run: str, version: int) -> dict[str, str]:
 
 
 async def latest_info(r: Any, run: str) -> AdapterVersionInfo | None:
-    from bucketrl.proxy.state.runs import latest_version
-
     latest = await latest_version(r, run)
     if latest == 0:
         return None

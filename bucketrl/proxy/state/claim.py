@@ -37,25 +37,16 @@ log = logging.getLogger("bucketrl.proxy.queue")
 
 _CLAIM = Lua.load("queued_groups.lua", "queue_common.lua", "claim.lua")
 
-
 _REQUEUE = Lua.load("queued_groups.lua", "queue_common.lua", "claim_requeue.lua")
-
 
 _RELEASE_PENDING = Lua.load("queued_groups.lua", "queue_common.lua", "claim_release_pending.lua")
 
-
 CLAIM_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
 # How long a claim's answer is kept for a replay of the same request id (a client retry after a lost answer
 # comes within its backoff: seconds to minutes).
 CLAIM_REPLAY_TTL_S = 600
-
-
 # A claim long-poll re-evaluates redeliveries at least this often while it blocks on new entries.
 WAIT_SLICE_S = 1.0
-
-
 # Serialises a validated group to the JSON a claim answers (the same serializer ClaimResponse uses).
 _GROUP_JSON: TypeAdapter[RolloutGroup] = TypeAdapter(RolloutGroup)
 

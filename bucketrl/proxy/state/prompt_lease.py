@@ -65,16 +65,11 @@ from bucketrl.wire import PromptLease, RunSpec
 
 # Retry-After (s) of a prompt lease refused by admission control: about one trainer step.
 RETRY_AFTER_S = 1.0
-
-
 # A long-polled lease re-checks at least this often: a prompt lease expiring frees room with no announcement.
 PACE_SLICE_S = 0.5
-
-
 # Versions of slack the pace rule keeps by default (module docstring; BUCKETRL_PACE_SLACK_VERSIONS): measured
 # in the demo, 0 dropped about 10 % of the accepted groups, 1 almost none.
 PACE_SLACK_VERSIONS = 1
-
 
 _LEASE = Lua.load("queued_groups.lua", "prompt_lease.lua")
 

@@ -40,8 +40,6 @@ from bucketrl.wire import PromptLease, PromptLeaseItem, RunSpec
 
 # The Redis consumer group of the rollout stream (shared with state/queue.py, which builds on this module).
 STREAM_GROUP = "trainer"
-
-
 PROMPT_ID_RE = re.compile(r"^(0|[1-9][0-9]{0,11})-(0|[1-9][0-9]{0,11})$")
 
 
@@ -105,7 +103,6 @@ def as_str(v: bytes | str) -> str:
 
 
 _RENEW = Lua.load("prompt_renew.lua")
-
 
 _RELEASE = Lua.load("prompt_release.lua")
 

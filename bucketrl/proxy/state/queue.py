@@ -96,8 +96,6 @@ GROUP = prompts.STREAM_GROUP
 # A retry comes within seconds to minutes (client backoff); a day bounds the records at a few per batch/s.
 IDEMPOTENCY_TTL_S = 86_400
 DELIVERY_ID_RE = re.compile(r"^b[0-9a-f]{32}:(0|[1-9][0-9]{0,5})$")
-
-
 # Gives the run's spec when a queue call needs it after all (a route's ``resolve_run``: 404 for an unknown
 # run, a rebuild of a wiped Redis first). Hot routes pass one instead of reading the spec up front.
 SpecLoader = Callable[[], Awaitable[RunSpec]]

@@ -39,24 +39,15 @@ log = logging.getLogger("bucketrl.proxy.prompts")
 
 # How many positions past the cursor one snapshot write reserves (bounds bucket writes to 1 per this many).
 RESERVE_AHEAD = 256
-
-
 # How far a restore moves the state's seq past its snapshot's: far more than the changes (leases, submits) a wiped
 # Redis can have made since its last snapshot was written (every settle writes one).
 RESTORE_SEQ_STRIDE = 1_000_000
-
-
 _LOCK_TTL_MS = 30_000
-
-
 _LOCK_WAIT_S = 15.0
-
 
 _SNAPSHOT = Lua.load("prompt_snapshot.lua")
 
-
 _MARK_PERSISTED = Lua.load("prompt_mark_persisted.lua")
-
 
 _UNLOCK = Lua.load("unlock.lua")
 

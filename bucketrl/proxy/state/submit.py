@@ -44,28 +44,18 @@ log = logging.getLogger("bucketrl.proxy.queue")
 
 _PRECHECK = Lua.load("queued_groups.lua", "submit_precheck.lua")
 
-
 _ENQUEUE = Lua.load("queued_groups.lua", "queue_common.lua", "submit_enqueue.lua")
-
 
 # KEYS: idem write_lock ; ARGV: token ttl_ms. Take the batch's write lock unless the batch is already accepted.
 _BEGIN_WRITE = Lua.load("submit_begin_write.lua")
 
-
 _UNLOCK = Lua.load("unlock.lua")
 
-
 IDEMPOTENCY_KEY_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # visible ASCII, like an HTTP token
-
-
 # A batch's write lock (one attempt of a batch writes its object at a time): longer than any object PUT; how
 # long a retry waits for an earlier attempt before answering 503.
 SUBMIT_LOCK_TTL_MS = 120_000
-
-
 SUBMIT_LOCK_WAIT_S = 20.0
-
-
 # Retry-After (s) of a submit refused because the queue is at capacity.
 RETRY_AFTER_S = 1.0
 

@@ -42,8 +42,11 @@ from fastapi import Depends, Header, Path, Request, Security
 from fastapi.security import HTTPBearer
 
 from bucketrl import errors
+from bucketrl.proxy import rebuild
 from bucketrl.proxy.auth import Principal
 from bucketrl.proxy.context import ProxyContext
+from bucketrl.proxy.state import runs
+from bucketrl.proxy.state.locks import fenced_or_restoring
 from bucketrl.wire import RunSpec
 from bucketrl.wire.common import ID_PATTERN, MAX_WIRE_INT
 
@@ -130,14 +133,10 @@ async def resolve_run_and_epoch(ctx: ProxyContext, run: str) -> tuple[RunRef, in
 
 
 async def _resolve(ctx: ProxyContext, run: str) -> tuple[RunRef, int]:
-    from bucketrl.proxy.state import runs
-
     spec, epoch = await runs.get_spec_and_epoch(ctx.redis, run)
     if spec is None:
         # A wiped Redis answers "unknown run" for every run until rebuilt: rebuild now rather than at the
         # maintenance loop's next pass (cheap when Redis still knows other runs: one SCARD).
-        from bucketrl.proxy import rebuild
-
         if await rebuild.rebuild_if_wiped(ctx):
             spec, epoch = await runs.get_spec_and_epoch(ctx.redis, run)
         if spec is None and await rebuild.rebuilding(ctx):
@@ -161,8 +160,6 @@ def _require_epoch(run: str, x_trainer_epoch: int | None) -> int:
 
 
 async def get_epoch(request: Request, x_trainer_epoch: EpochHeader = None) -> int:
-    from bucketrl.proxy.state import runs
-
     # ``{run}`` is declared (and validated) by RunDep, which trainer writes always carry first; an id that
     # failed that validation gets its own 422, so it is not looked up here.
     run = str(request.path_params.get("run", ""))
@@ -175,8 +172,6 @@ async def get_epoch(request: Request, x_trainer_epoch: EpochHeader = None) -> in
     else:
         current = await runs.trainer_epoch(request.app.state.ctx.redis, run)
     if current == 0:  # no epoch at all: a Redis that lost the run (503 until rebuilt), or truly never issued
-        from bucketrl.proxy.state.locks import fenced_or_restoring
-
         raise await fenced_or_restoring(request.app.state.ctx.redis, run, x_trainer_epoch, 0, "(never issued)")
     runs.check_epoch(run, x_trainer_epoch, current)
     return x_trainer_epoch

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from bucketrl import errors
 from bucketrl.proxy import keys
+from bucketrl.proxy.rebuild import bucket_runs
 
 log = logging.getLogger("bucketrl.proxy.identity")
 
@@ -74,8 +75,6 @@ async def verify(ctx: Any) -> str | None:
     """None when the bucket is this deployment's (writing the identity on first use), else the refusal.
 
     Raises Unavailable / Redis errors when either store cannot be read (the state stays "not verified")."""
-    from bucketrl.proxy.rebuild import bucket_runs
-
     r, store = ctx.redis, ctx.store
     marker = await asyncio.to_thread(_read_marker, store)
     raw = await r.get(keys.BUCKET_IDENTITY)

@@ -29,7 +29,7 @@ from starlette.routing import Match
 
 from bucketrl.proxy import body, deps, rollout_body
 from bucketrl.proxy.routes import prompts as prompt_routes
-from bucketrl.proxy.state import prompts
+from bucketrl.proxy.state import prompt_lease
 from bucketrl.wire import ClaimRequest, PromptLeaseRequest, VersionLeaseRequest
 from bucketrl.wire.common import ID_PATTERN, MAX_WIRE_INT
 from bucketrl.wire.rollouts import AckRequest
@@ -132,7 +132,7 @@ async def _prompt_lease(request: Request, endpoint: Callable[..., Any]) -> Any:
     req = await _PROMPT_LEASE(request)
     try:
         return await prompt_routes.lease_prompts(ctx, ref, req, digest)
-    except prompts.SpecChanged:
+    except prompt_lease.SpecChanged:
         if known is None:  # read in this very request and already another one: leave it unchecked this once
             return await prompt_routes.lease_prompts(ctx, await deps.get_run(request, run), req)
     # Another spec was stored since this process cached it (or the run is gone): read it as the route does.
@@ -145,7 +145,7 @@ async def _read_spec(request: Request, run: str) -> tuple[deps.RunRef, str]:
     ref = await deps.get_run(request, run)  # 404 unknown_run, a wiped Redis rebuilt, as the route's RunDep
     if len(_LEASE_SPECS) >= _SPECS_MAX:
         _LEASE_SPECS.clear()
-    _LEASE_SPECS[run] = ref, prompts.spec_digest(ref.spec)
+    _LEASE_SPECS[run] = ref, prompt_lease.spec_digest(ref.spec)
     return _LEASE_SPECS[run]
 
 

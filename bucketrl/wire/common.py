@@ -6,7 +6,7 @@ charset that can never escape a prefix (no ``/``, no ``..``, no whitespace).
 Every model on the wire refuses NaN/infinity, is validated strictly where it enters the proxy
 (``proxy/body.py``: a boolean is not a number, ``"1"`` is not an integer; code building models in Python stays
 lax), and every list on it has a length bound: static caps here (what no legal run can exceed),
-tightened per run where the spec says more (``proxy/state/queue.validate_batch``). Lists validate
+tightened per run where the spec says more (``proxy/state/validation.validate_batch``). Lists validate
 ``fail_fast``: a list of two million bad items costs one error, not two million materialised ones.
 """
 

@@ -163,6 +163,19 @@ def test_dockerignore_keeps_secrets_and_bulk_out_and_the_package_in() -> None:
         assert dockerignore_excludes(rules, dropped), dropped
 
 
+def test_the_proxys_lua_scripts_reach_the_installed_package() -> None:
+    """The proxy's Redis scripts are ``.lua`` files read at import: the image pip-installs ``bucketrl`` (not
+    editable), so each must be package data and survive ``.dockerignore``, or the proxy fails at start."""
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["bucketrl"]
+    rules = (ROOT / ".dockerignore").read_text()
+    scripts = sorted((ROOT / "bucketrl/proxy/state/scripts").glob("*.lua"))
+    assert scripts
+    for path in scripts:
+        rel = path.relative_to(ROOT / "bucketrl")
+        assert any(rel.match(g) for g in globs), f"{rel}: not matched by package-data {globs}"
+        assert not dockerignore_excludes(rules, str(path.relative_to(ROOT))), rel
+
+
 @pytest.mark.parametrize(("service", "variant", "df"), IMAGES, ids=IDS)
 def test_installed_extras_exist_and_pins_match_what_this_repo_tests(service: str, variant: str, df: Dockerfile) -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -22,7 +22,7 @@ import pytest
 
 from bucketrl import errors
 from bucketrl.proxy import gc, identity, keys
-from bucketrl.proxy.state import queue
+from bucketrl.proxy.state import accounting
 from tests.proxy.harness import ProxyHarness, adapter_tar, checkpoint_tar, running
 from tests.proxy.test_rollouts_routes import Setup
 from tests.support.faults import TcpGate
@@ -61,7 +61,7 @@ def bucket(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Bucket]:
 
 
 def _counters(p: ProxyHarness, run: str) -> dict[str, int]:
-    return p.call(lambda ctx: queue.counters(ctx.redis, run))
+    return p.call(lambda ctx: accounting.counters(ctx.redis, run))
 
 
 def test_outage_is_503_with_retry_after_and_loses_nothing(redis_server: RedisServer, bucket: Bucket) -> None:

@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from bucketrl import errors
-from bucketrl.proxy.state import cleanup, prompts, queue
+from bucketrl.proxy.state import ack as ack_stage
+from bucketrl.proxy.state import cleanup, queue, snapshot
+from bucketrl.proxy.state import submit as submit_stage
 from bucketrl.storage import open_store
 from bucketrl.storage.base import BucketStore
 from tests.proxy.test_queue_state import RUN, assert_accounting, claim, lease_and_batch, make_spec, run, setup_run
@@ -46,7 +48,7 @@ async def submitted_and_claimed(
     epoch = await setup_run(r, spec)
     cleaner = cleanup.BatchCleaner(r, store)
     subs = [
-        await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), key)
+        await submit_stage.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), key)
         for key in "ab"[:batches]
     ]
     got = await claim(r, store, spec, epoch, n=n)
@@ -61,7 +63,9 @@ def test_ack_answers_before_the_bucket_work_which_then_completes(redis_server: R
         epoch, cleaner, (a, b), ids = await submitted_and_claimed(r, store, spec, 2, 3)  # a:0 a:1 b:0
         store.gate.clear()  # the bucket hangs: the ack must still answer
         assert (
-            await asyncio.wait_for(queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids, cleaner=cleaner), 5)
+            await asyncio.wait_for(
+                ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids, cleaner=cleaner), 5
+            )
             == 3
         )
         # Redis settled both (a finished, b in part) at once; the bucket has not been touched yet.
@@ -74,7 +78,7 @@ def test_ack_answers_before_the_bucket_work_which_then_completes(redis_server: R
         assert not await r.hexists(cleanup.doomed_key(RUN), a.batch_id)
         # The snapshot written first shows a's prompts completed (the object was their other record), a
         # settled (not live), b's settled group and the counters with all three acks.
-        snap = json.loads(prompts.read_snapshot(store, RUN))
+        snap = json.loads(snapshot.read_snapshot(store, RUN))
         assert not {"0-0", "0-1"} & set(snap["open"])  # a's prompts, the first two leased
         assert snap["queue"]["live"] == {b.batch_id: {"remaining": 1, "settled": [int(ids[2].rsplit(":", 1)[1])]}}
         assert snap["queue"]["counters"]["acked_total"] == 3
@@ -90,7 +94,7 @@ def test_the_sweep_finishes_what_a_failed_cleaner_left(redis_server: RedisServer
     async def body(r: Any) -> None:
         epoch, cleaner, (a,), ids = await submitted_and_claimed(r, store, spec, 1, 2)
         store.broken = True  # the cleaner's delete fails (a proxy dying here leaves the same state)
-        await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids, cleaner=cleaner)
+        await ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids, cleaner=cleaner)
         assert await cleaner.drain(10)
         assert store.exists(queue.batch_key(RUN, a.batch_id))
         assert await r.hexists(cleanup.doomed_key(RUN), a.batch_id)
@@ -106,7 +110,7 @@ def test_the_sweep_finishes_what_a_failed_cleaner_left(redis_server: RedisServer
         assert store.list_keys(f"runs/{RUN}/rollouts/") == []
         assert await r.hlen(cleanup.doomed_key(RUN)) == 0
         assert await cleanup.sweep(r, store, RUN, spec) == 0  # nothing left: a no-op
-        snap = json.loads(prompts.read_snapshot(store, RUN))
+        snap = json.loads(snapshot.read_snapshot(store, RUN))
         assert not {"0-0", "0-1"} & set(snap["open"])
 
     run(redis_server, later)

@@ -13,7 +13,9 @@ import pytest
 
 from bucketrl import errors
 from bucketrl.proxy import keys, rebuild
-from bucketrl.proxy.state import prompts, queue
+from bucketrl.proxy.state import claim as claim_stage
+from bucketrl.proxy.state import prompt_lease, prompts, queue, restore, snapshot
+from bucketrl.proxy.state import submit as submit_stage
 from bucketrl.proxy.state.locks import WriteLock
 from tests.proxy.harness import TOKENS, ProxyHarness, adapter_tar, running
 from tests.proxy.test_queue_state import run
@@ -66,7 +68,7 @@ def test_lifetime_identity_holds_across_a_wipe_with_a_vanished_batch(
 
 
 async def _snapshot(ctx: object, run: str) -> dict:
-    raw = prompts.read_snapshot(ctx.store, run)  # type: ignore[attr-defined]
+    raw = snapshot.read_snapshot(ctx.store, run)  # type: ignore[attr-defined]
     assert raw is not None
     return json.loads(raw)
 
@@ -118,9 +120,9 @@ def test_prompt_leases_follow_redis_time_not_a_replicas_clock(
 
     async def body(r: Any) -> None:
         await setup_run(r, spec)
-        held = (await prompts.lease(r, store, RUN, spec, "gen-1", 2, 60)).prompts
+        held = (await prompt_lease.lease(r, store, RUN, spec, "gen-1", 2, 60)).prompts
         monkeypatch.setattr(time, "time", lambda: real_time() + 400)  # this "replica" is 400 s ahead
-        other = (await prompts.lease(r, store, RUN, spec, "gen-2", 2, 60)).prompts
+        other = (await prompt_lease.lease(r, store, RUN, spec, "gen-2", 2, 60)).prompts
         assert not {p.prompt_id for p in held} & {p.prompt_id for p in other}
         monkeypatch.setattr(time, "time", real_time)
         renewed = await prompts.renew(r, RUN, "gen-1", [p.prompt_id for p in held], 60)
@@ -145,13 +147,13 @@ def test_persist_does_not_spin_on_a_finished_write_it_still_sees(redis_server: R
 
     async def body(r: Any) -> None:
         await setup_run(r, spec)
-        await prompts.lease(r, store, RUN, spec, "g", 2, 60)
+        await prompt_lease.lease(r, store, RUN, spec, "g", 2, 60)
         finished: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
         finished.set_result((0, 0))  # done, covers nothing, and nobody will ever pop it
-        prompts._RUNNING.setdefault(r, {})[RUN] = finished
+        snapshot.persists_running(r)[RUN] = finished
         seq = int(await r.hget(prompts.PromptKeys.of(RUN).meta, "seq"))
-        await asyncio.wait_for(prompts.persist(r, store, RUN, spec, min_seq=seq), 10)
-        assert json.loads(prompts.read_snapshot(store, RUN) or b"{}")["seq"] >= seq
+        await asyncio.wait_for(snapshot.persist(r, store, RUN, spec, min_seq=seq), 10)
+        assert json.loads(snapshot.read_snapshot(store, RUN) or b"{}")["seq"] >= seq
 
     run(redis_server, body)
 
@@ -167,19 +169,19 @@ def test_a_late_older_snapshot_never_replaces_a_newer_one(redis_server: RedisSer
 
     async def body(r: Any) -> None:
         await setup_run(r, spec)
-        await prompts.lease(r, store, RUN, spec, "g", 2, 60)
-        await prompts.persist(r, store, RUN, spec, min_seq=1)
-        older = prompts.read_snapshot(store, RUN)
+        await prompt_lease.lease(r, store, RUN, spec, "g", 2, 60)
+        await snapshot.persist(r, store, RUN, spec, min_seq=1)
+        older = snapshot.read_snapshot(store, RUN)
         assert older is not None
         old_seq = json.loads(older)["seq"]
-        await prompts.lease(r, store, RUN, spec, "g", 2, 60)
+        await prompt_lease.lease(r, store, RUN, spec, "g", 2, 60)
         seq = int(await r.hget(prompts.PromptKeys.of(RUN).meta, "seq"))
-        await prompts.persist(r, store, RUN, spec, min_seq=seq)
-        newer = json.loads(prompts.read_snapshot(store, RUN) or b"{}")
+        await snapshot.persist(r, store, RUN, spec, min_seq=seq)
+        newer = json.loads(snapshot.read_snapshot(store, RUN) or b"{}")
         assert newer["seq"] > old_seq
         # The slow writer's PUT of its (older) snapshot lands now.
-        store.put_bytes(prompts.numbered_snapshot_key(RUN, old_seq), older)
-        assert json.loads(prompts.read_snapshot(store, RUN) or b"{}") == newer
+        store.put_bytes(snapshot.numbered_snapshot_key(RUN, old_seq), older)
+        assert json.loads(snapshot.read_snapshot(store, RUN) or b"{}") == newer
 
     run(redis_server, body)
 
@@ -200,29 +202,29 @@ def test_a_snapshot_landing_after_a_wipe_never_shadows_the_rebuilt_state(
 
     async def body(r: Any) -> None:
         await setup_run(r, spec)
-        await prompts.lease(r, store, RUN, spec, "g", 1, 60)
-        await prompts.persist(r, store, RUN, spec, min_seq=int(await r.hget(meta, "seq")))
-        older = {key: store.get_bytes(key) for key in store.list_keys(prompts.snapshot_prefix(RUN))}
+        await prompt_lease.lease(r, store, RUN, spec, "g", 1, 60)
+        await snapshot.persist(r, store, RUN, spec, min_seq=int(await r.hget(meta, "seq")))
+        older = {key: store.get_bytes(key) for key in store.list_keys(snapshot.snapshot_prefix(RUN))}
         for _ in range(6):  # changes the older snapshot does not cover
-            await prompts.lease(r, store, RUN, spec, "g", 1, 60)
+            await prompt_lease.lease(r, store, RUN, spec, "g", 1, 60)
         late_seq = int(await r.hget(meta, "seq"))
-        await prompts.persist(r, store, RUN, spec, min_seq=late_seq)
-        late_key = prompts.numbered_snapshot_key(RUN, late_seq)
+        await snapshot.persist(r, store, RUN, spec, min_seq=late_seq)
+        late_key = snapshot.numbered_snapshot_key(RUN, late_seq)
         late = store.get_bytes(late_key)
         # When Redis is wiped, that write is still in flight: the bucket holds the older snapshot only.
-        store.delete(store.list_keys(prompts.snapshot_prefix(RUN)))
+        store.delete(store.list_keys(snapshot.snapshot_prefix(RUN)))
         for key, raw in older.items():
             store.put_bytes(key, raw)
         await r.flushall()
         await setup_run(r, spec)
-        await queue.ensure_ready(r, store, RUN, spec)  # rebuilt from the older snapshot
+        await restore.ensure_ready(r, store, RUN, spec)  # rebuilt from the older snapshot
         store.put_bytes(late_key, late)  # the slow PUT lands now
-        await prompts.lease(r, store, RUN, spec, "g", 1, 60)
+        await prompt_lease.lease(r, store, RUN, spec, "g", 1, 60)
         seq = int(await r.hget(meta, "seq"))
-        await prompts.persist(r, store, RUN, spec, min_seq=seq)
-        newest = json.loads(prompts.read_snapshot(store, RUN) or b"{}")
+        await snapshot.persist(r, store, RUN, spec, min_seq=seq)
+        newest = json.loads(snapshot.read_snapshot(store, RUN) or b"{}")
         assert newest["seq"] == seq > late_seq, (newest["seq"], seq, late_seq)
-        assert store.list_keys(prompts.snapshot_prefix(RUN)) == [prompts.numbered_snapshot_key(RUN, seq)]
+        assert store.list_keys(snapshot.snapshot_prefix(RUN)) == [snapshot.numbered_snapshot_key(RUN, seq)]
 
     run(redis_server, body)
 
@@ -247,7 +249,7 @@ def test_a_claim_whose_bucket_read_failed_hands_the_groups_out_again_to_the_same
 
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
-        await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "a")
+        await submit_stage.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "a")
         kw: dict[str, Any] = {
             "epoch": epoch,
             "consumer": "t",
@@ -256,8 +258,8 @@ def test_a_claim_whose_bucket_read_failed_hands_the_groups_out_again_to_the_same
             "redelivery_timeout_s": 600,
         }
         with pytest.raises(errors.Unavailable):
-            await queue.claim(r, Down(), RUN, spec, **kw)  # type: ignore[arg-type]
-        got = await queue.claim(r, store, RUN, spec, **kw)
+            await claim_stage.claim(r, Down(), RUN, spec, **kw)  # type: ignore[arg-type]
+        got = await claim_stage.claim(r, store, RUN, spec, **kw)
         assert len(got.claimed) == 2 and got.lost == 0
 
     run(redis_server, body)
@@ -291,11 +293,11 @@ def test_groups_trained_before_a_wipe_are_counted_acked_once_though_dropped_stal
     assert s.t.ack(ids[:1]) == 1
     assert proxy_file.call(lambda ctx: ctx.cleaner.drain(10.0))
     store = proxy_file.ctx.store
-    saved = {key: store.get_bytes(key) for key in store.list_keys(prompts.snapshot_prefix("r1"))}
+    saved = {key: store.get_bytes(key) for key in store.list_keys(snapshot.snapshot_prefix("r1"))}
     assert s.t.ack(ids[1:2]) == 1
     assert proxy_file.call(lambda ctx: ctx.cleaner.drain(10.0))
     # The wipe comes before the snapshot covering the second ack is written: put the older one back.
-    store.delete(store.list_keys(prompts.snapshot_prefix("r1")))
+    store.delete(store.list_keys(snapshot.snapshot_prefix("r1")))
     for key, body in saved.items():
         store.put_bytes(key, body)
     _flushall(proxy_file, redis_server.url)

@@ -24,9 +24,13 @@ import pytest
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 
+from bucketrl import errors
 from bucketrl.proxy.app import create_app
 from bucketrl.proxy.settings import ProxySettings
-from bucketrl.proxy.state import prompts, queue
+from bucketrl.proxy.state import accounting, prompt_lease, queue, restore, snapshot
+from bucketrl.proxy.state import ack as ack_stage
+from bucketrl.proxy.state import claim as claim_stage
+from bucketrl.proxy.state import submit as submit_stage
 from bucketrl.storage import open_store
 from bucketrl.storage.base import BucketStore
 from bucketrl.wire import ClaimResponse, RolloutBatch, RolloutGroup, RunSpec, packed
@@ -87,7 +91,8 @@ def test_fast_logprob_check_agrees_with_the_walk() -> None:
 
 
 def _old_format_object(batch: RolloutBatch, batch_id: str, idem: str, run: str, fmt: int = 1) -> bytes:
-    """A batch object as older proxies wrote it: format 1 (the batch's own fields) or 2 (``groups_json``)."""
+    """A batch object as development builds before the packed wire wrote it: format 1 (the batch's own fields) or
+    2 (``groups_json``). Never shipped: a proxy refuses them by name."""
     obj: dict[str, Any] = {"format": fmt, "batch_id": batch_id, "idem": idem, "run": run, "accepted_at": time.time()}
     if fmt == 1:
         obj.update(batch.model_dump(mode="json"))
@@ -100,14 +105,14 @@ def _old_format_object(batch: RolloutBatch, batch_id: str, idem: str, run: str, 
 
 def test_claim_answers_are_the_model_dumps(redis_server: RedisServer, bucket_url: str) -> None:
     """A claim's spliced answers are exact: the JSON byte-identical to ``ClaimResponse.model_dump_json()``, the
-    msgpack read back equal, for objects of every format (3: the submitted msgpack; 2: JSON; 1: fields)."""
+    msgpack read back equal (the object holds the submitted msgpack)."""
     store = open_store(bucket_url)
     spec = make_spec(group_size=3, queue_capacity_groups=32, groups_per_step=8)
 
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
-        items = (await prompts.lease(r, store, RUN, spec, "g1", 6, 60)).prompts
-        assert len(items) == 6
+        items = (await prompt_lease.lease(r, store, RUN, spec, "g1", 2, 60)).prompts
+        assert len(items) == 2
         rng = random.Random(3)
         raw = make_batch(spec, items[:2], 1, worker="gen-7.a_b").model_dump(mode="json")
         for group in raw["groups"]:
@@ -116,26 +121,17 @@ def test_claim_answers_are_the_model_dumps(redis_server: RedisServer, bucket_url
             group["completions"][0]["reward"] = None
             group["completions"][1]["finish_reason"] = "length"
         batch = RolloutBatch.model_validate(raw)
-        new = await queue.submit(r, store, RUN, spec, batch, "new-format")
+        new = await submit_stage.submit(r, store, RUN, spec, batch, "new-format")
         stored = msgpack.unpackb(store.get_bytes(queue.batch_key(RUN, new.batch_id)), raw=False)
         assert stored["format"] == 3 and "groups" not in stored  # the groups are stored once, packed
         assert stored["prompt_ids"] == [items[0].prompt_id, items[1].prompt_id]
         assert [RolloutGroup.model_validate(msgpack.unpackb(g)) for g in stored["groups_msgpack"]] == batch.groups
         assert stored["groups_msgpack"] == [packed.packb(g) for g in batch.groups]
-        # Batches written by older proxies (format 2: groups_json; format 1: no header) are still claimed.
-        olds = []
-        for fmt, chunk in ((2, items[2:4]), (1, items[4:])):
-            old_batch = make_batch(spec, chunk, 1)
-            old = await queue.submit(r, store, RUN, spec, old_batch, f"old-format-{fmt}")
-            key = queue.batch_key(RUN, old.batch_id)
-            store.put_bytes(key, _old_format_object(old_batch, old.batch_id, "x", RUN, fmt))
-            olds.append(old_batch)
-
-        got = await queue.claim(
+        got = await claim_stage.claim(
             r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=8, wait_s=0, redelivery_timeout_s=60
         )
-        assert len(got.claimed) == 6
-        assert [d.groups[0] for d in got.deliveries] == [*batch.groups, *olds[0].groups, *olds[1].groups]
+        assert len(got.claimed) == 2
+        assert [d.groups[0] for d in got.deliveries] == batch.groups
         response = ClaimResponse(deliveries=got.deliveries, dropped_stale=got.dropped)
         assert got.response_json() == response.model_dump_json().encode()
         assert json.loads(got.response_json())["deliveries"][0]["worker_id"] == "gen-7.a_b"
@@ -144,7 +140,7 @@ def test_claim_answers_are_the_model_dumps(redis_server: RedisServer, bucket_url
         assert isinstance(answer["deliveries"][0]["groups"][0]["completions"][0]["token_ids"], msgpack.ExtType)
         assert ClaimResponse.model_validate(answer) == response
         assert msgpack.unpackb(packed.packb(response)) == answer  # what packing the model whole gives
-        empty = queue.ClaimOutcome([], dropped=3)
+        empty = claim_stage.ClaimOutcome([], dropped=3)
         assert empty.response_json() == ClaimResponse(deliveries=[], dropped_stale=3).model_dump_json().encode()
         assert ClaimResponse.model_validate(msgpack.unpackb(empty.response_msgpack())) == ClaimResponse(
             deliveries=[], dropped_stale=3
@@ -153,26 +149,21 @@ def test_claim_answers_are_the_model_dumps(redis_server: RedisServer, bucket_url
     run(redis_server, body)
 
 
-def test_rebuild_requeues_every_object_format(redis_server: RedisServer, bucket_url: str) -> None:
-    """A wiped Redis is rebuilt from format-3 objects (header + groups_msgpack), format-2 ones (groups_json) and
-    format-1 ones alike: same versions, workers, group counts and completed prompts, and the claims answer the
-    stored groups."""
+def test_rebuild_requeues_the_stored_groups(redis_server: RedisServer, bucket_url: str) -> None:
+    """A wiped Redis is rebuilt from the batch objects (header + groups_msgpack): same versions, workers, group
+    counts and completed prompts, and the claims answer the stored groups."""
     store = open_store(bucket_url)
     spec = make_spec(group_size=2, queue_capacity_groups=16)
     state: dict[str, Any] = {}
 
     async def before(r: Any) -> None:
         await setup_run(r, spec)
-        items = (await prompts.lease(r, store, RUN, spec, "g1", 4, 60)).prompts
-        new_batch = make_batch(spec, items[:2], 1, worker="gen-new")
-        new = await queue.submit(r, store, RUN, spec, new_batch, "new")
-        state.update(new=(new.batch_id, new_batch), ids={i.prompt_id for i in items})
-        for fmt, item in ((2, items[2]), (1, items[3])):
-            old_batch = make_batch(spec, [item], 1, worker=f"gen-old{fmt}")
-            old = await queue.submit(r, store, RUN, spec, old_batch, f"old{fmt}")
-            key = queue.batch_key(RUN, old.batch_id)
-            store.put_bytes(key, _old_format_object(old_batch, old.batch_id, "x", RUN, fmt))
-            state[f"old{fmt}"] = (old.batch_id, old_batch)
+        items = (await prompt_lease.lease(r, store, RUN, spec, "g1", 4, 60)).prompts
+        for name, chunk in (("a", items[:2]), ("b", items[2:])):
+            batch = make_batch(spec, chunk, 1, worker=f"gen-{name}")
+            accepted = await submit_stage.submit(r, store, RUN, spec, batch, name)
+            state[name] = (accepted.batch_id, batch)
+        state["ids"] = {i.prompt_id for i in items}
 
     run(redis_server, before)
     redis_server.wipe()
@@ -180,20 +171,56 @@ def test_rebuild_requeues_every_object_format(redis_server: RedisServer, bucket_
 
     async def after(r: Any) -> None:
         epoch = await setup_run(r, spec)
-        got = await queue.claim(
+        got = await claim_stage.claim(
             r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=8, wait_s=0, redelivery_timeout_s=60
         )
         by_batch: dict[str, list[Any]] = {}
         for d in got.deliveries:
             by_batch.setdefault(d.delivery_id.rsplit(":", 1)[0], []).append(d)
-        for name, worker in (("new", "gen-new"), ("old2", "gen-old2"), ("old1", "gen-old1")):
+        for name in ("a", "b"):
             batch_id, batch = state[name]
-            assert [d.worker_id for d in by_batch[batch_id]] == [worker] * len(batch.groups)
+            assert [d.worker_id for d in by_batch[batch_id]] == [f"gen-{name}"] * len(batch.groups)
             assert [d.version for d in by_batch[batch_id]] == [1] * len(batch.groups)
             assert [d.groups[0] for d in by_batch[batch_id]] == batch.groups
         # Every prompt of every batch counts as completed: none is issued again.
-        again = (await prompts.lease(r, store, RUN, spec, "g2", 8, 60)).prompts
+        again = (await prompt_lease.lease(r, store, RUN, spec, "g2", 8, 60)).prompts
         assert not {i.prompt_id for i in again} & state["ids"]
+
+    run(redis_server, after)
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_objects_of_formats_1_and_2_are_refused_by_name(redis_server: RedisServer, bucket_url: str, fmt: int) -> None:
+    """Formats 1-2 were never shipped: a claim of one, and a rebuild that finds one, fail naming the object and its
+    format (409) instead of misreading it; the claimed group is handed out again, not lost."""
+    store = open_store(bucket_url)
+    spec = make_spec(group_size=2, queue_capacity_groups=16)
+    state: dict[str, Any] = {}
+
+    async def before(r: Any) -> None:
+        epoch = await setup_run(r, spec)
+        items = (await prompt_lease.lease(r, store, RUN, spec, "g1", 1, 60)).prompts
+        old_batch = make_batch(spec, items, 1)
+        old = await submit_stage.submit(r, store, RUN, spec, old_batch, "old")
+        key = queue.batch_key(RUN, old.batch_id)
+        store.put_bytes(key, _old_format_object(old_batch, old.batch_id, "x", RUN, fmt))
+        state["key"] = key
+        for _ in range(2):  # the refused claim gave its delivery back: the next one meets it again
+            with pytest.raises(queue.UnsupportedBatchObject, match=f"{key} is format {fmt}; this proxy reads format 3"):
+                await claim_stage.claim(
+                    r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=8, wait_s=0, redelivery_timeout_s=60
+                )
+        st = await accounting.queue_status(r, RUN, spec)
+        assert (st.accepted_total, st.lost_total, st.groups + st.pending) == (1, 0, 1)
+
+    run(redis_server, before)
+    redis_server.wipe()
+    redis_server.start()
+
+    async def after(r: Any) -> None:
+        await setup_run(r, spec)
+        with pytest.raises(errors.Conflict, match=f"{state['key']} is format {fmt}"):
+            await restore.ensure_ready(r, store, RUN, spec)
 
     run(redis_server, after)
 
@@ -206,7 +233,7 @@ class CountingStore:
         self.snapshot_writes = 0
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        if key.startswith(prompts.snapshot_prefix(RUN)):
+        if key.startswith(snapshot.snapshot_prefix(RUN)):
             self.snapshot_writes += 1
         self.inner.put_bytes(key, data)
 
@@ -220,28 +247,28 @@ def test_an_ack_that_settles_persists_one_snapshot_before_the_object_goes(
     store = CountingStore(open_store(bucket_url))
     spec = make_spec(group_size=2, queue_capacity_groups=16, groups_per_step=8)
 
-    def snapshot() -> dict[str, Any]:
-        return json.loads(prompts.read_snapshot(store.inner, RUN))
+    def newest() -> dict[str, Any]:
+        return json.loads(snapshot.read_snapshot(store.inner, RUN))
 
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
 
         async def submit_one(item: Any, key: str) -> None:
-            await queue.submit(r, store, RUN, spec, make_batch(spec, [item], 1), key)  # type: ignore[arg-type]
+            await submit_stage.submit(r, store, RUN, spec, make_batch(spec, [item], 1), key)  # type: ignore[arg-type]
 
         async def claim_ack() -> list[str]:
-            got = await queue.claim(
+            got = await claim_stage.claim(
                 r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=1, wait_s=0, redelivery_timeout_s=60
             )
             ids = [c.delivery_id for c in got.claimed]
-            assert await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids) == len(ids)  # type: ignore[arg-type]
+            assert await ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids) == len(ids)  # type: ignore[arg-type]
             # A replayed ack settles nothing: nothing is written.
             writes = store.snapshot_writes
-            assert await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids) == 0  # type: ignore[arg-type]
+            assert await ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids) == 0  # type: ignore[arg-type]
             assert store.snapshot_writes == writes
             return [d.groups[0].prompt_id for d in got.deliveries]
 
-        items = (await prompts.lease(r, store, RUN, spec, "g1", 6, 60)).prompts  # type: ignore[arg-type]
+        items = (await prompt_lease.lease(r, store, RUN, spec, "g1", 6, 60)).prompts  # type: ignore[arg-type]
         await submit_one(items[0], "a")
         await submit_one(items[1], "b")
         before = store.snapshot_writes
@@ -250,7 +277,7 @@ def test_an_ack_that_settles_persists_one_snapshot_before_the_object_goes(
         for n, item in enumerate(items[:2], 1):
             assert await claim_ack() == [item.prompt_id]
             assert store.snapshot_writes == before + n
-            snap = snapshot()
+            snap = newest()
             assert item.prompt_id not in snap["open"]
             assert snap["queue"]["counters"]["acked_total"] == n and len(snap["queue"]["live"]) == 2 - n
         assert store.list_keys(f"runs/{RUN}/rollouts/") == []
@@ -269,25 +296,25 @@ def test_ack_reads_the_spec_only_to_restore_or_persist(redis_server: RedisServer
 
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
-        items = (await prompts.lease(r, store, RUN, spec, "g1", 3, 60)).prompts
+        items = (await prompt_lease.lease(r, store, RUN, spec, "g1", 3, 60)).prompts
         for i, item in enumerate(items):
-            await queue.submit(r, store, RUN, loader, make_batch(spec, [item], 1), f"k{i}")
+            await submit_stage.submit(r, store, RUN, loader, make_batch(spec, [item], 1), f"k{i}")
         assert loads == []  # the pre-check brought the spec along
-        got = await queue.claim(
+        got = await claim_stage.claim(
             r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=3, wait_s=0, redelivery_timeout_s=60
         )
         ids = [c.delivery_id for c in got.claimed]
-        assert await queue.ack(r, store, RUN, loader, epoch=epoch, delivery_ids=ids[:1]) == 1
+        assert await ack_stage.ack(r, store, RUN, loader, epoch=epoch, delivery_ids=ids[:1]) == 1
         assert loads == [1]  # an ack that settles persists prompts.json: that needs the spec
-        assert await queue.ack(r, store, RUN, loader, epoch=epoch, delivery_ids=ids[:1]) == 0
+        assert await ack_stage.ack(r, store, RUN, loader, epoch=epoch, delivery_ids=ids[:1]) == 0
         assert loads == [1]  # a replay settles nothing: no spec, no write
-        assert await queue.ack(r, store, RUN, loader, epoch=epoch, delivery_ids=ids[1:2]) == 1
+        assert await ack_stage.ack(r, store, RUN, loader, epoch=epoch, delivery_ids=ids[1:2]) == 1
         assert loads == [1, 1]
         # Redis wiped (the core's rebuild put the run state back): the ack restores the queue from the bucket.
         await r.flushdb()
         await setup_run(r, spec)
         await r.hset(f"brl:{RUN}:state", "trainer_epoch", epoch)
-        assert await queue.ack(r, store, RUN, loader, epoch=epoch, delivery_ids=ids[2:]) == 1
+        assert await ack_stage.ack(r, store, RUN, loader, epoch=epoch, delivery_ids=ids[2:]) == 1
         assert len(loads) >= 2
         assert store.list_keys(f"runs/{RUN}/rollouts/") == []
 
@@ -340,21 +367,21 @@ def test_concurrent_acks_share_one_prompts_snapshot(redis_server: RedisServer, b
 
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
-        items = (await prompts.lease(r, store, RUN, spec, "g1", 12, 60)).prompts  # type: ignore[arg-type]
+        items = (await prompt_lease.lease(r, store, RUN, spec, "g1", 12, 60)).prompts  # type: ignore[arg-type]
         for i, item in enumerate(items):
-            await queue.submit(r, store, RUN, spec, make_batch(spec, [item], 1), f"k{i}")  # type: ignore[arg-type]
-        got = await queue.claim(
+            await submit_stage.submit(r, store, RUN, spec, make_batch(spec, [item], 1), f"k{i}")  # type: ignore[arg-type]
+        got = await claim_stage.claim(
             r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=12, wait_s=0, redelivery_timeout_s=60
         )
         before = store.snapshot_writes
         acked = await asyncio.gather(
-            *(queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=[c.delivery_id]) for c in got.claimed)  # type: ignore[arg-type]
+            *(ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=[c.delivery_id]) for c in got.claimed)  # type: ignore[arg-type]
         )
         assert acked == [1] * 12
         # Every ack needs a snapshot newer than its settle: the one being written when the others arrive, then
         # one that covers all of them (group commit), not twelve.
         assert store.snapshot_writes - before <= 2
-        snap = json.loads(prompts.read_snapshot(store.inner, RUN))
+        snap = json.loads(snapshot.read_snapshot(store.inner, RUN))
         assert snap["queue"]["counters"]["acked_total"] == 12 and snap["queue"]["live"] == {}
         assert not {i.prompt_id for i in items} & set(snap["open"])
         assert store.list_keys(f"runs/{RUN}/rollouts/") == []

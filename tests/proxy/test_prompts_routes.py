@@ -8,7 +8,7 @@ import time
 import pytest
 
 from bucketrl import errors
-from bucketrl.proxy.state import prompts
+from bucketrl.proxy.state import prompt_lease
 from bucketrl.wire import PromptLease
 from tests.proxy.harness import ProxyHarness, make_spec
 
@@ -105,6 +105,6 @@ def test_prompt_lease_long_poll_over_http(proxy_file: ProxyHarness) -> None:
     assert isinstance(lease, PromptLease)
     assert sorted(p.prompt_id for p in lease.prompts) == sorted(p.prompt_id for p in full.prompts[:2])
     # Woken by the announcement: well before the 0.5 s re-check slice would have found the room.
-    assert 0.35 <= lease.waited_s <= elapsed < 0.4 + prompts.PACE_SLICE_S, (lease.waited_s, elapsed)
+    assert 0.35 <= lease.waited_s <= elapsed < 0.4 + prompt_lease.PACE_SLICE_S, (lease.waited_s, elapsed)
     # Only the request answered 429 counts as a refusal; the one that waited and got its prompts does not.
     assert proxy_file.client("r2", "viewer").status().queue.backpressure_total == 1

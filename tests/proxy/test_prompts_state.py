@@ -16,7 +16,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from bucketrl import errors
-from bucketrl.proxy.state import prompts, queue, runs
+from bucketrl.proxy.state import accounting, prompt_lease, prompts, runs, snapshot
+from bucketrl.proxy.state import claim as claim_stage
+from bucketrl.proxy.state import submit as submit_stage
 from bucketrl.storage import open_store
 from bucketrl.wire import RunSpec
 from tests.support.services import RedisServer
@@ -60,24 +62,24 @@ def test_lease_order_reissue_first_and_pass_wrap(redis_server: RedisServer, buck
 
     async def body(r: Any) -> None:
         await runs.put_spec(r, RUN, spec)
-        a = await prompts.lease(r, store, RUN, spec, "g1", 3, 60)
+        a = await prompt_lease.lease(r, store, RUN, spec, "g1", 3, 60)
         assert ids(a) == ["0-0", "0-1", "0-2"]
         assert [(p.pass_, p.index) for p in a.prompts] == [(0, 0), (0, 1), (0, 2)]
         # A short lease expires; its prompt is issued again BEFORE any new position.
-        b = await prompts.lease(r, store, RUN, spec, "g2", 2, 0.05)
+        b = await prompt_lease.lease(r, store, RUN, spec, "g2", 2, 0.05)
         assert ids(b) == ["0-3", "0-4"]
         await asyncio.sleep(0.1)
-        c = await prompts.lease(r, store, RUN, spec, "g3", 3, 60)
+        c = await prompt_lease.lease(r, store, RUN, spec, "g3", 3, 60)
         assert ids(c) == ["0-3", "0-4", "1-0"]  # reissues first, then the cursor wraps into pass 1
         assert await prompts.cursor(r, RUN) == 6
         assert await prompts.prompts_inflight(r, RUN) == 6
         # Release hands work back at the front of the line; only the holder may release.
         assert await prompts.release(r, RUN, "someone-else", ["0-0"]) == 0
         assert await prompts.release(r, RUN, "g1", ["0-1", "0-0"]) == 2
-        d = await prompts.lease(r, store, RUN, spec, "g4", 2, 60)
+        d = await prompt_lease.lease(r, store, RUN, spec, "g4", 2, 60)
         assert sorted(ids(d)) == ["0-0", "0-1"]
         # The snapshot was written before positions past the reserved mark left the proxy.
-        snap = json.loads(prompts.read_snapshot(store, RUN))
+        snap = json.loads(snapshot.read_snapshot(store, RUN))
         assert snap["reserved"] >= 6 and snap["dataset_size"] == 5
 
     run(redis_server, body)
@@ -89,11 +91,11 @@ def test_renew_extends_only_own_live_leases(redis_server: RedisServer, tmp_path:
 
     async def body(r: Any) -> None:
         await runs.put_spec(r, RUN, spec)
-        a = await prompts.lease(r, store, RUN, spec, "g1", 2, 1.0)
+        a = await prompt_lease.lease(r, store, RUN, spec, "g1", 2, 1.0)
         renewed = await prompts.renew(r, RUN, "g1", [*ids(a), "9-9"], 60)
         assert ids(renewed) == ids(a) and renewed.expires_at > time.time() + 50
         await asyncio.sleep(max(0.0, a.expires_at - time.time()) + 0.05)  # the original ttl passed
-        b = await prompts.lease(r, store, RUN, spec, "g2", 1, 60)
+        b = await prompt_lease.lease(r, store, RUN, spec, "g2", 1, 60)
         assert ids(b) == ["0-2"]
         with pytest.raises(errors.Gone):
             await prompts.renew(r, RUN, "g2", ids(a), 60)  # not g2's
@@ -108,11 +110,11 @@ def test_admission_control_paces_and_partially_grants(redis_server: RedisServer,
     async def body(r: Any) -> None:
         await runs.put_spec(r, RUN, spec)
         assert prompts.admission_limit(spec) == 4
-        a = await prompts.lease(r, store, RUN, spec, "g1", 3, 60)
-        b = await prompts.lease(r, store, RUN, spec, "g1", 3, 60)
+        a = await prompt_lease.lease(r, store, RUN, spec, "g1", 3, 60)
+        b = await prompt_lease.lease(r, store, RUN, spec, "g1", 3, 60)
         assert len(a.prompts) == 3 and len(b.prompts) == 1  # partial grant up to the limit
         with pytest.raises(errors.Backpressure) as exc:
-            await prompts.lease(r, store, RUN, spec, "g1", 1, 60)
+            await prompt_lease.lease(r, store, RUN, spec, "g1", 1, 60)
         assert exc.value.retry_after and exc.value.retry_after > 0
         assert "admission limit 4" in exc.value.message
         # Queued groups count too: completing two prompts into the queue frees no room...
@@ -120,18 +122,18 @@ def test_admission_control_paces_and_partially_grants(redis_server: RedisServer,
         from tests.proxy.test_queue_state import make_batch
 
         batch = make_batch(spec, [a.prompts[0], a.prompts[1]], version=1)
-        await queue.submit(r, store, RUN, spec, batch, "k1")
+        await submit_stage.submit(r, store, RUN, spec, batch, "k1")
         with pytest.raises(errors.Backpressure):
-            await prompts.lease(r, store, RUN, spec, "g1", 1, 60)
+            await prompt_lease.lease(r, store, RUN, spec, "g1", 1, 60)
         # ...until the trainer claims them (claimed-unacked groups do not count).
         epoch = await runs.register_trainer(r, RUN)
-        got = await queue.claim(
+        got = await claim_stage.claim(
             r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=8, wait_s=0, redelivery_timeout_s=60
         )
         assert len(got.deliveries) == 2
-        c = await prompts.lease(r, store, RUN, spec, "g1", 5, 60)
+        c = await prompt_lease.lease(r, store, RUN, spec, "g1", 5, 60)
         assert len(c.prompts) == 2
-        counts = await queue.counters(r, RUN)
+        counts = await accounting.counters(r, RUN)
         assert counts["prompts_backpressure_total"] == 2 and counts["backpressure_total"] == 2
 
     run(redis_server, body)
@@ -145,10 +147,10 @@ def test_restore_after_wipe_skips_nothing_and_repeats_no_completed(redis_server:
     async def phase1(r: Any) -> None:
         await runs.put_spec(r, RUN, spec)
         await r.hset(f"brl:{RUN}:state", mapping={"latest_version": 1})
-        first = await prompts.lease(r, store, RUN, spec, "g1", 10, 60)  # 0-0..0-9
-        await prompts.lease(r, store, RUN, spec, "g1", 5, 0.01)  # 0-10..0-14, expire
+        first = await prompt_lease.lease(r, store, RUN, spec, "g1", 10, 60)  # 0-0..0-9
+        await prompt_lease.lease(r, store, RUN, spec, "g1", 5, 0.01)  # 0-10..0-14, expire
         # Complete 0-0..0-3 (batch stays in the bucket: queued, not acked).
-        await queue.submit(r, store, RUN, spec, make_batch(spec, first.prompts[:4], version=1), "k1")
+        await submit_stage.submit(r, store, RUN, spec, make_batch(spec, first.prompts[:4], version=1), "k1")
 
     run(redis_server, phase1)
     redis_server.wipe()
@@ -158,9 +160,9 @@ def test_restore_after_wipe_skips_nothing_and_repeats_no_completed(redis_server:
         await runs.put_spec(r, RUN, spec)
         await r.hset(f"brl:{RUN}:state", mapping={"latest_version": 1})
         # The first lease on the wiped Redis restores the cursor (and the queue) before answering.
-        first = await prompts.lease(r, store, RUN, spec, "g2", 1, 60)
+        first = await prompt_lease.lease(r, store, RUN, spec, "g2", 1, 60)
         assert ids(first) == ["0-10"]
-        assert (await queue.queue_status(r, RUN, spec)).groups == 4
+        assert (await accounting.queue_status(r, RUN, spec)).groups == 4
         await prompts.release(r, RUN, "g2", ids(first))
         # 0-4..0-9 are still under g1's live lease (restored with it): g1 can renew them.
         renewed = await prompts.renew(r, RUN, "g1", [f"0-{i}" for i in range(4, 10)], 60)
@@ -168,7 +170,7 @@ def test_restore_after_wipe_skips_nothing_and_repeats_no_completed(redis_server:
         issued: list[str] = []
         while True:
             try:
-                got = await prompts.lease(r, store, RUN, spec, "g2", 40, 60)
+                got = await prompt_lease.lease(r, store, RUN, spec, "g2", 40, 60)
             except errors.Backpressure:
                 break
             issued += ids(got)
@@ -187,7 +189,7 @@ def test_pace_grants_only_what_the_trainer_reaches_within_staleness(redis_server
     """The pace rule (module docstring): W + granted <= room + (ms - (at - g) - slack) * sync * gps."""
     store = open_store(f"file://{tmp_path / 'b'}")
     spec = make_spec(groups_per_step=2, max_staleness=3, dataset={"uri": "toy:digits", "size": 50})  # limit 6
-    assert prompts.PACE_SLACK_VERSIONS == 1
+    assert prompt_lease.PACE_SLACK_VERSIONS == 1
 
     async def body(r: Any) -> None:
         from tests.proxy.test_queue_state import make_batch
@@ -197,59 +199,59 @@ def test_pace_grants_only_what_the_trainer_reaches_within_staleness(redis_server
         epoch = await runs.register_trainer(r, RUN)
 
         async def claim(train_version: int, sync_every: int = 1) -> int:
-            got = await queue.claim(
+            got = await claim_stage.claim(
                 r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=2, wait_s=0, redelivery_timeout_s=60,
                 min_version=train_version - spec.max_staleness, train_version=train_version, sync_every=sync_every,
             )  # fmt: skip
             return len(got.deliveries)
 
         # Before any claim only the work limit applies.
-        first = await prompts.lease(r, store, RUN, spec, "g1", 10, 60, version=1)
+        first = await prompt_lease.lease(r, store, RUN, spec, "g1", 10, 60, version=1)
         assert len(first.prompts) == 6
         assert await prompts.release(r, RUN, "g1", ids(first)) == 6
         # The trainer waits for the groups of the step it trains with v6 (none queued: room 2 at v6).
         assert await claim(6) == 0
         # g = v5: spare = 3 - (6 - 5) - 1 = 1 step after this one -> 2 + 2 = 4 groups, under the limit of 6.
-        a = await prompts.lease(r, store, RUN, spec, "g1", 10, 60, version=5)
+        a = await prompt_lease.lease(r, store, RUN, spec, "g1", 10, 60, version=5)
         assert len(a.prompts) == 4
-        with pytest.raises(prompts.PacedOut) as exc:
-            await prompts.lease(r, store, RUN, spec, "g1", 1, 60, version=5)
+        with pytest.raises(prompt_lease.PacedOut) as exc:
+            await prompt_lease.lease(r, store, RUN, spec, "g1", 1, 60, version=5)
         assert "max_staleness=3" in exc.value.message and not exc.value.newer_version_exists
         # Without the slack the same caller gets one more step of work: 2 + (3 - 1) * 2 - 4 = 2.
-        extra = await prompts.lease(r, store, RUN, spec, "g1", 10, 60, version=5, slack=0)
+        extra = await prompt_lease.lease(r, store, RUN, spec, "g1", 10, 60, version=5, slack=0)
         assert len(extra.prompts) == 2
         await prompts.release(r, RUN, "g1", ids(extra))
         # An older caller version gets nothing, and learns that a newer version would.
         await prompts.release(r, RUN, "g1", ids(a)[:3])
-        with pytest.raises(prompts.PacedOut) as exc:
-            await prompts.lease(r, store, RUN, spec, "g2", 1, 60, version=3)
+        with pytest.raises(prompt_lease.PacedOut) as exc:
+            await prompt_lease.lease(r, store, RUN, spec, "g2", 1, 60, version=3)
         assert exc.value.newer_version_exists
         # ... except that an empty pipeline always gets a step of work (a run never stalls on the rule), from a
         # caller whose groups can still be trained (v3: 6 - 3 = max_staleness), never from one whose groups could
         # only be dropped (v2).
         await prompts.release(r, RUN, "g1", ids(a)[3:])
         assert await prompts.prompts_inflight(r, RUN) == 0
-        with pytest.raises(prompts.PacedOut) as exc:
-            await prompts.lease(r, store, RUN, spec, "g2", 10, 60, version=2)
+        with pytest.raises(prompt_lease.PacedOut) as exc:
+            await prompt_lease.lease(r, store, RUN, spec, "g2", 10, 60, version=2)
         assert exc.value.newer_version_exists
-        live = await prompts.lease(r, store, RUN, spec, "g2", 10, 60, version=3)
+        live = await prompt_lease.lease(r, store, RUN, spec, "g2", 10, 60, version=3)
         assert len(live.prompts) == spec.groups_per_step
         # No version (or one newer than latest) means the latest: v5, room 4 less the 2 in flight.
-        d = await prompts.lease(r, store, RUN, spec, "g3", 10, 60, version=99)
+        d = await prompt_lease.lease(r, store, RUN, spec, "g3", 10, 60, version=99)
         assert len(d.prompts) == 2
         await prompts.release(r, RUN, "g3", ids(d))
         # The trainer's step fills: the next queued group joins the step after it (v7, room 2).
-        await queue.submit(r, store, RUN, spec, make_batch(spec, live.prompts, version=5), "k1")
+        await submit_stage.submit(r, store, RUN, spec, make_batch(spec, live.prompts, version=5), "k1")
         assert await claim(6) == 2
-        b = await prompts.lease(r, store, RUN, spec, "g1", 10, 60)  # spare = 3 - (7 - 5) - 1 = 0: room 2
+        b = await prompt_lease.lease(r, store, RUN, spec, "g1", 10, 60)  # spare = 3 - (7 - 5) - 1 = 0: room 2
         assert len(b.prompts) == 2
         # Publishing a version every 2 steps doubles the steps a version spans.
         await prompts.release(r, RUN, "g1", ids(b))
         assert await claim(7, sync_every=2) == 0  # room 2 at v7, then v8 for two steps
         await r.hset(f"brl:{RUN}:state", mapping={"latest_version": 6})
-        c = await prompts.lease(r, store, RUN, spec, "g1", 10, 60, version=6)  # spare 1 -> 2 + 1 * 2 * 2 = 6
+        c = await prompt_lease.lease(r, store, RUN, spec, "g1", 10, 60, version=6)  # spare 1 -> 2 + 1 * 2 * 2 = 6
         assert len(c.prompts) == 6
-        counts = await queue.counters(r, RUN)
+        counts = await accounting.counters(r, RUN)
         assert counts["prompts_backpressure_total"] == 3
 
     run(redis_server, body)
@@ -263,7 +265,10 @@ def test_strict_on_policy_grants_only_the_version_the_next_step_trains_with(
     (its groups could only be dropped), until the caller asks with the version the trainer publishes next."""
     store = open_store(f"file://{tmp_path / 'b'}")
     spec = make_spec(groups_per_step=4, max_staleness=0, dataset={"uri": "toy:digits", "size": 50})
-    assert prompts.PACE_SLACK_VERSIONS == 1 and prompts.effective_slack(prompts.PACE_SLACK_VERSIONS, spec) == 0
+    assert (
+        prompt_lease.PACE_SLACK_VERSIONS == 1
+        and prompt_lease.effective_slack(prompt_lease.PACE_SLACK_VERSIONS, spec) == 0
+    )
 
     async def body(r: Any) -> None:
         from tests.proxy.test_queue_state import make_batch
@@ -273,31 +278,31 @@ def test_strict_on_policy_grants_only_the_version_the_next_step_trains_with(
         epoch = await runs.register_trainer(r, RUN)
 
         async def claim(train_version: int) -> int:
-            got = await queue.claim(
+            got = await claim_stage.claim(
                 r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=4, wait_s=0, redelivery_timeout_s=60,
                 min_version=train_version, train_version=train_version,
             )  # fmt: skip
             return len(got.deliveries)
 
         assert await claim(5) == 0  # the trainer waits for the 4 groups of the step it trains with v5
-        a = await prompts.lease(r, store, RUN, spec, "g1", 2, 60, version=5)
-        b = await prompts.lease(r, store, RUN, spec, "g2", 2, 60, version=5)  # both generators work on the step
+        a = await prompt_lease.lease(r, store, RUN, spec, "g1", 2, 60, version=5)
+        b = await prompt_lease.lease(r, store, RUN, spec, "g2", 2, 60, version=5)  # both generators work on the step
         assert (len(a.prompts), len(b.prompts)) == (2, 2)
-        with pytest.raises(prompts.PacedOut):  # the step's room is taken
-            await prompts.lease(r, store, RUN, spec, "g3", 1, 60, version=5)
-        await queue.submit(r, store, RUN, spec, make_batch(spec, a.prompts + b.prompts, version=5), "k1")
+        with pytest.raises(prompt_lease.PacedOut):  # the step's room is taken
+            await prompt_lease.lease(r, store, RUN, spec, "g3", 1, 60, version=5)
+        await submit_stage.submit(r, store, RUN, spec, make_batch(spec, a.prompts + b.prompts, version=5), "k1")
         assert await claim(5) == 4
         # The trainer trains that step and claims the next one ahead: it trains with v6, not yet published.
         assert await claim(6) == 0
         assert await prompts.prompts_inflight(r, RUN) == 0
-        with pytest.raises(prompts.PacedOut) as exc:  # v5 groups would be dropped: refused, empty pipeline or not
-            await prompts.lease(r, store, RUN, spec, "g1", 2, 60, version=5)
+        with pytest.raises(prompt_lease.PacedOut) as exc:  # v5 groups would be dropped: refused, empty pipeline or not
+            await prompt_lease.lease(r, store, RUN, spec, "g1", 2, 60, version=5)
         assert not exc.value.newer_version_exists  # the long-poll waits for v6
         await r.hset(f"brl:{RUN}:state", mapping={"latest_version": 6})
-        with pytest.raises(prompts.PacedOut) as exc:
-            await prompts.lease(r, store, RUN, spec, "g1", 2, 60, version=5)
+        with pytest.raises(prompt_lease.PacedOut) as exc:
+            await prompt_lease.lease(r, store, RUN, spec, "g1", 2, 60, version=5)
         assert exc.value.newer_version_exists  # answered at once: ask again with v6
-        c = await prompts.lease(r, store, RUN, spec, "g1", 10, 60, version=6)
+        c = await prompt_lease.lease(r, store, RUN, spec, "g1", 10, 60, version=6)
         assert len(c.prompts) == 4
 
     run(redis_server, body)
@@ -321,14 +326,16 @@ def test_long_polled_lease_is_granted_when_the_trainer_claims(redis_server: Redi
             await runs.put_spec(r, RUN, spec)
             await r.hset(f"brl:{RUN}:state", mapping={"latest_version": 1})
             epoch = await runs.register_trainer(r, RUN)
-            full = await prompts.lease(r, store, RUN, spec, "g1", 4, 60)
-            await queue.submit(r, store, RUN, spec, make_batch(spec, full.prompts[:2], version=1), "k1")
+            full = await prompt_lease.lease(r, store, RUN, spec, "g1", 4, 60)
+            await submit_stage.submit(r, store, RUN, spec, make_batch(spec, full.prompts[:2], version=1), "k1")
 
             t0 = time.monotonic()
-            waiting = asyncio.create_task(prompts.lease(r, store, RUN, spec, "g2", 4, 60, wait_s=10, notifier=notifier))
+            waiting = asyncio.create_task(
+                prompt_lease.lease(r, store, RUN, spec, "g2", 4, 60, wait_s=10, notifier=notifier)
+            )
             await asyncio.sleep(0.3)
             assert not waiting.done()  # held, not answered 429
-            got = await queue.claim(
+            got = await claim_stage.claim(
                 r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=2, wait_s=0, redelivery_timeout_s=60
             )
             assert len(got.deliveries) == 2
@@ -339,21 +346,21 @@ def test_long_polled_lease_is_granted_when_the_trainer_claims(redis_server: Redi
             # Without an announcement the long-poll ends in a 429 that says: retry now.
             t0 = time.monotonic()
             with pytest.raises(errors.Backpressure) as exc:
-                await prompts.lease(r, store, RUN, spec, "g2", 1, 60, wait_s=0.4, notifier=notifier)
+                await prompt_lease.lease(r, store, RUN, spec, "g2", 1, 60, wait_s=0.4, notifier=notifier)
             assert exc.value.retry_after == 0 and time.monotonic() - t0 >= 0.4
             # Paced out by the trainer's pace while a newer version than the caller's exists: at once.
-            await queue.claim(
+            await claim_stage.claim(
                 r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=2, wait_s=0, redelivery_timeout_s=60,
                 min_version=1, train_version=3,
             )  # fmt: skip
             await r.hset(f"brl:{RUN}:state", mapping={"latest_version": 3})
             await prompts.release(r, RUN, "g1", ids(full)[2:])  # g2's two prompts stay in flight
             t0 = time.monotonic()
-            with pytest.raises(prompts.PacedOut) as exc:
-                await prompts.lease(r, store, RUN, spec, "g2", 1, 60, version=1, wait_s=10, notifier=notifier)
+            with pytest.raises(prompt_lease.PacedOut) as exc:
+                await prompt_lease.lease(r, store, RUN, spec, "g2", 1, 60, version=1, wait_s=10, notifier=notifier)
             assert exc.value.retry_after == 0 and exc.value.newer_version_exists and time.monotonic() - t0 < 2
             # A long-poll's refusals are counted once per request.
-            counts = await queue.counters(r, RUN)
+            counts = await accounting.counters(r, RUN)
             assert counts["prompts_backpressure_total"] == 2
         finally:
             await notifier.stop()

@@ -19,7 +19,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from bucketrl import errors
-from bucketrl.proxy.state import prompts, queue, runs
+from bucketrl.proxy.state import accounting, prompt_lease, prompts, queue, restore, runs, snapshot
+from bucketrl.proxy.state import ack as ack_stage
+from bucketrl.proxy.state import claim as claim_stage
+from bucketrl.proxy.state import submit as submit_stage
 from bucketrl.storage import open_store
 from bucketrl.storage.base import BucketStore
 from bucketrl.wire import ClaimResponse, PromptLeaseItem, RolloutBatch, RunSpec, SamplingSpec
@@ -79,18 +82,20 @@ async def setup_run(r: Any, spec: RunSpec, latest: int = 1) -> int:
 
 
 async def lease_and_batch(r: Any, store: BucketStore, spec: RunSpec, n: int, version: int) -> RolloutBatch:
-    got = await prompts.lease(r, store, RUN, spec, "g1", n, 60)
+    got = await prompt_lease.lease(r, store, RUN, spec, "g1", n, 60)
     return make_batch(spec, got.prompts, version)
 
 
-async def claim(r: Any, store: BucketStore, spec: RunSpec, epoch: int, n: int = 16, **kw: Any) -> queue.ClaimOutcome:
+async def claim(
+    r: Any, store: BucketStore, spec: RunSpec, epoch: int, n: int = 16, **kw: Any
+) -> claim_stage.ClaimOutcome:
     kw.setdefault("wait_s", 0)
     kw.setdefault("redelivery_timeout_s", 60)
-    return await queue.claim(r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=n, **kw)
+    return await claim_stage.claim(r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=n, **kw)
 
 
 async def assert_accounting(r: Any, spec: RunSpec) -> None:
-    st = await queue.queue_status(r, RUN, spec)
+    st = await accounting.queue_status(r, RUN, spec)
     assert st.accepted_total == st.acked_total + st.dropped_stale_total + st.groups + st.pending, st
 
 
@@ -101,19 +106,19 @@ def test_submit_claim_ack_idempotent(redis_server: RedisServer, bucket_url: str)
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
         batch = await lease_and_batch(r, store, spec, 3, version=1)
-        first = await queue.submit(r, store, RUN, spec, batch, "key-1")
+        first = await submit_stage.submit(r, store, RUN, spec, batch, "key-1")
         assert first.accepted_groups == 3 and not first.duplicate
         key = queue.batch_key(RUN, first.batch_id)
         stored = msgpack.unpackb(store.get_bytes(key), raw=False)
         assert stored["prompt_ids"] == ["0-0", "0-1", "0-2"]
-        again = await queue.submit(r, store, RUN, spec, batch, "key-1")
+        again = await submit_stage.submit(r, store, RUN, spec, batch, "key-1")
         assert again.duplicate and again.batch_id == first.batch_id
         # The same key reused for other content (a client bug) cannot replace what was enqueued.
         other = batch.model_copy(update={"groups": batch.groups[:1]})
-        reused = await queue.submit(r, store, RUN, spec, other, "key-1")
+        reused = await submit_stage.submit(r, store, RUN, spec, other, "key-1")
         assert reused.duplicate and reused.batch_id == first.batch_id
         assert store.list_keys(f"runs/{RUN}/rollouts/") == [key]
-        st = await queue.queue_status(r, RUN, spec)
+        st = await accounting.queue_status(r, RUN, spec)
         assert (st.groups, st.pending, st.accepted_total) == (3, 0, 3)
         assert await prompts.prompts_inflight(r, RUN) == 0  # completed by the accept
 
@@ -121,28 +126,28 @@ def test_submit_claim_ack_idempotent(redis_server: RedisServer, bucket_url: str)
         assert [d.groups[0].prompt_id for d in got.deliveries] == ["0-0", "0-1"]
         assert all(d.attempt == 1 and d.version == 1 and d.worker_id == "g1" for d in got.deliveries)
         assert got.deliveries[0].groups[0].completions[1].token_ids == [5, 5]
-        st = await queue.queue_status(r, RUN, spec)
+        st = await accounting.queue_status(r, RUN, spec)
         assert (st.groups, st.pending) == (1, 2)
         await assert_accounting(r, spec)
 
         dids = [d.delivery_id for d in got.deliveries]
-        assert await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=dids) == 2
-        assert await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=dids) == 0  # idempotent
+        assert await ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=dids) == 2
+        assert await ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=dids) == 0  # idempotent
         assert store.exists(key)  # 1 of 3 left; prompts.json records which are settled
-        snap = json.loads(prompts.read_snapshot(store, RUN))
+        snap = json.loads(snapshot.read_snapshot(store, RUN))
         assert snap["queue"]["live"] == {first.batch_id: {"remaining": 1, "settled": [0, 1]}}
         assert snap["queue"]["counters"]["acked_total"] == 2
         rest = await claim(r, store, spec, epoch)
-        assert await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=[rest.deliveries[0].delivery_id]) == 1
+        assert await ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=[rest.deliveries[0].delivery_id]) == 1
         assert not store.exists(key) and not store.exists(queue.marker_key(RUN, first.batch_id))
-        st = await queue.queue_status(r, RUN, spec)
+        st = await accounting.queue_status(r, RUN, spec)
         assert (st.groups, st.pending, st.acked_total, st.accepted_total) == (0, 0, 3, 3)
         # A retry of the acked batch is still a duplicate: nothing is enqueued twice.
-        assert (await queue.submit(r, store, RUN, spec, batch, "key-1")).duplicate
+        assert (await submit_stage.submit(r, store, RUN, spec, batch, "key-1")).duplicate
         with pytest.raises(errors.Invalid, match=r"delivery_ids\[0\]"):
-            await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=["nope"])
+            await ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=["nope"])
         with pytest.raises(errors.Fenced):
-            await queue.ack(r, store, RUN, spec, epoch=epoch + 1, delivery_ids=dids)
+            await ack_stage.ack(r, store, RUN, spec, epoch=epoch + 1, delivery_ids=dids)
 
     run(redis_server, body)
 
@@ -176,18 +181,18 @@ def test_validation_errors_name_the_field_and_change_nothing(redis_server: Redis
         ]
         for n, (fn, pattern) in enumerate(cases):
             with pytest.raises(errors.Invalid, match=pattern):
-                await queue.submit(r, store, RUN, spec, mutate(fn), f"k-{n}")
+                await submit_stage.submit(r, store, RUN, spec, mutate(fn), f"k-{n}")
         for bad_key in (None, "", "has space", "x" * 201):
             with pytest.raises(errors.Invalid, match="Idempotency-Key"):
-                await queue.submit(r, store, RUN, spec, good, bad_key)
+                await submit_stage.submit(r, store, RUN, spec, good, bad_key)
         with pytest.raises(errors.Stale):
-            await queue.submit(r, store, RUN, spec, mutate(lambda b: b.__setitem__("version", 1)), "k-stale")
+            await submit_stage.submit(r, store, RUN, spec, mutate(lambda b: b.__setitem__("version", 1)), "k-stale")
         # Nothing was enqueued or written, and the prompts are still leased (not completed).
-        st = await queue.queue_status(r, RUN, spec)
+        st = await accounting.queue_status(r, RUN, spec)
         assert (st.accepted_total, st.groups, st.rejected_stale_total) == (0, 0, 2)
         assert store.list_keys(f"runs/{RUN}/rollouts/") == []
         assert await prompts.prompts_inflight(r, RUN) == 2
-        ok = await queue.submit(r, store, RUN, spec, good, "k-good")
+        ok = await submit_stage.submit(r, store, RUN, spec, good, "k-good")
         assert ok.accepted_groups == 2
 
     run(redis_server, body)
@@ -199,12 +204,12 @@ def test_backpressure_when_queue_full(redis_server: RedisServer, tmp_path: Any) 
 
     async def body(r: Any) -> None:
         await setup_run(r, spec)
-        items = (await prompts.lease(r, store, RUN, spec, "g1", 4, 60)).prompts
-        await queue.submit(r, store, RUN, spec, make_batch(spec, items[:3], 1), "a")
+        items = (await prompt_lease.lease(r, store, RUN, spec, "g1", 4, 60)).prompts
+        await submit_stage.submit(r, store, RUN, spec, make_batch(spec, items[:3], 1), "a")
         with pytest.raises(errors.Backpressure) as exc:
-            await queue.submit(r, store, RUN, spec, make_batch(spec, items[3:] + items[:1], 1), "b")
-        assert exc.value.retry_after == queue.RETRY_AFTER_S
-        st = await queue.queue_status(r, RUN, spec)
+            await submit_stage.submit(r, store, RUN, spec, make_batch(spec, items[3:] + items[:1], 1), "b")
+        assert exc.value.retry_after == submit_stage.RETRY_AFTER_S
+        st = await accounting.queue_status(r, RUN, spec)
         assert (st.groups, st.backpressure_total) == (3, 1)
 
     run(redis_server, body)
@@ -216,13 +221,13 @@ def test_stale_groups_dropped_at_claim_and_counted(redis_server: RedisServer, bu
 
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec, latest=1)
-        old = await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "old")
+        old = await submit_stage.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "old")
         await r.hset(f"brl:{RUN}:state", "latest_version", 2)
-        await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 1, 2), "new")
+        await submit_stage.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 1, 2), "new")
         await r.hset(f"brl:{RUN}:state", "latest_version", 3)  # version 1 is now too stale
         got = await claim(r, store, spec, epoch)
         assert got.dropped == 2 and [d.version for d in got.deliveries] == [2]
-        st = await queue.queue_status(r, RUN, spec)
+        st = await accounting.queue_status(r, RUN, spec)
         assert (st.dropped_stale_total, st.pending, st.groups) == (2, 1, 0)
         await assert_accounting(r, spec)
         assert not store.exists(queue.batch_key(RUN, old.batch_id))  # fully settled -> deleted
@@ -236,12 +241,12 @@ def test_vanished_batch_object_is_counted_lost_not_silently_skipped(redis_server
 
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
-        gone = await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "gone")
+        gone = await submit_stage.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "gone")
         store.delete([queue.batch_key(RUN, gone.batch_id)])  # someone deleted it behind the proxy's back
         got = await claim(r, store, spec, epoch)
         assert got.deliveries == [] and got.lost == 2
-        c = await queue.counters(r, RUN)
-        st = await queue.queue_status(r, RUN, spec)
+        c = await accounting.counters(r, RUN)
+        st = await accounting.queue_status(r, RUN, spec)
         assert c["lost_total"] == 2 and st.accepted_total == st.acked_total + c["lost_total"] + st.groups + st.pending
 
     run(redis_server, body)
@@ -258,7 +263,7 @@ def test_no_redelivery_to_the_live_epoch_replay_and_release_and_new_epoch(
 
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
-        await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "a")
+        await submit_stage.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "a")
         first = await claim(r, store, spec, epoch, redelivery_timeout_s=0.3, request_id="req-1")
         ids = sorted(d.delivery_id for d in first.deliveries)
         assert len(ids) == 2
@@ -278,7 +283,7 @@ def test_no_redelivery_to_the_live_epoch_replay_and_release_and_new_epoch(
             await claim(r, store, spec, epoch, release=["nope"])
         # A new trainer registers: every pending delivery is re-claimable at once (long timeout).
         new_epoch = await runs.register_trainer(r, RUN)
-        assert await queue.on_trainer_registered(r, RUN, new_epoch, 600)
+        assert await claim_stage.on_trainer_registered(r, RUN, new_epoch, 600)
         with pytest.raises(errors.Fenced):
             await claim(r, store, spec, epoch, redelivery_timeout_s=600)
         third = await claim(r, store, spec, new_epoch, redelivery_timeout_s=600)
@@ -298,7 +303,7 @@ def test_redelivery_finds_old_epoch_entries_behind_many_fresh_ones(redis_server:
 
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
-        await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 30, 1), "a")
+        await submit_stage.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 30, 1), "a")
         assert len((await claim(r, store, spec, epoch, n=30, redelivery_timeout_s=0.5)).deliveries) == 30
         epoch = await runs.register_trainer(r, RUN)
         # The 25 oldest come back to the new epoch; the 5 others sit behind them in the pending list.
@@ -320,7 +325,7 @@ def test_claim_long_poll_wakes_on_submit(redis_server: RedisServer, tmp_path: An
 
         async def late_submit() -> float:
             await asyncio.sleep(0.3)
-            await queue.submit(r, store, RUN, spec, batch, "late")
+            await submit_stage.submit(r, store, RUN, spec, batch, "late")
             return time.monotonic()
 
         t0 = time.monotonic()
@@ -354,7 +359,7 @@ def test_invariant4_accounting_under_concurrent_mix(redis_server: RedisServer, t
             i = 0
             while not stop.is_set():
                 try:
-                    got = await prompts.lease(r, store, RUN, spec, name, rng.randint(1, 3), 60)
+                    got = await prompt_lease.lease(r, store, RUN, spec, name, rng.randint(1, 3), 60)
                 except errors.Backpressure:
                     await asyncio.sleep(0.01)
                     continue
@@ -363,7 +368,7 @@ def test_invariant4_accounting_under_concurrent_mix(redis_server: RedisServer, t
                 batch = make_batch(spec, got.prompts, version, worker=name)
                 for _ in range(2):  # every submit is retried once: idempotency must absorb it
                     try:
-                        await queue.submit(r, store, RUN, spec, batch, f"{name}-{i}")
+                        await submit_stage.submit(r, store, RUN, spec, batch, f"{name}-{i}")
                     except (errors.Stale, errors.Backpressure):
                         await prompts.release(r, RUN, name, [p.prompt_id for p in got.prompts])
                         break
@@ -374,7 +379,7 @@ def test_invariant4_accounting_under_concurrent_mix(redis_server: RedisServer, t
                 got = await claim(r, store, spec, epoch, n=4, wait_s=0.2)
                 if rng.random() < 0.8:
                     ids = [d.delivery_id for d in got.deliveries]
-                    await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids + ids[:1])
+                    await ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids + ids[:1])
                     acked.extend(ids)
                 if rng.random() < 0.5:
                     await r.hincrby(f"brl:{RUN}:state", "latest_version", 1)
@@ -384,14 +389,14 @@ def test_invariant4_accounting_under_concurrent_mix(redis_server: RedisServer, t
         await asyncio.gather(generator("g1"), generator("g2"), trainer())
         # Finally everything still queued goes stale at once: all of it must be dropped and counted.
         await r.hincrby(f"brl:{RUN}:state", "latest_version", spec.max_staleness + 1)
-        before = await queue.queue_status(r, RUN, spec)
+        before = await accounting.queue_status(r, RUN, spec)
         dropped = 0
         while True:
             got = await claim(r, store, spec, epoch, n=8)
             dropped += got.dropped
             if not got.deliveries and not got.dropped:
                 break
-        st = await queue.queue_status(r, RUN, spec)
+        st = await accounting.queue_status(r, RUN, spec)
         await assert_accounting(r, spec)
         assert dropped == before.groups and st.groups == 0
         assert st.dropped_stale_total >= dropped
@@ -407,18 +412,18 @@ def test_rebuild_after_wipe_requeues_unacked_only(redis_server: RedisServer, buc
 
     async def before(r: Any) -> None:
         epoch = await setup_run(r, spec)
-        a = await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 3, 1), "a")
-        b = await queue.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "b")
+        a = await submit_stage.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 3, 1), "a")
+        b = await submit_stage.submit(r, store, RUN, spec, await lease_and_batch(r, store, spec, 2, 1), "b")
         got = await claim(r, store, spec, epoch, n=4)  # a:0 a:1 a:2 b:0
         keep = [d.delivery_id for d in got.deliveries]
         # ack all of a and nothing of b; b:0 stays pending (claimed, unacked)
-        await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=keep[:3])
+        await ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=keep[:3])
         state.update(a=a.batch_id, b=b.batch_id, pending=keep[3])
         c_batch = await lease_and_batch(r, store, spec, 2, 1)
-        c = await queue.submit(r, store, RUN, spec, c_batch, "c")
+        c = await submit_stage.submit(r, store, RUN, spec, c_batch, "c")
         state["c_batch"] = c_batch
         got_c = await claim(r, store, spec, epoch, n=2)
-        await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=[got_c.deliveries[0].delivery_id])
+        await ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=[got_c.deliveries[0].delivery_id])
         assert got_c.deliveries[0].delivery_id.startswith(b.batch_id)  # b:1 first (FIFO)
         state["c"] = c.batch_id
 
@@ -430,17 +435,17 @@ def test_rebuild_after_wipe_requeues_unacked_only(redis_server: RedisServer, buc
         epoch = await setup_run(r, spec)
         # No explicit rebuild: the first claim on the wiped Redis restores the queue before it answers.
         got = await claim(r, store, spec, epoch)
-        assert (await queue.ensure_ready(r, store, RUN, spec))["groups"] == 0  # idempotent
-        st = await queue.queue_status(r, RUN, spec)
+        assert (await restore.ensure_ready(r, store, RUN, spec))["groups"] == 0  # idempotent
+        st = await accounting.queue_status(r, RUN, spec)
         # a: fully acked (deleted). b: b:0 pending + b:1 acked -> only b:0. c: both groups.
         # The lifetime counters continue from the snapshot (issue 10 item 2): 7 accepted over the run, 4 acked.
         assert (st.accepted_total, st.acked_total, st.groups + st.pending) == (7, 4, 3)
         dids = sorted(d.delivery_id for d in got.deliveries)
         assert dids == sorted([state["pending"], f"{state['c']}:0", f"{state['c']}:1"])
         # Retries of accepted batches are duplicates after the rebuild too.
-        assert (await queue.submit(r, store, RUN, spec, state["c_batch"], "c")).duplicate
+        assert (await submit_stage.submit(r, store, RUN, spec, state["c_batch"], "c")).duplicate
         # The ids a resumed trainer lists in its checkpoint still ack after the rebuild (stable ids).
-        assert await queue.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=dids) == 3
+        assert await ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=dids) == 3
         await assert_accounting(r, spec)
         assert store.list_keys(f"runs/{RUN}/rollouts/") == []
 
@@ -459,9 +464,9 @@ def test_deliveries_carry_the_sampling_their_batch_was_generated_with(
     async def body(r: Any) -> None:
         epoch = await setup_run(r, spec)
         with_own = (await lease_and_batch(r, store, spec, 1, version=1)).model_copy(update={"sampling": own})
-        await queue.submit(r, store, RUN, spec, with_own, "k-own")
+        await submit_stage.submit(r, store, RUN, spec, with_own, "k-own")
         without = await lease_and_batch(r, store, spec, 1, version=1)
-        await queue.submit(r, store, RUN, spec, without, "k-run")
+        await submit_stage.submit(r, store, RUN, spec, without, "k-run")
         # The run's sampling changes after both were accepted.
         changed = spec.model_copy(update={"sampling": SamplingSpec(temperature=2.0)})
         await runs.put_spec(r, RUN, changed)

@@ -19,7 +19,9 @@ from typing import Any, BinaryIO
 import pytest
 
 from bucketrl import errors
-from bucketrl.proxy.state import checkpoints, prompts, queue
+from bucketrl.proxy.state import accounting, checkpoints, prompts, queue
+from bucketrl.proxy.state import claim as claim_stage
+from bucketrl.proxy.state import submit as submit_stage
 from bucketrl.storage import open_store
 from bucketrl.storage.base import BucketStore
 from tests.proxy.harness import ProxyHarness, adapter_tar, checkpoint_tar
@@ -242,15 +244,15 @@ def test_a_refused_submit_attempt_never_deletes_the_object_its_retry_enqueued(
         x = x.model_copy(update={"worker_id": "gen-x"})
         # Its prompts go back (admission control would otherwise keep the filler below capacity - 2).
         await prompts.release(r, RUN, "g1", [g.prompt_id for g in x.groups])
-        a = asyncio.create_task(queue.submit(r, store, RUN, spec, x, "kx"))  # type: ignore[arg-type]
+        a = asyncio.create_task(submit_stage.submit(r, store, RUN, spec, x, "kx"))  # type: ignore[arg-type]
         await _until(lambda: store.puts_waiting == 1, a)  # A passed its checks and writes
-        b = asyncio.create_task(queue.submit(r, store, RUN, spec, x, "kx"))  # type: ignore[arg-type]
+        b = asyncio.create_task(submit_stage.submit(r, store, RUN, spec, x, "kx"))  # type: ignore[arg-type]
         await asyncio.sleep(0.3)  # B passed its checks too (and writes, or waits for A's attempt)
         filler = await lease_and_batch(r, store, spec, 4, 1)  # type: ignore[arg-type]
-        await queue.submit(r, store, RUN, spec, filler, "kf")  # type: ignore[arg-type]  # the queue is full
+        await submit_stage.submit(r, store, RUN, spec, filler, "kf")  # type: ignore[arg-type]  # the queue is full
         store.put_gates[0].set()  # A's write lands: refused (full), A goes to delete its object
         await _until(store.delete_waiting.is_set)
-        got = await queue.claim(
+        got = await claim_stage.claim(
             r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=4, wait_s=0, redelivery_timeout_s=60
         )  # type: ignore[arg-type]
         assert len(got.claimed) == 4  # room for B
@@ -262,11 +264,11 @@ def test_a_refused_submit_attempt_never_deletes_the_object_its_retry_enqueued(
         accepted = await b
         assert accepted.accepted_groups == 2 and not accepted.duplicate
         assert store.inner.exists(queue.batch_key(RUN, accepted.batch_id))
-        mine = await queue.claim(
+        mine = await claim_stage.claim(
             r, store, RUN, spec, epoch=epoch, consumer="t", max_groups=4, wait_s=0, redelivery_timeout_s=60
         )  # type: ignore[arg-type]
         assert len(mine.claimed) == 2 and mine.lost == 0
-        st = await queue.queue_status(r, RUN, spec)
+        st = await accounting.queue_status(r, RUN, spec)
         assert st.lost_total == 0 and st.accepted_total == 6
 
     run(redis_server, body)

@@ -1,5 +1,5 @@
 """Strict on-policy (``max_staleness`` 0) wastes under 5 % of the groups generated (issue 13): the real proxy's
-admission control (slack ``min(BUCKETRL_PACE_SLACK_VERSIONS, max_staleness)``, bucketrl/proxy/state/prompts.py)
+admission control (slack ``min(BUCKETRL_PACE_SLACK_VERSIONS, max_staleness)``, bucketrl/proxy/state/prompt_lease.py)
 against the real trainer worker around a simulated learner and simulated generators that sample far faster
 than the trainer steps, so without the pace rule most of their groups would be dropped as stale.
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+from bucketrl.proxy.state import snapshot
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.trainer.worker import EXIT_OK, TrainerWorker
 from tests.proxy.harness import TOKENS, running
@@ -205,7 +206,6 @@ def test_groups_trained_before_a_wipe_end_counted_acked_though_stale_after_it_an
     as stale at A's claim: B's resume ack moved b back to acked, a stayed counted dropped although the trainer's log
     shows it acked (acked_total 4 for 6 acked). Now a re-queued group below the floor is handed over flagged and
     never trained: the ledger of the trainer holding it acks it (trained before) or gives it back (d: dropped)."""
-    from bucketrl.proxy.state import prompts
     from tests.proxy.harness import adapter_tar
     from tests.proxy.test_rollouts_routes import Setup
 
@@ -216,7 +216,7 @@ def test_groups_trained_before_a_wipe_end_counted_acked_though_stale_after_it_an
         store = proxy.ctx.store
         # The bucket when Redis is wiped: the background settle of the acks below (a snapshot covering them, then
         # the deletion of the finished batch objects) has not happened yet.
-        kept = [*store.list_keys(prompts.snapshot_prefix("r1")), *store.list_keys("runs/r1/rollouts/")]
+        kept = [*store.list_keys(snapshot.snapshot_prefix("r1")), *store.list_keys("runs/r1/rollouts/")]
         saved = {key: store.get_bytes(key) for key in kept}
 
         ta = _claimer(proxy.url, "trainer-a", s.spec)
@@ -234,7 +234,7 @@ def test_groups_trained_before_a_wipe_end_counted_acked_though_stale_after_it_an
                 ta.ledger.checkpointed()
             checkpoint_consumed = ids  # checkpoint 2: b's groups, a's among its earlier ones
             assert proxy.call(lambda ctx: ctx.cleaner.drain(10.0))
-            store.delete(store.list_keys(prompts.snapshot_prefix("r1")))
+            store.delete(store.list_keys(snapshot.snapshot_prefix("r1")))
             for key, body in saved.items():
                 store.put_bytes(key, body)  # (the batch objects too)
             _flushall(proxy, redis_server.url)

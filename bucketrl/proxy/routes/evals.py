@@ -7,15 +7,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends
 
 from bucketrl.proxy import body
 from bucketrl.proxy.deps import CtxDep, GeneratorRole, RunDep, ViewerRole
 from bucketrl.proxy.errors import responses
-from bucketrl.proxy.state import evals, workers
-from bucketrl.wire import EvalLease, EvalLeaseRequest, EvalSubmit, EvalSubmitResponse, EvalVersionResult, RunSpec
+from bucketrl.proxy.state import evals
+from bucketrl.wire import EvalLease, EvalLeaseRequest, EvalSubmit, EvalSubmitResponse, EvalVersionResult
 
 router = APIRouter(prefix="/v1/runs/{run}/eval", tags=["eval"])
 
@@ -70,21 +70,3 @@ async def submit(
 )
 async def results(ctx: CtxDep, _: ViewerRole, ref: RunDep) -> list[EvalVersionResult]:
     return await evals.results(ctx.redis, ctx.store, ref.run)
-
-
-async def status_hook(ctx: Any, run: str, spec: RunSpec, out: dict[str, Any]) -> None:
-    """The status's ``eval`` (evaluated versions) and ``samples`` (recent completions; what people watching a run
-    look at beside its curves)."""
-    out["samples"] = [x.model_dump() for x in await workers.recent_samples(ctx.redis, run)]
-    if spec.eval is not None:
-        out["eval"] = [x.model_dump() for x in await evals.results(ctx.redis, ctx.store, run)]
-
-
-def _install_hooks() -> None:
-    from bucketrl.proxy.state import status
-
-    if status_hook not in status.STATUS_HOOKS:
-        status.STATUS_HOOKS.append(status_hook)
-
-
-_install_hooks()

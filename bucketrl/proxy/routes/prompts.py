@@ -5,7 +5,8 @@
 ``POST /v1/runs/{run}/prompts/release``  give prompts back (issued again first); 204
 ``PUT/GET /v1/runs/{run}/dataset``       see ``routes/dataset.py``
 
-The rules (reissue first, pacing, persistence of the cursor) are in ``bucketrl.proxy.state.prompts``.
+The rules (reissue first, pacing, persistence of the cursor) are in ``bucketrl.proxy.state.prompt_lease``
+(and ``.prompts``, ``.snapshot``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from bucketrl.proxy.context import ProxyContext
 from bucketrl.proxy.deps import CtxDep, GeneratorRole, RunDep, RunRef
 from bucketrl.proxy.errors import responses
 from bucketrl.proxy.routes import dataset
-from bucketrl.proxy.state import prompts
+from bucketrl.proxy.state import prompt_lease, prompts
 from bucketrl.wire import PromptLease, PromptLeaseRequest, PromptReleaseRequest
 
 _prompts = APIRouter(prefix="/v1/runs/{run}/prompts", tags=["prompts"])
@@ -50,8 +51,8 @@ async def lease(
 
 async def lease_prompts(ctx: ProxyContext, ref: RunRef, req: PromptLeaseRequest, spec_digest: str = "") -> PromptLease:
     """The lease route's work. ``spec_digest``: ``ref.spec`` came from a cache (``lean.py``), checked against
-    the stored spec by the lease's own script (``prompts.SpecChanged`` if it is no longer that spec)."""
-    return await prompts.lease(
+    the stored spec by the lease's own script (``prompt_lease.SpecChanged`` if it is no longer that spec)."""
+    return await prompt_lease.lease(
         ctx.redis,
         ctx.store,
         ref.run,

@@ -4,11 +4,9 @@
 ``POST /v1/runs/{run}/rollouts/claim``  trainer    claim up to ``max_groups`` (long-poll ``wait_s``), fenced
 ``POST /v1/runs/{run}/rollouts/ack``    trainer    acknowledge delivery ids (idempotent), fenced
 
-The logic and its invariants live in ``bucketrl.proxy.state.queue``. This module also plugs the queue
-into the proxy core's hooks (once, at import, which ``routes.all_routers`` does in ``create_app``):
-status (``state.status.STATUS_HOOKS``), rebuild after a Redis wipe (``rebuild.REBUILD_HOOKS``), trainer
-registration (``state.runs.TRAINER_REGISTERED_HOOKS``: pending deliveries become re-claimable), and a
-scrape-time refresh of the queue-depth gauge (``Telemetry.scrape_hooks``, added per app on first use).
+The logic and its invariants live in ``bucketrl.proxy.state.queue`` and its stage modules (``submit``,
+``claim``, ``ack``). This module also adds a scrape-time refresh of the queue-depth gauge
+(``Telemetry.scrape_hooks``, added per app on first use).
 """
 
 from __future__ import annotations
@@ -30,17 +28,19 @@ from bucketrl.proxy.deps import (
     resolve_run_and_epoch,
 )
 from bucketrl.proxy.errors import responses
-from bucketrl.proxy.state import prompts, queue, runs
+from bucketrl.proxy.state import accounting, runs
+from bucketrl.proxy.state import ack as ack_stage
+from bucketrl.proxy.state import claim as claim_stage
+from bucketrl.proxy.state import submit as submit_stage
+from bucketrl.proxy.state.queue import SpecLoader
 from bucketrl.wire import AckRequest, AckResponse, ClaimRequest, ClaimResponse, RolloutBatch, RunSpec, SubmitResponse
 
 
 async def _scrape_queue_depth(ctx: Any) -> None:
-    from bucketrl.proxy.state import runs
-
     for run in await runs.list_runs(ctx.redis):
         spec = await runs.get_spec(ctx.redis, run)
         if spec is not None:
-            st = await queue.queue_status(ctx.redis, run, spec)
+            st = await accounting.queue_status(ctx.redis, run, spec)
             ctx.telemetry.queue_depth.labels(run=run).set(st.groups + st.pending)
 
 
@@ -89,7 +89,7 @@ async def submit(
 ) -> SubmitResponse:
     _install_scrape_hook(ctx)
     # The spec comes with the queue's pre-check (one round trip); resolve_run only for an unknown run.
-    return await queue.submit(
+    return await submit_stage.submit(
         ctx.redis,
         ctx.store,
         run,
@@ -115,7 +115,7 @@ async def submit(
         "the answer is msgpack, its numeric arrays packed as in a submit (the groups as they were submitted)."
     ),
     responses={
-        200: {"content": {queue.MSGPACK: {"schema": {"$ref": "#/components/schemas/ClaimResponse"}}}},
+        200: {"content": {claim_stage.MSGPACK: {"schema": {"$ref": "#/components/schemas/ClaimResponse"}}}},
         **responses(401, 403, 404, 409, 413, 422, 503),
     },
     openapi_extra=body.openapi_body(ClaimRequest),
@@ -129,7 +129,7 @@ async def claim(
     req: Annotated[ClaimRequest, Depends(body.decoded(ClaimRequest))],
 ) -> Response:
     _install_scrape_hook(ctx)
-    out = await queue.claim(
+    out = await claim_stage.claim(
         ctx.redis,
         ctx.store,
         ref.run,
@@ -149,8 +149,8 @@ async def claim(
     )
     # The answer spliced from the groups' stored bytes (response_model above documents it): decoding 8 x 256
     # tokens and logprobs per group only to encode them again was most of a claim's CPU.
-    if queue.MSGPACK in request.headers.get("accept", ""):
-        return Response(out.response_msgpack(), media_type=queue.MSGPACK)
+    if claim_stage.MSGPACK in request.headers.get("accept", ""):
+        return Response(out.response_msgpack(), media_type=claim_stage.MSGPACK)
     return Response(out.response_json(), media_type="application/json")
 
 
@@ -178,7 +178,7 @@ async def ack(
         runs.check_epoch(run, epoch, current)
     # The ack script fences the epoch atomically; the spec is needed only to restore a wiped queue or to
     # persist prompts, so it is looked up only then (one round trip less per ack).
-    n = await queue.ack(
+    n = await ack_stage.ack(
         ctx.redis,
         ctx.store,
         run,
@@ -190,41 +190,8 @@ async def ack(
     return AckResponse(acked=n)
 
 
-def _spec_loader(ctx: Any, run: str) -> queue.SpecLoader:
+def _spec_loader(ctx: Any, run: str) -> SpecLoader:
     async def load() -> RunSpec:
         return (await resolve_run(ctx, run)).spec
 
     return load
-
-
-# -- hooks into the proxy core ---------------------------------------------------------------------------
-
-
-async def status_hook(ctx: Any, run: str, spec: RunSpec, out: dict[str, Any]) -> None:
-    out["queue"] = (await queue.queue_status(ctx.redis, run, spec)).model_dump()
-    out["prompts_inflight"] = await prompts.prompts_inflight(ctx.redis, run)
-    out["prompt_cursor"] = await prompts.cursor(ctx.redis, run)
-
-
-async def rebuild_hook(ctx: Any, run: str, spec: RunSpec) -> None:
-    await queue.ensure_ready(ctx.redis, ctx.store, run, spec)
-
-
-async def trainer_registered_hook(ctx: Any, run: str, epoch: int) -> None:
-    await queue.on_trainer_registered(ctx.redis, run, epoch, ctx.settings.redelivery_timeout_s)
-
-
-def _install_hooks() -> None:
-    from bucketrl.proxy import rebuild
-    from bucketrl.proxy.state import runs, status
-
-    for hooks, hook in (
-        (status.STATUS_HOOKS, status_hook),
-        (rebuild.REBUILD_HOOKS, rebuild_hook),
-        (runs.TRAINER_REGISTERED_HOOKS, trainer_registered_hook),
-    ):
-        if hook not in hooks:
-            hooks.append(hook)  # type: ignore[arg-type]
-
-
-_install_hooks()

@@ -8,11 +8,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
 
-from bucketrl.proxy import body
+from bucketrl.proxy import body, rebuild
 from bucketrl.proxy.context import ProxyContext
 from bucketrl.proxy.deps import AnyRole, CtxDep, RunDep, RunId, TrainerRole
 from bucketrl.proxy.errors import responses
-from bucketrl.proxy.state import checkpoints, runs
+from bucketrl.proxy.state import checkpoints, claim, runs
 from bucketrl.storage import dirs
 from bucketrl.wire import RunInfo, RunSpec, TrainerRegistration
 from bucketrl.wire.trainer import TrainerRegisterRequest
@@ -50,8 +50,6 @@ async def put_run(
     if await runs.get_spec(ctx.redis, run) is None:
         # Redis may have lost a run the bucket still has: restore it (versions, checkpoints) before
         # deciding, so "create" can never restart version numbering over published adapters.
-        from bucketrl.proxy import rebuild
-
         await rebuild.rebuild_run_if_in_bucket(ctx, run)
     created, changed = await runs.put_spec(ctx.redis, run, spec)
     if created or changed or not await asyncio.to_thread(ctx.store.exists, run_json_key(run)):
@@ -115,8 +113,7 @@ async def register_trainer(
         await asyncio.to_thread(ctx.store.put_bytes, record, req.worker_id.encode())
     if new:
         log.info("run %s: trainer %s registered with epoch %d", ref.run, req.worker_id, epoch)
-    for hook in runs.TRAINER_REGISTERED_HOOKS:
-        await hook(ctx, ref.run, epoch)
+    await claim.on_trainer_registered(ctx.redis, ref.run, epoch, ctx.settings.redelivery_timeout_s)
     return TrainerRegistration(
         epoch=epoch,
         latest_version=await runs.latest_version(ctx.redis, ref.run),

@@ -32,18 +32,7 @@ from bucketrl.storage import dirs
 from bucketrl.wire import CheckpointInfo
 
 # KEYS: state, lock, ckpt:k, checkpoints. ARGV: epoch, step, owner, sha256, bytes.
-_COMMIT = Lua("""
-if redis.call('GET', KEYS[2]) ~= ARGV[3] then return {'lost', '0'} end
-local cur = tonumber(redis.call('HGET', KEYS[1], 'trainer_epoch') or '0')
-if tonumber(ARGV[1]) ~= cur then return {'fenced', tostring(cur)} end
-local t = redis.call('TIME')
-local now = string.format('%d.%06d', t[1], t[2])
-redis.call('HSET', KEYS[3], 'sha256', ARGV[4], 'bytes', ARGV[5], 'created_at', now, 'epoch', ARGV[1])
-redis.call('ZADD', KEYS[4], tonumber(ARGV[2]), ARGV[2])
-redis.call('HSET', KEYS[1], 'trainer_step', ARGV[2], 'updated_at', now)
-redis.call('DEL', KEYS[2])
-return {'ok', now}
-""")
+_COMMIT = Lua.load("checkpoint_commit.lua")
 
 
 def checkpoint_prefix(run: str, step: int) -> str:
@@ -144,12 +133,7 @@ async def _committed(ctx: Any, run: str, step: int, sha256: str) -> CheckpointIn
 
 
 # KEYS: checkpoints, ckpt:k, lock of step k. ARGV: step. Un-index the step unless it is being written.
-_UNINDEX = Lua("""
-if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('DEL', KEYS[2])
-return 1
-""")
+_UNINDEX = Lua.load("checkpoint_unindex.lua")
 
 
 async def prune(ctx: Any, run: str, keep: int) -> list[int]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bucketrl.proxy import keys
-from bucketrl.proxy.state import prompts
+from bucketrl.proxy.state import snapshot
 from bucketrl.storage.base import BucketStore
 from bucketrl.wire import RunSpec
 
@@ -63,7 +63,7 @@ async def settle_objects(
 
     ``persist_seq``: the state seq prompts.json must reach first (0: the newest snapshot already does)."""
     if persist_seq > 0:
-        await prompts.persist(r, store, run, await _spec_of(spec), min_seq=persist_seq)
+        await snapshot.persist(r, store, run, await _spec_of(spec), min_seq=persist_seq)
     if finished:
         await asyncio.to_thread(_delete, store, run, finished)
         await r.hdel(doomed_key(run), *finished)

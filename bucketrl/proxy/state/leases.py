@@ -28,122 +28,19 @@ from bucketrl.proxy.state.clock import redis_now
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.wire import VersionLease
 
-# Lease hashes outlive their expiry a while so a late renew says "expired" (410) with the version.
-_GRACE_MS = 600_000
-
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-"""
-
 # KEYS: state. ARGV: prefix, version (0 = latest), lease_id, worker_id, ttl_s.
-_CREATE = Lua(
-    _NOW
-    + """
-local p = ARGV[1]
-local lk = p .. 'lease:' .. ARGV[3]
--- A replay (same request id, so the same lease id) answers the lease its first attempt created, even one
--- released or expired since: one lease per request, never a second one that only waits to expire.
-if redis.call('EXISTS', lk) == 1 then
-  return {'ok', redis.call('HGET', lk, 'version'), redis.call('HGET', lk, 'expires_at')}
-end
-local v = tonumber(ARGV[2])
-local latest = tonumber(redis.call('HGET', KEYS[1], 'latest_version') or '0')
-if v == 0 then v = latest end
-if v == 0 then return {'none', '0', '0'} end
-local st = redis.call('HGET', p .. 'version:' .. v, 'state')
-if not st then
-  if v > latest then return {'unknown', tostring(v), tostring(latest)} end
-  return {'gone', tostring(v), tostring(latest)}
-end
-if st ~= 'live' then return {'gone', tostring(v), tostring(latest)} end
-local exp = now + tonumber(ARGV[5])
-local sexp = string.format('%.6f', exp)
-redis.call('ZADD', p .. 'leases', sexp, ARGV[3])
-redis.call('ZADD', p .. 'vleases:' .. v, sexp, ARGV[3])
-redis.call('HSET', lk, 'version', v, 'worker_id', ARGV[4], 'expires_at', sexp)
-redis.call('PEXPIRE', lk, math.floor(tonumber(ARGV[5]) * 1000) + """
-    + str(_GRACE_MS)
-    + """)
-return {'ok', tostring(v), sexp}
-"""
-)
+_CREATE = Lua.load("now.lua", "version_lease_create.lua")
 
 # ARGV: prefix, lease_id, ttl_s.
-_RENEW = Lua(
-    _NOW
-    + """
-local p = ARGV[1]
-local lk = p .. 'lease:' .. ARGV[2]
-local v = redis.call('HGET', lk, 'version')
-if not v then return {'unknown', '0', '0'} end
-local exp = tonumber(redis.call('HGET', lk, 'expires_at'))
-if exp <= now or redis.call('HEXISTS', lk, 'released') == 1 then
-  redis.call('ZREM', p .. 'leases', ARGV[2])
-  redis.call('ZREM', p .. 'vleases:' .. v, ARGV[2])
-  return {'expired', v, string.format('%.6f', exp)}
-end
-local new = string.format('%.6f', now + tonumber(ARGV[3]))
-redis.call('ZADD', p .. 'leases', new, ARGV[2])
-redis.call('ZADD', p .. 'vleases:' .. v, new, ARGV[2])
-redis.call('HSET', lk, 'expires_at', new)
-redis.call('PEXPIRE', lk, math.floor(tonumber(ARGV[3]) * 1000) + """
-    + str(_GRACE_MS)
-    + """)
-return {'ok', v, new}
-"""
-)
+_RENEW = Lua.load("now.lua", "version_lease_renew.lua")
 
 # ARGV: prefix, lease_id.
-_RELEASE = Lua(
-    _NOW
-    + """
-local p = ARGV[1]
-local lk = p .. 'lease:' .. ARGV[2]
-local v = redis.call('HGET', lk, 'version')
-if not v then return {'unknown', '0'} end
--- A replayed release answers what the first one did (the hash stays, marked, until its grace ends; a
--- replayed create then answers this ended lease rather than creating a new one).
-local done = redis.call('HGET', lk, 'released')
-if done then return {done, v} end
-local exp = tonumber(redis.call('HGET', lk, 'expires_at'))
-redis.call('ZREM', p .. 'leases', ARGV[2])
-redis.call('ZREM', p .. 'vleases:' .. v, ARGV[2])
-local out = 'ok'
-if exp <= now then out = 'expired' end
-redis.call('HSET', lk, 'released', out, 'expires_at', string.format('%.6f', math.min(exp, now)))
-return {out, v}
-"""
-)
+_RELEASE = Lua.load("now.lua", "version_lease_release.lua")
 
 # KEYS: state, versions, gc:deleting, gc:hold. ARGV: prefix, max_staleness, limit.
 # Returns the versions newly marked 'deleting' (their files may now be removed). While gc:hold exists
 # (set by a rebuild: leases died with the old Redis, generators need time to lease again) nothing is marked.
-_MARK_COLLECTABLE = Lua(
-    _NOW
-    + """
-local p = ARGV[1]
-redis.call('ZREMRANGEBYSCORE', p .. 'leases', '-inf', now)
-if redis.call('EXISTS', KEYS[4]) == 1 then return {} end
-local latest = tonumber(redis.call('HGET', KEYS[1], 'latest_version') or '0')
-local cutoff = latest - tonumber(ARGV[2])
-local marked = {}
-if cutoff <= 1 then return marked end
-local cands = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. cutoff, 'LIMIT', 0, tonumber(ARGV[3]))
-for _, v in ipairs(cands) do
-  local vk = p .. 'vleases:' .. v
-  redis.call('ZREMRANGEBYSCORE', vk, '-inf', now)
-  if redis.call('ZCARD', vk) == 0 then
-    redis.call('HSET', p .. 'version:' .. v, 'state', 'deleting')
-    redis.call('ZREM', KEYS[2], v)
-    redis.call('SADD', KEYS[3], v)
-    redis.call('DEL', vk)
-    table.insert(marked, v)
-  end
-end
-return marked
-"""
-)
+_MARK_COLLECTABLE = Lua.load("now.lua", "version_mark_collectable.lua")
 
 
 def _prefix(run: str) -> str:

@@ -24,34 +24,13 @@ from bucketrl.proxy.state.lua import Lua
 UNFENCED = -1
 
 # KEYS: state, lock. ARGV: epoch (UNFENCED = no check), owner, ttl_ms, expected_next (0 = no check).
-_RESERVE = Lua("""
-local cur = tonumber(redis.call('HGET', KEYS[1], 'trainer_epoch') or '0')
-local epoch = tonumber(ARGV[1])
-if epoch >= 0 and epoch ~= cur then return {'fenced', cur} end
-local latest = tonumber(redis.call('HGET', KEYS[1], 'latest_version') or '0')
-local want = tonumber(ARGV[4])
-if want > 0 and want ~= latest + 1 then return {'conflict', latest} end
-local holder = redis.call('GET', KEYS[2])
-if holder and holder ~= ARGV[2] then return {'busy', latest} end
-redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
-return {'ok', latest}
-""")
+_RESERVE = Lua.load("lock_reserve.lua")
 
 # KEYS: state, lock. ARGV: epoch, owner, ttl_ms.
-_REFRESH = Lua("""
-if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 'lost' end
-local cur = tonumber(redis.call('HGET', KEYS[1], 'trainer_epoch') or '0')
-local epoch = tonumber(ARGV[1])
-if epoch >= 0 and epoch ~= cur then return 'fenced' end
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-return 'ok'
-""")
+_REFRESH = Lua.load("lock_refresh.lua")
 
 # KEYS: lock. ARGV: owner.
-_RELEASE = Lua("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-""")
+_RELEASE = Lua.load("lock_release.lua")
 
 
 async def fenced_or_restoring(r: Any, run: str, epoch: int, current: int, what: str) -> errors.BucketRLError:

@@ -4,7 +4,7 @@ Keys (``bucketrl.proxy.keys``): ``brl:runs`` (set of run ids), ``brl:{run}:spec`
 ``brl:{run}:state`` (hash: latest_version, trainer_epoch, trainer_step, created_at, updated_at, and
 ``max_new_tokens_bound``: the largest ``sampling.max_new_tokens`` the run's spec has ever had).
 
-The bound is what a submitted batch's completions are checked against (``queue.validate_batch``): a batch
+The bound is what a submitted batch's completions are checked against (``validation.validate_batch``): a batch
 sampled under an older, larger spec stays acceptable after the spec lowers it, and a generator cannot declare
 its own, larger one. It only grows; the bucket keeps it as ``runs/{run}/sampling-bounds/{n}`` markers (the
 largest wins), so a rebuild after a Redis wipe restores it.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis import exceptions as redis_exc
@@ -26,11 +25,6 @@ from bucketrl import errors
 from bucketrl.proxy import keys
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.wire import RunSpec, RunState
-
-# Called after a trainer registered a new epoch: hook(ctx, run, epoch). The rollout queue (P3) appends
-# one that makes every pending (claimed, unacked) delivery immediately re-claimable.
-TrainerRegisteredHook = Callable[[Any, str, int], Awaitable[None]]
-TRAINER_REGISTERED_HOOKS: list[TrainerRegisteredHook] = []
 
 
 def _int(v: bytes | None) -> int:
@@ -60,9 +54,7 @@ async def get_spec_and_epoch(r: Any, run: str) -> tuple[RunSpec | None, int]:
 
 
 # One command (cheaper for the proxy than a two-command pipeline). ``or false``: a Lua table cannot hold nil.
-_SPEC_AND_EPOCH = Lua(
-    "return {redis.call('GET', KEYS[1]) or false, redis.call('HGET', KEYS[2], 'trainer_epoch') or false}"
-)
+_SPEC_AND_EPOCH = Lua.load("run_spec_and_epoch.lua")
 
 
 async def get_state(r: Any, run: str) -> RunState:
@@ -159,14 +151,7 @@ def epoch_record_key(run: str, epoch: int) -> str:
 REGISTER_REPLAY_TTL_S = 600
 
 # KEYS: state, request. ARGV: now, request_ttl_s. Returns {epoch, 1 if new}.
-_REGISTER = Lua("""
-local seen = redis.call('GET', KEYS[2])
-if seen then return {tonumber(seen), 0} end
-local epoch = redis.call('HINCRBY', KEYS[1], 'trainer_epoch', 1)
-redis.call('HSET', KEYS[1], 'updated_at', ARGV[1])
-redis.call('SET', KEYS[2], epoch, 'EX', ARGV[2])
-return {epoch, 1}
-""")
+_REGISTER = Lua.load("trainer_register.lua")
 
 
 async def register_trainer(r: Any, run: str) -> int:

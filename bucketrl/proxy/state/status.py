@@ -1,21 +1,17 @@
 """The run status (``GET /v1/runs/{run}/status``), assembled from every area's Redis state.
 
-The rollout queue and prompt leases belong to P3: each function in ``STATUS_HOOKS`` is awaited as
-``hook(ctx, run, spec, status_dict)`` and fills its part (``queue``, ``prompts_inflight``,
-``prompt_cursor``) in place, before the dict is validated as :class:`bucketrl.wire.RunStatus`.
+Each area fills its part: the rollout queue and prompt leases (``accounting.status_part``: ``queue``,
+``prompts_inflight``, ``prompt_cursor``), the workers' recent samples and the evaluated versions, before the
+dict is validated as :class:`bucketrl.wire.RunStatus`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bucketrl.proxy import keys
-from bucketrl.proxy.state import leases, runs, versions, workers
+from bucketrl.proxy.state import accounting, evals, leases, runs, versions, workers
 from bucketrl.wire import RunSpec, RunStatus
-
-StatusHook = Callable[[Any, str, RunSpec, dict[str, Any]], Awaitable[None]]
-STATUS_HOOKS: list[StatusHook] = []
 
 
 async def build(ctx: Any, run: str, spec: RunSpec) -> RunStatus:
@@ -40,6 +36,9 @@ async def build(ctx: Any, run: str, spec: RunSpec) -> RunStatus:
         "metrics": metrics,
         "gc_versions_total": int(gc_total or 0),
     }
-    for hook in STATUS_HOOKS:
-        await hook(ctx, run, spec, out)
+    out.update(await accounting.status_part(r, run, spec))
+    # What people watching a run look at beside its curves: recent completions, and the evaluated versions.
+    out["samples"] = [x.model_dump() for x in await workers.recent_samples(r, run)]
+    if spec.eval is not None:
+        out["eval"] = [x.model_dump() for x in await evals.results(r, ctx.store, run)]
     return RunStatus.model_validate(out)

@@ -27,6 +27,7 @@ from bucketrl import bundles, errors
 from bucketrl.proxy import keys
 from bucketrl.proxy.state.locks import WriteLock, fenced_or_restoring
 from bucketrl.proxy.state.lua import Lua
+from bucketrl.proxy.state.runs import latest_version
 from bucketrl.proxy.state.uploads import spool_verified
 from bucketrl.storage import dirs
 from bucketrl.wire import AdapterVersionInfo
@@ -36,23 +37,7 @@ log = logging.getLogger("bucketrl.proxy.versions")
 LIVE, DELETING, GONE = "live", "deleting", "gone"
 
 # KEYS: state, lock, version:N, versions, channel. ARGV: epoch, N, owner, sha256, bytes.
-_COMMIT = Lua("""
-if redis.call('GET', KEYS[2]) ~= ARGV[3] then return {'lost', '0'} end
-local cur = tonumber(redis.call('HGET', KEYS[1], 'trainer_epoch') or '0')
-if tonumber(ARGV[1]) ~= cur then return {'fenced', tostring(cur)} end
-local latest = tonumber(redis.call('HGET', KEYS[1], 'latest_version') or '0')
-local n = tonumber(ARGV[2])
-if n ~= latest + 1 then return {'conflict', tostring(latest)} end
-local t = redis.call('TIME')
-local now = string.format('%d.%06d', t[1], t[2])
-redis.call('HSET', KEYS[3], 'sha256', ARGV[4], 'bytes', ARGV[5], 'published_at', now, 'epoch', ARGV[1],
-  'state', 'live')
-redis.call('ZADD', KEYS[4], n, n)
-redis.call('HSET', KEYS[1], 'latest_version', n, 'updated_at', now)
-redis.call('DEL', KEYS[2])
-redis.call('PUBLISH', KEYS[5], n)
-return {'ok', now}
-""")
+_COMMIT = Lua.load("version_commit.lua")
 
 
 def adapter_prefix(run: str, version: int) -> str:
@@ -82,8 +67,6 @@ async def live_record(r: Any, run: str, version: int) -> dict[str, str]:
     """The record of a downloadable version: 404 if never published, 410 if garbage-collected."""
     rec = await get_record(r, run, version)
     if rec is None:
-        from bucketrl.proxy.state.runs import latest_version
-
         latest = await latest_version(r, run)
         if version > latest:
             raise errors.NotFound(f"run {run!r} has no version {version} (latest is {latest})", code="unknown_version")
@@ -94,8 +77,6 @@ async def live_record(r: Any, run: str, version: int) -> dict[str, str]:
 
 
 async def latest_info(r: Any, run: str) -> AdapterVersionInfo | None:
-    from bucketrl.proxy.state.runs import latest_version
-
     latest = await latest_version(r, run)
     if latest == 0:
         return None

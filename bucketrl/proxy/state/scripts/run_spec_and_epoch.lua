@@ -1,0 +1,1 @@
+return {redis.call('GET', KEYS[1]) or false, redis.call('HGET', KEYS[2], 'trainer_epoch') or false}

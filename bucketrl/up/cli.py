@@ -14,7 +14,7 @@ directory, one trainer and N generators; shows a live view; at the end prints a 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -94,7 +94,7 @@ def up_command(
     from bucketrl.preflight import EXIT_CONFIG
     from bucketrl.up.config import UpConfig, load_saved_options
 
-    given = {
+    given: dict[str, Any] = {
         k: v
         for k, v in {
             "run": run,

@@ -35,6 +35,7 @@ Endings
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -255,7 +256,7 @@ class TrainerWorker:
             ) from exc
         if upload is not None:
             try:
-                info = self.client.upload_dataset(upload)
+                uploaded = self.client.upload_dataset(upload)
             except errors.Invalid as exc:
                 raise ConfigError(f"BUCKETRL_DATASET_FILE {self.settings.dataset_file}: {exc.message}") from exc
             except errors.Conflict as exc:
@@ -263,7 +264,7 @@ class TrainerWorker:
                     f"BUCKETRL_DATASET_FILE differs from the dataset run {self.settings.run!r} already has: "
                     f"{exc.message}. Use a new BUCKETRL_RUN."
                 ) from exc
-            log.info("uploaded dataset (%d rows, sha256 %s)", info.rows, info.sha256[:12])
+            log.info("uploaded dataset (%d rows, sha256 %s)", uploaded.rows, uploaded.sha256[:12])
         return spec
 
     def _dataset_upload(self, dataset: Any) -> bytes | None:
@@ -351,8 +352,9 @@ class TrainerWorker:
 
     def _tracker_settings(self) -> dict[str, Any]:
         """The trainer's own hyper-parameters for the tracker config (no token, no URLs)."""
-        keep = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm", "warmup_steps")
-        keep += ("lr_schedule", "min_lr_ratio", "max_steps", "sync_every", "checkpoint_every", "seed", "dtype")
+        keep: tuple[str, ...] = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm")
+        keep += ("warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps", "sync_every", "checkpoint_every")
+        keep += ("seed", "dtype")
         return {k: getattr(self.settings, k) for k in keep}
 
     def _ensure_published(self) -> None:
@@ -552,15 +554,16 @@ class TrainerWorker:
             # deliveries (the proxy never redelivers them to this epoch otherwise).
             request_id, release = secrets.token_hex(12), self.ledger.take_release()
             resp = self._retrying(
-                lambda k=need - n, rid=request_id, rel=release: self.claim_client.claim(
+                functools.partial(
+                    self.claim_client.claim,
                     self.worker_id,
-                    max_groups=k,
+                    max_groups=need - n,
                     wait_s=self.settings.claim_wait_s,
                     min_version=min_version,
                     train_version=train_version if train_version >= 1 else None,
                     sync_every=self.settings.sync_every,
-                    request_id=rid,
-                    release=rel,
+                    request_id=request_id,
+                    release=release,
                     hold_rebuilt=True,
                 )
             )

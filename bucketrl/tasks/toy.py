@@ -179,4 +179,5 @@ if __name__ == "__main__":
     _chars = string.digits + string.ascii_lowercase + " +-*=?:.,"
     for ex in toy_examples(_task, int(sys.argv[2]) if len(sys.argv) > 2 else 5):
         text = "".join(_rng.choice(_chars) for _ in range(DEFAULT_LENGTH))
-        print(f"{ex['prompt']!r:10} answer={ex['answer']!r:7} random={text!r} reward={toy_reward(text, **ex):.3f}")
+        reward = toy_reward(text, ex["answer"])
+        print(f"{ex['prompt']!r:10} answer={ex['answer']!r:7} random={text!r} reward={reward:.3f}")

@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast lint format bench clean
+.PHONY: setup demo test test-fast lint typecheck format bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -19,6 +19,10 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check bucketrl tests bench
+
+# The type checker over bucketrl/ (settings: [tool.mypy] in pyproject.toml).
+typecheck: setup
+	$(VENV)/bin/mypy --config-file pyproject.toml
 
 format: setup
 	$(VENV)/bin/ruff format bucketrl tests bench

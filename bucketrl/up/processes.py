@@ -199,7 +199,9 @@ class Service:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def wait_until(predicate, timeout_s: float, what: str, service: Service | None = None, poll_s: float = 0.1) -> None:
+def wait_until(
+    predicate: Callable[[], object], timeout_s: float, what: str, service: Service | None = None, poll_s: float = 0.1
+) -> None:
     """Poll ``predicate()`` until true; fail early (with its log tail) if ``service`` died meanwhile."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

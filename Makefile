@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast lint format docs bench clean
+.PHONY: setup demo test test-fast lint typecheck docs format bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -20,6 +20,11 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check bucketrl tests bench
 
+# The type checker over bucketrl/ (settings: [tool.mypy] in pyproject.toml).
+typecheck: setup
+	$(VENV)/bin/mypy --config-file pyproject.toml
+
+# The docs site, strictly: a broken link or anchor fails.
 docs: setup
 	$(VENV)/bin/mkdocs build --strict -d build/site
 

@@ -224,6 +224,7 @@ class ProxyClient:
         while True:
             resp, err = self._attempt(method, url, kw, sink)
             if err is None:
+                assert resp is not None  # _attempt answers a response or an error (mypy cannot pair them up)
                 return resp
             if not (retry and _transient(err)):
                 raise err

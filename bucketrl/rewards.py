@@ -117,7 +117,7 @@ def math_reward(completion: str, answer: str | None, *, prompt: str = "", rel_to
     ref = ref_boxed if ref_boxed is not None else ref
     a, b = _to_fraction(pred), _to_fraction(ref)
     if a is not None and b is not None:
-        return 1.0 if abs(a - b) <= rel_tol * max(1, abs(b)) else 0.0
+        return 1.0 if abs(a - b) <= rel_tol * max(Fraction(1), abs(b)) else 0.0
     if _normalise(pred) == _normalise(ref):
         return 1.0
     try:
@@ -431,9 +431,9 @@ class RewardPool:
                 p = by_conn[conn]
                 while p.ready is False or p.jobs:
                     try:
-                        if not conn.poll():
+                        if not p.conn.poll():  # p.conn is conn: wait() types what it answers as any waitable
                             break
-                        tag, ok, value = conn.recv()
+                        tag, ok, value = p.conn.recv()
                     except (EOFError, OSError):
                         if not p.ready:
                             failed_starts += 1

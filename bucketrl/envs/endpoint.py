@@ -16,7 +16,7 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -106,6 +106,7 @@ async def _chat_completion(hub: EpisodeService, req: om.ChatRequest) -> om.ChatC
     calls = [
         om.ToolCallModel(id=c.id, function=om.FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.calls
     ] or None
+    finish: Literal["stop", "length", "tool_calls"]
     finish = "tool_calls" if calls else ("length" if sample.finish_reason == "length" else "stop")
     return om.ChatCompletion(
         id=f"chatcmpl-{uuid.uuid4().hex[:24]}",

@@ -41,7 +41,7 @@ REAP_EVERY_S = 0.25
 
 
 def _not_episode_threads(record: logging.LogRecord) -> bool:
-    return not record.threadName.startswith(("episodes", "env"))
+    return not (record.threadName or "").startswith(("episodes", "env"))
 
 
 class EpisodeService:

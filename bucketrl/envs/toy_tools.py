@@ -44,7 +44,7 @@ class ToyToolsEnv(ToolEnv):
         return [lookup]
 
     async def reward(self, ctx: EpisodeContext, messages: list[dict[str, Any]]) -> float:
-        last = next((m for m in reversed(messages) if m.get("role") == "assistant"), {})
+        last: dict[str, Any] = next((m for m in reversed(messages) if m.get("role") == "assistant"), {})
         answer = "" if last.get("tool_calls") else str(last.get("content") or "")
         graded = toy_reward(answer, ctx.row.answer, task="digits", length=self.length)
         return self.tool_bonus * bool(ctx.state.get("looked_up")) + (1.0 - self.tool_bonus) * graded

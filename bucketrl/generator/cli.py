@@ -10,7 +10,7 @@ command, so ``bucketrl generator --help`` is instant.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -40,7 +40,7 @@ def generator_command(
     from bucketrl import errors
     from bucketrl.generator.settings import GeneratorSettings
 
-    overrides = {
+    overrides: dict[str, Any] = {
         k: v
         for k, v in {
             "engine": engine,

@@ -128,7 +128,8 @@ async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Te
     # 503 on every route at 128+ simulated generators (bench/scale_sim.py).
     options = parse_url(settings.redis_url)
     # hiredis packs each command (redis_pack.py): a Lua call with 30 arguments cost ~70 us in redis-py's packer.
-    options["connection_class"] = fast_packing(options.get("connection_class", Connection))
+    # mypy checks a class against Hashable through its unbound __hash__ (a mypy gap): a class is always hashable.
+    options["connection_class"] = fast_packing(options.get("connection_class", Connection))  # type: ignore[arg-type]
     pool = aioredis.BlockingConnectionPool(
         **options,
         max_connections=settings.redis_max_connections,
@@ -144,7 +145,8 @@ async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Te
     )
     redis = aioredis.Redis.from_pool(pool)
     # The Lua calls of concurrent requests share one pipelined connection (redis_mux.py; state/lua.py uses it).
-    redis.bucketrl_mux = RedisMux(pool)
+    # An attribute of our own on redis-py's client (state/lua.py looks it up with getattr), unknown to its types.
+    redis.bucketrl_mux = RedisMux(pool)  # type: ignore[attr-defined]
     return ProxyContext(settings=settings, redis=redis, store=store, telemetry=telemetry, auth=auth)
 
 
@@ -197,7 +199,7 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
             # What the cleaner has not finished stays in queue:doomed for the next sweep (any replica).
             await ctx.cleaner.drain(10.0)
             await ctx.notifier.stop()
-            await ctx.redis.bucketrl_mux.aclose()
+            await ctx.redis.bucketrl_mux.aclose()  # type: ignore[attr-defined]  # set by _build_context() above
             await ctx.redis.aclose()
 
     app = FastAPI(title="bucketrl proxy", version="1", description=API_DESCRIPTION, lifespan=lifespan)

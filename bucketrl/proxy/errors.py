@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -53,7 +54,7 @@ def _route_of(request: Request) -> str:
     return getattr(route, "path_format", None) or getattr(route, "path", None) or "unmatched"
 
 
-def describe_validation(errs: list[Any] | tuple[Any, ...], total: int | None = None) -> str:
+def describe_validation(errs: Sequence[Any], total: int | None = None) -> str:
     """``body.groups.0.completions.1.logprobs: logprobs[3] = 0.5 is not a finite value <= 0; ...``
 
     The first five of ``errs``; ``total`` (default ``len(errs)``) counts them all for "and N more"."""

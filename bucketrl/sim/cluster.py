@@ -196,7 +196,7 @@ def run_scale_sim(
     counters_key = keys.run_key(run, keys.COUNTERS)
 
     def snapshot() -> dict[str, Any]:
-        counters = {k.decode(): int(v) for k, v in r.hgetall(counters_key).items()}
+        counters = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in r.hgetall(counters_key).items()}
         return {
             "t": time.time(),
             "redis_commands": int(r.info("stats")["total_commands_processed"]),
@@ -229,7 +229,7 @@ def run_scale_sim(
         for f in fleets:
             if f.wait(90) is None:
                 f.kill()
-        counters = {k.decode(): int(v) for k, v in r.hgetall(counters_key).items()}
+        counters = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in r.hgetall(counters_key).items()}
         in_stream = int(r.xlen(keys.run_key(run, keys.QUEUE_STREAM)))
         trainer_rc = trainer.returncode
         if trainer_rc is None:  # stopped but not exited: its in-flight work is lost, so say it
@@ -418,8 +418,8 @@ def _fleet_totals(
         for k in fleet:
             fleet[k] += int(rep[k])
         requests += sum(rep["requests"].values())
-        loads += [tuple(x) for x in rep["loads"]]  # type: ignore[misc]
-        wakes += [tuple(x) for x in rep["wakes"]]  # type: ignore[misc]
+        loads += [tuple(x) for x in rep["loads"]]
+        wakes += [tuple(x) for x in rep["wakes"]]
         errors += rep["errors"]
         for k, v in rep["statuses"].items():
             statuses[k] = statuses.get(k, 0) + v

@@ -10,7 +10,7 @@ OSError escapes a backend.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Iterator
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import IO, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -20,7 +20,7 @@ class BucketStore(Protocol):
     def put_bytes(self, key: str, data: bytes) -> None:
         """Write one object atomically (temp + rename / single PUT)."""
 
-    def put_file(self, key: str, fileobj: BinaryIO, size: int | None = None) -> None:
+    def put_file(self, key: str, fileobj: IO[bytes], size: int | None = None) -> None:
         """Stream a file-like object into one object atomically (multipart on S3 for large ones)."""
 
     def get_bytes(self, key: str) -> bytes:

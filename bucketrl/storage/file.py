@@ -28,7 +28,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from bucketrl import errors
 from bucketrl.storage.paths import TEMP_MARKER, normalize_prefix, validate_key
@@ -84,7 +84,7 @@ class FileStore:
     def put_bytes(self, key: str, data: bytes) -> None:
         self._atomic_write(key, lambda fh: fh.write(data))
 
-    def put_file(self, key: str, fileobj: BinaryIO, size: int | None = None) -> None:
+    def put_file(self, key: str, fileobj: IO[bytes], size: int | None = None) -> None:
         self._atomic_write(key, lambda fh: shutil.copyfileobj(fileobj, fh, _COPY_CHUNK))
 
     def _atomic_write(self, key: str, write: Callable[[BinaryIO], object]) -> None:

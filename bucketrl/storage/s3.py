@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import boto3
 import boto3.exceptions
@@ -125,7 +125,7 @@ class S3Store:
         with self._translate(f"write {key!r}", key):
             self._client.put_object(Bucket=self.bucket, Key=full, Body=data)
 
-    def put_file(self, key: str, fileobj: BinaryIO, size: int | None = None) -> None:
+    def put_file(self, key: str, fileobj: IO[bytes], size: int | None = None) -> None:
         if size is not None and size < self.multipart_threshold:
             # Small: one PUT. Reading it is bounded by the threshold, and avoids botocore seeking the caller's stream.
             self.put_bytes(key, fileobj.read())

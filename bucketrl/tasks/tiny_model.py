@@ -63,7 +63,8 @@ def build_tiny_model(
         return out
     out.mkdir(parents=True, exist_ok=True)
     ids = vocab(vocab_size)
-    config = Qwen2Config(
+    # head_dim is no declared field of transformers' dataclass-typed Qwen2Config: passed as an extra, as it accepts.
+    config = Qwen2Config(  # type: ignore[call-arg]
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -76,7 +77,7 @@ def build_tiny_model(
         bos_token_id=ids[BOS],
         eos_token_id=ids[EOS],
         pad_token_id=ids[PAD],
-        torch_dtype=dtype,
+        dtype=dtype,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))

@@ -34,7 +34,10 @@ import random
 import string
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bucketrl.wire import RunSpec
 
 DEFAULT_TASK = "digits"
 DEFAULT_SIZE = 1024  # prompts in one pass of a toy dataset
@@ -139,7 +142,7 @@ def toy_reward(
     return sum(_char_credit(task, ch, answer, near) for ch in text) / length
 
 
-def default_run_spec(model_dir: str | Path, *, task: str = DEFAULT_TASK, size: int = DEFAULT_SIZE):  # -> RunSpec
+def default_run_spec(model_dir: str | Path, *, task: str = DEFAULT_TASK, size: int = DEFAULT_SIZE) -> RunSpec:
     """The demo's run spec: the tiny model at ``model_dir``, the toy task, settings measured to learn."""
     from bucketrl.tasks.tiny_model import VOCAB_SIZE
     from bucketrl.wire import DatasetSpec, EnvSpec, EpisodeSpec, LoraSpec, RewardSpec, RunSpec, SamplingSpec
@@ -179,4 +182,5 @@ if __name__ == "__main__":
     _chars = string.digits + string.ascii_lowercase + " +-*=?:.,"
     for ex in toy_examples(_task, int(sys.argv[2]) if len(sys.argv) > 2 else 5):
         text = "".join(_rng.choice(_chars) for _ in range(DEFAULT_LENGTH))
-        print(f"{ex['prompt']!r:10} answer={ex['answer']!r:7} random={text!r} reward={toy_reward(text, **ex):.3f}")
+        reward = toy_reward(text, ex["answer"])
+        print(f"{ex['prompt']!r:10} answer={ex['answer']!r:7} random={text!r} reward={reward:.3f}")

@@ -71,6 +71,7 @@ class TrainerState:
 
 def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # the legacy format: the global RandomState is an MT19937 one
     return {
         "python": random.getstate(),
         "numpy": {

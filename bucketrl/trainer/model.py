@@ -54,7 +54,8 @@ def all_linear_targets(model: torch.nn.Module) -> list[str]:
     ``all-linear``, spelled out."""
     from bucketrl.preflight import linear_types
 
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
     linear = linear_types()
     names = {
         name.rsplit(".", 1)[-1]
@@ -152,7 +153,7 @@ class PolicyModel:
             base.enable_input_require_grads()
         config = LoraConfig(
             r=spec.lora.r,
-            lora_alpha=spec.lora.alpha,
+            lora_alpha=spec.lora.alpha,  # type: ignore[arg-type]  # peft types it int; it scales by alpha / r
             lora_dropout=spec.lora.dropout,
             target_modules=list(targets),
             task_type="CAUSAL_LM",

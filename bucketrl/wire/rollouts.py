@@ -70,7 +70,7 @@ class Segment(WireModel):
         return self
 
 
-class _Derived(list):  # type: ignore[type-arg]
+class _Derived(list):
     """A multi-turn completion's flat ``token_ids``/``logprobs``, computed from its segments: never serialised
     (each token travels once; a peer that does not know segments refuses the completion instead of training on
     environment tokens)."""

@@ -58,7 +58,8 @@ class TransformersEngine:
             raise errors.Invalid(
                 f"cannot load base model {model_path!r}: {exc}. Set BUCKETRL_MODEL_PATH to a local copy."
             ) from exc
-        self._base = base.to(self.device).eval()
+        # transformers wraps Module.to with functools.wraps, whose typing binds self to the first argument.
+        self._base = base.to(self.device).eval()  # type: ignore[arg-type]
         self._model: Any = None  # a PeftModel once the first adapter is loaded
         self._adapters: dict[str, int] = {}
         cfg = base.config
@@ -156,9 +157,9 @@ class TransformersEngine:
         # Left padding: every prompt ends at the same column, so one decode step serves all rows.
         ids = torch.full((b, width), self.pad_id, dtype=torch.long, device=dev)
         mask = torch.zeros((b, width), dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=dev)
-            mask[i, width - len(p) :] = 1
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device=dev)
+            mask[i, width - len(prompt) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self._model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         cache = out.past_key_values

@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors
-from bucketrl.generator.engines.base import Sample, vllm_lora_rank
+from bucketrl.generator.engines.base import FinishReason, Sample, vllm_lora_rank
 
 if TYPE_CHECKING:
+    from vllm.inputs import TokensPrompt
+
     from bucketrl.generator.settings import GeneratorSettings
     from bucketrl.wire import RunSpec, SamplingSpec
 
@@ -105,7 +107,8 @@ class VLLMEngine:
 
     def _warm_up(self) -> None:
         params = self._sampling_params_cls(n=1, max_tokens=2, temperature=1.0, logprobs=0)
-        self._llm.generate([{"prompt_token_ids": [0, 1]}], params, use_tqdm=False)
+        warm: list[TokensPrompt] = [{"prompt_token_ids": [0, 1]}]
+        self._llm.generate(warm, params, use_tqdm=False)
 
     # -- adapters -----------------------------------------------------------------------------------
 
@@ -164,7 +167,8 @@ class VLLMEngine:
         )
         # enqueue + step instead of generate(): the engine core samples in its own process while
         # ``while_running`` (e.g. loading the next adapter) runs here, once queued and then between steps.
-        ids = self._llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, lora_request=req, use_tqdm=False)
+        queued: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
+        ids = self._llm.enqueue(queued, params, lora_request=req, use_tqdm=False)
         outs = self._drain(while_running)
         ordered = _in_request_order(ids, outs, prompts)
         return [[self._sample(c) for c in out.outputs] for out in ordered]
@@ -195,11 +199,12 @@ class VLLMEngine:
     def _sample(c: Any) -> Sample:
         token_ids = list(c.token_ids)
         logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, c.logprobs, strict=True)]
-        reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+        reason: FinishReason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
         return Sample(token_ids, logprobs, reason)
 
     def close(self) -> None:
-        llm, self._llm = getattr(self, "_llm", None), None
+        # None once closed (nothing calls the engine after close()); mypy knows the attribute as the live LLM.
+        llm, self._llm = getattr(self, "_llm", None), None  # type: ignore[assignment]
         self._requests.clear()
         if llm is not None:
             # Shut the engine core process down now rather than at interpreter exit.

@@ -90,8 +90,10 @@ async def renew(
     "/release",
     status_code=204,
     summary="Give prompt leases back before they expire (graceful shutdown); they are issued again first.",
-    responses={204: {"description": "Released (ids the caller did not hold are ignored)."}}
-    | responses(401, 403, 404, 413, 422, 503),
+    responses={
+        204: {"description": "Released (ids the caller did not hold are ignored)."},
+        **responses(401, 403, 404, 413, 422, 503),
+    },
     openapi_extra=body.openapi_body(PromptReleaseRequest),
 )
 async def release(

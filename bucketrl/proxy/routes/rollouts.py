@@ -174,7 +174,7 @@ async def ack(
 ) -> AckResponse:
     _install_scrape_hook(ctx)
     if not req.delivery_ids:  # nothing for the script to fence: the run and epoch are checked here
-        _, current = await resolve_run_and_epoch(ctx, run)
+        _ref, current = await resolve_run_and_epoch(ctx, run)
         runs.check_epoch(run, epoch, current)
     # The ack script fences the epoch atomically; the spec is needed only to restore a wiped queue or to
     # persist prompts, so it is looked up only then (one round trip less per ack).

@@ -274,7 +274,7 @@ def check_reward(
     reward: Any, example: Any, names: dict[str, str] = UP_NAMES, timeout_s: float = REWARD_CALL_TIMEOUT_S
 ) -> float | None:
     """Resolve ``reward`` (a RewardSpec), check its signature, call it once on ``example``; return the value."""
-    from bucketrl.rewards import classify_reward
+    from bucketrl.rollout.reward_kinds import classify_reward
 
     fn = resolve_reward_checked(reward, names)
     completion = example.answer if example.answer is not None else ""
@@ -381,7 +381,8 @@ def check_run(
 def check_env(env: Any, names: dict[str, str] = UP_NAMES) -> None:
     """A multi-turn run's environment: importable, a class with a ``rollout`` method, constructible from
     env.kwargs; and what it needs installed. The instance made to check is closed again (``aclose``)."""
-    from bucketrl.envs.protocol import EXTERNAL, make_env
+    from bucketrl.envs.loader import make_env
+    from bucketrl.envs.protocol import EXTERNAL
 
     for module, extra in (("openai", "generator"), ("fastapi", "generator"), ("uvicorn", "generator")):
         if importlib.util.find_spec(module) is None:

@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bucketrl import errors
-from bucketrl.envs.episodes import EndpointError, GroupRun
 from bucketrl.envs.files import merge_json_file
-from bucketrl.envs.protocol import EXTERNAL, make_env
+from bucketrl.envs.loader import make_env
+from bucketrl.envs.protocol import EXTERNAL
 from bucketrl.envs.service import EpisodeService
 from bucketrl.generator.submit import GeneratedBatch
+from bucketrl.rollout.episodes import EndpointError, GroupRun
 from bucketrl.wire import PromptLeaseItem
 
 if TYPE_CHECKING:

@@ -77,7 +77,7 @@ def check_env(name: str, allowed: str, kwargs: dict[str, Any] | None = None) -> 
     """A run's ``env.name`` 'module:Class' is imported like a reward module: the same allow-list admits it. A
     ``verifiers:<taskset>`` env imports its taskset's module and every plugin its kwargs name (harness, env and
     judge ids, reward ``fn`` paths): each must be admitted (an entry ``verifiers`` admits verifiers' built-ins)."""
-    from bucketrl.envs.protocol import VERIFIERS_PREFIX
+    from bucketrl.envs.loader import VERIFIERS_PREFIX
 
     if ":" not in name or name.startswith("toy:"):
         return  # built-ins ('toy:tools', 'external') are part of bucketrl

@@ -37,14 +37,17 @@ from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
-from bucketrl.datasets import Example, examples_for_run, prompt_token_ids
+from bucketrl.datasets import examples_for_run, prompt_token_ids
 from bucketrl.generator import trust
 from bucketrl.generator.adapters import VersionBook, VersionSlot, clear_stale_tmp, fetch_adapter, gc_cache
-from bucketrl.generator.engines.base import Engine, check_reproducible, make_engine
+from bucketrl.generator.engines.base import check_reproducible
+from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
 from bucketrl.rewards import RewardItem, RewardPool
+from bucketrl.rollout.engine import Engine
+from bucketrl.rollout.example import Example
 from bucketrl.wire import EvalResult, EvalSample, MetricsPush, PromptLeaseItem, RunSpec
 from bucketrl.wire.runs import DatasetSpec
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from bucketrl import errors
-from bucketrl.generator.engines.base import make_engine
-from bucketrl.generator.engines.sim_engine import POLL_S, SimEngine
+from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import well_formed
+from bucketrl.sim.engine import POLL_S, SimEngine, register
 from bucketrl.sim.gpu import SimGpu, simulate_call
 from bucketrl.wire import Completion, RolloutBatch, RolloutGroup, RunSpec
 
@@ -180,5 +180,6 @@ def test_adapter_rules(tmp_path: Path) -> None:
 
 
 def test_make_engine_builds_the_sim_engine_from_settings() -> None:
+    register()  # the bucketrl command does it: production code never imports the simulation
     eng = make_engine(GeneratorSettings(engine="sim", max_model_len=256), _spec())
     assert isinstance(eng, SimEngine) and eng.name == "sim" and eng.max_model_len == 256

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors
-from bucketrl.generator.engines.base import Sample, vllm_lora_rank
+from bucketrl.generator.engines.base import vllm_lora_rank
+from bucketrl.rollout.engine import SampledCompletion
 
 if TYPE_CHECKING:
     from bucketrl.generator.settings import GeneratorSettings
@@ -142,7 +143,7 @@ class VLLMEngine:
         n: int,
         sampling: SamplingSpec,
         while_running: Callable[[], None] | None = None,
-    ) -> list[list[Sample]]:
+    ) -> list[list[SampledCompletion]]:
         req = self._requests.get(adapter)
         if req is None:
             raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._requests)})")
@@ -192,11 +193,11 @@ class VLLMEngine:
         return outs
 
     @staticmethod
-    def _sample(c: Any) -> Sample:
+    def _sample(c: Any) -> SampledCompletion:
         token_ids = list(c.token_ids)
         logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, c.logprobs, strict=True)]
         reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-        return Sample(token_ids, logprobs, reason)
+        return SampledCompletion(token_ids, logprobs, reason)
 
     def close(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None

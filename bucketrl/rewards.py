@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from multiprocessing.connection import wait
 from typing import Any
 
 from bucketrl import errors
@@ -352,7 +353,6 @@ class RewardPool:
             p.jobs, p.deadline = chunk, time.monotonic() + self.timeout_s
 
     def _score(self, items: list[RewardItem], cancel: threading.Event | None) -> list[Scored]:
-        from multiprocessing.connection import wait
 
         # Until scored: what an item that never gets an answer is (a cancel, or start-up failures).
         results: list[Scored] = [Scored(None, "timeout", "not scored: the scoring processes did not answer")] * len(

@@ -42,6 +42,7 @@ from bucketrl.generator import trust
 from bucketrl.generator.adapters import VersionBook, VersionSlot, clear_stale_tmp, fetch_adapter, gc_cache
 from bucketrl.generator.engines.base import check_reproducible
 from bucketrl.generator.engines.factory import make_engine
+from bucketrl.generator.episode_loop import EpisodeDriver
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
@@ -189,8 +190,6 @@ class GeneratorWorker:
         )
         self.submitter.start()
         if spec.env is not None:
-            from bucketrl.generator.episode_loop import EpisodeDriver
-
             self.episodes = EpisodeDriver(self)
             self.episodes.start()
         for target, name in ((self._sync_adapters, "adapter-sync"), (self._keep, "keeper")):

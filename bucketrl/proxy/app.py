@@ -32,11 +32,15 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 from starlette.responses import Response
 
-from bucketrl.proxy import body, errors, lean
+from bucketrl.proxy import body, decode_pool, durability, errors, identity, lean
+from bucketrl.proxy.adapter_cache import AdapterCache
 from bucketrl.proxy.auth import TokenAuth
 from bucketrl.proxy.context import ProxyContext
+from bucketrl.proxy.redis_pack import fast_packing
+from bucketrl.proxy.runtime import tune_gc
 from bucketrl.proxy.settings import ProxySettings
 from bucketrl.proxy.telemetry import Telemetry
+from bucketrl.storage import open_store
 
 log = logging.getLogger("bucketrl.proxy")
 
@@ -84,7 +88,6 @@ async def identity_refusal(ctx: ProxyContext) -> Response | None:
     (``identity.py``), else None. Once verified, one attribute read."""
     if ctx.identity.ok:
         return None
-    from bucketrl.proxy import identity
 
     state = await identity.check(ctx)
     if state.ok:
@@ -117,8 +120,6 @@ async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Te
     from redis.backoff import ExponentialBackoff
 
     from bucketrl.proxy.redis_mux import RedisMux
-    from bucketrl.proxy.redis_pack import fast_packing
-    from bucketrl.storage import open_store
 
     store = open_store(settings.bucket_url, s3_endpoint_url=settings.s3_endpoint_url)
     # A blocking pool: past max_connections a request waits (up to redis_timeout_s) for a connection instead of
@@ -172,13 +173,10 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
         ctx = await _build_context(settings, auth, telemetry)
         ctx.cleaner = BatchCleaner(ctx.redis, ctx.store)
         if settings.adapter_cache_mb > 0:
-            from bucketrl.proxy.adapter_cache import AdapterCache
-
             ctx.adapter_cache = AdapterCache(settings.adapter_cache_mb * 1024 * 1024)
         app.state.ctx = ctx
         ctx.notifier = Notifier.from_url(settings.redis_url, settings.redis_timeout_s)
         ctx.notifier.start()
-        from bucketrl.proxy import durability, identity
 
         await durability.warn_if_rollback_possible(ctx.redis)
         if not (await identity.check(ctx, force=True)).ok:
@@ -189,9 +187,6 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
         elif settings.rebuild_on_start:
             await rebuild.rebuild_if_wiped(ctx)
         if serving:
-            from bucketrl.proxy import decode_pool
-            from bucketrl.proxy.runtime import tune_gc
-
             tune_gc()
             decode_pool.warm()  # the first large body should not wait for the decoder process to start
         stop = asyncio.Event()

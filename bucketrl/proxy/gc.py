@@ -24,7 +24,7 @@ from typing import Any
 from redis import exceptions as redis_exc
 
 from bucketrl import errors
-from bucketrl.proxy import keys
+from bucketrl.proxy import identity, keys, rebuild
 from bucketrl.proxy.state import checkpoints, cleanup, leases, runs
 from bucketrl.proxy.state.versions import GONE, adapter_prefix
 from bucketrl.storage import dirs
@@ -68,7 +68,6 @@ async def collect_all(ctx: Any) -> dict[str, list[int]]:
 async def maintenance_loop(ctx: Any, stop: asyncio.Event) -> None:
     """Run passes until ``stop`` is set. A stop flag, not just cancellation: a cancel that lands inside a
     Redis read's own timeout can surface as a Redis TimeoutError, which this loop must survive."""
-    from bucketrl.proxy import identity, rebuild
 
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):

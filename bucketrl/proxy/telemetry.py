@@ -27,6 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from bucketrl.proxy import keys
+
 if TYPE_CHECKING:
     from bucketrl.proxy.context import ProxyContext
 
@@ -96,7 +98,6 @@ class Telemetry:
 
     async def refresh(self, ctx: ProxyContext) -> None:
         """Reset the Redis-derived gauges to the shared truth (called by ``GET /metrics``)."""
-        from bucketrl.proxy import keys
         from bucketrl.proxy.state import leases, runs
 
         self.live_leases.clear()

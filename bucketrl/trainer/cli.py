@@ -14,6 +14,11 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
+
+from bucketrl.settings import warn_if_proxy_url_unset
+from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.trainer.worker import main
 
 
 def trainer_command(
@@ -38,9 +43,6 @@ def trainer_command(
     ] = None,
 ) -> None:
     """Train: claim rollouts from the proxy, step GRPO on LoRA, publish adapters, checkpoint."""
-    from pydantic import ValidationError
-
-    from bucketrl.trainer.settings import TrainerSettings
 
     overrides = {
         k: v
@@ -62,9 +64,6 @@ def trainer_command(
     except ValidationError as exc:
         typer.echo(f"bucketrl trainer: bad settings:\n{exc}", err=True)
         raise typer.Exit(code=2) from exc
-
-    from bucketrl.settings import warn_if_proxy_url_unset
-    from bucketrl.trainer.worker import main
 
     warn_if_proxy_url_unset("trainer", settings)
     raise typer.Exit(code=main(settings))

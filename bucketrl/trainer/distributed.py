@@ -43,6 +43,7 @@ CPU; the control messages always go over gloo. Exact agreement with one process 
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import os
@@ -205,7 +206,6 @@ def init_ranks(settings: TrainerSettings) -> tuple[Ranks, TrainerSettings]:
 
 def _die_with_launcher() -> None:
     """Linux: SIGKILL this rank when its parent (torchrun's agent) dies, however it dies."""
-    import ctypes
 
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)

@@ -38,6 +38,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import random
 import secrets
 import signal
 import sys
@@ -48,12 +50,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
+from bucketrl.datasets import describe_dataset, parse_jsonl
 from bucketrl.trainer.ledger import DeliveryLedger
 from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.trainer.trackers import open_trackers, parse_report_to, tracker_run_id
 from bucketrl.trainer.uploader import Uploader
-from bucketrl.wire import Delivery, EvalVersionResult, MetricsPush, RunSpec
+from bucketrl.wire import DatasetSpec, Delivery, EvalVersionResult, MetricsPush, RunSpec
 
 log = logging.getLogger("bucketrl.trainer")
 
@@ -283,8 +289,6 @@ class TrainerWorker:
             raise ConfigError(f"BUCKETRL_DATASET_FILE: cannot read {path!r}: {exc}") from exc
 
     def _count_dataset(self, dataset: dict[str, Any], upload: bytes | None) -> int:
-        from bucketrl.datasets import describe_dataset, parse_jsonl
-        from bucketrl.wire import DatasetSpec
 
         fields = {k: dataset[k] for k in ("prompt_field", "answer_field", "split") if k in dataset}
         try:
@@ -301,9 +305,7 @@ class TrainerWorker:
         return size
 
     def _seed(self) -> None:
-        import random
 
-        import numpy as np
         import torch
 
         random.seed(self.settings.seed)
@@ -335,7 +337,6 @@ class TrainerWorker:
 
     def _open_trackers(self) -> None:
         """BUCKETRL_REPORT_TO's trackers, continuing the same tracker run after a resume."""
-        from bucketrl.trainer.trackers import open_trackers, parse_report_to, tracker_run_id
 
         assert self.spec is not None
         s = self.settings
@@ -803,7 +804,6 @@ class TrainerWorker:
 
 
 def main(settings: TrainerSettings) -> int:
-    import os
 
     world = int(os.environ.get("WORLD_SIZE", "1") or "1")  # torchrun sets it
     where = f" [rank {os.environ.get('RANK', '?')}/{world}]" if world > 1 else ""

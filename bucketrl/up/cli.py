@@ -13,10 +13,17 @@ directory, one trainer and N generators; shows a live view; at the end prints a 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
+
+from bucketrl.preflight import EXIT_CONFIG, ConfigError
+from bucketrl.up.cluster import RunDirBusy
+from bucketrl.up.config import UpConfig, load_saved_options
+from bucketrl.up.launcher import run_up
 
 
 def up_command(
@@ -87,12 +94,6 @@ def up_command(
     """Run proxy + Redis + trainer + generators locally; live view; summary and plots at the end.
 
     Running again with the same --dir resumes with the options saved there (options given override them)."""
-    import json
-
-    from pydantic import ValidationError
-
-    from bucketrl.preflight import EXIT_CONFIG
-    from bucketrl.up.config import UpConfig, load_saved_options
 
     given = {
         k: v
@@ -160,10 +161,6 @@ def up_command(
         raise fail(f"{where}: {first['msg']}") from None
     except ValueError as exc:
         raise fail(str(exc)) from None
-
-    from bucketrl.preflight import ConfigError
-    from bucketrl.up.cluster import RunDirBusy
-    from bucketrl.up.launcher import run_up
 
     try:
         code = run_up(cfg, live=live)

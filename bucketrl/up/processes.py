@@ -8,6 +8,7 @@ Logs are appended to, so a restarted or resumed service keeps one history.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import shutil
@@ -53,8 +54,6 @@ def _load_libc() -> object | None:
     if sys.platform != "linux":
         return None
     try:
-        import ctypes
-
         return ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
         return None

@@ -16,6 +16,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
 from bucketrl.up.live import reward_errors
 from bucketrl.up.synclatency import SyncLatency
 from bucketrl.up.watch import RunWatcher
@@ -144,7 +146,6 @@ def counter_total(values: list[float]) -> float:
 
 
 def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary"):  # -> rich.table.Table
-    from rich.table import Table
 
     def fmt(v: Any, unit: str = "", digits: int = 3) -> str:
         if v is None:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from bucketrl import errors
 from bucketrl.generator.engines.base import check_reproducible
+from bucketrl.generator.engines.transformers_engine import TransformersEngine
+from bucketrl.generator.engines.vllm_engine import VLLMEngine
 
 if TYPE_CHECKING:
     from bucketrl.generator.settings import GeneratorSettings
@@ -25,13 +27,11 @@ EngineBuilder = Callable[["GeneratorSettings", "RunSpec", str], "Engine"]
 
 
 def _vllm(settings: GeneratorSettings, spec: RunSpec, model: str) -> Engine:
-    from bucketrl.generator.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine(model, settings=settings, spec=spec)
 
 
 def _transformers(settings: GeneratorSettings, spec: RunSpec, model: str) -> Engine:
-    from bucketrl.generator.engines.transformers_engine import TransformersEngine
 
     return TransformersEngine(model, settings=settings, spec=spec)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors
+from bucketrl.logprobs import process_logits, sampled_token_logprobs
 from bucketrl.rollout.engine import SampledCompletion
 
 if TYPE_CHECKING:
@@ -145,7 +146,6 @@ class TransformersEngine:
         self, prompts: list[list[int]], n: int, sampling: SamplingSpec, poll: Callable[[], None] | None = None
     ) -> list[list[SampledCompletion]]:
         torch = self._torch
-        from bucketrl.logprobs import process_logits, sampled_token_logprobs
 
         dev = self.device
         b = len(prompts)

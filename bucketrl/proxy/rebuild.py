@@ -14,7 +14,7 @@ What, per run found as ``runs/{run}/run.json``:
   (``runs/{run}/trainer-epochs/``), so the live trainer keeps its epoch, a trainer registering after the
   rebuild gets a larger one and every older trainer is fenced;
 - a GC hold of ``rebuild_gc_grace_s``: leases died with Redis, generators need time to lease again.
-Then each hook of :data:`REBUILD_HOOKS` runs (the rollout queue and prompt cursor, P3).
+Then the rollout queue and its prompt cursor are rebuilt (:func:`bucketrl.proxy.state.queue.ensure_ready`).
 
 Values are merged with ``max`` and records only added, so a rebuild is idempotent and two replicas
 may run it at once.
@@ -26,7 +26,6 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +33,7 @@ from redis import exceptions as redis_exc
 
 from bucketrl import errors
 from bucketrl.proxy import keys
-from bucketrl.proxy.state import runs
+from bucketrl.proxy.state import queue, runs
 from bucketrl.proxy.state.checkpoints import checkpoint_prefix
 from bucketrl.proxy.state.versions import adapter_prefix
 from bucketrl.storage import dirs
@@ -42,10 +41,6 @@ from bucketrl.wire import RunSpec
 from bucketrl.wire.common import ID_PATTERN
 
 log = logging.getLogger("bucketrl.proxy.rebuild")
-
-# hook(ctx, run, spec) -> None, awaited for each rebuilt run after spec, versions and checkpoints are back.
-RebuildHook = Callable[[Any, str, RunSpec], Awaitable[None]]
-REBUILD_HOOKS: list[RebuildHook] = []
 
 _RUN_JSON = re.compile(r"^runs/([^/]+)/run\.json$")
 _ID = re.compile(ID_PATTERN)
@@ -100,7 +95,7 @@ def scan_run(store: Any, run: str) -> RunSnapshot | None:
 
 
 async def restore(ctx: Any, snap: RunSnapshot) -> None:
-    """Merge one run's snapshot into Redis (add-only, max-merge), then run the hooks."""
+    """Merge one run's snapshot into Redis (add-only, max-merge), then rebuild its rollout queue."""
     r, run = ctx.redis, snap.run
 
     def k(suffix: str) -> str:
@@ -150,8 +145,8 @@ async def restore(ctx: Any, snap: RunSnapshot) -> None:
         if await r.hget(k(keys.VERSION_INFO.format(n=n)), "state") == b"live":
             await r.zadd(k(keys.VERSIONS), {str(n): n})
     spec = RunSpec.model_validate_json(await r.get(k(keys.SPEC)))
-    for hook in REBUILD_HOOKS:
-        await hook(ctx, run, spec)
+    # After spec, versions and checkpoints are back: the queue's rebuild reads them.
+    await queue.ensure_ready(ctx.redis, ctx.store, run, spec)
     log.warning(
         "run %s rebuilt from the bucket: %d version(s) (latest v%d), %d checkpoint(s), epoch %d",
         run,

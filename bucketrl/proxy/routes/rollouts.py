@@ -6,7 +6,7 @@
 
 The logic and its invariants live in ``bucketrl.proxy.state.queue``. This module also plugs the queue
 into the proxy core's hooks (once, at import, which ``routes.all_routers`` does in ``create_app``):
-status (``state.status.STATUS_HOOKS``), rebuild after a Redis wipe (``rebuild.REBUILD_HOOKS``), trainer
+status (``state.status.STATUS_HOOKS``), trainer
 registration (``state.runs.TRAINER_REGISTERED_HOOKS``: pending deliveries become re-claimable), and a
 scrape-time refresh of the queue-depth gauge (``Telemetry.scrape_hooks``, added per app on first use).
 """
@@ -206,21 +206,15 @@ async def status_hook(ctx: Any, run: str, spec: RunSpec, out: dict[str, Any]) ->
     out["prompt_cursor"] = await prompts.cursor(ctx.redis, run)
 
 
-async def rebuild_hook(ctx: Any, run: str, spec: RunSpec) -> None:
-    await queue.ensure_ready(ctx.redis, ctx.store, run, spec)
-
-
 async def trainer_registered_hook(ctx: Any, run: str, epoch: int) -> None:
     await queue.on_trainer_registered(ctx.redis, run, epoch, ctx.settings.redelivery_timeout_s)
 
 
 def _install_hooks() -> None:
-    from bucketrl.proxy import rebuild
     from bucketrl.proxy.state import runs, status
 
     for hooks, hook in (
         (status.STATUS_HOOKS, status_hook),
-        (rebuild.REBUILD_HOOKS, rebuild_hook),
         (runs.TRAINER_REGISTERED_HOOKS, trainer_registered_hook),
     ):
         if hook not in hooks:

@@ -155,7 +155,7 @@ def main() -> None:
 
     from bucketrl.client import ProxyClient
     from bucketrl.datasets import load_examples, prompt_token_ids
-    from bucketrl.generator.engines.base import make_engine
+    from bucketrl.generator.engines.factory import make_engine
     from bucketrl.generator.settings import GeneratorSettings
     from bucketrl.generator.worker import GeneratorWorker
     from bucketrl.tarball import pack_dir

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bucketrl.generator.engines.base import make_engine
+from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.tasks.tiny_model import build_tiny_model
 from bucketrl.wire import SamplingSpec

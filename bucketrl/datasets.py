@@ -28,29 +28,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors
+from bucketrl.rollout.example import Example
+from bucketrl.tasks.toy import toy_examples
 from bucketrl.wire import DatasetSpec
 
 if TYPE_CHECKING:
     from bucketrl.client import ProxyClient
-
-
-@dataclass(frozen=True)
-class Example:
-    index: int
-    # The text the reward function gets as ``prompt``: the row's prompt, or a chat row's last user turn.
-    prompt: str
-    answer: str | None
-    # Chat format: the conversation up to the policy's turn ({"role", "content"} dicts), rendered through the
-    # model's chat template; None for a plain-text prompt.
-    messages: tuple[tuple[str, str], ...] | None = None
-
-    def chat(self) -> list[dict[str, str]] | None:
-        return None if self.messages is None else [{"role": r, "content": c} for r, c in self.messages]
 
 
 def _as_answer(value: Any) -> str | None:
@@ -135,10 +122,6 @@ def parse_jsonl(data: bytes | str, spec: DatasetSpec, where: str) -> list[Exampl
 
 def _toy(spec: DatasetSpec) -> list[Example]:
     task = spec.uri.removeprefix("toy:")
-    try:
-        from bucketrl.tasks.toy import toy_examples
-    except ImportError as exc:
-        raise errors.Invalid(f"dataset {spec.uri!r} needs bucketrl.tasks.toy: {exc}") from exc
     try:
         # Each split is its own deterministic draw ("train" keeps seed 0): a held-out split for evaluation.
         rows = toy_examples(task or "", spec.size, seed=0 if spec.split == "train" else spec.split)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -24,6 +25,13 @@ from pathlib import Path
 from typing import IO, Annotated
 
 import typer
+
+from bucketrl import bundles, errors
+from bucketrl.client import ProxyClient
+from bucketrl.status_cli import last_up_dir
+from bucketrl.storage import open_store
+from bucketrl.storage.dirs import iter_bundle, list_dirs, read_manifest
+from bucketrl.tarball import unpack
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -63,8 +71,6 @@ def adapter_tar_from_bucket(bucket_url: str, run: str, version: int | None, out:
     """Write a committed adapter version's tar (the newest when ``version`` is None) into ``out`` chunk by chunk;
     returns the version."""
     from bucketrl.proxy.state.versions import adapter_prefix
-    from bucketrl.storage import open_store
-    from bucketrl.storage.dirs import iter_bundle, list_dirs, read_manifest
 
     store = open_store(bucket_url)
     try:
@@ -88,7 +94,6 @@ def adapter_tar_from_bucket(bucket_url: str, run: str, version: int | None, out:
 def adapter_tar_from_proxy(proxy: str, run: str, token: str, version: int | None, out: IO[bytes]) -> int:
     """Stream an adapter version's tar (the latest when ``version`` is None) into ``out`` (sha256 checked against
     the proxy's header): an adapter of any size costs one chunk of memory. Returns the version."""
-    from bucketrl.client import ProxyClient
 
     with ProxyClient(proxy, run, token, retries=1, timeout_s=60.0) as client:
         if version is None:
@@ -104,8 +109,6 @@ def write_peft_folder(tar: bytes | Path, out: Path) -> Path:
     nothing else is). The tar is checked first as the generator checks it (exactly the PEFT files, a JSON
     config, safetensors weights: nothing a loader would unpickle), then unpacked member by member from the
     file, none larger than the tar."""
-    from bucketrl import bundles
-    from bucketrl.tarball import unpack
 
     if out.exists() and any(out.iterdir()) and not all((out / f).exists() for f in ADAPTER_FILES):
         raise ExportError(f"{out} exists and is not an adapter folder: choose an empty or new directory")
@@ -150,10 +153,6 @@ def export_command(
     token: Annotated[str | None, typer.Option(help="Token (with --proxy; default BUCKETRL_TOKEN).")] = None,
 ) -> None:
     """Write an adapter version (default: the latest) as a plain PEFT folder."""
-    import os
-
-    from bucketrl import errors
-    from bucketrl.status_cli import last_up_dir
 
     if version is not None and version < 1:
         typer.echo("bucketrl export: --version must be >= 1", err=True)

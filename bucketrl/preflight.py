@@ -22,6 +22,8 @@ workers the run spec's fields (``reward.name``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
 import inspect
 import threading
@@ -30,6 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from bucketrl import errors
+from bucketrl.datasets import load_examples, prompt_token_ids
+from bucketrl.envs.loader import make_env
+from bucketrl.envs.protocol import EXTERNAL
+from bucketrl.rewards import validate_reward
+from bucketrl.rollout.reward_kinds import classify_reward
 
 EXIT_CONFIG = 2
 # The line a worker prints before it exits 2; `bucketrl up` shows the worker's reason from it.
@@ -205,7 +212,6 @@ def lora_targets(config: Any, targets: list[str] | str, names: dict[str, str] = 
 
 def check_dataset(spec: Any, client: Any = None, names: dict[str, str] = UP_NAMES) -> list[Any]:
     """Load the examples (``spec``: a DatasetSpec); ConfigError naming the flag to change."""
-    from bucketrl.datasets import load_examples
 
     try:
         examples = load_examples(spec, client)
@@ -222,7 +228,6 @@ def check_dataset(spec: Any, client: Any = None, names: dict[str, str] = UP_NAME
 
 def longest_prompt(tokenizer: Any, examples: list[Any], names: dict[str, str] = UP_NAMES) -> tuple[int, int]:
     """(tokens, 1-based row) of the longest prompt as the policy sees it (chat template applied)."""
-    from bucketrl.datasets import prompt_token_ids
 
     if any(e.messages is not None for e in examples) and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
@@ -274,7 +279,6 @@ def check_reward(
     reward: Any, example: Any, names: dict[str, str] = UP_NAMES, timeout_s: float = REWARD_CALL_TIMEOUT_S
 ) -> float | None:
     """Resolve ``reward`` (a RewardSpec), check its signature, call it once on ``example``; return the value."""
-    from bucketrl.rewards import classify_reward
 
     fn = resolve_reward_checked(reward, names)
     completion = example.answer if example.answer is not None else ""
@@ -307,7 +311,6 @@ def check_reward(
 
 def resolve_reward_checked(reward: Any, names: dict[str, str] = UP_NAMES) -> Any:
     """The reward function, importable and accepting (completion, answer, *, prompt, **reward.kwargs)."""
-    from bucketrl.rewards import validate_reward
 
     try:
         fn = validate_reward(reward)
@@ -381,7 +384,6 @@ def check_run(
 def check_env(env: Any, names: dict[str, str] = UP_NAMES) -> None:
     """A multi-turn run's environment: importable, a class with a ``rollout`` method, constructible from
     env.kwargs; and what it needs installed. The instance made to check is closed again (``aclose``)."""
-    from bucketrl.envs.protocol import EXTERNAL, make_env
 
     for module, extra in (("openai", "generator"), ("fastapi", "generator"), ("uvicorn", "generator")):
         if importlib.util.find_spec(module) is None:
@@ -407,8 +409,6 @@ def _close_env(instance: Any, timeout_s: float = 10.0) -> None:
         return
 
     def run() -> None:
-        import asyncio
-        import contextlib
 
         # The user's code: a failing close is not a configuration error.
         with contextlib.suppress(BaseException):

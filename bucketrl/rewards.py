@@ -6,7 +6,7 @@ A reward function has one signature::
 
 ``kwargs`` are the run spec's ``reward.kwargs``. ``None`` means "cannot score this one". Anything else
 that is not a finite number (a string such as ``"1.0"``, NaN) is an error, counted by kind
-(:data:`FAILURE_KINDS`) like an exception or a timeout. Names the
+(:data:`bucketrl.rollout.reward_kinds.FAILURE_KINDS`) like an exception or a timeout. Names the
 run spec may use (``reward.name``):
 
     math             final answer from the last \\boxed{...} (else the last number) vs the reference:
@@ -36,7 +36,6 @@ import contextlib
 import importlib
 import inspect
 import logging
-import math
 import multiprocessing as mp
 import os
 import re
@@ -46,9 +45,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from multiprocessing.connection import wait
 from typing import Any
 
 from bucketrl import errors
+from bucketrl.rollout.reward_kinds import Scored, classify_reward
+from bucketrl.tasks.toy import toy_reward
 from bucketrl.wire import RewardSpec
 
 log = logging.getLogger(__name__)
@@ -162,17 +164,11 @@ def regex_reward(
     return 1.0
 
 
-def _toy_reward(completion: str, answer: str | None, *, prompt: str = "", **kwargs: Any) -> float | None:
-    from bucketrl.tasks.toy import toy_reward
-
-    return toy_reward(completion, answer, prompt=prompt, **kwargs)
-
-
 BUILTIN: dict[str, RewardFn] = {
     "math": math_reward,
     "exact": exact_reward,
     "regex": regex_reward,
-    "toy": _toy_reward,
+    "toy": toy_reward,
 }
 
 
@@ -200,63 +196,17 @@ def resolve_reward(name: str) -> RewardFn:
 def validate_reward(spec: RewardSpec) -> RewardFn:
     """Resolve the function and check that it accepts ``reward.kwargs`` (and the regex compiles)."""
     fn = resolve_reward(spec.name)
-    target = _toy_target() if fn is _toy_reward else fn
-    if target is not None:
-        params = inspect.signature(target).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            unknown = sorted(set(spec.kwargs) - set(params))
-            if unknown:
-                raise errors.Invalid(f"reward {spec.name!r} does not accept reward.kwargs {unknown}")
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(spec.kwargs) - set(params))
+        if unknown:
+            raise errors.Invalid(f"reward {spec.name!r} does not accept reward.kwargs {unknown}")
     if fn is regex_reward and spec.kwargs.get("pattern") is not None:
         try:
             re.compile(str(spec.kwargs["pattern"]))
         except re.error as exc:
             raise errors.Invalid(f"reward.kwargs.pattern is not a valid regex: {exc}") from exc
     return fn
-
-
-def _toy_target() -> RewardFn | None:
-    try:
-        from bucketrl.tasks.toy import toy_reward
-    except ImportError as exc:
-        raise errors.Invalid(f"reward 'toy' needs bucketrl.tasks.toy: {exc}") from exc
-    return toy_reward
-
-
-def coerce_reward(value: Any) -> float | None:
-    """A reward function's result as a finite float, or None (bool counts as 0/1; anything else is None)."""
-    return classify_reward(value)[0]
-
-
-# Why a completion could not be scored (``reward: null``): the kinds counted per step and shown with the first
-# message of each (live view, dashboard, status, summary).
-FAILURE_KINDS = ("exception", "timeout", "non_numeric", "non_finite", "none")
-
-
-def classify_reward(value: Any) -> tuple[float | None, str | None, str | None]:
-    """``(reward, None, None)`` for a usable value, else ``(None, kind, message)``. A string such as ``"1.0"``
-    is an error (``non_numeric``), never silently read as a number or dropped."""
-    if value is None:
-        return None, "none", "the reward function returned None (cannot score)"
-    if isinstance(value, bool):
-        return float(value), None, None
-    if isinstance(value, int | float) or type(value).__name__ in ("float16", "float32", "float64", "int32", "int64"):
-        f = float(value)
-        if math.isfinite(f):
-            return f, None, None
-        return None, "non_finite", f"the reward function returned {f!r}"
-    shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return None, "non_numeric", f"the reward function returned {type(value).__name__} {shown}, not a number"
-
-
-@dataclass(frozen=True)
-class Scored:
-    """One completion's outcome: ``value``, or ``kind`` + ``message`` saying why there is none."""
-
-    value: float | None
-    kind: str | None = None
-    message: str | None = None
 
 
 # -- the pool ---------------------------------------------------------------------------------------
@@ -403,7 +353,6 @@ class RewardPool:
             p.jobs, p.deadline = chunk, time.monotonic() + self.timeout_s
 
     def _score(self, items: list[RewardItem], cancel: threading.Event | None) -> list[Scored]:
-        from multiprocessing.connection import wait
 
         # Until scored: what an item that never gets an answer is (a cancel, or start-up failures).
         results: list[Scored] = [Scored(None, "timeout", "not scored: the scoring processes did not answer")] * len(

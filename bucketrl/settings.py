@@ -6,11 +6,18 @@ built by entry points, never at import time.
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
+import sys
 from typing import TYPE_CHECKING
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from bucketrl import errors
+from bucketrl.client import Outage, ProxyClient
+from bucketrl.wire import MetricsPush
 from bucketrl.wire.common import ID_PATTERN
 
 if TYPE_CHECKING:
@@ -37,23 +44,17 @@ class WorkerSettings(BaseSettings):
     def proxy_client(self, outage: Outage) -> ProxyClient:
         """A client for this worker that retries through proxy outages as ``outage`` (shared by the worker's
         clients: one log line per outage, one budget) allows."""
-        from bucketrl.client import ProxyClient
 
         return ProxyClient(self.proxy_url, self.run, self.token, timeout_s=self.http_timeout_s, outage=outage)
 
     def phase_client(self) -> ProxyClient:
         """A client that tries once, briefly: for phase and note pushes, which must never hold up a start or an
         exit (a configuration error reported while the proxy is down)."""
-        from bucketrl.client import ProxyClient
 
         return ProxyClient(self.proxy_url, self.run, self.token, timeout_s=5.0, retries=0)
 
     def push_phase(self, worker_id: str, phase: str, notes: dict[str, str] | None = None) -> None:
         """Tell the proxy what a worker is doing (status, dashboard, live view); best effort, never raises."""
-        import logging
-
-        from bucketrl import errors
-        from bucketrl.wire import MetricsPush
 
         try:
             with self.phase_client() as client:
@@ -62,7 +63,6 @@ class WorkerSettings(BaseSettings):
             logging.getLogger("bucketrl").debug("phase push failed: %s", exc.message)
 
     def outage(self, who: str) -> Outage:
-        from bucketrl.client import Outage
 
         return Outage(self.outage_budget_s, who)
 
@@ -76,8 +76,6 @@ class WorkerSettings(BaseSettings):
     def resolved_worker_id(self, role: str) -> str:
         if self.worker_id:
             return self.worker_id
-        import os
-        import socket
 
         host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:60]
         return f"{role}-{host}-{os.getpid()}"
@@ -85,8 +83,6 @@ class WorkerSettings(BaseSettings):
 
 def warn_if_proxy_url_unset(command: str, settings: WorkerSettings) -> None:
     """A worker started without BUCKETRL_PROXY_URL (or --proxy-url) says which address it is trying."""
-    import os
-    import sys
 
     default = WorkerSettings.model_fields["proxy_url"].default
     if "BUCKETRL_PROXY_URL" not in os.environ and settings.proxy_url == default:

@@ -20,6 +20,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from bucketrl import errors
+from bucketrl.client import ProxyClient
+from bucketrl.settings import WorkerSettings
 
 KEY_METRICS = (
     "reward",
@@ -121,11 +128,6 @@ def status_command(
     all_metrics: Annotated[bool, typer.Option("--all-metrics", help="Show every metric, not the key ones.")] = False,
 ) -> None:
     """Show a run's versions, leases, queue, workers and last metrics."""
-    from pydantic import ValidationError
-
-    from bucketrl import errors
-    from bucketrl.client import ProxyClient
-    from bucketrl.settings import WorkerSettings
 
     if dir is None and proxy is None and "BUCKETRL_PROXY_URL" not in os.environ:
         dir = last_up_dir()
@@ -164,7 +166,6 @@ def status_command(
     if as_json:
         typer.echo(status.model_dump_json(indent=2))
         return
-    from rich.console import Console
 
     Console().print(*render_status(status, all_metrics=all_metrics))
 
@@ -187,7 +188,6 @@ def _num(v: Any) -> str:
 
 def render_status(status: Any, *, all_metrics: bool = False) -> list[Any]:
     """The rich renderables of a :class:`bucketrl.wire.RunStatus` (header, versions, workers, metrics)."""
-    from rich.table import Table
 
     q = status.queue
     head = Table.grid(padding=(0, 2))

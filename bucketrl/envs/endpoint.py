@@ -23,9 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from bucketrl.envs import openai_models as om
-from bucketrl.envs.episodes import EndpointError, Episode
 from bucketrl.envs.parsers import parse
 from bucketrl.envs.templates import render
+from bucketrl.rollout.episodes import EndpointError, Episode
 
 if TYPE_CHECKING:
     from bucketrl.envs.service import EpisodeService

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from bucketrl.generator.engines.base import Engine, Sample
+from bucketrl.rollout.engine import Engine, SampledCompletion
 from bucketrl.wire import SamplingSpec
 
 
@@ -24,7 +24,7 @@ class TurnRequest:
     adapter: str
     max_tokens: int
     sampling: SamplingSpec  # the group's (one setting per group: the trainer recomputes with it)
-    future: Future[Sample] = field(default_factory=Future)
+    future: Future[SampledCompletion] = field(default_factory=Future)
     queued_at: float = field(default_factory=time.monotonic)
 
 
@@ -34,7 +34,7 @@ class EngineQueue:
         self.calls = 0
         self.busy_s = 0.0
 
-    def put(self, req: TurnRequest) -> Future[Sample]:
+    def put(self, req: TurnRequest) -> Future[SampledCompletion]:
         self._q.put(req)
         return req.future
 

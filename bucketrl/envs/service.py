@@ -28,11 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bucketrl.envs.engine_queue import EngineQueue, TurnRequest
-from bucketrl.envs.episodes import EndpointError, Episode, EpisodeBook, GroupRun
 from bucketrl.envs.protocol import EpisodeContext, Row, is_async
 from bucketrl.envs.templates import tool_syntax
-from bucketrl.envs.trajectory import Turn
-from bucketrl.generator.engines.base import Sample
+from bucketrl.rollout.engine import SampledCompletion
+from bucketrl.rollout.episodes import EndpointError, Episode, EpisodeBook, GroupRun
+from bucketrl.rollout.trajectory import Turn
 from bucketrl.wire import RunSpec
 
 log = logging.getLogger(__name__)
@@ -291,7 +291,7 @@ class EpisodeService:
         if not ep.assigned:
             raise EndpointError(409, "episode_not_started", f"episode {ep.id} was not handed out")
 
-    async def sample(self, ep: Episode, prompt_ids: list[int], max_tokens: int | None) -> Sample:
+    async def sample(self, ep: Episode, prompt_ids: list[int], max_tokens: int | None) -> SampledCompletion:
         """One model turn of ``ep`` from ``prompt_ids``, recorded into it."""
         self._check_open(ep)
         if ep.busy:

@@ -25,8 +25,6 @@ from bucketrl.envs.tools import ToolEnv
 from bucketrl.tasks.toy import DEFAULT_LENGTH, toy_reward
 
 TOOL_BONUS = 0.3
-# Model turns an episode may take: call, answer, and one spare (a second call or a retry).
-MAX_TURNS = 3
 
 
 class ToyToolsEnv(ToolEnv):

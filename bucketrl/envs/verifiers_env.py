@@ -34,6 +34,8 @@ import os
 import sys
 from typing import Any
 
+from pydantic import ValidationError
+
 from bucketrl import errors
 from bucketrl.envs.protocol import EpisodeContext, Row
 
@@ -110,7 +112,6 @@ def _plugin_module(group: str | None, plugin_id: str) -> str:
 
 
 def _first_line(exc: BaseException) -> str:
-    from pydantic import ValidationError
 
     if isinstance(exc, ValidationError) and exc.errors():
         first = exc.errors()[0]

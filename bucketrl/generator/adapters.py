@@ -25,6 +25,7 @@ from pathlib import Path
 
 from bucketrl import bundles, errors
 from bucketrl.client import ProxyClient
+from bucketrl.generator.engines.base import adapter_name
 from bucketrl.tarball import unpack
 
 log = logging.getLogger("bucketrl.generator.adapters")
@@ -157,7 +158,6 @@ class VersionBook:
         self._pinned: set[int] = set()
 
     def name(self, version: int) -> str:
-        from bucketrl.generator.engines.base import adapter_name
 
         return adapter_name(self.run, version)
 

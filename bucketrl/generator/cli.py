@@ -10,9 +10,16 @@ command, so ``bucketrl generator --help`` is instant.
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
+
+from bucketrl import errors, preflight
+from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.generator.worker import GeneratorWorker
+from bucketrl.settings import warn_if_proxy_url_unset
 
 
 def generator_command(
@@ -33,12 +40,6 @@ def generator_command(
     log_level: Annotated[str | None, typer.Option(help="Python log level (BUCKETRL_LOG_LEVEL).")] = None,
 ) -> None:
     """Generate rollouts for a run: lease the latest adapter, sample G completions per prompt, score, submit."""
-    import logging
-
-    from pydantic import ValidationError
-
-    from bucketrl import errors
-    from bucketrl.generator.settings import GeneratorSettings
 
     overrides: dict[str, Any] = {
         k: v
@@ -61,9 +62,6 @@ def generator_command(
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"
     )
-    from bucketrl import preflight
-    from bucketrl.generator.worker import GeneratorWorker
-    from bucketrl.settings import warn_if_proxy_url_unset
 
     warn_if_proxy_url_unset("generator", settings)
     worker = GeneratorWorker(settings)

@@ -10,8 +10,8 @@ statistics.
 
 from __future__ import annotations
 
-from bucketrl.envs.episodes import Episode
-from bucketrl.rewards import Scored
+from bucketrl.rollout.episodes import Episode
+from bucketrl.rollout.reward_kinds import Scored
 from bucketrl.wire import Completion, PromptLeaseItem, RolloutGroup
 
 MAX_REWARD_ERRORS = 8  # RolloutGroup.reward_errors' cap

@@ -25,16 +25,17 @@ from typing import Any, Protocol
 
 from bucketrl import errors
 from bucketrl.client import ProxyClient
-from bucketrl.datasets import Example
-from bucketrl.envs.episodes import EndpointError, GroupRun
 from bucketrl.envs.files import merge_json_file
-from bucketrl.envs.protocol import EXTERNAL, make_env
+from bucketrl.envs.loader import make_env
+from bucketrl.envs.protocol import EXTERNAL
 from bucketrl.envs.service import EpisodeService
 from bucketrl.generator.adapters import VersionBook
-from bucketrl.generator.engines.base import Engine
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
+from bucketrl.rollout.engine import Engine
+from bucketrl.rollout.episodes import EndpointError, GroupRun
+from bucketrl.rollout.example import Example
 from bucketrl.wire import PromptLeaseItem, RunSpec
 
 log = logging.getLogger(__name__)

@@ -12,11 +12,12 @@ from typing import Any
 
 from bucketrl import errors
 from bucketrl.client import ProxyClient
-from bucketrl.datasets import Example, examples_for_run
+from bucketrl.datasets import examples_for_run
 from bucketrl.generator.adapters import VersionBook
-from bucketrl.generator.engines.base import Engine, Sample
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.rewards import RewardItem, RewardPool
+from bucketrl.rollout.engine import Engine, SampledCompletion
+from bucketrl.rollout.example import Example
 from bucketrl.wire import EvalResult, EvalSample, RunSpec
 from bucketrl.wire.runs import DatasetSpec
 
@@ -117,7 +118,7 @@ class Evaluator:
             if spec.eval.evaluates(v) and now - self._eval_done.get(v, -math.inf) > EVAL_RECHECK_S
         ]
 
-    def _sample(self, spec: RunSpec, version: int, examples: list[Example]) -> list[list[Sample]] | None:
+    def _sample(self, spec: RunSpec, version: int, examples: list[Example]) -> list[list[SampledCompletion]] | None:
         """The eval samples of ``examples`` with ``version``; None if it was retired or the engine failed."""
         assert spec.eval is not None
         try:
@@ -139,7 +140,7 @@ class Evaluator:
             self.book.end(version)
 
     def _score(
-        self, version: int, examples: list[Example], indices: list[int], samples: list[list[Sample]]
+        self, version: int, examples: list[Example], indices: list[int], samples: list[list[SampledCompletion]]
     ) -> list[EvalResult]:
         """Each prompt's samples scored with the run's reward, as the proxy's eval results."""
         decode = self.tokenizer.decode

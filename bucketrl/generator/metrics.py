@@ -8,7 +8,7 @@ Names follow TRL's AsyncGRPOTrainer where one exists (TEAM.md):
     rollout/inflight             groups being generated, scored or submitted right now
     reward                       mean reward of the completions submitted since the last push (scored ones)
     rollout/unscorable_total     completions whose reward raised, hung or returned garbage (cumulative);
-                                 rollout/unscorable_<kind>_total per kind (bucketrl.rewards.FAILURE_KINDS),
+                                 rollout/unscorable_<kind>_total per kind (bucketrl.rollout.reward_kinds.FAILURE_KINDS),
                                  and the first message of each kind in ``reward_errors`` (pushed as notes)
     sync/adapter_load_s          download + verify + engine load time of the latest adapter version
     sync/adapter_version         that version
@@ -25,7 +25,7 @@ Multi-turn runs (run spec ``env``), per episode closed (bucketrl.envs):
     episode/env_time_frac                           env_s / (env_s + gen_s) over those episodes
     episode/episodes_total, episode/turns_total, episode/tool_calls_total, episode/tool_errors_total (failed
     calls: unknown tool, bad arguments, the tool raised, a malformed call), episode/timeouts_total,
-    episode/failed_total and episode/failed_<kind>_total (bucketrl.envs.episodes.EPISODE_FAILURES and the reward
+    episode/failed_total and episode/failed_<kind>_total (bucketrl.rollout.episodes.EPISODE_FAILURES and the reward
     kinds), episode/samples_total, episode/split_episodes_total, episode/tokens_trained_total (model tokens),
     episode/tokens_context_total (environment tokens between turns) (cumulative); the first message of each
     failure kind in ``episode_errors`` (pushed as notes ``episode_error/<kind>``)
@@ -38,10 +38,10 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from bucketrl.rewards import Scored
+from bucketrl.rollout.reward_kinds import Scored
 
 if TYPE_CHECKING:
-    from bucketrl.envs.episodes import Episode
+    from bucketrl.rollout.episodes import Episode
 from bucketrl.wire import SampleCompletion
 
 # Sample completions carried by one push (the newest; the proxy keeps the run's latest few dozen).

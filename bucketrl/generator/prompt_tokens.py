@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bucketrl.datasets import Example, prompt_token_ids
+from bucketrl.datasets import prompt_token_ids
 from bucketrl.generator.metrics import GeneratorMetrics
+from bucketrl.rollout.example import Example
 
 
 class PromptTokens:

@@ -30,13 +30,13 @@ from typing import Any
 
 from bucketrl import errors
 from bucketrl.client import ProxyClient
-from bucketrl.datasets import Example
-from bucketrl.envs.episodes import Episode
 from bucketrl.generator.adapters import VersionBook
-from bucketrl.generator.engines.base import Sample
 from bucketrl.generator.episode_groups import episode_group, needs_score
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.rewards import RewardItem, RewardPool
+from bucketrl.rollout.engine import SampledCompletion
+from bucketrl.rollout.episodes import Episode
+from bucketrl.rollout.example import Example
 from bucketrl.wire import Completion, PromptLeaseItem, RolloutBatch, RolloutGroup, SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class GeneratedBatch:
     prompts: list[PromptLeaseItem]
     examples: list[Example]
     prompt_token_ids: list[list[int]]
-    samples: list[list[Sample]]
+    samples: list[list[SampledCompletion]]
     sampling: SamplingSpec | None = None  # what the engine sampled with (the batch records it for the trainer)
     # Multi-turn runs: each prompt's G closed episodes (``samples`` is then empty; bucketrl.envs).
     episodes: list[list[Episode]] | None = None
@@ -79,7 +79,7 @@ class PromptLedger:
             return list(self._held)
 
 
-def well_formed(samples: list[Sample]) -> bool:
+def well_formed(samples: list[SampledCompletion]) -> bool:
     """Every completion non-empty with one finite logprob per token (what the proxy will insist on)."""
     return all(
         s.token_ids and len(s.logprobs) == len(s.token_ids) and all(math.isfinite(lp) for lp in s.logprobs)

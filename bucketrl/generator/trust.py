@@ -18,6 +18,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from bucketrl.datasets import _local_path  # what load_examples reads as a local file or directory
+from bucketrl.envs.loader import VERIFIERS_PREFIX
+from bucketrl.envs.verifiers_env import imported_modules
 from bucketrl.preflight import ConfigError
 from bucketrl.rewards import BUILTIN
 from bucketrl.wire import RunSpec
@@ -56,7 +59,6 @@ def _absolute(path: str | Path) -> Path:
 
 
 def check_dataset(uri: str, allowed: str) -> None:
-    from bucketrl.datasets import _local_path  # what load_examples reads as a local file or directory
 
     entries = _entries(allowed)
     if entries is None or uri.startswith(ALWAYS_DATASETS):
@@ -77,7 +79,6 @@ def check_env(name: str, allowed: str, kwargs: dict[str, Any] | None = None) -> 
     """A run's ``env.name`` 'module:Class' is imported like a reward module: the same allow-list admits it. A
     ``verifiers:<taskset>`` env imports its taskset's module and every plugin its kwargs name (harness, env and
     judge ids, reward ``fn`` paths): each must be admitted (an entry ``verifiers`` admits verifiers' built-ins)."""
-    from bucketrl.envs.protocol import VERIFIERS_PREFIX
 
     if ":" not in name or name.startswith("toy:"):
         return  # built-ins ('toy:tools', 'external') are part of bucketrl
@@ -85,8 +86,6 @@ def check_env(name: str, allowed: str, kwargs: dict[str, Any] | None = None) -> 
     if entries is None:
         return
     if name.startswith(VERIFIERS_PREFIX):
-        from bucketrl.envs.verifiers_env import imported_modules
-
         modules = imported_modules(name.removeprefix(VERIFIERS_PREFIX), kwargs or {})
     else:
         modules = [name.partition(":")[0]]

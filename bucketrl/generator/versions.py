@@ -12,9 +12,9 @@ from pathlib import Path
 from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.generator.adapters import VersionBook, fetch_adapter, gc_cache
-from bucketrl.generator.engines.base import Engine
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.rollout.engine import Engine
 from bucketrl.wire import RunSpec
 
 # The worker's logger: these lines read as they did when this code was part of the worker.

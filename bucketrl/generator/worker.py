@@ -32,14 +32,15 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
-from bucketrl.datasets import Example
 from bucketrl.generator import trust
 from bucketrl.generator.adapters import VersionBook, VersionSlot, clear_stale_tmp
-from bucketrl.generator.engines.base import Engine, check_reproducible, make_engine
+from bucketrl.generator.engines.base import check_reproducible
+from bucketrl.generator.engines.factory import make_engine
+from bucketrl.generator.episode_loop import EpisodeDriver
 from bucketrl.generator.evaluation import Evaluator
 from bucketrl.generator.lease_keeper import LeaseKeeper
 from bucketrl.generator.metrics import GeneratorMetrics
@@ -48,10 +49,9 @@ from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
 from bucketrl.generator.versions import AdapterVersions, release_version_lease
 from bucketrl.rewards import RewardPool
+from bucketrl.rollout.engine import Engine
+from bucketrl.rollout.example import Example
 from bucketrl.wire import MetricsPush, PromptLeaseItem, RunSpec
-
-if TYPE_CHECKING:
-    from bucketrl.generator.episode_loop import EpisodeDriver
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +256,6 @@ class GeneratorWorker:
             stop_event=self.stop_event,
         )
         if spec.env is not None:
-            from bucketrl.generator.episode_loop import EpisodeDriver
-
             self.episodes = EpisodeDriver(self)
             self.episodes.start()
         keeper = LeaseKeeper(

@@ -14,9 +14,15 @@ stays instant.
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import sys
 from typing import Annotated
 
 import typer
+
+from bucketrl.proxy.settings import ProxySettings
 
 
 def proxy_command(
@@ -31,15 +37,10 @@ def proxy_command(
     ] = 1,
 ) -> None:
     """Run the proxy: the REST control plane over Redis and the bucket."""
-    import logging
-    import os
-    import signal
-    import sys
 
     import uvicorn
 
     from bucketrl.proxy.app import create_app
-    from bucketrl.proxy.settings import ProxySettings
 
     overrides: dict[str, object] = {}
     if host is not None:

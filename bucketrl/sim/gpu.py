@@ -3,7 +3,7 @@
 This is a model, not an engine: it stands in for the one part of a deployment this project cannot run
 here (a GPU), so that everything around it (leases, adapter transfer, admission control, the queue, the
 trainer's pace) can be run for real at a scale of hundreds of generators. It is used by the ``sim``
-engine (:mod:`bucketrl.generator.engines.sim_engine`) and the asyncio fleet of :mod:`bucketrl.sim.fleet`.
+engine (:mod:`bucketrl.sim.engine`) and the asyncio fleet of :mod:`bucketrl.sim.fleet`.
 
 Timing (continuous batching, memory-bound decode):
 
@@ -65,7 +65,7 @@ class SimGpu(BaseSettings):
 
 @dataclass(frozen=True)
 class SimSample:
-    """One simulated completion (the same fields as an engine's ``Sample``)."""
+    """One simulated completion (the same fields as an engine's ``SampledCompletion``)."""
 
     token_ids: list[int]
     logprobs: list[float]

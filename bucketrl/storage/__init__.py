@@ -16,6 +16,7 @@ from urllib.parse import unquote, urlsplit
 
 from bucketrl import errors
 from bucketrl.storage.base import BucketStore
+from bucketrl.storage.file import FileStore
 from bucketrl.storage.paths import normalize_prefix
 
 __all__ = ["BucketStore", "open_store"]
@@ -46,7 +47,6 @@ def open_store(url: str, *, s3_endpoint_url: str | None = None) -> BucketStore:
 
 
 def _open_file(url: str, host: str, path: str) -> BucketStore:
-    from bucketrl.storage.file import FileStore
 
     if host not in ("", "localhost"):
         raise errors.Invalid(

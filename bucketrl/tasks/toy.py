@@ -39,6 +39,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from bucketrl.wire import RunSpec
 
+from bucketrl.tasks.tiny_model import VOCAB_SIZE
+from bucketrl.wire import DatasetSpec, EnvSpec, EpisodeSpec, LoraSpec, RewardSpec, RunSpec, SamplingSpec
+
 DEFAULT_TASK = "digits"
 DEFAULT_SIZE = 1024  # prompts in one pass of a toy dataset
 DEFAULT_LENGTH = 8  # characters the reward looks at (= the demo's max_new_tokens)
@@ -54,6 +57,10 @@ TOOLS_DEMO_MAX_STEPS = 100
 TASKS = ("digits", "parity", "copy", "tools")
 # Multi-turn toy tasks: their environment (run spec env.name) and episode limits.
 ENV_TASKS = {"tools": "toy:tools"}
+# Model turns a toy:tools episode may take (bucketrl.envs.toy_tools): call, answer, and one spare (a second call
+# or a retry).
+TOOLS_MAX_TURNS = 3
+
 # The digits each rule asks for.
 RULES: dict[str, frozenset[str]] = {
     "even": frozenset("02468"),
@@ -144,19 +151,14 @@ def toy_reward(
 
 def default_run_spec(model_dir: str | Path, *, task: str = DEFAULT_TASK, size: int = DEFAULT_SIZE) -> RunSpec:
     """The demo's run spec: the tiny model at ``model_dir``, the toy task, settings measured to learn."""
-    from bucketrl.tasks.tiny_model import VOCAB_SIZE
-    from bucketrl.wire import DatasetSpec, EnvSpec, EpisodeSpec, LoraSpec, RewardSpec, RunSpec, SamplingSpec
-
     if task not in TASKS:
         raise ValueError(f"unknown toy task {task!r}; choose one of {', '.join(TASKS)}")
     multi_turn: dict[str, Any] = {}
     if task in ENV_TASKS:
-        from bucketrl.envs.toy_tools import MAX_TURNS
-
         multi_turn = {
             "env": EnvSpec(name=ENV_TASKS[task]),
             # call + answer + a spare; a few seconds per episode on 2 cores, so 60 s only catches a stuck one.
-            "episode": EpisodeSpec(max_turns=MAX_TURNS, episode_timeout_s=60.0, max_episode_tokens=256),
+            "episode": EpisodeSpec(max_turns=TOOLS_MAX_TURNS, episode_timeout_s=60.0, max_episode_tokens=256),
         }
     return RunSpec(
         base_model=str(model_dir),

@@ -1,6 +1,6 @@
 """Claimed rollout groups -> right-padded tensors, split into micro-batches that fit a token budget.
 
-One :class:`Sample` per trainable completion (``prompt + completion``). A multi-turn completion (docs/design.md
+One :class:`TrainingSample` per trainable completion (``prompt + completion``). A multi-turn completion (docs/design.md
 "Multi-turn trajectories") is one sample too: its "completion" is every segment after the prompt, model and
 environment tokens alike, so the forward sees the whole conversation; its ``loss_mask`` keeps only the model
 tokens in the loss (and in each model turn only the tokens up to its first EOS). A split episode's samples each
@@ -36,7 +36,7 @@ from bucketrl.wire.runs import SamplingSpec
 
 
 @dataclass(frozen=True)
-class Sample:
+class TrainingSample:
     prompt_ids: list[int]
     completion_ids: list[int]
     behaviour_logprobs: list[float]
@@ -119,18 +119,18 @@ def group_samples(
     worker_id: str,
     eos_token_ids: Collection[int],
     sampling: SamplingSpec | None = None,
-) -> list[Sample]:
+) -> list[TrainingSample]:
     """The trainable completions of one group as samples (unscorable / filtered ones are left out); one advantage
     and one trainable flag per completion (a split episode's samples repeat their episode's)."""
     if len(advantages) != len(group.completions) or len(trainable) != len(group.completions):
         raise ValueError("one advantage and one trainable flag per completion")
-    out: list[Sample] = []
+    out: list[TrainingSample] = []
     for comp, adv, keep in zip(group.completions, advantages, trainable, strict=True):
         if not keep:
             continue
         multi = comp.segments is not None
         out.append(
-            Sample(
+            TrainingSample(
                 prompt_ids=list(group.prompt_of(comp)),
                 completion_ids=list(comp.token_ids),
                 behaviour_logprobs=list(comp.logprobs),
@@ -146,7 +146,7 @@ def group_samples(
     return out
 
 
-def collate(samples: list[Sample], pad_id: int) -> MicroBatch:
+def collate(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
     """Right-pad a list of samples into one micro-batch."""
     if not samples:
         raise ValueError("cannot collate an empty micro-batch")
@@ -205,7 +205,7 @@ def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
     return plans
 
 
-def make_micro_batches(samples: list[Sample], token_budget: int, pad_id: int) -> list[MicroBatch]:
+def make_micro_batches(samples: list[TrainingSample], token_budget: int, pad_id: int) -> list[MicroBatch]:
     return [
         collate([samples[i] for i in plan], pad_id)
         for plan in plan_micro_batches([s.length for s in samples], token_budget)

@@ -33,16 +33,18 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from bucketrl import bundles
 from bucketrl.tarball import pack_dir, unpack
-from bucketrl.trainer.learner import Learner
 from bucketrl.trainer.model import AdapterSnapshot
 from bucketrl.trainer.tensor_state import load_state, save_state
+
+if TYPE_CHECKING:
+    from bucketrl.trainer.learner import Learner
 
 # 2: optimizer and RNG state as safetensors + JSON (1 held torch pickles, which are never loaded).
 FORMAT_VERSION = 2

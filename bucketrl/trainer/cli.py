@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
-if TYPE_CHECKING:
-    from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.settings import warn_if_proxy_url_unset
+from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.trainer.worker import TrainerWorker
 
 
 def trainer_command(
@@ -44,9 +46,6 @@ def trainer_command(
     ] = None,
 ) -> None:
     """Train: claim rollouts from the proxy, step GRPO on LoRA, publish adapters, checkpoint."""
-    from pydantic import ValidationError
-
-    from bucketrl.trainer.settings import TrainerSettings
 
     overrides = {
         k: v
@@ -69,16 +68,12 @@ def trainer_command(
         typer.echo(f"bucketrl trainer: bad settings:\n{exc}", err=True)
         raise typer.Exit(code=2) from exc
 
-    from bucketrl.settings import warn_if_proxy_url_unset
-
     warn_if_proxy_url_unset("trainer", settings)
     raise typer.Exit(code=run_trainer(settings))
 
 
 def run_trainer(settings: TrainerSettings) -> int:
     """One trainer process: the worker, or under torchrun (``WORLD_SIZE > 1``) one of its ranks, which exits here."""
-    from bucketrl.trainer.worker import TrainerWorker
-
     world = int(os.environ.get("WORLD_SIZE", "1") or "1")  # torchrun sets it
     where = f" [rank {os.environ.get('RANK', '?')}/{world}]" if world > 1 else ""
     logging.basicConfig(

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from bucketrl.trainer.exits import RankFailure
 from bucketrl.trainer.ranks import Message, Ranks, init_ranks
 from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.trainer.worker import TrainerWorker
 
 if TYPE_CHECKING:
     from bucketrl.trainer.learner import Learner
@@ -174,8 +175,6 @@ def main(settings: TrainerSettings, *, echo: Callable[[str], None] = print) -> i
     code = 1
     try:
         if ranks.speaks:
-            from bucketrl.trainer.worker import TrainerWorker
-
             speaker = SpeakerHooks(ranks, settings.dist_heartbeat_s)
             worker = TrainerWorker(settings, echo=echo, ranks=ranks, speaker=speaker)
             worker.install_signal_handlers()

@@ -29,7 +29,7 @@ from collections import OrderedDict
 import torch
 
 from bucketrl.trainer.advantages import GroupAdvantages, group_advantages
-from bucketrl.trainer.batching import Sample, group_samples, make_micro_batches
+from bucketrl.trainer.batching import TrainingSample, group_samples, make_micro_batches
 from bucketrl.trainer.loss import LossBatch, LossOutput, finalize_stats, grpo_loss
 from bucketrl.trainer.model import AdapterSnapshot, PolicyModel
 from bucketrl.trainer.ranks import Ranks, shard_groups
@@ -98,7 +98,7 @@ class Learner:
 
     # -- one step --------------------------------------------------------------------------------------
 
-    def build_samples(self, groups: list[StepGroup]) -> tuple[list[Sample], dict[str, float]]:
+    def build_samples(self, groups: list[StepGroup]) -> tuple[list[TrainingSample], dict[str, float]]:
         """Advantages and trainable samples of a step, plus the reward/staleness-free group stats.
 
         ``finish_reason`` decides two exclusions. An ABORTED completion (the engine stopped it part-way) is
@@ -108,7 +108,7 @@ class Learner:
         ``mask_truncated_completions`` it is not trained on (TRL's option: its mask is zeroed).
         """
         loss = self.spec.loss
-        samples: list[Sample] = []
+        samples: list[TrainingSample] = []
         zero_var = unscorable = aborted = truncated = episodes = 0
         lengths = 0
         means: list[float] = []
@@ -200,7 +200,7 @@ class Learner:
             stats["perf/gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
         return stats
 
-    def _stale_mismatch(self, samples: list[Sample], policy_version: int) -> dict[str, list[float]]:
+    def _stale_mismatch(self, samples: list[TrainingSample], policy_version: int) -> dict[str, list[float]]:
         """|trainer - behaviour| for up to ``mismatch_max_samples`` stale samples, each under the weights of the
         version that generated it (swapped in for a no-grad, eval-mode forward, then swapped back bit-exactly).
 
@@ -210,11 +210,11 @@ class Learner:
         acc: dict[str, list[float]] = {}  # worker -> [abs diff sum, tokens]
         if budget <= 0:
             return acc
-        queues: dict[str, list[Sample]] = {}
+        queues: dict[str, list[TrainingSample]] = {}
         for s in samples:
             if s.version != policy_version and s.version in self.versions:
                 queues.setdefault(s.worker_id, []).append(s)
-        chosen: list[Sample] = []
+        chosen: list[TrainingSample] = []
         while len(chosen) < budget and any(queues.values()):
             for worker in sorted(queues):
                 if queues[worker] and len(chosen) < budget:
@@ -248,7 +248,7 @@ class Learner:
         return acc
 
     def _accumulate(
-        self, samples: list[Sample], policy_version: int, mismatch: dict[str, list[float]]
+        self, samples: list[TrainingSample], policy_version: int, mismatch: dict[str, list[float]]
     ) -> dict[str, float]:
         spec = self.spec.loss
         micro = make_micro_batches(samples, self.settings.micro_token_budget, self.policy.pad_id)

@@ -20,6 +20,7 @@ same weights always give the same bytes (and the same sha256).
 
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
 from collections.abc import Callable, Iterator
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from bucketrl.logprobs import process_logits, sampled_token_logprobs
+from bucketrl.preflight import linear_types
 from bucketrl.tarball import pack_dir
 from bucketrl.trainer.batching import MicroBatch
 from bucketrl.wire.runs import RunSpec
@@ -52,7 +55,6 @@ def resolve_device(device: str) -> torch.device:
 def all_linear_targets(model: torch.nn.Module) -> list[str]:
     """Suffixes of every linear layer (``nn.Linear``, GPT-2's ``Conv1D``) except the output head: peft's
     ``all-linear``, spelled out."""
-    from bucketrl.preflight import linear_types
 
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
@@ -301,8 +303,6 @@ class PolicyModel:
     def _config_json(self) -> str:
         """``adapter_config.json`` as peft writes it (``inference_mode`` true), target_modules sorted."""
         if self._config_cache is None:
-            import copy
-
             config = copy.deepcopy(self.model.peft_config["default"])
             config.inference_mode = True
             with tempfile.TemporaryDirectory(prefix="bucketrl-cfg-") as tmp:
@@ -342,7 +342,6 @@ def _logprobs_and_entropy(
     logits: torch.Tensor, completion: torch.Tensor, setting: tuple[float, int, float], with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of the sampled tokens (with grad) under one sampling setting, and the entropy (no grad)."""
-    from bucketrl.logprobs import process_logits, sampled_token_logprobs
 
     temperature, top_k, top_p = setting
     lp = sampled_token_logprobs(logits, completion, temperature, top_k, top_p)

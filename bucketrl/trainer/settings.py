@@ -15,12 +15,14 @@ Imports without torch (pydantic only).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from bucketrl.settings import WorkerSettings
+from bucketrl.trainer.trackers import check_report_to
 from bucketrl.wire.runs import RunSpec
 
 
@@ -166,7 +168,6 @@ class TrainerSettings(WorkerSettings):
     @field_validator("report_to")
     @classmethod
     def _trackers_installed(cls, v: str) -> str:
-        from bucketrl.trainer.trackers import check_report_to
 
         check_report_to(v)
         return v
@@ -195,7 +196,6 @@ class TrainerSettings(WorkerSettings):
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of ``lr`` for the optimizer step that makes ``step`` -> ``step + 1`` (0-based)."""
-        import math
 
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps

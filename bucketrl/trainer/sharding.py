@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bucketrl.trainer.batching import MicroBatch, Sample, collate
+from bucketrl.trainer.batching import MicroBatch, TrainingSample, collate
 
 if TYPE_CHECKING:
     from bucketrl.trainer.ranks import Ranks
@@ -106,7 +106,7 @@ def filler_batch(pad_id: int) -> MicroBatch:
     its collectives match the other ranks'."""
     return collate(
         [
-            Sample(
+            TrainingSample(
                 prompt_ids=[pad_id],
                 completion_ids=[pad_id],
                 behaviour_logprobs=[0.0],

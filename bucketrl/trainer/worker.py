@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import signal
 import threading
 import time
@@ -45,6 +46,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
+
+import numpy as np
 
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
@@ -234,9 +237,6 @@ class TrainerWorker:
         return spec
 
     def _seed(self) -> None:
-        import random
-
-        import numpy as np
         import torch
 
         random.seed(self.settings.seed)

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 
-if TYPE_CHECKING:
-    from pydantic import ValidationError
+from bucketrl.preflight import EXIT_CONFIG, ConfigError
+from bucketrl.up.cluster import RunDirBusy
+from bucketrl.up.config import UpConfig, load_saved_options
+from bucketrl.up.launcher import run_up
 
 
 def up_command(
@@ -91,11 +94,6 @@ def up_command(
     """Run proxy + Redis + trainer + generators locally; live view; summary and plots at the end.
 
     Running again with the same --dir resumes with the options saved there (options given override them)."""
-    from pydantic import ValidationError
-
-    from bucketrl.preflight import EXIT_CONFIG
-    from bucketrl.up.config import UpConfig, load_saved_options
-
     given: dict[str, Any] = {
         k: v
         for k, v in {
@@ -151,10 +149,6 @@ def up_command(
         raise fail(_option_error(exc)) from None
     except ValueError as exc:
         raise fail(str(exc)) from None
-
-    from bucketrl.preflight import ConfigError
-    from bucketrl.up.cluster import RunDirBusy
-    from bucketrl.up.launcher import run_up
 
     try:
         code = run_up(cfg, live=live)

@@ -30,10 +30,14 @@ from typing import IO, Any
 
 import httpx
 
+from bucketrl import preflight
 from bucketrl.client import ProxyClient
 from bucketrl.envs.files import merge_json_file
+from bucketrl.generator import trust
+from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.tasks.tiny_model import build_tiny_model
 from bucketrl.trainer.trackers import default_report_to
-from bucketrl.up.config import UpConfig, build_run_spec, save_options
+from bucketrl.up.config import UpConfig, build_run_spec, max_new_tokens_given, save_options
 from bucketrl.up.processes import (
     Service,
     bucketrl_command,
@@ -43,6 +47,7 @@ from bucketrl.up.processes import (
     trainer_command,
     wait_until,
 )
+from bucketrl.wire import RunSpec
 
 ROLES = ("admin", "trainer", "generator", "viewer")
 
@@ -109,7 +114,6 @@ class LocalCluster:
         reward_value = None
         if self.cfg.preflight:
             # Dataset and reward first: they need no torch, so their mistakes stop `up` in a few seconds.
-            from bucketrl import preflight
 
             # The generators' allow-lists (their environment is this one, plus the cluster's settings): a module
             # they would refuse is refused here, before anything is imported.
@@ -121,8 +125,6 @@ class LocalCluster:
                 # only in a generator's log, ~20 s in, after every service had started).
                 preflight.check_env(probe.env)
         if model_dir is not None:
-            from bucketrl.tasks.tiny_model import build_tiny_model
-
             self.model_dir = build_tiny_model(model_dir)
         if self.cfg.preflight:
             self.report = self._preflight(probe, examples)
@@ -138,7 +140,6 @@ class LocalCluster:
 
     def _probe(self, spec: dict[str, Any]) -> Any:
         """The spec as the preflight checks it: a dataset to upload is checked as the local file it is now."""
-        from bucketrl.wire import RunSpec
 
         probe = json.loads(json.dumps(spec))
         upload = self.cfg.upload_path
@@ -157,7 +158,6 @@ class LocalCluster:
         return None
 
     def _reward_timeout_s(self) -> float:
-        from bucketrl.generator.settings import GeneratorSettings
 
         given = self._generator_setting("reward_timeout_s")
         return float(given or GeneratorSettings.model_fields["reward_timeout_s"].default)
@@ -165,8 +165,6 @@ class LocalCluster:
     def _check_trust(self, probe: Any, dataset_uri: str) -> None:
         """The generators' BUCKETRL_ALLOWED_REWARD_MODULES / _DATASET_LOCATIONS admit the reward, the environment
         and the dataset the generators will read (``dataset_uri``: the run spec's, ``bucket:`` for an upload)."""
-        from bucketrl.generator import trust
-        from bucketrl.generator.settings import GeneratorSettings
 
         def allowed(field: str) -> str:
             given = self._generator_setting(field)
@@ -180,9 +178,6 @@ class LocalCluster:
 
     def _preflight(self, probe: Any, examples: list[Any] | None) -> Any:
         """The model checks every worker repeats at its start, here before any process starts (ConfigError)."""
-        from bucketrl import preflight
-        from bucketrl.generator.settings import GeneratorSettings
-        from bucketrl.up.config import max_new_tokens_given
 
         max_len = self.cfg.generator_env.get("BUCKETRL_MAX_MODEL_LEN") or self.cfg.worker_env.get(
             "BUCKETRL_MAX_MODEL_LEN"

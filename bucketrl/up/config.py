@@ -13,6 +13,18 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from bucketrl.tasks.tiny_model import VOCAB_SIZE
+from bucketrl.tasks.toy import (
+    DEFAULT_SIZE,
+    DEFAULT_TASK,
+    DEMO_LR,
+    DEMO_MAX_STEPS,
+    TASKS,
+    TOOLS_DEMO_MAX_STEPS,
+    default_run_spec,
+)
+from bucketrl.up.processes import RestartPolicy
+from bucketrl.wire import RunSpec
 from bucketrl.wire.common import ID_PATTERN
 
 if TYPE_CHECKING:
@@ -118,7 +130,6 @@ class UpConfig(BaseModel):
 
     @property
     def dataset_uri(self) -> str:
-        from bucketrl.tasks.toy import DEFAULT_TASK
 
         return self.dataset or f"toy:{DEFAULT_TASK}"
 
@@ -145,7 +156,6 @@ class UpConfig(BaseModel):
 
     @property
     def restart_policy(self) -> RestartPolicy:
-        from bucketrl.up.processes import RestartPolicy
 
         return RestartPolicy(self.restart_max_deaths, self.restart_window_s)
 
@@ -155,7 +165,6 @@ class UpConfig(BaseModel):
         return self.engine
 
     def effective_max_steps(self) -> int:
-        from bucketrl.tasks.toy import DEMO_MAX_STEPS, TOOLS_DEMO_MAX_STEPS
 
         if self.max_steps:
             return self.max_steps
@@ -164,7 +173,6 @@ class UpConfig(BaseModel):
         return 200
 
     def effective_lr(self) -> float:
-        from bucketrl.tasks.toy import DEMO_LR
 
         return self.lr or (DEMO_LR if self.is_demo else 1e-5)
 
@@ -219,8 +227,6 @@ def build_run_spec(
     Starts from ``--run-spec`` when given, else from the toy task's spec (or common GRPO defaults for a real
     dataset); every option given overrides. ``vocab_size`` / ``max_new_tokens``: what the preflight found in
     the model (used when neither the file nor an option sets them)."""
-    from bucketrl.tasks.tiny_model import VOCAB_SIZE
-    from bucketrl.tasks.toy import DEFAULT_SIZE, TASKS, default_run_spec
 
     given = _read_run_spec(cfg.run_spec) if cfg.run_spec is not None else {}
     uri = cfg.dataset or (given.get("dataset") or {}).get("uri") or cfg.dataset_uri
@@ -318,7 +324,6 @@ def max_new_tokens_given(cfg: UpConfig) -> bool:
 
 
 def _validate(spec: dict[str, Any]) -> None:
-    from bucketrl.wire import RunSpec
 
     probe = json.loads(json.dumps(spec))
     probe["dataset"].setdefault("size", 1)

@@ -20,11 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.live import Live
 
 from bucketrl.preflight import CONFIG_ERROR_PREFIX, EXIT_CONFIG
 from bucketrl.status_cli import record_last_up
+from bucketrl.up import report
 from bucketrl.up.cluster import LocalCluster
 from bucketrl.up.config import UpConfig
+from bucketrl.up.live import render, reward_errors
+from bucketrl.up.synclatency import measure
 from bucketrl.up.watch import RunWatcher
 
 TRAINER_FATAL = {3: "fenced by a newer trainer"}
@@ -110,8 +114,6 @@ def _final_report(
     cfg: UpConfig, cluster: LocalCluster, watcher: RunWatcher, console: Console, code: int, wall: float
 ) -> None:
     """The summary table, summary.json, plots and the final adapter's location, with how to resume."""
-    from bucketrl.up import report
-    from bucketrl.up.synclatency import measure
 
     # After a configuration error the same command fails the same way: say what a rerun needs.
     resume = (
@@ -151,7 +153,6 @@ def _states(cluster: LocalCluster) -> dict[str, str]:
 def _supervise(
     cluster: LocalCluster, watcher: RunWatcher, stop: _Stop, console: Console, live: bool, started: float
 ) -> int:
-    from bucketrl.up.live import render
 
     cfg = cluster.cfg
     policy = cfg.restart_policy
@@ -172,8 +173,6 @@ def _supervise(
 
     live_ctx: Any = contextlib.nullcontext()
     if live:
-        from rich.live import Live
-
         # auto_refresh off: no refresh thread in this process (children are forked from it).
         live_ctx = Live(view(), console=console, auto_refresh=False, transient=False)
     with live_ctx as lv:
@@ -252,7 +251,6 @@ def _config_stop(cluster: LocalCluster, name: str, console: Console) -> int:
 
 def _print_line(console: Console, watcher: RunWatcher, max_steps: int) -> None:
     """One progress line (--no-live): the step and key figures, or each service's phase while it starts."""
-    from bucketrl.up.live import reward_errors
 
     s = watcher.status
     if s is None:

@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from rich.table import Table
 
 from bucketrl.up.live import reward_errors
 from bucketrl.up.synclatency import SyncLatency
 from bucketrl.up.watch import RunWatcher
-
-if TYPE_CHECKING:
-    from rich.table import Table
 
 WINDOW = 20  # the "first/last 20 steps" of the demo target
 STARTUP_STEPS = 3  # left out of the summary's averages (start-up is not the steady state)
@@ -147,8 +146,6 @@ def counter_total(values: list[float]) -> float:
 
 
 def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary") -> Table:
-    from rich.table import Table
-
     def fmt(v: Any, unit: str = "", digits: int = 3) -> str:
         if v is None:
             return "–"

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import msgpack
+import numpy as np
 from pydantic import BaseModel
 from pydantic_core import PydanticCustomError, core_schema
 
@@ -45,17 +46,6 @@ KEEP_ARRAYS = {"packed_arrays": "keep"}
 
 
 _SIZES = {EXT_INT32: 4, EXT_FLOAT32: 4, EXT_FLOAT64: 8}
-_numpy: Any = None
-
-
-def _np() -> Any:
-    # numpy is imported on first use: the CLI and plain-list models never pay its import.
-    global _numpy
-    if _numpy is None:
-        import numpy
-
-        _numpy = numpy
-    return _numpy
 
 
 @dataclass(frozen=True)
@@ -97,7 +87,6 @@ class NumericArray:
             want = "int32" if self.kind == "int" else "float32 or float64"
             got = _NAMES.get(ext.code, f"msgpack ext type {ext.code}")
             raise PydanticCustomError("packed_array", f"a packed {got} array; {name} must be {want}")
-        np = _numpy or _np()
         size = _SIZES[ext.code]
         if len(ext.data) % size:
             raise PydanticCustomError(
@@ -144,7 +133,6 @@ def validate_keeping_arrays(model: type[M], obj: Any) -> M:
 
 
 def _values_ok(deferred: list[tuple[NumericArray, Any]]) -> bool:
-    np = _np()
     non_negative = [a for rule, a in deferred if rule.non_negative and len(a)]
     if non_negative and np.concatenate(non_negative).min() < 0:
         return False
@@ -166,7 +154,6 @@ def all_finite_non_positive(values: list[float]) -> bool:
 def pack_array(values: Any, kind: Literal["int", "float"]) -> Any:
     """One array as a msgpack ext object; the plain list when it cannot be packed exactly (an int outside
     int32 or a non-number: the receiver then refuses it with its usual message)."""
-    np = _np()
     try:
         if kind == "int":
             arr = np.asarray(values, dtype=np.int64)

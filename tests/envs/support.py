@@ -10,11 +10,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bucketrl.datasets import Example
-from bucketrl.envs.episodes import GroupRun
 from bucketrl.envs.service import EpisodeService
-from bucketrl.generator.engines.base import make_engine
+from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.rollout.episodes import GroupRun
+from bucketrl.rollout.example import Example
 from bucketrl.wire import EpisodeSpec, PromptLeaseItem, RunSpec, SamplingSpec
 from tests.generator.helpers import run_spec
 

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from bucketrl.datasets import Example
-from bucketrl.envs.episodes import GroupRun
+from bucketrl.rollout.episodes import GroupRun
+from bucketrl.rollout.example import Example
 from tests.envs.support import TOKEN, Harness, episode_spec, harness
 
 EXAMPLE = Example(index=3, prompt="q?", answer="odd")

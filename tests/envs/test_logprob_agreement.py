@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bucketrl.datasets import Example
 from bucketrl.generator.episode_groups import episode_group
 from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.rollout.example import Example
 from bucketrl.trainer.model import PolicyModel
 from bucketrl.trainer.recompute import model_token_gaps
 from bucketrl.wire import PromptLeaseItem, SamplingSpec

@@ -9,7 +9,7 @@ import pytest
 
 from bucketrl.envs.parsers import parse, parse_bang, parse_hermes
 from bucketrl.envs.templates import render, tool_syntax
-from bucketrl.envs.trajectory import Turn, build_samples
+from bucketrl.rollout.trajectory import Turn, build_samples
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
 # A Hermes-style template (what Qwen2.5's does with tools, shortened): calls as <tool_call> JSON, re-serialised.

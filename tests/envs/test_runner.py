@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bucketrl.datasets import Example
-from bucketrl.envs.protocol import make_env
+from bucketrl.envs.loader import make_env
 from bucketrl.envs.tools import tool_schema
+from bucketrl.rollout.example import Example
+from bucketrl.sim import engine as sim_engine
 from tests.envs.env_fixtures import add
 from tests.envs.support import episode_spec, harness
 
@@ -107,6 +108,7 @@ def test_the_sim_engine_serves_episodes(tiny_model_dir: Path, adapter_dir: Path)
     """BUCKETRL_ENGINE=sim (scale benchmarks) behind the endpoint: well-formed turns, recorded like any other."""
     from bucketrl.generator.settings import GeneratorSettings
 
+    sim_engine.register()
     env = make_env("tests.envs.env_fixtures:Chatty", {})
     spec = episode_spec(tiny_model_dir)
     with harness(tiny_model_dir, adapter_dir, spec, env, engine=GeneratorSettings(engine="sim", seed=0)) as h:

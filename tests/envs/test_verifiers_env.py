@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from bucketrl import errors
-from bucketrl.datasets import Example
-from bucketrl.envs.episodes import Episode, GroupRun
-from bucketrl.envs.protocol import make_env
+from bucketrl.envs.loader import make_env
 from bucketrl.generator.episode_groups import episode_group
+from bucketrl.rollout.episodes import Episode, GroupRun
+from bucketrl.rollout.example import Example
 from bucketrl.wire import PromptLeaseItem
 from tests.envs.support import Harness, episode_spec, harness
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bucketrl import errors
-from bucketrl.generator.engines.base import Sample
+from bucketrl.rollout.engine import SampledCompletion
 from bucketrl.tasks.tiny_model import EOS, vocab
 from bucketrl.wire import SamplingSpec
 from tests.generator.helpers import teacher_forced_logprobs
@@ -24,7 +24,7 @@ PROMPTS = [[vocab()[c] for c in text] for text in ("1+2=", "a quick test: ", "99
 G = 4
 
 
-def check_well_formed(groups: list[list[Sample]], n_prompts: int, n: int, max_new: int) -> None:
+def check_well_formed(groups: list[list[SampledCompletion]], n_prompts: int, n: int, max_new: int) -> None:
     assert len(groups) == n_prompts
     for group in groups:
         assert len(group) == n
@@ -40,7 +40,9 @@ def check_well_formed(groups: list[list[Sample]], n_prompts: int, n: int, max_ne
                 assert s.finish_reason == "length" and len(s.token_ids) == max_new
 
 
-def max_logprob_gap(model_dir: Path, adapter_dir: Path, groups: list[list[Sample]], sampling: SamplingSpec) -> float:
+def max_logprob_gap(
+    model_dir: Path, adapter_dir: Path, groups: list[list[SampledCompletion]], sampling: SamplingSpec
+) -> float:
     gap = 0.0
     for prompt, group in zip(PROMPTS, groups, strict=True):
         for s in group:

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from bucketrl import errors
-from bucketrl.generator.engines.base import check_reproducible, make_engine, vllm_lora_rank
+from bucketrl.generator.engines.base import check_reproducible, vllm_lora_rank
+from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.wire import SamplingSpec
 from tests.generator.engine_suite import PROMPTS, EngineBehaviour, max_logprob_gap

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from bucketrl import errors
-from bucketrl.generator.engines.base import make_engine
+from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.tarball import pack_dir
 from bucketrl.wire import SamplingSpec

@@ -9,16 +9,18 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bucketrl import errors
-from bucketrl.generator.engines.base import make_engine
-from bucketrl.generator.engines.sim_engine import POLL_S, SimEngine
+from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import well_formed
+from bucketrl.sim.engine import POLL_S, SimEngine, register
 from bucketrl.sim.gpu import SimGpu, simulate_call
 from bucketrl.wire import Completion, RolloutBatch, RolloutGroup, RunSpec
 
@@ -180,5 +182,37 @@ def test_adapter_rules(tmp_path: Path) -> None:
 
 
 def test_make_engine_builds_the_sim_engine_from_settings() -> None:
+    register()  # the bucketrl command does it: production code never imports the simulation
     eng = make_engine(GeneratorSettings(engine="sim", max_model_len=256), _spec())
     assert isinstance(eng, SimEngine) and eng.name == "sim" and eng.max_model_len == 256
+
+
+def test_the_sim_engine_exists_only_once_the_simulation_registered_it() -> None:
+    """Production code never imports bucketrl.sim: a generator process knows BUCKETRL_ENGINE=sim only once
+    something above the generator registered it, which the ``bucketrl`` command does (fresh interpreters, so no
+    other test's registration counts)."""
+    code = (
+        "import sys\n"
+        "from bucketrl import errors\n"
+        "from bucketrl.generator.engines.factory import make_engine\n"
+        "from bucketrl.generator.settings import GeneratorSettings\n"
+        "from bucketrl.generator.worker import GeneratorWorker\n"
+        "from bucketrl.wire import RunSpec\n"
+        "assert not [m for m in sys.modules if m.startswith('bucketrl.sim')], 'the generator imported bucketrl.sim'\n"
+        "settings, spec = GeneratorSettings(engine='sim'), RunSpec.model_validate_json(sys.argv[2])\n"
+        "if sys.argv[1] == 'cli':\n"
+        "    import bucketrl.cli\n"
+        "    print(type(make_engine(settings, spec)).__name__)\n"
+        "else:\n"
+        "    try:\n"
+        "        make_engine(settings, spec)\n"
+        "    except errors.Invalid as exc:\n"
+        "        print(exc.message)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    run = [sys.executable, "-c", code]
+    spec = _spec().model_dump_json()
+    bare = subprocess.run([*run, "bare", spec], cwd=root, capture_output=True, text=True, check=True, timeout=60).stdout
+    assert "BUCKETRL_ENGINE=sim is not registered" in bare and "bucketrl.sim.engine.register()" in bare
+    cli = subprocess.run([*run, "cli", spec], cwd=root, capture_output=True, text=True, check=True, timeout=60).stdout
+    assert cli.strip() == "SimEngine"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from bucketrl.sim import engine as sim_engine
 from bucketrl.tarball import pack_dir
 from tests.generator.helpers import make_adapter
 from tests.generator.worker_support import Consumer, create_run, running_worker, worker_settings
@@ -28,6 +29,7 @@ def test_generator_worker_runs_on_the_sim_engine(proxy: ProxyHarness, tiny_model
     adapters = {v: make_adapter(tiny_model_dir, tmp_path / f"v{v}", seed=v) for v in (1, 2)}
     trainer, spec = create_run(proxy, "s1", tiny_model_dir, adapters[1])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    sim_engine.register()
     with running_worker(worker_settings(proxy, "s1", "gen-sim", engine="sim")), Consumer(trainer) as consumer:
         first = consumer.wait_for(lambda ds: sum(len(d.groups) for d in ds) >= 4, 120)
         trainer.publish_adapter(2, pack_dir(adapters[2]))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bucketrl.generator.engines.base import make_engine
+from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.trainer.batching import make_micro_batches
 from bucketrl.trainer.learner import MISMATCH_PREFIX, Learner, StepGroup

@@ -12,7 +12,8 @@ import pytest
 from bucketrl import errors
 from bucketrl.datasets import parse_jsonl, prompt_token_ids
 from bucketrl.preflight import ConfigError, check_context, default_max_new_tokens, lora_targets
-from bucketrl.rewards import RewardItem, RewardPool, classify_reward
+from bucketrl.rewards import RewardItem, RewardPool
+from bucketrl.rollout.reward_kinds import classify_reward
 from bucketrl.up.report import summarize, windows
 from bucketrl.up.watch import RunWatcher
 from bucketrl.wire import DatasetSpec, RewardSpec

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors
-from bucketrl.generator.engines.base import Sample
+from bucketrl.logprobs import process_logits, sampled_token_logprobs
+from bucketrl.rollout.engine import SampledCompletion
 
 if TYPE_CHECKING:
     from bucketrl.generator.settings import GeneratorSettings
@@ -112,7 +113,7 @@ class TransformersEngine:
         n: int,
         sampling: SamplingSpec,
         while_running: Callable[[], None] | None = None,
-    ) -> list[list[Sample]]:
+    ) -> list[list[SampledCompletion]]:
         if adapter not in self._adapters:
             raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._adapters)})")
         if while_running is not None:
@@ -144,9 +145,8 @@ class TransformersEngine:
 
     def _sample(
         self, prompts: list[list[int]], n: int, sampling: SamplingSpec, poll: Callable[[], None] | None = None
-    ) -> list[list[Sample]]:
+    ) -> list[list[SampledCompletion]]:
         torch = self._torch
-        from bucketrl.logprobs import process_logits, sampled_token_logprobs
 
         dev = self.device
         b = len(prompts)
@@ -206,7 +206,7 @@ class TransformersEngine:
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
-        samples = [Sample(tokens[r], logps[r], reasons[r]) for r in range(rows)]  # type: ignore[arg-type]
+        samples = [SampledCompletion(tokens[r], logps[r], reasons[r]) for r in range(rows)]  # type: ignore[arg-type]
         return [samples[i * n : (i + 1) * n] for i in range(b)]
 
     def close(self) -> None:

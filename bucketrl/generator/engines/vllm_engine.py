@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors
-from bucketrl.generator.engines.base import FinishReason, Sample, vllm_lora_rank
+from bucketrl.generator.engines.base import vllm_lora_rank
+from bucketrl.rollout.engine import FinishReason, SampledCompletion
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
@@ -145,7 +146,7 @@ class VLLMEngine:
         n: int,
         sampling: SamplingSpec,
         while_running: Callable[[], None] | None = None,
-    ) -> list[list[Sample]]:
+    ) -> list[list[SampledCompletion]]:
         req = self._requests.get(adapter)
         if req is None:
             raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._requests)})")
@@ -196,11 +197,11 @@ class VLLMEngine:
         return outs
 
     @staticmethod
-    def _sample(c: Any) -> Sample:
+    def _sample(c: Any) -> SampledCompletion:
         token_ids = list(c.token_ids)
         logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, c.logprobs, strict=True)]
         reason: FinishReason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-        return Sample(token_ids, logprobs, reason)
+        return SampledCompletion(token_ids, logprobs, reason)
 
     def close(self) -> None:
         # None once closed (nothing calls the engine after close()); mypy knows the attribute as the live LLM.

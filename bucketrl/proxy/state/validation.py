@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from bucketrl import errors
 from bucketrl.proxy.state import prompts
 from bucketrl.wire import Completion, RolloutBatch, RolloutGroup, RunSpec
@@ -135,8 +137,6 @@ def _check_vocab(ids: list[int], vocab: int, where: str, comp: Completion | None
 def _all_below(arrays: list[Any], bound: int) -> bool:
     """Every item of every list or numpy array (a packed field kept as one) is below ``bound``."""
     if all(hasattr(a, "max") for a in arrays):
-        import numpy as np
-
         return int(np.concatenate(arrays).max()) < bound
     return max(_max(a) for a in arrays) < bound
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bucketrl.generator.engines.base import FinishReason
+from bucketrl.rollout.engine import FinishReason
 
 Segments = list[tuple[str, list[int], list[float] | None]]
 
@@ -28,15 +28,17 @@ class Turn:
 
 
 @dataclass
-class Sample:
+class TrajectorySample:
+    """One trainable sequence cut from an episode's turns: a prompt, then model and env segments."""
+
     prompt_ids: list[int]
     segments: Segments = field(default_factory=list)
     seq_len: int = 0  # prompt + segments
 
 
-def build_samples(turns: list[Turn]) -> list[Sample]:
+def build_samples(turns: list[Turn]) -> list[TrajectorySample]:
     """The turns (in call order) as samples; empty completions add nothing."""
-    samples: list[Sample] = []
+    samples: list[TrajectorySample] = []
     seq: list[int] = []
     for t in turns:
         if not t.completion_ids:
@@ -47,7 +49,7 @@ def build_samples(turns: list[Turn]) -> list[Sample]:
             if gap:
                 cur.segments.append(("env", list(gap), None))
         else:
-            cur = Sample(list(t.prompt_ids))
+            cur = TrajectorySample(list(t.prompt_ids))
             samples.append(cur)
         cur.segments.append(("model", list(t.completion_ids), [min(lp, 0.0) for lp in t.logprobs]))
         seq = [*t.prompt_ids, *t.completion_ids]

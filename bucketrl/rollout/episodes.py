@@ -2,7 +2,7 @@
 
 An :class:`Episode` is one of the G episodes of a prompt's :class:`GroupRun`. It is pinned to the policy version
 its group started with (the model name ``{run}-v{N}:{episode_id}`` names both, and every call must send exactly
-that name), records its model turns (:mod:`bucketrl.envs.trajectory`) and statistics, and is closed exactly once:
+that name), records its model turns (:mod:`bucketrl.rollout.trajectory`) and statistics, and is closed exactly once:
 with a reward, with "score me with the run's reward function", or with an error (kind + message, reward null).
 Nothing is recorded into a closed episode. A group is done when all of its episodes are closed.
 """
@@ -15,13 +15,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from bucketrl.datasets import Example
-from bucketrl.envs.trajectory import Sample, Turn, build_samples
-from bucketrl.rewards import classify_reward
+from bucketrl.rollout.example import Example
+from bucketrl.rollout.reward_kinds import classify_reward
+from bucketrl.rollout.trajectory import TrajectorySample, Turn, build_samples
 from bucketrl.wire import PromptLeaseItem, SamplingSpec
 
 # Why an episode has no reward (a group's ``reward_errors`` keys, the metrics' ``episode/failed_<kind>_total``).
-# The reward-value kinds of bucketrl.rewards (non_numeric, non_finite, none) apply too.
+# The reward-value kinds of bucketrl.rollout.reward_kinds (non_numeric, non_finite, none) apply too.
 EPISODE_FAILURES = ("exception", "timeout", "turn_limit", "model", "context", "agent")
 
 
@@ -111,7 +111,7 @@ class Episode:
             return "abort"
         return self.turns[-1].finish_reason
 
-    def samples(self) -> list[Sample]:
+    def samples(self) -> list[TrajectorySample]:
         return build_samples(self.turns)
 
 

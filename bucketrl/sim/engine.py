@@ -10,6 +10,9 @@ does not).
 
 Loading an adapter checks the directory the worker unpacked (``adapter_config.json`` present) and takes
 ``load_adapter_s``. ``clock`` and ``sleep`` are injectable so tests can check the timing model exactly.
+
+The generator knows it only once :func:`register` ran (the ``bucketrl`` command calls it; so do the tests that
+run a generator on it): production code never imports the simulation.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from bucketrl import errors
-from bucketrl.generator.engines.base import Sample
+from bucketrl.generator.engines.factory import register_engine
+from bucketrl.rollout.engine import SampledCompletion
 from bucketrl.sim.gpu import SimGpu, simulate_call
 
 if TYPE_CHECKING:
@@ -80,7 +84,7 @@ class SimEngine:
         n: int,
         sampling: SamplingSpec,
         while_running: Callable[[], None] | None = None,
-    ) -> list[list[Sample]]:
+    ) -> list[list[SampledCompletion]]:
         if adapter not in self._adapters:
             raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._adapters)})")
         if while_running is not None:
@@ -96,7 +100,7 @@ class SimEngine:
             vocab_size=self.vocab_size,
         )
         self._wait(call.seconds, while_running)
-        return [[Sample(s.token_ids, s.logprobs, s.finish_reason) for s in group] for group in call.samples]  # type: ignore[arg-type]
+        return [[SampledCompletion(s.token_ids, s.logprobs, s.finish_reason) for s in group] for group in call.samples]  # type: ignore[arg-type]
 
     def _wait(self, seconds: float, hook: Callable[[], None] | None) -> None:
         """Spend ``seconds`` as the GPU would, calling ``hook`` every POLL_S meanwhile (between 'steps')."""
@@ -109,3 +113,8 @@ class SimEngine:
 
     def close(self) -> None:
         self._adapters.clear()
+
+
+def register() -> None:
+    """Make ``BUCKETRL_ENGINE=sim`` build a :class:`SimEngine` in this process."""
+    register_engine("sim", lambda settings, spec, _model: SimEngine(settings=settings, spec=spec))

@@ -1,0 +1,74 @@
+"""The engine seam: what the generator's loop and the environments' endpoint need from an inference engine.
+
+    groups = engine.generate([[5, 6, 7]], adapter="demo-v3", n=8, sampling=spec.sampling)
+    groups[0][0].token_ids, groups[0][0].logprobs, groups[0][0].finish_reason
+
+The engines themselves, the factory that builds one and the sampling checks live in
+:mod:`bucketrl.generator.engines`. Engines are not thread-safe: the worker calls every method from one thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from bucketrl.wire import SamplingSpec
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SampledCompletion:
+    """One completion an engine sampled: token ids, their behaviour logprobs (same length) and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+class Engine(Protocol):
+    """An inference engine with several LoRA adapters resident, each under a name that never changes meaning."""
+
+    name: str
+    # Longest prompt + completion; the worker truncates prompts from the left to leave max_new_tokens.
+    max_model_len: int
+
+    def load_adapter(self, name: str, version: int, path: str | Path) -> None:
+        """Make the PEFT adapter directory ``path`` available as ``name`` (``{run}-v{N}``, id ``version``).
+
+        Called between generate calls; adapters already loaded stay usable.
+        """
+        ...
+
+    def unload_adapter(self, name: str) -> None:
+        """Free ``name``. Called only once no in-flight work uses it."""
+        ...
+
+    def loaded_adapters(self) -> list[str]:
+        """Names currently resident."""
+        ...
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        adapter: str,
+        n: int,
+        sampling: SamplingSpec,
+        while_running: Callable[[], None] | None = None,
+    ) -> list[list[SampledCompletion]]:
+        """Sample ``n`` completions for each prompt (one request with n=G per prompt); result[i] has n samples.
+
+        ``while_running`` is called once the requests are queued and then between steps, at most every
+        ``POLL_S``: vLLM samples meanwhile (its engine core runs in another process), the transformers engine
+        between its decode steps, so the worker loads the next adapter version without waiting for the call
+        to end. Every completion of the call is still sampled from ``adapter``.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the engine's memory and processes."""
+        ...

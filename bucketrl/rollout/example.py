@@ -1,0 +1,19 @@
+"""One row of a run's dataset as every worker sees it (:mod:`bucketrl.datasets` loads them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Example:
+    index: int
+    # The text the reward function gets as ``prompt``: the row's prompt, or a chat row's last user turn.
+    prompt: str
+    answer: str | None
+    # Chat format: the conversation up to the policy's turn ({"role", "content"} dicts), rendered through the
+    # model's chat template; None for a plain-text prompt.
+    messages: tuple[tuple[str, str], ...] | None = None
+
+    def chat(self) -> list[dict[str, str]] | None:
+        return None if self.messages is None else [{"role": r, "content": c} for r, c in self.messages]

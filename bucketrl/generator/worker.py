@@ -45,7 +45,7 @@ from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
 from bucketrl.rewards import RewardItem, RewardPool
-from bucketrl.wire import EvalResult, EvalSample, MetricsPush, PromptLeaseItem, RunSpec
+from bucketrl.wire import EvalResult, EvalSample, MetricsPush, PromptLease, PromptLeaseItem, PromptLeaseRequest, RunSpec
 from bucketrl.wire.runs import DatasetSpec
 
 if TYPE_CHECKING:
@@ -281,7 +281,7 @@ class GeneratorWorker:
                 after = self._budget()
                 n_next = s.prompts_per_request if after is None else min(s.prompts_per_request, after)
                 if n_next > 0 and not self.stop_event.is_set():
-                    self._prefetch = (self._leaser.submit(self._lease_prompts, n_next), n_next)
+                    self._prefetch = (self._lease_next(n_next), n_next)
                 self._sample_and_hand_over(slot, prompts)
                 # At most one eval batch (greedy: one sample per prompt, against G per training prompt) per
                 # training batch, so an evaluated version is done while it is loaded, without starving training.
@@ -317,6 +317,35 @@ class GeneratorWorker:
             except TimeoutError:
                 self._sync_versions()
 
+    def _lease_next(self, n: int) -> Future[list[PromptLeaseItem]]:
+        """The next call's prompts, leased by the submit of a batch waiting to go out when there is one (one
+        request per call instead of two), else (or when that submit leased none) on the leaser thread."""
+        assert self.submitter is not None
+        req = PromptLeaseRequest(
+            worker_id=self.worker_id,
+            n=n,
+            ttl_s=self.settings.prompt_lease_ttl_s,
+            version=self.book.newest_known or None,
+            request_id=uuid.uuid4().hex,
+        )
+        riding = self.submitter.lease_with_next(req)
+        if riding is None:
+            return self._leaser.submit(self._lease_prompts, n)
+
+        def after_submit() -> list[PromptLeaseItem]:
+            # Answered by the submitter, whatever becomes of its batch. A stopping worker does not wait for a
+            # submit held back by the queue: prompts it leases later are in the ledger, released at shutdown.
+            while True:
+                try:
+                    lease = riding.result(timeout=0.2)
+                    break
+                except TimeoutError:
+                    if self.stop_event.is_set():
+                        return []
+            return self._lease_prompts(n) if lease is None or not lease.prompts else self._took(lease)
+
+        return self._leaser.submit(after_submit)
+
     def _lease_prompts(self, n: int) -> list[PromptLeaseItem]:
         assert self.submitter is not None
         s = self.settings
@@ -349,6 +378,11 @@ class GeneratorWorker:
             return []
         if lease.waited_s > 0:
             self.metrics.backpressure(lease.waited_s)
+        return self._took(lease)
+
+    def _took(self, lease: PromptLease) -> list[PromptLeaseItem]:
+        """A lease's prompts this worker can sample (in flight from now); any beyond the dataset released."""
+        assert self.submitter is not None
         self.ledger.add(lease.prompts)
         bad = [p for p in lease.prompts if p.index >= len(self.examples)]
         if bad:

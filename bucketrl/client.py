@@ -59,6 +59,7 @@ from bucketrl.wire import (
     packed,
 )
 from bucketrl.wire.datasets import DatasetInfo
+from bucketrl.wire.metrics import Renewed
 from bucketrl.wire.trainer import TrainerRegisterRequest
 
 M = TypeVar("M", bound=BaseModel)
@@ -514,14 +515,18 @@ class ProxyClient:
 
     # -- observability ------------------------------------------------------------------------------
 
-    def push_metrics(self, push: MetricsPush) -> None:
+    def push_metrics(self, push: MetricsPush) -> Renewed | None:
         """Numbered (this client's session, next seq) unless the caller did: its retries are recorded once, and
-        one that arrives after a newer push is not recorded at all."""
+        one that arrives after a newer push is not recorded at all. Returns what ``push.renew`` renewed; None
+        without it, or from an older proxy (which ignored it: renew on the renew routes then)."""
         if push.seq is None:
             push = push.model_copy(update={"session": self._push_session, "seq": next(self._push_seq)})
-        self._request(
+        resp = self._request(
             "POST", self._path("/metrics"), content=push.model_dump_json(), headers={"Content-Type": "application/json"}
         )
+        if push.renew is None or resp.status_code != 200 or not resp.content:
+            return None
+        return Renewed.model_validate(resp.json())
 
     def status(self) -> RunStatus:
         return self._json("GET", self._path("/status"), RunStatus)

@@ -46,6 +46,7 @@ from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
 from bucketrl.rewards import RewardItem, RewardPool
 from bucketrl.wire import EvalResult, EvalSample, MetricsPush, PromptLease, PromptLeaseItem, PromptLeaseRequest, RunSpec
+from bucketrl.wire.metrics import Renewals, Renewed
 from bucketrl.wire.runs import DatasetSpec
 
 if TYPE_CHECKING:
@@ -663,10 +664,11 @@ class GeneratorWorker:
         period = min(s.metrics_interval_s, s.version_lease_ttl_s / 3, s.prompt_lease_ttl_s / 3)
         last_push = 0.0
         while not self.stop_event.wait(period):
-            self._renew_leases()
             if time.monotonic() - last_push >= s.metrics_interval_s:
-                self.push_metrics()
                 last_push = time.monotonic()
+                if self.push_metrics(renew=True):
+                    continue  # the renewals rode on the heartbeat: one request instead of three
+            self._renew_leases()
 
     def _renew_leases(self) -> None:
         s = self.settings
@@ -674,28 +676,58 @@ class GeneratorWorker:
             try:
                 self.client.renew_lease(lease_id, ttl_s=s.version_lease_ttl_s)
             except errors.Gone:
-                try:  # expired (a long stall): lease the same version again if it still exists
-                    fresh = self.client.lease_version(self.worker_id, version, s.version_lease_ttl_s)
-                    if not self.book.replace_lease(version, lease_id, fresh.lease_id):
-                        self._release_version_lease(fresh.lease_id)  # released on purpose meanwhile
-                except errors.BucketRLError as exc:
-                    log.warning("version %d lease lost: %s", version, exc.message)
+                self._version_lease_expired(version, lease_id)
             except errors.BucketRLError as exc:
                 log.warning("renewing version %d lease: %s", version, exc.message)
         ids = self.ledger.ids()
         if ids:
             try:
                 renewed = self.client.renew_prompts(self.worker_id, ids, ttl_s=s.prompt_lease_ttl_s)
-                # Ids submitted meanwhile are complete, not lost: only those still held count.
-                lost = (set(ids) - {p.prompt_id for p in renewed.prompts}) & set(self.ledger.ids())
-                if lost:
-                    log.warning("%d prompt lease(s) had expired; the proxy may issue them again", len(lost))
+                self._prompts_renewed(ids, renewed)
             except errors.Gone:
                 log.warning("all %d prompt leases had expired", len(ids))
             except errors.BucketRLError as exc:
                 log.warning("renewing prompt leases: %s", exc.message)
 
-    def push_metrics(self) -> None:
+    def _version_lease_expired(self, version: int, lease_id: str) -> None:
+        """Expired (a long stall): lease the same version again if it still exists."""
+        s = self.settings
+        try:
+            fresh = self.client.lease_version(self.worker_id, version, s.version_lease_ttl_s)
+            if not self.book.replace_lease(version, lease_id, fresh.lease_id):
+                self._release_version_lease(fresh.lease_id)  # released on purpose meanwhile
+        except errors.BucketRLError as exc:
+            log.warning("version %d lease lost: %s", version, exc.message)
+
+    def _prompts_renewed(self, ids: list[str], renewed: PromptLease) -> None:
+        # Ids submitted meanwhile are complete, not lost: only those still held count.
+        lost = (set(ids) - {p.prompt_id for p in renewed.prompts}) & set(self.ledger.ids())
+        if lost:
+            log.warning("%d prompt lease(s) had expired; the proxy may issue them again", len(lost))
+
+    def _renewals(self) -> tuple[dict[int, str], Renewals]:
+        s = self.settings
+        held = self.book.leases()
+        return held, Renewals(
+            version_leases=list(held.values()),
+            version_ttl_s=s.version_lease_ttl_s,
+            prompt_ids=self.ledger.ids(),
+            prompt_ttl_s=s.prompt_lease_ttl_s,
+        )
+
+    def _renewed(self, held: dict[int, str], sent: Renewals, got: Renewed) -> None:
+        for version, lease_id in held.items():
+            if lease_id in got.versions and got.versions[lease_id] is None:
+                self._version_lease_expired(version, lease_id)
+        if sent.prompt_ids and got.prompts is not None:
+            if got.prompts.prompts:
+                self._prompts_renewed(sent.prompt_ids, got.prompts)
+            else:
+                log.warning("all %d prompt leases had expired", len(sent.prompt_ids))
+
+    def push_metrics(self, *, renew: bool = False) -> bool:
+        """Push the heartbeat; ``renew``: with the leases to renew. True when the proxy renewed them (an older
+        proxy ignores them, a failed push renewed nothing: the caller renews on the renew routes then)."""
         if self.phase not in ("stopping",):
             self.phase = "generating" if self.book.current() is not None else "waiting for the first version"
         push = MetricsPush(
@@ -711,10 +743,20 @@ class GeneratorWorker:
             ),
             samples=self.metrics.take_samples() or None,
         )
+        held, renewals = self._renewals() if renew else ({}, None)
+        if renewals is not None and (renewals.version_leases or renewals.prompt_ids):
+            push.renew = renewals
         try:
-            self.client.push_metrics(push)
+            got = self.client.push_metrics(push)
         except errors.BucketRLError as exc:
             log.warning("metrics push failed: %s", exc.message)
+            return False
+        if push.renew is None:
+            return renew  # nothing to renew
+        if got is None:
+            return False
+        self._renewed(held, push.renew, got)
+        return True
 
     # -- shutdown --------------------------------------------------------------------------------------
 

@@ -551,11 +551,14 @@ async def deployed_generator(
     per_submit: int,
     folded: bool,
     call_s: float,
+    keeper_s: float,
 ) -> None:
-    """``--mix deployed``, one generator as ``bucketrl generator`` runs: a version lease held throughout, then per
-    engine call (one every ``call_s``: the sampling time) a lease of ``per_submit`` prompts and one submit of their
-    groups. ``folded`` (issue 21): the submit leases the next call's prompts (``next_prompts``), so a call is one
-    request while admission allows."""
+    """``--mix deployed``, one generator as ``bucketrl generator`` runs: a version lease held throughout; per engine
+    call (one every ``call_s``: the sampling time) one submit of ``per_submit`` groups, the next call's prompts
+    leased meanwhile (held while sampling); and its keeper every ``keeper_s``: renew the version lease, renew the
+    held prompts, push metrics. ``folded`` (issue 21): the submit leases the next call's prompts
+    (``next_prompts``) and the renewals ride on the metrics push (``renew``), so a call is one request and a
+    keeper tick one."""
     worker = f"gen-{i}"
     run = f"/v1/runs/{RUN}"
     gen = auth("generator")
@@ -563,24 +566,30 @@ async def deployed_generator(
     prompts_head = request_head("POST", f"{run}/prompts/lease", json_gen)
     submit_prefix = request_head("POST", f"{run}/rollouts", {**gen, "Content-Type": packer.content_type})
     conn = await RawHttp.connect(port)
+    held: list[dict[str, Any]] = []  # the next call's prompts, renewed by the keeper
+    keeper: asyncio.Task[None] | None = None
+
+    async def lease_prompts() -> list[dict[str, Any]]:
+        body = {"worker_id": worker, "n": per_submit, "ttl_s": 300, "request_id": uuid.uuid4().hex}
+        status, answer = await stats.call(conn, "POST prompts/lease", prompts_head, json.dumps(body).encode())
+        return json.loads(answer)["prompts"] if status == 200 else []
+
     try:
         lease_body = json.dumps({"worker_id": worker, "ttl_s": 600, "request_id": uuid.uuid4().hex}).encode()
         status, answer = await conn.request(request_head("POST", f"{run}/leases", json_gen), lease_body)
         if status != 200:
             raise RuntimeError(f"POST leases -> {status}: {answer[:500]!r}")
         lease = json.loads(answer)
-        items: list[dict[str, Any]] = []
+        keeper = asyncio.create_task(deployed_keeper(worker, port, stats, stop_at, lease, held, folded, keeper_s))
+        held[:] = await lease_prompts()
         due = time.perf_counter() + call_s * random.random()  # the generators' calls spread over one interval
         while time.perf_counter() < stop_at[0]:
             due += call_s
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            if not items:
-                body = {"worker_id": worker, "n": per_submit, "ttl_s": 300, "request_id": uuid.uuid4().hex}
-                status, answer = await stats.call(conn, "POST prompts/lease", prompts_head, json.dumps(body).encode())
-                items = json.loads(answer)["prompts"] if status == 200 else []
-                if not items:
-                    await asyncio.sleep(0.01)  # admission control: the trainer is behind
-                    continue
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))  # sampling
+            items, held[:] = list(held), []  # being submitted: no longer the keeper's to renew
+            if not items:  # admission control refused the last lease: the trainer is behind
+                held[:] = await lease_prompts()
+                continue
             nxt = None
             if folded:
                 nxt = {"worker_id": worker, "n": per_submit, "ttl_s": 300, "request_id": uuid.uuid4().hex}
@@ -592,9 +601,52 @@ async def deployed_generator(
             if status == 202:
                 stats.add("groups_accepted", len(items))
             leased = json.loads(answer).get("prompts") if status == 202 and folded else None
-            items = leased["prompts"] if leased else []
+            held[:] = leased["prompts"] if leased else await lease_prompts()
+        if keeper is not None:
+            await keeper
         release_head = request_head("DELETE", f"{run}/leases/{lease['lease_id']}", gen)
         await conn.request(release_head)
+    finally:
+        if keeper is not None and not keeper.done():
+            keeper.cancel()
+        conn.close()
+
+
+async def deployed_keeper(
+    worker: str,
+    port: int,
+    stats: Stats,
+    stop_at: list[float],
+    lease: dict[str, Any],
+    held: list[dict[str, Any]],
+    folded: bool,
+    every_s: float,
+) -> None:
+    """A generator's keeper (its own connection, as the worker's keeper thread): every ``every_s`` renew the version
+    lease and the held prompts, and push metrics; ``folded``: one push carrying the renewals."""
+    run = f"/v1/runs/{RUN}"
+    json_gen = {**auth("generator"), "Content-Type": "application/json"}
+    renew_head = request_head("POST", f"{run}/leases/{lease['lease_id']}/renew", json_gen)
+    prompts_head = request_head("POST", f"{run}/prompts/renew", json_gen)
+    push_head = request_head("POST", f"{run}/metrics", json_gen)
+    conn = await RawHttp.connect(port)
+    seq = 0
+    try:
+        await asyncio.sleep(every_s * random.random())
+        while time.perf_counter() < stop_at[0]:
+            await asyncio.sleep(every_s)
+            ids = [p["prompt_id"] for p in held]
+            seq += 1
+            push: dict[str, Any] = {"worker_id": worker, "metrics": {"rollout/inflight": float(len(ids))}}
+            push |= {"loaded_versions": [lease["version"]], "phase": "generating", "session": worker, "seq": seq}
+            if folded:
+                push["renew"] = {"version_leases": [lease["lease_id"]], "version_ttl_s": 600, "prompt_ids": ids}
+            else:
+                await stats.call(conn, "POST leases/{id}/renew", renew_head, b'{"ttl_s": 600}')
+                if ids:
+                    body = json.dumps({"worker_id": worker, "prompt_ids": ids, "ttl_s": 300}).encode()
+                    await stats.call(conn, "POST prompts/renew", prompts_head, body)
+            await stats.call(conn, "POST metrics", push_head, json.dumps(push).encode())
     finally:
         conn.close()
 
@@ -734,8 +786,11 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
     elif args.mix == "deployed":
         folded = args.requests == "folded"
         per = args.groups_per_submit
+        # The worker's keeper ticks every 5 s (metrics_interval_s) while a call samples for ~13 s (8 prompts x G=8 on
+        # one GPU): the bench keeps that ratio at its own pace.
+        keeper_s = args.keeper_s if args.keeper_s is not None else args.call_s * 5.0 / 13.0
         tasks = [
-            asyncio.create_task(deployed_generator(i, port, stats, stop_at, packer, per, folded, args.call_s))
+            asyncio.create_task(deployed_generator(i, port, stats, stop_at, packer, per, folded, args.call_s, keeper_s))
             for i in range(args.clients)
         ]
         trainer = deployed_trainer(port, epoch, stats, stop_at, GROUPS_PER_STEP, packer, folded)
@@ -845,6 +900,12 @@ def main() -> None:
         default=0.5,
         help="deployed mix: seconds between a generator's engine calls (its sampling time; paced, so the trainer "
         "keeps up and admission control never refuses)",
+    )
+    parser.add_argument(
+        "--keeper-s",
+        type=float,
+        help="deployed mix: seconds between a generator's keeper ticks (lease renewals + metrics push; default "
+        "call-s x 5/13: the worker's 5-s heartbeat beside a ~13-s engine call)",
     )
     parser.add_argument(
         "--requests",

@@ -567,6 +567,9 @@ async def deployed_generator(
     submit_prefix = request_head("POST", f"{run}/rollouts", {**gen, "Content-Type": packer.content_type})
     conn = await RawHttp.connect(port)
     held: list[dict[str, Any]] = []  # the next call's prompts, renewed by the keeper
+    # A renewal racing the submit of the prompts it names would be answered 410 (none held any more): the worker
+    # logs it; here the keeper and the submit take turns, so that every answer of a run is a 2xx.
+    turn = asyncio.Lock()
     keeper: asyncio.Task[None] | None = None
 
     async def lease_prompts() -> list[dict[str, Any]]:
@@ -580,7 +583,7 @@ async def deployed_generator(
         if status != 200:
             raise RuntimeError(f"POST leases -> {status}: {answer[:500]!r}")
         lease = json.loads(answer)
-        keeper = asyncio.create_task(deployed_keeper(worker, port, stats, stop_at, lease, held, folded, keeper_s))
+        keeper = asyncio.create_task(deployed_keeper(worker, port, stats, stop_at, lease, held, turn, folded, keeper_s))
         held[:] = await lease_prompts()
         due = time.perf_counter() + call_s * random.random()  # the generators' calls spread over one interval
         while time.perf_counter() < stop_at[0]:
@@ -597,7 +600,8 @@ async def deployed_generator(
                 worker, lease["lease_id"], lease["version"], [(p["prompt_id"], p["index"]) for p in items], nxt
             )
             head = submit_prefix + b"Idempotency-Key: %s\r\n" % uuid.uuid4().hex.encode()
-            status, answer = await stats.call(conn, "POST rollouts", head, body)
+            async with turn:
+                status, answer = await stats.call(conn, "POST rollouts", head, body)
             if status == 202:
                 stats.add("groups_accepted", len(items))
             leased = json.loads(answer).get("prompts") if status == 202 and folded else None
@@ -619,6 +623,7 @@ async def deployed_keeper(
     stop_at: list[float],
     lease: dict[str, Any],
     held: list[dict[str, Any]],
+    turn: asyncio.Lock,
     folded: bool,
     every_s: float,
 ) -> None:
@@ -635,18 +640,19 @@ async def deployed_keeper(
         await asyncio.sleep(every_s * random.random())
         while time.perf_counter() < stop_at[0]:
             await asyncio.sleep(every_s)
-            ids = [p["prompt_id"] for p in held]
-            seq += 1
-            push: dict[str, Any] = {"worker_id": worker, "metrics": {"rollout/inflight": float(len(ids))}}
-            push |= {"loaded_versions": [lease["version"]], "phase": "generating", "session": worker, "seq": seq}
-            if folded:
-                push["renew"] = {"version_leases": [lease["lease_id"]], "version_ttl_s": 600, "prompt_ids": ids}
-            else:
-                await stats.call(conn, "POST leases/{id}/renew", renew_head, b'{"ttl_s": 600}')
-                if ids:
-                    body = json.dumps({"worker_id": worker, "prompt_ids": ids, "ttl_s": 300}).encode()
-                    await stats.call(conn, "POST prompts/renew", prompts_head, body)
-            await stats.call(conn, "POST metrics", push_head, json.dumps(push).encode())
+            async with turn:
+                ids = [p["prompt_id"] for p in held]
+                seq += 1
+                push: dict[str, Any] = {"worker_id": worker, "metrics": {"rollout/inflight": float(len(ids))}}
+                push |= {"loaded_versions": [lease["version"]], "phase": "generating", "session": worker, "seq": seq}
+                if folded:
+                    push["renew"] = {"version_leases": [lease["lease_id"]], "version_ttl_s": 600, "prompt_ids": ids}
+                else:
+                    await stats.call(conn, "POST leases/{id}/renew", renew_head, b'{"ttl_s": 600}')
+                    if ids:
+                        body = json.dumps({"worker_id": worker, "prompt_ids": ids, "ttl_s": 300}).encode()
+                        await stats.call(conn, "POST prompts/renew", prompts_head, body)
+                await stats.call(conn, "POST metrics", push_head, json.dumps(push).encode())
     finally:
         conn.close()
 

@@ -98,6 +98,7 @@ TOKENS = {
     "viewer": "bench-view-0123456789abcdef",
 }
 VOCAB = 32_000
+GROUPS_PER_STEP = 64  # the bench run's; the deployed mix's trainer claims a step's groups at a time
 
 
 # -- processes ---------------------------------------------------------------------------------------------
@@ -137,11 +138,14 @@ def start_redis(workdir: Path, fsync: str = "everysec") -> tuple[subprocess.Pope
 
 
 def start_proxy(
-    redis_port: int, bucket: Path, log: Path, profile: Path | None, workers: int = 1
+    redis_port: int, bucket: Path, log: Path, profile: Path | None, workers: int = 1, tree: Path | None = None
 ) -> tuple[subprocess.Popen, int]:
+    """``tree``: the source tree to run the proxy from (its own PYTHONPATH and working directory: ``-m`` puts the
+    working directory first on sys.path)."""
     port = free_port()
     env = {
         **os.environ,
+        **({"PYTHONPATH": str(tree)} if tree is not None else {}),
         "BUCKETRL_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
         "BUCKETRL_BUCKET_URL": f"file://{bucket}",
         "BUCKETRL_TOKENS": ",".join(f"{role}:{tok}" for role, tok in TOKENS.items()),
@@ -149,7 +153,7 @@ def start_proxy(
     python = [sys.executable, "-m", "cProfile", "-o", str(profile)] if profile else [sys.executable]
     cmd = [*python, "-m", "bucketrl.cli", "proxy", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--log-level", "warning", "--workers", str(workers)]
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=tree)
     wait_port(port, proc)
     return proc, port
 
@@ -232,22 +236,39 @@ class BatchPacker:
         self._completions = self._p.pack(completions)
 
     def pack(self, worker_id: str, lease_id: str, version: int, prompt_id: str, index: int) -> bytes:
+        return self.pack_groups(worker_id, lease_id, version, [(prompt_id, index)])
+
+    def pack_groups(
+        self,
+        worker_id: str,
+        lease_id: str,
+        version: int,
+        prompts: list[tuple[str, int]],
+        next_prompts: dict[str, Any] | None = None,
+    ) -> bytes:
+        """One batch of ``len(prompts)`` groups (each the pre-packed completions); ``next_prompts``: the submit
+        also leases these (``RolloutBatch.next_prompts``)."""
         if self.wire == "json":
             head = {"worker_id": worker_id, "lease_id": lease_id, "version": version}
-            group = json.dumps({"prompt_id": prompt_id, "prompt_index": index}).encode()[:-1]
+            if next_prompts is not None:
+                head["next_prompts"] = next_prompts
             prompt, completions = self._json
-            return b'%s, "groups": [%s, "prompt_token_ids": %s, "completions": %s}]}' % (
-                json.dumps(head).encode()[:-1],
-                group,
-                prompt,
-                completions,
+            groups = b",".join(
+                b'%s, "prompt_token_ids": %s, "completions": %s}'
+                % (json.dumps({"prompt_id": pid, "prompt_index": i}).encode()[:-1], prompt, completions)
+                for pid, i in prompts
             )
+            return b'%s, "groups": [%s]}' % (json.dumps(head).encode()[:-1], groups)
         p = self._p
-        group = [p.pack_map_header(4), p.pack("prompt_id"), p.pack(prompt_id), p.pack("prompt_index"), p.pack(index)]
-        group += [p.pack("prompt_token_ids"), self._prompt, p.pack("completions"), self._completions]
-        head = [p.pack_map_header(4), p.pack("worker_id"), p.pack(worker_id), p.pack("lease_id"), p.pack(lease_id)]
-        head += [p.pack("version"), p.pack(version), p.pack("groups"), p.pack_array_header(1)]
-        return b"".join(head + group)
+        head = [p.pack_map_header(4 if next_prompts is None else 5), p.pack("worker_id"), p.pack(worker_id)]
+        head += [p.pack("lease_id"), p.pack(lease_id), p.pack("version"), p.pack(version)]
+        if next_prompts is not None:
+            head += [p.pack("next_prompts"), p.pack(next_prompts)]
+        head += [p.pack("groups"), p.pack_array_header(len(prompts))]
+        for pid, i in prompts:
+            head += [p.pack_map_header(4), p.pack("prompt_id"), p.pack(pid), p.pack("prompt_index"), p.pack(i)]
+            head += [p.pack("prompt_token_ids"), self._prompt, p.pack("completions"), self._completions]
+        return b"".join(head)
 
 
 # -- measuring -----------------------------------------------------------------------------------------------
@@ -282,6 +303,12 @@ class Stats:
     window: tuple[float, float] | None = None
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     statuses: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, name: str, n: int) -> None:
+        """Count ``n`` of ``name`` (groups accepted, acked) while recording."""
+        if self.recording:
+            self.counts[name] += n
 
     async def call(
         self, conn: RawHttp, route: str, head: bytes, body: bytes = b"", pacer: Pacer | None = None
@@ -438,7 +465,9 @@ async def client_loop(
             ids = delivery_ids(status, answer)
             if ids:
                 ack_body = json.dumps({"delivery_ids": ids}).encode()
-                await stats.call(conn, "POST rollouts/ack", ack_head, ack_body, pacer=pacer)
+                status, answer = await stats.call(conn, "POST rollouts/ack", ack_head, ack_body, pacer=pacer)
+                if status == 200:
+                    stats.add("groups_acked", json.loads(answer)["acked"])
     finally:
         conn.close()
 
@@ -490,7 +519,178 @@ async def submit_heavy_trainer(
             status, answer = await stats.call(conn, "POST rollouts/claim", claim_head, claim_body)
             ids = delivery_ids(status, answer)
             if ids:
-                await stats.call(conn, "POST rollouts/ack", ack_head, json.dumps({"delivery_ids": ids}).encode())
+                ack_body = json.dumps({"delivery_ids": ids}).encode()
+                status, answer = await stats.call(conn, "POST rollouts/ack", ack_head, ack_body)
+                if status == 200:
+                    stats.add("groups_acked", json.loads(answer)["acked"])
+    finally:
+        conn.close()
+
+
+# -- the deployed mix: what today's workers send per engine call / per claim ----------------------------------
+ACKED = re.compile(rb'"acked":(\d+)')
+
+
+def claim_answer(status: int, answer: bytes) -> tuple[list[str], int]:
+    """A claim's delivery ids and the ``acked`` its ack counted (0 when it carried none, or an older proxy)."""
+    if status != 200:
+        return [], 0
+    if answer[:1] == b"{":
+        found = ACKED.search(answer)
+        return [m.decode() for m in DELIVERY_ID.findall(answer)], int(found.group(1)) if found else 0
+    got = msgpack.unpackb(answer, raw=False)
+    return [d["delivery_id"] for d in got["deliveries"]], int(got.get("acked") or 0)
+
+
+async def deployed_generator(
+    i: int,
+    port: int,
+    stats: Stats,
+    stop_at: list[float],
+    packer: BatchPacker,
+    per_submit: int,
+    folded: bool,
+    call_s: float,
+    keeper_s: float,
+) -> None:
+    """``--mix deployed``, one generator as ``bucketrl generator`` runs: a version lease held throughout; per engine
+    call (one every ``call_s``: the sampling time) one submit of ``per_submit`` groups, the next call's prompts
+    leased meanwhile (held while sampling); and its keeper every ``keeper_s``: renew the version lease, renew the
+    held prompts, push metrics. ``folded`` (issue 21): the submit leases the next call's prompts
+    (``next_prompts``) and the renewals ride on the metrics push (``renew``), so a call is one request and a
+    keeper tick one."""
+    worker = f"gen-{i}"
+    run = f"/v1/runs/{RUN}"
+    gen = auth("generator")
+    json_gen = {**gen, "Content-Type": "application/json"}
+    prompts_head = request_head("POST", f"{run}/prompts/lease", json_gen)
+    submit_prefix = request_head("POST", f"{run}/rollouts", {**gen, "Content-Type": packer.content_type})
+    conn = await RawHttp.connect(port)
+    held: list[dict[str, Any]] = []  # the next call's prompts, renewed by the keeper
+    # A renewal racing the submit of the prompts it names would be answered 410 (none held any more): the worker
+    # logs it; here the keeper and the submit take turns, so that every answer of a run is a 2xx.
+    turn = asyncio.Lock()
+    keeper: asyncio.Task[None] | None = None
+
+    async def lease_prompts() -> list[dict[str, Any]]:
+        body = {"worker_id": worker, "n": per_submit, "ttl_s": 300, "request_id": uuid.uuid4().hex}
+        status, answer = await stats.call(conn, "POST prompts/lease", prompts_head, json.dumps(body).encode())
+        return json.loads(answer)["prompts"] if status == 200 else []
+
+    try:
+        lease_body = json.dumps({"worker_id": worker, "ttl_s": 600, "request_id": uuid.uuid4().hex}).encode()
+        status, answer = await conn.request(request_head("POST", f"{run}/leases", json_gen), lease_body)
+        if status != 200:
+            raise RuntimeError(f"POST leases -> {status}: {answer[:500]!r}")
+        lease = json.loads(answer)
+        keeper = asyncio.create_task(deployed_keeper(worker, port, stats, stop_at, lease, held, turn, folded, keeper_s))
+        held[:] = await lease_prompts()
+        due = time.perf_counter() + call_s * random.random()  # the generators' calls spread over one interval
+        while time.perf_counter() < stop_at[0]:
+            due += call_s
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))  # sampling
+            items, held[:] = list(held), []  # being submitted: no longer the keeper's to renew
+            if not items:  # admission control refused the last lease: the trainer is behind
+                held[:] = await lease_prompts()
+                continue
+            nxt = None
+            if folded:
+                nxt = {"worker_id": worker, "n": per_submit, "ttl_s": 300, "request_id": uuid.uuid4().hex}
+            body = packer.pack_groups(
+                worker, lease["lease_id"], lease["version"], [(p["prompt_id"], p["index"]) for p in items], nxt
+            )
+            head = submit_prefix + b"Idempotency-Key: %s\r\n" % uuid.uuid4().hex.encode()
+            async with turn:
+                status, answer = await stats.call(conn, "POST rollouts", head, body)
+            if status == 202:
+                stats.add("groups_accepted", len(items))
+            leased = json.loads(answer).get("prompts") if status == 202 and folded else None
+            held[:] = leased["prompts"] if leased else await lease_prompts()
+        if keeper is not None:
+            await keeper
+        release_head = request_head("DELETE", f"{run}/leases/{lease['lease_id']}", gen)
+        await conn.request(release_head)
+    finally:
+        if keeper is not None and not keeper.done():
+            keeper.cancel()
+        conn.close()
+
+
+async def deployed_keeper(
+    worker: str,
+    port: int,
+    stats: Stats,
+    stop_at: list[float],
+    lease: dict[str, Any],
+    held: list[dict[str, Any]],
+    turn: asyncio.Lock,
+    folded: bool,
+    every_s: float,
+) -> None:
+    """A generator's keeper (its own connection, as the worker's keeper thread): every ``every_s`` renew the version
+    lease and the held prompts, and push metrics; ``folded``: one push carrying the renewals."""
+    run = f"/v1/runs/{RUN}"
+    json_gen = {**auth("generator"), "Content-Type": "application/json"}
+    renew_head = request_head("POST", f"{run}/leases/{lease['lease_id']}/renew", json_gen)
+    prompts_head = request_head("POST", f"{run}/prompts/renew", json_gen)
+    push_head = request_head("POST", f"{run}/metrics", json_gen)
+    conn = await RawHttp.connect(port)
+    seq = 0
+    try:
+        await asyncio.sleep(every_s * random.random())
+        while time.perf_counter() < stop_at[0]:
+            await asyncio.sleep(every_s)
+            async with turn:
+                ids = [p["prompt_id"] for p in held]
+                seq += 1
+                push: dict[str, Any] = {"worker_id": worker, "metrics": {"rollout/inflight": float(len(ids))}}
+                push |= {"loaded_versions": [lease["version"]], "phase": "generating", "session": worker, "seq": seq}
+                if folded:
+                    push["renew"] = {"version_leases": [lease["lease_id"]], "version_ttl_s": 600, "prompt_ids": ids}
+                else:
+                    await stats.call(conn, "POST leases/{id}/renew", renew_head, b'{"ttl_s": 600}')
+                    if ids:
+                        body = json.dumps({"worker_id": worker, "prompt_ids": ids, "ttl_s": 300}).encode()
+                        await stats.call(conn, "POST prompts/renew", prompts_head, body)
+                await stats.call(conn, "POST metrics", push_head, json.dumps(push).encode())
+    finally:
+        conn.close()
+
+
+async def deployed_trainer(
+    port: int, epoch: int, stats: Stats, stop_at: list[float], max_groups: int, packer: BatchPacker, folded: bool
+) -> None:
+    """``--mix deployed``, the trainer: claim up to ``max_groups`` (a step's groups; long-polled), ack them. ``folded``
+    (issue 21): the next claim carries the ack."""
+    run = f"/v1/runs/{RUN}"
+    json_trn = {**auth("trainer", epoch), "Content-Type": "application/json"}
+    claim_head = request_head("POST", f"{run}/rollouts/claim", claim_headers(epoch, packer))
+    ack_head = request_head("POST", f"{run}/rollouts/ack", json_trn)
+    conn = await RawHttp.connect(port)
+    ids: list[str] = []
+    try:
+        while time.perf_counter() < stop_at[0]:
+            claim = {
+                "consumer": "bench-trainer",
+                "max_groups": max_groups,
+                "wait_s": 0.5,
+                "request_id": uuid.uuid4().hex,
+            }
+            if folded and ids:
+                claim["ack"] = ids
+            status, answer = await stats.call(conn, "POST rollouts/claim", claim_head, json.dumps(claim).encode())
+            got, acked = claim_answer(status, answer)
+            if folded and status == 200:
+                stats.add("groups_acked", acked)
+                ids = got
+            elif got:
+                status, answer = await stats.call(
+                    conn, "POST rollouts/ack", ack_head, json.dumps({"delivery_ids": got}).encode()
+                )
+                if status == 200:
+                    stats.add("groups_acked", json.loads(answer)["acked"])
+        if ids:  # the last claim's deliveries, after the window
+            await conn.request(ack_head, json.dumps({"delivery_ids": ids}).encode())
     finally:
         conn.close()
 
@@ -556,7 +756,7 @@ async def setup_run(base: str, tokens: int) -> int:
             "dataset": {"uri": "toy:bench", "size": 10_000_000},
             "vocab_size": VOCAB,
             "queue_capacity_groups": 100_000,
-            "groups_per_step": 64,
+            "groups_per_step": GROUPS_PER_STEP,
             # Completions are ``tokens`` long: the run must allow them (a longer one is refused with 422).
             "sampling": {"max_new_tokens": tokens},
         }
@@ -589,6 +789,18 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
             for i in range(args.clients)
         ]
         tasks.append(asyncio.create_task(submit_heavy_trainer(port, epoch, stats, stop_at, args.clients, packer)))
+    elif args.mix == "deployed":
+        folded = args.requests == "folded"
+        per = args.groups_per_submit
+        # The worker's keeper ticks every 5 s (metrics_interval_s) while a call samples for ~13 s (8 prompts x G=8 on
+        # one GPU): the bench keeps that ratio at its own pace.
+        keeper_s = args.keeper_s if args.keeper_s is not None else args.call_s * 5.0 / 13.0
+        tasks = [
+            asyncio.create_task(deployed_generator(i, port, stats, stop_at, packer, per, folded, args.call_s, keeper_s))
+            for i in range(args.clients)
+        ]
+        trainer = deployed_trainer(port, epoch, stats, stop_at, GROUPS_PER_STEP, packer, folded)
+        tasks.append(asyncio.create_task(trainer))
     else:
         tasks = [
             asyncio.create_task(client_loop(i, port, epoch, stats, stop_at, packer, pacers[i]))
@@ -618,6 +830,9 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
         }
     total = sum(r["n"] for r in routes.values())
     submitted = routes.get("POST rollouts", {}).get("status", {}).get(202, 0)
+    if args.mix == "deployed":  # several groups per submit
+        submitted = stats.counts["groups_accepted"]
+    trained = stats.counts["groups_acked"]
     non_2xx = sum(n for r in routes.values() for code, n in r["status"].items() if not 200 <= code < 300)
     if not submitted:  # a per-group figure over zero groups means nothing: say why instead
         raise RuntimeError(f"no submit was accepted in the window: POST rollouts {routes.get('POST rollouts')}")
@@ -627,6 +842,8 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
         "config": {
             "clients": args.clients,
             "mix": args.mix,
+            "groups_per_submit": args.groups_per_submit if args.mix == "deployed" else 1,
+            "requests": args.requests if args.mix == "deployed" else "old",
             "duration_s": args.duration,
             "group": f"{args.group_size}x{args.tokens} tokens",
             "wire": args.wire,
@@ -645,6 +862,10 @@ async def run_bench(args: argparse.Namespace, port: int, pids: dict[str, int]) -
         "cpu_ms_per_request": {name: round(1000 * sec / max(total, 1), 3) for name, sec in cpu.items()},
         # per group submitted (202) in the window: the figure issue 17 halves
         "proxy_cpu_ms_per_group": round(1000 * cpu["proxy"] / max(submitted, 1), 3),
+        # per group acked (trained) in the window, and the requests each took (issue 21)
+        "groups": {"accepted": submitted, "trained": trained},
+        "proxy_cpu_ms_per_trained_group": round(1000 * cpu["proxy"] / max(trained, 1), 3),
+        "requests_per_trained_group": round(total / max(trained, 1), 4),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "routes": routes,
         "wakeup": wakeup,
@@ -671,10 +892,39 @@ def main() -> None:
     parser.add_argument("--proxy-workers", type=int, default=1, help="proxy processes (1 = the target's figure)")
     parser.add_argument(
         "--mix",
-        choices=("default", "submit-heavy"),
+        choices=("default", "submit-heavy", "deployed"),
         default="default",
         help="default: the six-request generator/trainer cycle per client; submit-heavy: each client leases one "
-        "prompt and submits its group, one trainer claims --clients groups at a time and acks them",
+        "prompt and submits its group, one trainer claims --clients groups at a time and acks them; deployed: each "
+        "client leases --groups-per-submit prompts and submits their groups in one batch, one trainer claims a "
+        "step's groups and acks them (--requests says whether those are folded)",
+    )
+    parser.add_argument("--groups-per-submit", type=int, default=8, help="deployed mix: groups per submit")
+    parser.add_argument(
+        "--call-s",
+        type=float,
+        default=0.5,
+        help="deployed mix: seconds between a generator's engine calls (its sampling time; paced, so the trainer "
+        "keeps up and admission control never refuses)",
+    )
+    parser.add_argument(
+        "--keeper-s",
+        type=float,
+        help="deployed mix: seconds between a generator's keeper ticks (lease renewals + metrics push; default "
+        "call-s x 5/13: the worker's 5-s heartbeat beside a ~13-s engine call)",
+    )
+    parser.add_argument(
+        "--requests",
+        choices=("old", "folded"),
+        default="folded",
+        help="deployed mix: old = a prompt lease per submit and an ack per claim (workers before issue 21); folded "
+        "= the submit leases the next prompts and the next claim carries the ack",
+    )
+    parser.add_argument(
+        "--proxy-path",
+        type=Path,
+        help="run the proxy from this source tree (PYTHONPATH and working directory): an A/B against an older "
+        "proxy with this bench's client",
     )
     parser.add_argument(
         "--wire",
@@ -705,7 +955,12 @@ def main() -> None:
         proxy_proc = None
         try:
             proxy_proc, port = start_proxy(
-                redis_port, workdir / "bucket", workdir / "proxy.log", args.profile_proxy, args.proxy_workers
+                redis_port,
+                workdir / "bucket",
+                workdir / "proxy.log",
+                args.profile_proxy,
+                args.proxy_workers,
+                args.proxy_path,
             )
             pids = {"proxy": proxy_proc.pid, "redis": redis_proc.pid, "bench_client": os.getpid()}
             result = run_async(run_bench(args, port, pids))

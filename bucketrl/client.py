@@ -59,6 +59,7 @@ from bucketrl.wire import (
     packed,
 )
 from bucketrl.wire.datasets import DatasetInfo
+from bucketrl.wire.metrics import Renewed
 from bucketrl.wire.trainer import TrainerRegisterRequest
 
 M = TypeVar("M", bound=BaseModel)
@@ -423,7 +424,8 @@ class ProxyClient:
     def submit_rollouts(self, batch: RolloutBatch, idempotency_key: str, *, use_msgpack: bool = True) -> SubmitResponse:
         """Submit complete groups. Raises ``Backpressure`` (429), ``Stale`` (409) or ``Invalid`` (422).
 
-        Retrying with the same ``idempotency_key`` after a lost answer is always safe.
+        Retrying with the same ``idempotency_key`` after a lost answer is always safe. ``batch.next_prompts``:
+        the answer's ``prompts`` leases prompts too (None from an older proxy, or when not leased).
         """
         if use_msgpack:
             content = packed.packb(batch)  # token ids and logprobs as typed bytes (wire/packed.py)
@@ -451,13 +453,16 @@ class ProxyClient:
         request_id: str | None = None,
         release: list[str] | None = None,
         hold_rebuilt: bool = False,
+        ack: list[str] | None = None,
     ) -> ClaimResponse:
         """``min_version``: drop (and count) groups older than it too, besides ``latest - max_staleness``.
         ``train_version`` / ``sync_every``: the trainer's pace, for the proxy's admission control.
         ``request_id``: the same on every retry of one claim (a replay answers the same deliveries);
         ``release``: delivery ids given back untrained; ``hold_rebuilt``: hand over re-queued groups below the
-        floor flagged ``rebuilt_stale`` instead of dropping them (the caller acks or releases each)."""
-        return self._json(
+        floor flagged ``rebuilt_stale`` instead of dropping them (the caller acks or releases each); ``ack``:
+        delivery ids to acknowledge first, in the same request (a proxy that does not answer ``acked`` ignored
+        them: they are acked on their own then, after the claim)."""
+        resp = self._json(
             "POST",
             self._path("/rollouts/claim"),
             ClaimResponse,
@@ -471,11 +476,15 @@ class ProxyClient:
                 request_id=request_id,
                 release=release or [],
                 hold_rebuilt=hold_rebuilt,
+                ack=ack or [],
             ),
             # msgpack with packed arrays: a fraction of the JSON's size and of its decoding (wire/packed.py).
             headers=self._fence({"Accept": f"{MSGPACK}, application/json;q=0.5"}),
             extra_timeout_s=wait_s,
         )
+        if ack and resp.acked is None:  # an older proxy
+            resp.acked = self.ack(ack)
+        return resp
 
     def ack(self, delivery_ids: list[str]) -> int:
         return self._json(
@@ -507,14 +516,18 @@ class ProxyClient:
 
     # -- observability ------------------------------------------------------------------------------
 
-    def push_metrics(self, push: MetricsPush) -> None:
+    def push_metrics(self, push: MetricsPush) -> Renewed | None:
         """Numbered (this client's session, next seq) unless the caller did: its retries are recorded once, and
-        one that arrives after a newer push is not recorded at all."""
+        one that arrives after a newer push is not recorded at all. Returns what ``push.renew`` renewed; None
+        without it, or from an older proxy (which ignored it: renew on the renew routes then)."""
         if push.seq is None:
             push = push.model_copy(update={"session": self._push_session, "seq": next(self._push_seq)})
-        self._request(
+        resp = self._request(
             "POST", self._path("/metrics"), content=push.model_dump_json(), headers={"Content-Type": "application/json"}
         )
+        if push.renew is None or resp.status_code != 200 or not resp.content:
+            return None
+        return Renewed.model_validate(resp.json())
 
     def status(self) -> RunStatus:
         return self._json("GET", self._path("/status"), RunStatus)

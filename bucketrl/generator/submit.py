@@ -13,6 +13,10 @@ also pauses sampling); this thread, per batch:
    - any other refusal (422...): logged, counted (``rollout/rejected_groups_total``), prompts released;
 3. settles the batch in the version book (the version's lease and weights may then be retired).
 
+The engine thread's next prompt lease rides on a submit when one is about to go out (:meth:`Submitter.
+lease_with_next`): one request per engine call instead of two. The batch keeps that lease request (and its
+request_id) for all its attempts, so a replayed submit answers the same prompts.
+
 ``abandon`` (set by a shutdown that ran out of time) makes it release instead of waiting any longer.
 """
 
@@ -25,6 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +42,15 @@ from bucketrl.rewards import RewardItem, RewardPool
 from bucketrl.rollout.engine import SampledCompletion
 from bucketrl.rollout.episodes import Episode
 from bucketrl.rollout.example import Example
-from bucketrl.wire import Completion, PromptLeaseItem, RolloutBatch, RolloutGroup, SamplingSpec
+from bucketrl.wire import (
+    Completion,
+    PromptLease,
+    PromptLeaseItem,
+    PromptLeaseRequest,
+    RolloutBatch,
+    RolloutGroup,
+    SamplingSpec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +129,44 @@ class Submitter:
         self.groups_submitted = 0
         self.last_accepted_at: float | None = None  # perf_counter() of the latest 202 (benchmarks)
         self._unscorable_seen = 0
+        # The engine thread's next lease, waiting for a submit to carry it (lease_with_next), and how many
+        # batches are queued or in hand: a lease is only parked while one of them will still be submitted.
+        self._lock = threading.Lock()
+        self._next: tuple[PromptLeaseRequest, Future[PromptLease | None]] | None = None
+        self._unsent = 0
         self._thread = threading.Thread(target=self._run, name="submitter", daemon=True)
 
     # -- called from the engine thread -----------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
+
+    def lease_with_next(self, req: PromptLeaseRequest) -> Future[PromptLease | None] | None:
+        """Have the next submit lease ``req``'s prompts (``RolloutBatch.next_prompts``). None when no batch is
+        waiting to be submitted (the caller leases on its own). The future's lease is None when no submit
+        leased (refused, an older proxy, a failure): then the caller leases on its own too. Prompts leased
+        this way are in the ledger before the future is set."""
+        with self._lock:
+            if self._unsent == 0 or self._next is not None or self.abandon.is_set():
+                return None
+            fut: Future[PromptLease | None] = Future()
+            self._next = (req, fut)
+            return fut
+
+    def _take_next(self) -> tuple[PromptLeaseRequest, Future[PromptLease | None]] | None:
+        with self._lock:
+            nxt, self._next = self._next, None
+            return nxt
+
+    def _sent(self) -> None:
+        """A batch is done with (submitted, refused or released): a parked lease no batch will carry is answered."""
+        with self._lock:
+            self._unsent = max(0, self._unsent - 1)
+            orphan = self._next if self._unsent == 0 or self.abandon.is_set() else None
+            if orphan is not None:
+                self._next = None
+        if orphan is not None:
+            orphan[1].set_result(None)
 
     def put(
         self, batch: GeneratedBatch, stop: threading.Event, grace_s: float, idle: Callable[[], None] | None = None
@@ -132,7 +177,14 @@ class Submitter:
         stopped_at: float | None = None
         while not self.abandon.is_set():
             try:
-                self.queue.put(batch, timeout=0.2 if idle is None else 0.02)
+                with self._lock:
+                    self._unsent += 1
+                try:
+                    self.queue.put(batch, timeout=0.2 if idle is None else 0.02)
+                except queue.Full:
+                    with self._lock:
+                        self._unsent -= 1
+                    raise
                 return True
             except queue.Full:
                 if idle is not None:
@@ -173,6 +225,12 @@ class Submitter:
                 break
             if item is not _STOP:
                 self.release(item, "shutdown")
+                self._sent()
+        with self._lock:
+            self._unsent = 0
+        nxt = self._take_next()
+        if nxt is not None:
+            nxt[1].set_result(None)
         return finished
 
     # -- the thread ------------------------------------------------------------------------------------
@@ -195,6 +253,8 @@ class Submitter:
             except Exception:  # never let one batch kill the thread: release it and carry on
                 log.exception("submitting a batch failed; releasing its prompts")
                 self.release(item, "error")
+            finally:
+                self._sent()
 
     def _handle(self, b: GeneratedBatch) -> None:
         if b.episodes is not None:
@@ -277,11 +337,21 @@ class Submitter:
             self.metrics.inflight(-len(b.prompts))
             self.book.end(b.version)
             return
+        nxt = self._take_next()
         batch = RolloutBatch(
-            worker_id=self.worker_id, lease_id=b.lease_id, version=b.version, groups=groups, sampling=b.sampling
+            worker_id=self.worker_id,
+            lease_id=b.lease_id,
+            version=b.version,
+            groups=groups,
+            sampling=b.sampling,
+            next_prompts=None if nxt is None else nxt[0],
         )
         ids = [g.prompt_id for g in groups]
-        outcome = self._submit(batch, b.idempotency_key)
+        outcome, leased = self._submit(batch, b.idempotency_key)
+        if nxt is not None:
+            if leased is not None:
+                self.ledger.add(leased.prompts)
+            nxt[1].set_result(leased)
         if outcome == "accepted":
             self.last_accepted_at = time.perf_counter()
             self.ledger.remove(ids)
@@ -296,14 +366,15 @@ class Submitter:
         self.metrics.inflight(-len(b.prompts))
         self.book.end(b.version)
 
-    def _submit(self, batch: RolloutBatch, key: str) -> str:
-        """Submit until accepted or refused; the same key on every attempt. Returns the outcome."""
+    def _submit(self, batch: RolloutBatch, key: str) -> tuple[str, PromptLease | None]:
+        """Submit until accepted or refused; the same key on every attempt. Returns the outcome, and the prompts
+        leased with it (``batch.next_prompts``; None when none were asked for or leased)."""
         backoff = 0.5
         n = len(batch.groups)
         while True:
             try:
-                self.client.submit_rollouts(batch, key, use_msgpack=self.use_msgpack)
-                return "accepted"
+                answer = self.client.submit_rollouts(batch, key, use_msgpack=self.use_msgpack)
+                return "accepted", answer.prompts
             except errors.Backpressure as exc:
                 wait = min(max(exc.retry_after or 1.0, 0.05), 30.0)
                 t0 = time.monotonic()
@@ -312,7 +383,7 @@ class Submitter:
             except errors.Stale as exc:
                 log.info("batch of v%d is stale (%s): dropped", batch.version, exc.message)
                 self.metrics.add("rollout/dropped_stale_total", n)
-                return "stale"
+                return "stale", None
             except errors.Unavailable as exc:
                 log.warning("proxy unavailable while submitting (%s); retrying with the same key", exc.message)
                 self.abandon.wait(backoff)
@@ -320,9 +391,9 @@ class Submitter:
             except errors.BucketRLError as exc:
                 log.error("batch of v%d refused (%s %s): %s", batch.version, exc.status, exc.code, exc.message)
                 self.metrics.add("rollout/rejected_groups_total", n)
-                return "rejected"
+                return "rejected", None
             if self.abandon.is_set():
-                return "abandoned"
+                return "abandoned", None
 
     def release(self, b: GeneratedBatch, why: str) -> None:
         log.info("releasing %d prompt(s) of a v%d batch (%s)", len(b.prompts), b.version, why)

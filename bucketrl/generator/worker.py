@@ -51,7 +51,7 @@ from bucketrl.generator.versions import AdapterVersions, release_version_lease
 from bucketrl.rewards import RewardPool
 from bucketrl.rollout.engine import Engine
 from bucketrl.rollout.example import Example
-from bucketrl.wire import MetricsPush, PromptLeaseItem, RunSpec
+from bucketrl.wire import MetricsPush, PromptLease, PromptLeaseItem, PromptLeaseRequest, RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ class GeneratorWorker:
         self._version_ready = threading.Event()
         self.leaser = ThreadPoolExecutor(1, thread_name_prefix="prompt-lease")
         self._prefetch: tuple[Future[list[PromptLeaseItem]], int] | None = None
+        self.keeper: LeaseKeeper | None = None  # the keeper thread's renewals, once started
         self.episodes: EpisodeDriver | None = None  # multi-turn runs (run spec env)
         self.phase = "starting"
 
@@ -258,7 +259,7 @@ class GeneratorWorker:
         if spec.env is not None:
             self.episodes = EpisodeDriver(self)
             self.episodes.start()
-        keeper = LeaseKeeper(
+        self.keeper = LeaseKeeper(
             client=self.client,
             worker_id=self.worker_id,
             settings=s,
@@ -268,7 +269,7 @@ class GeneratorWorker:
         )
         threads = (
             (self.versions.follow, "adapter-sync"),
-            (lambda: keeper.keep(self.stop_event, self.push_metrics), "keeper"),
+            (lambda: self.keeper.keep(self.stop_event, self.push_metrics), "keeper"),
         )
         for target, name in threads:
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -349,7 +350,7 @@ class GeneratorWorker:
                 after = self.budget()
                 n_next = s.prompts_per_request if after is None else min(s.prompts_per_request, after)
                 if n_next > 0 and not self.stop_event.is_set():
-                    self._prefetch = (self.leaser.submit(self.lease_prompts, n_next), n_next)
+                    self._prefetch = (self._lease_next(n_next), n_next)
                 self._sample_and_hand_over(slot, prompts)
                 # At most one eval batch (greedy: one sample per prompt, against G per training prompt) per
                 # training batch, so an evaluated version is done while it is loaded, without starving training.
@@ -385,6 +386,35 @@ class GeneratorWorker:
             except TimeoutError:
                 self.sync_versions()
 
+    def _lease_next(self, n: int) -> Future[list[PromptLeaseItem]]:
+        """The next call's prompts, leased by the submit of a batch waiting to go out when there is one (one
+        request per call instead of two), else (or when that submit leased none) on the leaser thread."""
+        assert self.submitter is not None
+        req = PromptLeaseRequest(
+            worker_id=self.worker_id,
+            n=n,
+            ttl_s=self.settings.prompt_lease_ttl_s,
+            version=self.book.newest_known or None,
+            request_id=uuid.uuid4().hex,
+        )
+        riding = self.submitter.lease_with_next(req)
+        if riding is None:
+            return self.leaser.submit(self.lease_prompts, n)
+
+        def after_submit() -> list[PromptLeaseItem]:
+            # Answered by the submitter, whatever becomes of its batch. A stopping worker does not wait for a
+            # submit held back by the queue: prompts it leases later are in the ledger, released at shutdown.
+            while True:
+                try:
+                    lease = riding.result(timeout=0.2)
+                    break
+                except TimeoutError:
+                    if self.stop_event.is_set():
+                        return []
+            return self.lease_prompts(n) if lease is None or not lease.prompts else self._took(lease)
+
+        return self.leaser.submit(after_submit)
+
     def lease_prompts(self, n: int) -> list[PromptLeaseItem]:
         assert self.submitter is not None
         s = self.settings
@@ -417,6 +447,11 @@ class GeneratorWorker:
             return []
         if lease.waited_s > 0:
             self.metrics.backpressure(lease.waited_s)
+        return self._took(lease)
+
+    def _took(self, lease: PromptLease) -> list[PromptLeaseItem]:
+        """A lease's prompts this worker can sample (in flight from now); any beyond the dataset released."""
+        assert self.submitter is not None
         self.ledger.add(lease.prompts)
         bad = [p for p in lease.prompts if p.index >= len(self.examples)]
         if bad:
@@ -491,7 +526,9 @@ class GeneratorWorker:
 
     # -- keeper ----------------------------------------------------------------------------------------
 
-    def push_metrics(self) -> None:
+    def push_metrics(self, *, renew: bool = False) -> bool:
+        """Push the heartbeat; ``renew``: with the leases to renew. True when the proxy renewed them (an older
+        proxy ignores them, a failed push renewed nothing: the keeper renews on the renew routes then)."""
         if self.phase not in ("stopping",):
             self.phase = "generating" if self.book.current() is not None else "waiting for the first version"
         push = MetricsPush(
@@ -507,10 +544,21 @@ class GeneratorWorker:
             ),
             samples=self.metrics.take_samples() or None,
         )
+        held, renewals = self.keeper.renewals() if renew and self.keeper is not None else ({}, None)
+        if renewals is not None and (renewals.version_leases or renewals.prompt_ids):
+            push.renew = renewals
         try:
-            self.client.push_metrics(push)
+            got = self.client.push_metrics(push)
         except errors.BucketRLError as exc:
             log.warning("metrics push failed: %s", exc.message)
+            return False
+        if push.renew is None:
+            return renew  # nothing to renew
+        if got is None:
+            return False
+        assert self.keeper is not None
+        self.keeper.renewed(held, push.renew, got)
+        return True
 
     # -- shutdown --------------------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 from starlette.responses import Response
 
-from bucketrl.proxy import body, decode_pool, durability, errors, gc, identity, lean, rebuild
+from bucketrl.proxy import body, decode_pool, durability, errors, gc, identity, rebuild
 from bucketrl.proxy.adapter_cache import AdapterCache
 from bucketrl.proxy.auth import TokenAuth
 from bucketrl.proxy.context import ProxyContext
@@ -206,10 +206,7 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
     errors.install(app)
     for router in all_routers():
         app.include_router(router)
-    # The hot routes without FastAPI's per-request dependency solving or Starlette's middleware chain (lean.py).
-    hot = app.state.lean_routes = lean.install(app)
     app.add_middleware(IdentityGate)
-    app.add_middleware(lean.HotPath, routes=hot, identity_gate=identity_refusal)
     app.add_middleware(LatencyMiddleware, telemetry=telemetry)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -4,7 +4,27 @@ import math
 
 from pydantic import Field, field_validator
 
-from bucketrl.wire.common import MAX_LOADED_VERSIONS, Version, WireInt, WireModel, WorkerId
+from bucketrl.wire.common import MAX_LOADED_VERSIONS, LeaseId, ShortStr, Version, WireInt, WireModel, WorkerId
+from bucketrl.wire.leases import PromptLease, VersionLease
+
+
+class Renewals(WireModel):
+    """Leases a heartbeat renews (issue 21: the keeper's renewals ride on the push it makes anyway), as POST
+    leases/{id}/renew and POST prompts/renew would; renewing is idempotent, so a replayed push renews again."""
+
+    version_leases: list[LeaseId] = Field(default_factory=list, max_length=64)
+    version_ttl_s: float = Field(60.0, gt=0.0, le=3600.0)
+    prompt_ids: list[ShortStr] = Field(default_factory=list, max_length=4096, fail_fast=True)
+    prompt_ttl_s: float = Field(300.0, gt=0.0, le=86_400.0)
+
+
+class Renewed(WireModel):
+    """What a push's :class:`Renewals` renewed (200; a push without renewals is answered 204)."""
+
+    # lease_id -> the renewed lease, or null when it had expired (410 lease_expired on its own route).
+    versions: dict[str, VersionLease | None] = Field(default_factory=dict)
+    # The prompt leases renewed (those the worker still held); empty when it held none of them.
+    prompts: PromptLease | None = None
 
 
 class SampleCompletion(WireModel):
@@ -41,6 +61,9 @@ class MetricsPush(WireModel):
     # answered 204 and recorded no more: no duplicate points, no step or loaded versions going back.
     session: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     seq: int | None = Field(None, ge=1, le=2**53)
+    renew: Renewals | None = Field(
+        None, description="Leases to renew with this push (the answer is then 200 with what was renewed)."
+    )
 
     @field_validator("notes")
     @classmethod

@@ -18,6 +18,7 @@ from bucketrl.wire.common import (
     WireModel,
     WorkerId,
 )
+from bucketrl.wire.leases import PromptLease, PromptLeaseRequest
 from bucketrl.wire.packed import NumericArray, all_finite_non_positive
 from bucketrl.wire.runs import SamplingSpec
 
@@ -336,6 +337,14 @@ class RolloutBatch(WireModel):
         None,
         description="The sampling settings the groups were generated with (default: the run's at submit time).",
     )
+    # One request per call instead of two: the submit of this call's groups leases the prompts of a later call.
+    # Its request_id makes a replayed submit answer the same prompts (the lease's own replay rule).
+    next_prompts: PromptLeaseRequest | None = Field(
+        None,
+        description="Lease prompts with this submit once it is accepted (its wait_s is ignored: never long-polled). "
+        "The answer's `prompts` holds them; null when the proxy did not lease (an older proxy, or the lease failed: "
+        "lease with POST prompts/lease then), an empty list under admission control (`prompts_retry_after`).",
+    )
 
 
 class SubmitResponse(WireModel):
@@ -343,6 +352,9 @@ class SubmitResponse(WireModel):
     accepted_groups: int
     # True when the Idempotency-Key was seen before: nothing new was enqueued.
     duplicate: bool = False
+    # The lease the batch's ``next_prompts`` asked for (None: not asked, or not leased: see RolloutBatch).
+    prompts: PromptLease | None = None
+    prompts_retry_after: float | None = None
 
 
 class ClaimRequest(WireModel):
@@ -387,6 +399,15 @@ class ClaimRequest(WireModel):
         "rebuilt_stale, instead of dropping them: the trainer acks those its lineage trained and releases the rest "
         "(never trains one).",
     )
+    # One request per claim instead of two: the trainer's ack rides on its next claim (acked first, then claimed,
+    # both under the claim's epoch). Replayed, the ack counts 0 as a second ack does.
+    ack: list[Annotated[str, StringConstraints(max_length=64)]] = Field(
+        default_factory=list,
+        max_length=100_000,
+        fail_fast=True,
+        description="Delivery ids to acknowledge (trained) before claiming, as POST rollouts/ack would; the answer's "
+        "`acked` counts those acked by this call (null from a proxy that does not ack with a claim).",
+    )
 
 
 class Delivery(WireModel):
@@ -415,6 +436,8 @@ class ClaimResponse(WireModel):
         description="Ids of re-queued (rebuilt after a Redis wipe) deliveries dropped as stale by this claim: "
         "a trainer that already trained one acks it, and it is then counted acked, not dropped.",
     )
+    # The claim's ``ack`` acked this many (None: the claim carried no ack).
+    acked: int | None = None
 
 
 class AckRequest(WireModel):

@@ -6,13 +6,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Response
 
+from bucketrl import errors
 from bucketrl.proxy import body
+from bucketrl.proxy.context import ProxyContext
 from bucketrl.proxy.deps import CtxDep, RunDep, ViewerRole, WorkerRole
 from bucketrl.proxy.errors import responses
+from bucketrl.proxy.state import leases, prompts, workers
 from bucketrl.proxy.state import status as status_state
-from bucketrl.proxy.state import workers
-from bucketrl.wire import MetricsPush, RunStatus
-from bucketrl.wire.metrics import MetricsRecord
+from bucketrl.wire import MetricsPush, PromptLease, RunStatus
+from bucketrl.wire.metrics import MetricsRecord, Renewals, Renewed
 
 router = APIRouter(prefix="/v1/runs/{run}", tags=["observability"])
 
@@ -24,9 +26,14 @@ router = APIRouter(prefix="/v1/runs/{run}", tags=["observability"])
     description=(
         "The worker's role is its token's role. With an admin token (or the anonymous embedded mode) it is "
         "`generator` when the push reports `loaded_versions`, else `trainer`. A trainer's `step` becomes the run's "
-        "trainer step."
+        "trainer step. A push with `renew` also renews those version and prompt leases (as their renew routes "
+        "do) and answers 200 with what it renewed."
     ),
-    responses={204: {"description": "Recorded."}, **responses(401, 403, 404, 413, 422, 503)},
+    responses={
+        204: {"description": "Recorded."},
+        200: {"description": "Recorded, and the leases renewed.", "model": Renewed},
+        **responses(401, 403, 404, 413, 422, 503),
+    },
     openapi_extra=body.openapi_body(MetricsPush),
 )
 async def push_metrics(
@@ -38,8 +45,31 @@ async def push_metrics(
     role = principal.role
     if role == "admin":
         role = "generator" if push.loaded_versions is not None else "trainer"
+    if push.renew is not None:  # refused (422) before anything is recorded
+        prompts.validate_prompt_ids(push.renew.prompt_ids)
     await workers.record_push(ctx.redis, ref.run, role, push)
-    return Response(status_code=204)
+    if push.renew is None:
+        return Response(status_code=204)
+    return Response((await _renew(ctx, ref.run, push.worker_id, push.renew)).model_dump_json(), 200, media_type=_JSON)
+
+
+_JSON = "application/json"
+
+
+async def _renew(ctx: ProxyContext, run: str, worker_id: str, renew: Renewals) -> Renewed:
+    """The push's renewals, each as its own route does it (an expired one is reported, not raised)."""
+    out = Renewed()
+    for lease_id in dict.fromkeys(renew.version_leases):
+        try:
+            out.versions[lease_id] = await leases.renew(ctx.redis, run, lease_id, renew.version_ttl_s)
+        except errors.Gone:
+            out.versions[lease_id] = None
+    if renew.prompt_ids:
+        try:
+            out.prompts = await prompts.renew(ctx.redis, run, worker_id, renew.prompt_ids, renew.prompt_ttl_s)
+        except errors.Gone:
+            out.prompts = PromptLease(prompts=[], expires_at=0.0)
+    return out
 
 
 @router.get(

@@ -11,13 +11,14 @@ The rules (reissue first, pacing, persistence of the cursor) are in ``bucketrl.p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
 
 from bucketrl.proxy import body
 from bucketrl.proxy.context import ProxyContext
-from bucketrl.proxy.deps import CtxDep, GeneratorRole, RunDep, RunRef
+from bucketrl.proxy.deps import CtxDep, GeneratorRole, RunDep, RunId, RunRef, resolve_run
 from bucketrl.proxy.errors import responses
 from bucketrl.proxy.routes import dataset
 from bucketrl.proxy.state import prompt_lease, prompts
@@ -43,15 +44,15 @@ _prompts = APIRouter(prefix="/v1/runs/{run}/prompts", tags=["prompts"])
 async def lease(
     ctx: CtxDep,
     _: GeneratorRole,
-    ref: RunDep,
+    spec: Annotated[CachedSpec, Depends(cached_spec)],
     req: Annotated[PromptLeaseRequest, Depends(body.decoded(PromptLeaseRequest))],
 ) -> PromptLease:
-    return await lease_prompts(ctx, ref, req)
+    return await lease_cached(ctx, spec, req)
 
 
 async def lease_prompts(ctx: ProxyContext, ref: RunRef, req: PromptLeaseRequest, spec_digest: str = "") -> PromptLease:
-    """The lease route's work. ``spec_digest``: ``ref.spec`` came from a cache (``lean.py``), checked against
-    the stored spec by the lease's own script (``prompt_lease.SpecChanged`` if it is no longer that spec)."""
+    """The lease's work. ``spec_digest``: ``ref.spec`` came from :class:`LeaseSpecs`, checked against the
+    stored spec by the lease's own script (``prompt_lease.SpecChanged`` if it is no longer that spec)."""
     return await prompt_lease.lease(
         ctx.redis,
         ctx.store,
@@ -67,6 +68,67 @@ async def lease_prompts(ctx: ProxyContext, ref: RunRef, req: PromptLeaseRequest,
         request_id=req.request_id,
         spec_digest=spec_digest,
     )
+
+
+class LeaseSpecs:
+    """The specs of runs this app leased prompts for, with their digests (one per app, on ``ctx.extras``): the
+    next lease of the run takes its spec from here and the lease's own script checks the digest against the
+    stored spec, one Redis round trip instead of two. Bounded: only runs that exist get in, and it starts over
+    past :attr:`MAX` of them."""
+
+    MAX = 1024
+
+    def __init__(self) -> None:
+        self.known: dict[str, tuple[RunRef, str]] = {}
+
+    @staticmethod
+    def of(ctx: ProxyContext) -> LeaseSpecs:
+        specs = ctx.extras.get("lease_specs")
+        if not isinstance(specs, LeaseSpecs):
+            specs = ctx.extras["lease_specs"] = LeaseSpecs()
+        return specs
+
+    async def read(self, ctx: ProxyContext, run: str) -> tuple[RunRef, str]:
+        self.known.pop(run, None)
+        ref = await resolve_run(ctx, run)  # 404 unknown_run, a wiped Redis rebuilt, as RunDep does
+        if len(self.known) >= self.MAX:
+            self.known.clear()
+        self.known[run] = ref, prompt_lease.spec_digest(ref.spec)
+        return self.known[run]
+
+
+@dataclass(frozen=True)
+class CachedSpec:
+    ref: RunRef
+    digest: str
+    cached: bool  # from LeaseSpecs (False: read from Redis in this request)
+
+
+async def spec_of(ctx: ProxyContext, run: str) -> CachedSpec:
+    """The run's spec from :class:`LeaseSpecs`, or read (404 unknown_run) when this app does not know it."""
+    specs = LeaseSpecs.of(ctx)
+    known = specs.known.get(run)
+    if known is not None:
+        return CachedSpec(*known, cached=True)
+    return CachedSpec(*await specs.read(ctx, run), cached=False)
+
+
+async def cached_spec(ctx: CtxDep, run: RunId) -> CachedSpec:
+    """Dependency: :func:`spec_of` (before the body, as ``RunDep``: an unknown run is 404 whatever the body)."""
+    return await spec_of(ctx, run)
+
+
+async def lease_cached(ctx: ProxyContext, spec: CachedSpec, req: PromptLeaseRequest) -> PromptLease:
+    """:func:`lease_prompts` with a spec from :func:`spec_of`, read again when the stored one changed."""
+    run = spec.ref.run
+    try:
+        return await lease_prompts(ctx, spec.ref, req, spec.digest)
+    except prompt_lease.SpecChanged:
+        if not spec.cached:  # read in this very request and already another one: leave it unchecked this once
+            return await lease_prompts(ctx, await resolve_run(ctx, run), req)
+    # Another spec was stored since this app cached it (or the run is gone): read it as RunDep does.
+    ref, digest = await LeaseSpecs.of(ctx).read(ctx, run)
+    return await lease_prompts(ctx, ref, req, digest)
 
 
 @_prompts.post(

@@ -1,7 +1,9 @@
 """The rollout queue over HTTP: generators submit group batches, the trainer claims and acks them.
 
-``POST /v1/runs/{run}/rollouts``        generator  submit (JSON or msgpack, ``Idempotency-Key``) -> 202
-``POST /v1/runs/{run}/rollouts/claim``  trainer    claim up to ``max_groups`` (long-poll ``wait_s``), fenced
+``POST /v1/runs/{run}/rollouts``        generator  submit (JSON or msgpack, ``Idempotency-Key``) -> 202; may lease
+                                                   the next prompts
+``POST /v1/runs/{run}/rollouts/claim``  trainer    claim up to ``max_groups`` (long-poll ``wait_s``), fenced; may
+                                                   carry the previous claim's ack
 ``POST /v1/runs/{run}/rollouts/ack``    trainer    acknowledge delivery ids (idempotent), fenced
 
 The logic and its invariants live in ``bucketrl.proxy.state.queue`` and its stage modules (``submit``,
@@ -11,10 +13,12 @@ The logic and its invariants live in ``bucketrl.proxy.state.queue`` and its stag
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request, Response
 
+from bucketrl import errors
 from bucketrl.proxy import body, rollout_body
 from bucketrl.proxy.deps import (
     CtxDep,
@@ -28,12 +32,23 @@ from bucketrl.proxy.deps import (
     resolve_run_and_epoch,
 )
 from bucketrl.proxy.errors import responses
+from bucketrl.proxy.routes import prompts as prompt_routes
 from bucketrl.proxy.state import accounting, runs
 from bucketrl.proxy.state import ack as ack_stage
 from bucketrl.proxy.state import claim as claim_stage
 from bucketrl.proxy.state import submit as submit_stage
 from bucketrl.proxy.state.queue import SpecLoader
-from bucketrl.wire import AckRequest, AckResponse, ClaimRequest, ClaimResponse, RolloutBatch, RunSpec, SubmitResponse
+from bucketrl.wire import (
+    AckRequest,
+    AckResponse,
+    ClaimRequest,
+    ClaimResponse,
+    PromptLease,
+    PromptLeaseRequest,
+    RolloutBatch,
+    RunSpec,
+    SubmitResponse,
+)
 
 
 async def _scrape_queue_depth(ctx: Any) -> None:
@@ -75,7 +90,8 @@ IdempotencyKey = Annotated[
         "exactly group_size completions per group, prompt ids that were leased, version <= latest, the version "
         "lease's version), then written to the bucket, then enqueued atomically. 409 `stale` when version < latest - "
         "max_staleness; 429 + Retry-After when the queue is at queue_capacity_groups. Accepting a group completes "
-        "its prompt."
+        "its prompt. A batch with `next_prompts` also leases prompts once accepted (one request per call instead of "
+        "two): the answer's `prompts` (empty under admission control, with `prompts_retry_after`; null if not leased)."
     ),
     responses=responses(401, 403, 404, 409, 413, 415, 422, 429, 503),
     openapi_extra=body.openapi_body(RolloutBatch),
@@ -89,7 +105,7 @@ async def submit(
 ) -> SubmitResponse:
     _install_scrape_hook(ctx)
     # The spec comes with the queue's pre-check (one round trip); resolve_run only for an unknown run.
-    return await submit_stage.submit(
+    answer = await submit_stage.submit(
         ctx.redis,
         ctx.store,
         run,
@@ -99,6 +115,29 @@ async def submit(
         submitted.groups_msgpack,
         submitted.digest,
     )
+    nxt = submitted.batch.next_prompts
+    if nxt is None:
+        return answer
+    return await _with_next_prompts(ctx, run, answer, nxt)
+
+
+async def _with_next_prompts(ctx: Any, run: str, answer: SubmitResponse, req: PromptLeaseRequest) -> SubmitResponse:
+    """The accepted submit's answer with the prompts its batch asked to lease (``RolloutBatch.next_prompts``).
+
+    The batch is committed by now, so nothing here may turn its 202 into an error: a refused or failed lease
+    answers ``prompts`` empty (admission control, with its Retry-After) or null (anything else: the worker
+    leases on its own). A replay (same Idempotency-Key, same body) carries the same request_id and so answers
+    the prompts its first attempt leased, as a replayed lease does."""
+    req = req.model_copy(update={"wait_s": 0.0})  # never hold a submit's answer back for admission
+    try:
+        lease = await prompt_routes.lease_cached(ctx, await prompt_routes.spec_of(ctx, run), req)
+    except errors.Backpressure as exc:
+        return answer.model_copy(
+            update={"prompts": PromptLease(prompts=[], expires_at=0.0), "prompts_retry_after": exc.retry_after}
+        )
+    except errors.BucketRLError:
+        return answer
+    return answer.model_copy(update={"prompts": lease})
 
 
 @router.post(
@@ -112,7 +151,9 @@ async def submit(
         "run's counters; min_version is optional: the trainer's floor for the version it will train with). "
         "train_version and sync_every (optional) tell admission control the trainer's pace. "
         "Epoch-fenced: X-Trainer-Epoch must be the current epoch (409 `fenced`). With `Accept: application/msgpack` "
-        "the answer is msgpack, its numeric arrays packed as in a submit (the groups as they were submitted)."
+        "the answer is msgpack, its numeric arrays packed as in a submit (the groups as they were submitted). "
+        "`ack` acknowledges delivery ids first, as POST rollouts/ack does (one request per claim instead of two): "
+        "the answer's `acked` counts them."
     ),
     responses={
         200: {"content": {claim_stage.MSGPACK: {"schema": {"$ref": "#/components/schemas/ClaimResponse"}}}},
@@ -129,6 +170,11 @@ async def claim(
     req: Annotated[ClaimRequest, Depends(body.decoded(ClaimRequest))],
 ) -> Response:
     _install_scrape_hook(ctx)
+    acked: int | None = None
+    if req.ack:  # the previous claim's ack, first (a replay acks nothing more: counted 0, as a second ack)
+        acked = await ack_stage.ack(
+            ctx.redis, ctx.store, ref.run, ref.spec, epoch=epoch, delivery_ids=req.ack, cleaner=ctx.cleaner
+        )
     out = await claim_stage.claim(
         ctx.redis,
         ctx.store,
@@ -147,11 +193,23 @@ async def claim(
         release=req.release,
         hold_rebuilt=req.hold_rebuilt,
     )
+    if acked is not None:
+        out = _Acked(out.claimed, out.dropped, out.lost, out.dropped_rebuilt, acked=acked)
     # The answer spliced from the groups' stored bytes (response_model above documents it): decoding 8 x 256
     # tokens and logprobs per group only to encode them again was most of a claim's CPU.
     if claim_stage.MSGPACK in request.headers.get("accept", ""):
         return Response(out.response_msgpack(), media_type=claim_stage.MSGPACK)
     return Response(out.response_json(), media_type="application/json")
+
+
+@dataclass
+class _Acked(claim_stage.ClaimOutcome):
+    """A claim's outcome whose answer also says how many of the claim's ``ack`` were acked."""
+
+    acked: int = 0
+
+    def _envelope(self) -> ClaimResponse:
+        return super()._envelope().model_copy(update={"acked": self.acked})
 
 
 @router.post(

@@ -3,6 +3,11 @@
 One ``ProxyContext`` is built by the app's lifespan (``bucketrl.proxy.app.create_app``) and stored on
 ``app.state.ctx``; nothing here is a module-level singleton, so several apps (tests, replicas in one
 process) never share state except through Redis and the bucket, exactly like separate replicas.
+
+One setting is per process, not per app: ``http_protocol.HEADER_TIMEOUT_S``, which ``create_app(serving=True)``
+sets from the settings, because uvicorn builds its HTTP protocol objects itself from a class named by import
+string and hands them no app state. Only ``bucketrl proxy`` (one app per process) serves that way; apps built for
+tests keep uvicorn's own protocol.
 """
 
 from __future__ import annotations

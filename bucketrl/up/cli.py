@@ -89,6 +89,13 @@ def up_command(
         ),
     ] = None,
     seed: Annotated[int | None, typer.Option(help="Trainer seed (default 0).")] = None,
+    report_to: Annotated[
+        str | None,
+        typer.Option(
+            help="Experiment trackers, TRL's report_to: tensorboard, wandb, trackio (comma-separated), none or all "
+            "(default BUCKETRL_REPORT_TO, else tensorboard when installed)."
+        ),
+    ] = None,
     live: Annotated[bool | None, typer.Option("--live/--no-live", help="Live view (default: when a terminal).")] = None,
 ) -> None:
     """Run proxy + Redis + trainer + generators locally; live view; summary and plots at the end.
@@ -125,6 +132,7 @@ def up_command(
             "trainer_procs": trainer_procs,
             "trainer_shard_base": trainer_shard_base,
             "seed": seed,
+            "report_to": report_to,
         }.items()
         if v is not None
     }
@@ -174,11 +182,11 @@ def _option_error(exc: ValidationError) -> str:
     if not first["loc"]:  # a check across options: its message names them
         return first["msg"].removeprefix("Value error, ")
     where = "--" + "-".join(str(p) for p in first["loc"][:1]).replace("_", "-")
-    return f"{where}: {first['msg']}"
+    return f"{where}: {first['msg'].removeprefix('Value error, ')}"
 
 
 def _first(exc: Exception) -> str:
     """A pydantic error of the run spec as one line: the field and what is wrong."""
     errs = exc.errors()  # type: ignore[attr-defined]
     loc = ".".join(str(p) for p in errs[0]["loc"])
-    return f"run spec field {loc}: {errs[0]['msg']}"
+    return f"run spec field {loc}: {errs[0]['msg'].removeprefix('Value error, ')}"

@@ -293,8 +293,12 @@ class LocalCluster:
         }
 
     def start_trainer(self) -> Service:
+        return self._service("trainer", trainer_command(self.cfg.trainer_procs), self.trainer_env()).start()
+
+    def trainer_env(self) -> dict[str, str]:
+        """The trainer's environment (the tokens must have been made)."""
         cfg = self.cfg
-        env = {
+        return {
             **self._worker_env("trainer", "trainer"),
             "BUCKETRL_RUN_SPEC": str(self.dir / "run_spec.json"),
             "BUCKETRL_LR": repr(cfg.effective_lr()),
@@ -304,15 +308,14 @@ class LocalCluster:
             "BUCKETRL_SEED": str(cfg.seed),
             "BUCKETRL_WORK_DIR": str(self.dir / "work" / "trainer"),
             "BUCKETRL_AUDIT_LOG": str(self.logs / "trainer-audit.jsonl"),
-            # TensorBoard event files in <dir>/tensorboard/<run> when tensorboard is installed (the user's own
-            # BUCKETRL_REPORT_TO wins); `tensorboard --logdir <dir>/tensorboard` shows them.
-            "BUCKETRL_REPORT_TO": os.environ.get("BUCKETRL_REPORT_TO") or default_report_to(),
+            # --report-to, else the user's own BUCKETRL_REPORT_TO, else TensorBoard event files in
+            # <dir>/tensorboard/<run> when tensorboard is installed (`tensorboard --logdir <dir>/tensorboard`).
+            "BUCKETRL_REPORT_TO": cfg.report_to or os.environ.get("BUCKETRL_REPORT_TO") or default_report_to(),
             "BUCKETRL_TRACKER_DIR": os.environ.get("BUCKETRL_TRACKER_DIR") or str(self.dir),
             **({"BUCKETRL_DATASET_FILE": str(cfg.upload_path)} if cfg.upload_path is not None else {}),
             **({"BUCKETRL_SHARD_BASE": "true"} if cfg.trainer_shard_base else {}),
             **cfg.trainer_env,
         }
-        return self._service("trainer", trainer_command(cfg.trainer_procs), env).start()
 
     def start_generator(self, index: int) -> Service:
         name = f"gen-{index}"

@@ -23,6 +23,7 @@ from bucketrl.tasks.toy import (
     TOOLS_DEMO_MAX_STEPS,
     default_run_spec,
 )
+from bucketrl.trainer.trackers import check_report_to
 from bucketrl.up.processes import RestartPolicy
 from bucketrl.wire import RunSpec
 from bucketrl.wire.common import ID_PATTERN
@@ -79,6 +80,9 @@ class UpConfig(BaseModel):
     sync_every: int = Field(1, ge=1)
     checkpoint_every: int = Field(10, ge=1)
     seed: int = 0
+    # TRL's report_to: the trainer's experiment trackers (tensorboard, wandb, trackio; comma-separated, none or all).
+    # None: BUCKETRL_REPORT_TO if set, else TensorBoard when it is installed.
+    report_to: str | None = Field(None, description="Experiment trackers (TRL's report_to).")
     port: int | None = Field(None, ge=1, le=65535, description="Proxy port; default a free one.")
     bucket_url: str | None = Field(None, description="Default file://<dir>/bucket; s3://... works too.")
     redis_url: str | None = Field(None, description="External Redis; default an embedded redis-server.")
@@ -110,6 +114,19 @@ class UpConfig(BaseModel):
     def _non_empty(cls, v: list[str] | None) -> list[str] | None:
         if v is not None and not v:
             raise ValueError("generator_engines must name at least one engine (or be omitted)")
+        return v
+
+    @field_validator("report_to")
+    @classmethod
+    def _known_trackers(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                check_report_to(v)
+            except ValueError as exc:
+                # The trackers' own message names the variable; here the user typed the flag.
+                raise ValueError(
+                    str(exc).replace("BUCKETRL_REPORT_TO", "--report-to").removeprefix("report_to: ")
+                ) from None
         return v
 
     @model_validator(mode="after")

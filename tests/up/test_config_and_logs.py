@@ -140,3 +140,31 @@ def test_sync_latency_from_logs(tmp_path: Path) -> None:
     assert lat.p50 == pytest.approx(0.6, abs=1e-3) and lat.max == pytest.approx(10.6, abs=1e-3)
     assert "p50" in lat.describe()
     assert measure(tmp_path / "nothing", "r").per_version == {}
+
+
+def test_report_to_is_a_flag_that_reaches_the_trainer_and_a_typo_stops_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL's ``report_to`` as ``bucketrl up --report-to`` (it was only BUCKETRL_REPORT_TO): the flag wins over the
+    variable, and a tracker name that does not exist is refused before anything is made."""
+    import subprocess
+    import sys
+
+    from bucketrl.up.cluster import LocalCluster
+
+    monkeypatch.setenv("BUCKETRL_REPORT_TO", "tensorboard")
+    cluster = LocalCluster(UpConfig(dir=tmp_path / "a", report_to="none"))
+    cluster.tokens = {"trainer": "t"}
+    assert cluster.trainer_env()["BUCKETRL_REPORT_TO"] == "none"
+    cluster = LocalCluster(UpConfig(dir=tmp_path / "b"))
+    cluster.tokens = {"trainer": "t"}
+    assert cluster.trainer_env()["BUCKETRL_REPORT_TO"] == "tensorboard"
+
+    run_dir = tmp_path / "typo"
+    cmd = [sys.executable, "-m", "bucketrl.cli", "up", "--report-to", "tensorbored", "--dir", str(run_dir)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == (
+        "bucketrl up: --report-to: tensorbored is not one of tensorboard, wandb, trackio, none, all"
+    )
+    assert not run_dir.exists()

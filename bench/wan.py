@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from bucketrl.sim.cluster import Scenario, SimBackends, SimScale, run_scale_sim
+from bucketrl.sim.cluster import Scenario, SimBackends, SimScale, _publishes, run_scale_sim
 from bucketrl.sim.netlab import HOME, Lab, LinkSpec, Relay
 
 # The GPU model of bench/scale_sim.py (a ~1.5B model, sped up): a call lasts ~3.5 s on average, 6 s at the cap.
@@ -113,8 +115,19 @@ def scenario_for(wiring: Wiring) -> type[Scenario]:
     return type("WanScenario", (WanScenario,), {"wiring": wiring})
 
 
+_PUBLISHED_BYTES = re.compile(r"published v\d+ \(step \d+, (\d+) bytes\)")
+
+
+def published_bytes(workdir: Path, default: int) -> int:
+    """The adapter's size as published (the simulated learner rounds ``--adapter-mb`` down to whole layers)."""
+    log = workdir / "logs" / "trainer.log"
+    sizes = _PUBLISHED_BYTES.findall(log.read_text(errors="replace")) if log.exists() else []
+    return int(sizes[-1]) if sizes else default
+
+
 def link_figures(cfg: SimScale, workdir: Path, w: Wiring, after: dict[str, dict[str, int]]) -> dict[str, Any]:
     """Bytes over the links per adapter version that crossed them (versions any generator loaded)."""
+    adapter = published_bytes(workdir, cfg.adapter_bytes)
     loads: list[tuple[str, int, float]] = []
     for i in range(cfg.processes):
         path = workdir / f"fleet-{i}.json"
@@ -131,7 +144,29 @@ def link_figures(cfg: SimScale, workdir: Path, w: Wiring, after: dict[str, dict[
         "loads_per_version": round(loads_per_version, 2),
         "wan_bytes_per_version": round(total / n) if versions else None,
         "wan_down_bytes_per_version_by_region": {r: round(x["down"] / n) for r, x in delta.items()},
-        "adapter_bytes_x_loads_per_version": round(cfg.adapter_bytes * loads_per_version),
+        "adapter_bytes": adapter,
+        "adapter_bytes_x_loads_per_version": round(adapter * loads_per_version),
+    }
+
+
+_STEP = re.compile(r"step (\d+)/\d+ .* wait ([0-9.]+)s step")
+
+
+def trainer_figures(workdir: Path, warmup_steps: int) -> dict[str, Any]:
+    """From the trainer's log: how long its publish calls took (an upload across the link when the trainer is
+    in a region) and how long each step waited for its claim to fill (``wait``; after the warm-up)."""
+    log = workdir / "logs" / "trainer.log"
+    publish = [answered - called for called, answered in _publishes(log).values()]
+    waits: list[float] = []
+    if log.exists():
+        for line in log.read_text(errors="replace").splitlines():
+            m = _STEP.search(line)
+            if m and int(m.group(1)) > warmup_steps:
+                waits.append(float(m.group(2)))
+    return {
+        "publish_p50_s": round(statistics.median(publish), 3) if publish else None,
+        "step_wait_p50_s": round(statistics.median(waits), 3) if waits else None,
+        "step_wait_total_s": round(sum(waits), 2),
     }
 
 
@@ -151,6 +186,7 @@ FIELDS = (
     "backpressure_waits",
     "requests",
     "timed_out",
+    "cpu_s",
     "errors",
 )
 
@@ -174,7 +210,7 @@ def point(
             steps=10_000,  # bounded by max_train_s
             warmup_steps=1,
             step_s=args.step_s,
-            groups_per_step=args.generators * args.prompts_per_request,
+            groups_per_step=args.groups_per_step or args.generators * args.prompts_per_request,
             prompts_per_request=args.prompts_per_request,
             adapter_bytes=int(args.adapter_mb * 1024 * 1024),
             fleet_processes=len(regions),
@@ -192,6 +228,7 @@ def point(
                 lab.restore(region)
         out: dict[str, Any] = {"rtt_ms": rtt_ms, **{k: r.get(k) for k in FIELDS}}
         out.update(link_figures(cfg, workdir, wiring, wiring.link_bytes()))
+        out.update(trainer_figures(workdir, cfg.warmup_steps))
         trained = (r.get("groups") or {}).get("trained") or 0
         out["requests_per_trained_group"] = round(r["requests"] / trained, 2) if trained else None
         if r.get("steps_per_s") and r.get("ideal_steps_per_s"):
@@ -214,6 +251,7 @@ def row(p: dict[str, Any]) -> str:
     g = p.get("groups") or {}
     return (
         f"{p['rtt_ms']:>6g} {f('sync_p50_s', '.2f'):>7} {f('sync_p99_s', '.2f'):>7} {f('wakeup_p50_ms', '.0f'):>7} "
+        f"{f('publish_p50_s', '.2f'):>6} {f('step_wait_p50_s', '.2f'):>6} "
         f"{f('steps_per_s', '.3f'):>7} {f('steps_per_s_vs_ideal', '.0%'):>6} {f('steps_per_s_vs_loopback', '.0%'):>6} "
         f"{f('wan_bytes_per_version', '.1f', 1e-6):>8} {f('adapter_bytes_x_loads_per_version', '.1f', 1e-6):>8} "
         f"{f('requests_per_trained_group', '.2f'):>7} {f('stale_drop_rate', '.1%'):>6} "
@@ -221,7 +259,10 @@ def row(p: dict[str, Any]) -> str:
     )
 
 
-HEADER = "rtt_ms  sync50  sync99  wake50 steps/s  ideal  loopb  MB/vers  adMBxN  req/grp  stale trained lost    ok"
+HEADER = (
+    "rtt_ms  sync50  sync99  wake50  pub50 wait50 steps/s  ideal  loopb  MB/vers  adMBxN  req/grp  stale "
+    "trained lost    ok"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -234,6 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration-s", type=float, default=45.0, help="training time per point (the trainer's cap)")
     p.add_argument("--step-s", type=float, default=4.0, help="seconds of one simulated trainer step")
     p.add_argument("--prompts-per-request", type=int, default=1)
+    p.add_argument("--groups-per-step", type=int, default=0, help="default: one call of every generator")
     p.add_argument("--adapter-mb", type=float, default=4.0, help="the published adapter's size (MiB)")
     p.add_argument("--trainer-region", default=None, help="run the trainer behind a link too (a region's name)")
     p.add_argument("--proxy-workers", type=int, default=1)

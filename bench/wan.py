@@ -129,10 +129,13 @@ def link_figures(cfg: SimScale, workdir: Path, w: Wiring, after: dict[str, dict[
     """Bytes over the links per adapter version that crossed them (versions any generator loaded)."""
     adapter = published_bytes(workdir, cfg.adapter_bytes)
     loads: list[tuple[str, int, float]] = []
+    retries = 0  # the fleet's requests that failed in transport (a dropped link's) and were sent again
     for i in range(cfg.processes):
         path = workdir / f"fleet-{i}.json"
         if path.exists():
-            loads += [tuple(x) for x in json.loads(path.read_text())["loads"]]
+            rep = json.loads(path.read_text())
+            loads += [tuple(x) for x in rep["loads"]]
+            retries += int(rep.get("transport_retries", 0))
     versions = {v for _g, v, _t in loads}
     delta = {r: {d: after[r][d] - w.link_bytes_before.get(r, {}).get(d, 0) for d in ("down", "up")} for r in after}
     total = sum(x["down"] + x["up"] for x in delta.values())
@@ -140,6 +143,7 @@ def link_figures(cfg: SimScale, workdir: Path, w: Wiring, after: dict[str, dict[
     loads_per_version = len(loads) / n
     return {
         "link_bytes": delta,
+        "fleet_transport_retries": retries,
         "versions_crossed": len(versions),
         "loads_per_version": round(loads_per_version, 2),
         "wan_bytes_per_version": round(total / n) if versions else None,

@@ -185,13 +185,21 @@ def _publishes(log: Path) -> dict[int, tuple[float, float]]:
 
 
 def run_scale_sim(
-    backends: SimBackends, cfg: SimScale, run: str, workdir: Path, progress: Any = None
+    backends: SimBackends,
+    cfg: SimScale,
+    run: str,
+    workdir: Path,
+    progress: Any = None,
+    scenario: type[Scenario] | None = None,
 ) -> dict[str, Any]:
-    """Run one scenario as run ``run`` on started backends and return its figures (see the module docstring)."""
+    """Run one scenario as run ``run`` on started backends and return its figures (see the module docstring).
+
+    ``scenario``: a :class:`Scenario` subclass that starts the processes differently (``bench/wan.py`` puts the
+    fleet in network namespaces behind slow links); the measuring is the same."""
     import redis as redis_lib
 
     say = progress or (lambda _msg: None)
-    sc = Scenario(backends, cfg, run, workdir)
+    sc = (scenario or Scenario)(backends, cfg, run, workdir)
     r = redis_lib.Redis(port=backends.redis_port)
     counters_key = keys.run_key(run, keys.COUNTERS)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import json
 import os
 import re
 import select
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import Any
@@ -32,6 +34,15 @@ from bucketrl.sim.netlab.drop import DropMode, drop_ends, restore_ends
 
 HOME = "home"
 _REGION = re.compile(r"^[a-z0-9]{1,8}$")
+_CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int) -> None:
+    # os.setns is Python 3.12+; libc's is the same call.
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
 
 
 @dataclass(frozen=True)
@@ -285,6 +296,45 @@ class Lab:
         """
         link = self.links[region]
         return self.start_relay(HOME, (link.home_addr, listen_port), (target_host, target_port), link.spec.one_way_ms)
+
+    @contextlib.contextmanager
+    def entered(self, role: str) -> Iterator[None]:
+        """Run the calling thread in ``home`` or a region's namespace, and back to where it was after.
+
+        For a harness whose own sockets must live there (a benchmark polling Redis on home's 127.0.0.1). Only the
+        calling thread moves, and what it starts inherits it: threads and child processes started inside the
+        block, sockets opened inside it (they stay in that namespace after the block). Enter from the thread
+        that starts the work, before it starts any. The lab never kills its owner (see
+        :func:`bucketrl.sim.netlab.cleanup.kill_namespace_processes`), so closing the lab inside the block is safe.
+        """
+        back = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            there = os.open(f"/run/netns/{self.ns(role)}", os.O_RDONLY)
+            try:
+                _setns(there)
+            finally:
+                os.close(there)
+            try:
+                yield
+            finally:
+                _setns(back)
+        finally:
+            os.close(back)
+
+    def link_bytes(self, region: str) -> dict[str, int]:
+        """Bytes that crossed ``region``'s link so far, per direction, from home's end of the veth: ``down``
+        (home to the region) and ``up`` (the region to home). Counted by the kernel, headers included; a dropped
+        link's black-holed packets count as sent but not as received."""
+        link = self.links[region]
+        out = subprocess.run(
+            ["ip", "-n", link.home_ns, "-j", "-s", "link", "show", "dev", link.home_if],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        stats = json.loads(out)[0]["stats64"]
+        return {"down": int(stats["tx"]["bytes"]), "up": int(stats["rx"]["bytes"])}
 
     # --- dropping links ------------------------------------------------------------------------------------------
 

@@ -1,0 +1,365 @@
+"""The whole system across an emulated slow link: generators in other "clouds" than the proxy (issue 24).
+
+    sudo .venv/bin/python bench/wan.py --rtt-ms 0,50,150 --generators 8 --duration-s 45 --json /tmp/wan.json
+    sudo .venv/bin/python bench/wan.py --rtt-ms 100 --drop-s 10            # drop region a's link for 10 s
+
+Root only: it builds a :class:`bucketrl.sim.netlab.Lab`. The scale simulation's parts (:mod:`bucketrl.sim.cluster`,
+all real but the GPU: ``redis-server``, ``bucketrl proxy``, moto S3 behind the slow S3 front, the real trainer
+worker with a simulated learner publishing ``--adapter-mb`` adapters) run in the lab's ``home`` namespace; the
+simulated generators (real HTTP protocol) run in region namespaces (``--regions``, the fleet split evenly, one
+fleet process per region) and reach the proxy only through the lab's delay relay over ``tbf`` links of ``--mbit``.
+``--trainer-region`` puts the trainer behind a link too (its claims, acks and uploads then cross it).
+
+For each RTT in ``--rtt-ms`` (a new delay relay per point; the backends, the lab and its links are shared, each
+point is its own run) it prints what :func:`bucketrl.sim.cluster.run_scale_sim` measures: weight sync publish ->
+every generator loaded (p50/p99), long-poll wake-up p50 (a generator's answer minus the publisher's: one one-way
+delay at least), trainer steps/s against the ideal and against the sweep's RTT-0 point ("loopback": same links,
+no delay) when there is one, the stale-drop rate and whether the proxy's accounting is exact (nothing lost,
+nothing trained twice); plus the bytes that crossed the links (the kernel's veth counters, both directions, all
+regions) per adapter version that crossed, next to ``adapter bytes x loads per version``, and the proxy's requests
+per trained group. ``--drop-s N`` black-holes ``--drop-region``'s link for N s, ``--drop-at-s`` after the fleet
+starts, in every point: the groups line then says what the outage cost.
+
+What the relay does not emulate (TCP's own RTT, the handshake's) is in :mod:`bucketrl.sim.netlab.delay`; quote it
+with the figures. This machine's cores are shared by every process here (the relay forwards every byte in Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from bucketrl.sim.cluster import Scenario, SimBackends, SimScale, _publishes, run_scale_sim
+from bucketrl.sim.netlab import HOME, Lab, LinkSpec, Relay
+
+# The GPU model of bench/scale_sim.py (a ~1.5B model, sped up): a call lasts ~3.5 s on average, 6 s at the cap.
+GPU = {
+    "decode_step_s": 0.006,
+    "decode_step_per_seq_s": 0.00005,
+    "prefill_tokens_per_s": 20000.0,
+    "load_adapter_s": 0.05,
+    "length_median": 150.0,
+    "length_sigma": 1.0,
+}
+
+
+@dataclass
+class Wiring:
+    """Where one point's processes run and how they reach the proxy; what the point saw of the links."""
+
+    lab: Lab
+    regions: list[str]  # the fleet's regions, fleet process i in regions[i % len]
+    urls: dict[str, str]  # region -> the proxy's address through that region's delay relay
+    trainer_region: str | None
+    drop: tuple[str, float, float] | None  # (region, after s, for s)
+    link_bytes_before: dict[str, dict[str, int]] = field(default_factory=dict)
+    fleet_started: float | None = None
+    dropped_at: float | None = None
+    timers: list[threading.Timer] = field(default_factory=list)
+
+    def region_of(self, service: str) -> str | None:
+        if service.startswith("fleet-"):
+            return self.regions[int(service.removeprefix("fleet-")) % len(self.regions)]
+        if service == "trainer":
+            return self.trainer_region
+        return None
+
+    def link_bytes(self) -> dict[str, dict[str, int]]:
+        return {r: self.lab.link_bytes(r) for r in self.lab.links}
+
+    def start_drop(self, region: str, seconds: float) -> None:
+        self.dropped_at = time.time()
+        self.lab.drop_for(region, seconds)
+
+
+class WanScenario(Scenario):
+    """The scale simulation's scenario with the fleet (and optionally the trainer) behind the lab's links."""
+
+    wiring: ClassVar[Wiring]
+
+    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> Any:
+        region = self.wiring.region_of(name)
+        if region is not None:
+            # `ip netns exec` execs the command in place: the Service's pid is the worker's, as without it.
+            argv = [*self.wiring.lab.exec_prefix(region), *argv]
+            env = {**env, "BUCKETRL_PROXY_URL": self.wiring.urls[region]}
+        return super()._start(name, argv, env)
+
+    def start_fleet(self) -> Any:
+        w = self.wiring
+        w.link_bytes_before = w.link_bytes()
+        w.fleet_started = time.time()
+        fleets = super().start_fleet()
+        if w.drop is not None:
+            region, after_s, for_s = w.drop
+            t = threading.Timer(after_s, w.start_drop, args=(region, for_s))
+            t.daemon = True
+            t.start()
+            w.timers.append(t)
+        return fleets
+
+
+def scenario_for(wiring: Wiring) -> type[Scenario]:
+    # run_scale_sim builds the scenario itself (backends, cfg, run, workdir): the wiring rides on a subclass.
+    return type("WanScenario", (WanScenario,), {"wiring": wiring})
+
+
+_PUBLISHED_BYTES = re.compile(r"published v\d+ \(step \d+, (\d+) bytes\)")
+
+
+def published_bytes(workdir: Path, default: int) -> int:
+    """The adapter's size as published (the simulated learner rounds ``--adapter-mb`` down to whole layers)."""
+    log = workdir / "logs" / "trainer.log"
+    sizes = _PUBLISHED_BYTES.findall(log.read_text(errors="replace")) if log.exists() else []
+    return int(sizes[-1]) if sizes else default
+
+
+def link_figures(cfg: SimScale, workdir: Path, w: Wiring, after: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """Bytes over the links per adapter version that crossed them (versions any generator loaded)."""
+    adapter = published_bytes(workdir, cfg.adapter_bytes)
+    loads: list[tuple[str, int, float]] = []
+    retries = 0  # the fleet's requests that failed in transport (a dropped link's) and were sent again
+    for i in range(cfg.processes):
+        path = workdir / f"fleet-{i}.json"
+        if path.exists():
+            rep = json.loads(path.read_text())
+            loads += [tuple(x) for x in rep["loads"]]
+            retries += int(rep.get("transport_retries", 0))
+    versions = {v for _g, v, _t in loads}
+    delta = {r: {d: after[r][d] - w.link_bytes_before.get(r, {}).get(d, 0) for d in ("down", "up")} for r in after}
+    total = sum(x["down"] + x["up"] for x in delta.values())
+    n = max(len(versions), 1)
+    loads_per_version = len(loads) / n
+    return {
+        "link_bytes": delta,
+        "fleet_transport_retries": retries,
+        "versions_crossed": len(versions),
+        "loads_per_version": round(loads_per_version, 2),
+        "wan_bytes_per_version": round(total / n) if versions else None,
+        "wan_down_bytes_per_version_by_region": {r: round(x["down"] / n) for r, x in delta.items()},
+        "adapter_bytes": adapter,
+        "adapter_bytes_x_loads_per_version": round(adapter * loads_per_version),
+    }
+
+
+_STEP = re.compile(r"step (\d+)/\d+ .* wait ([0-9.]+)s step")
+
+
+def trainer_figures(workdir: Path, warmup_steps: int) -> dict[str, Any]:
+    """From the trainer's log: how long its publish calls took (an upload across the link when the trainer is
+    in a region) and how long each step waited for its claim to fill (``wait``; after the warm-up)."""
+    log = workdir / "logs" / "trainer.log"
+    publish = [answered - called for called, answered in _publishes(log).values()]
+    waits: list[float] = []
+    if log.exists():
+        for line in log.read_text(errors="replace").splitlines():
+            m = _STEP.search(line)
+            if m and int(m.group(1)) > warmup_steps:
+                waits.append(float(m.group(2)))
+    return {
+        "publish_p50_s": round(statistics.median(publish), 3) if publish else None,
+        "step_wait_p50_s": round(statistics.median(waits), 3) if waits else None,
+        "step_wait_total_s": round(sum(waits), 2),
+    }
+
+
+FIELDS = (
+    "sync_p50_s",
+    "sync_p99_s",
+    "sync_versions",
+    "load_p50_s",
+    "wakeup_p50_ms",
+    "steps_per_s",
+    "ideal_steps_per_s",
+    "steps",
+    "stale_drop_rate",
+    "accounting_ok",
+    "groups",
+    "non_2xx",
+    "backpressure_waits",
+    "requests",
+    "timed_out",
+    "cpu_s",
+    "errors",
+)
+
+
+def point(
+    args: argparse.Namespace, lab: Lab, backends: SimBackends, rtt_ms: float, workdir: Path, say: Any
+) -> dict[str, Any]:
+    regions = args.regions
+    relays: list[Relay] = []
+    try:
+        urls = {}
+        for r in lab.links:
+            link = lab.links[r]
+            relay = lab.start_relay(HOME, (link.home_addr, 0), ("127.0.0.1", backends.proxy_port), rtt_ms / 2.0)
+            relays.append(relay)
+            urls[r] = f"http://{relay.address}"
+        drop = (args.drop_region, args.drop_at_s, args.drop_s) if args.drop_s else None
+        wiring = Wiring(lab, regions, urls, args.trainer_region, drop)
+        cfg = SimScale(
+            generators=args.generators,
+            steps=10_000,  # bounded by max_train_s
+            warmup_steps=1,
+            step_s=args.step_s,
+            groups_per_step=args.groups_per_step or args.generators * args.prompts_per_request,
+            prompts_per_request=args.prompts_per_request,
+            adapter_bytes=int(args.adapter_mb * 1024 * 1024),
+            fleet_processes=len(regions),
+            gpu=dict(GPU),
+            timeout_s=args.duration_s + 180,
+            max_train_s=args.duration_s,
+        )
+        name = f"rtt{int(rtt_ms)}"
+        try:
+            r = run_scale_sim(backends, cfg, name, workdir, progress=say, scenario=scenario_for(wiring))
+        finally:
+            for t in wiring.timers:
+                t.cancel()
+            for region in lab.links:
+                lab.restore(region)
+        out: dict[str, Any] = {"rtt_ms": rtt_ms, **{k: r.get(k) for k in FIELDS}}
+        out.update(link_figures(cfg, workdir, wiring, wiring.link_bytes()))
+        out.update(trainer_figures(workdir, cfg.warmup_steps))
+        trained = (r.get("groups") or {}).get("trained") or 0
+        out["requests_per_trained_group"] = round(r["requests"] / trained, 2) if trained else None
+        if r.get("steps_per_s") and r.get("ideal_steps_per_s"):
+            out["steps_per_s_vs_ideal"] = round(r["steps_per_s"] / r["ideal_steps_per_s"], 3)
+        if drop is not None and wiring.dropped_at is not None and wiring.fleet_started is not None:
+            at_s = round(wiring.dropped_at - wiring.fleet_started, 1)
+            out["drop"] = {"region": drop[0], "seconds": drop[2], "at_s": at_s}
+        return out
+    finally:
+        for relay in relays:
+            relay.proc.kill()
+            relay.proc.wait(10)
+
+
+def row(p: dict[str, Any]) -> str:
+    def f(key: str, fmt: str, scale: float = 1.0) -> str:
+        v = p.get(key)
+        return "-" if v is None else format(v * scale, fmt)
+
+    g = p.get("groups") or {}
+    return (
+        f"{p['rtt_ms']:>6g} {f('sync_p50_s', '.2f'):>7} {f('sync_p99_s', '.2f'):>7} {f('wakeup_p50_ms', '.0f'):>7} "
+        f"{f('publish_p50_s', '.2f'):>6} {f('step_wait_p50_s', '.2f'):>6} "
+        f"{f('steps_per_s', '.3f'):>7} {f('steps_per_s_vs_ideal', '.0%'):>6} {f('steps_per_s_vs_loopback', '.0%'):>6} "
+        f"{f('wan_bytes_per_version', '.1f', 1e-6):>8} {f('adapter_bytes_x_loads_per_version', '.1f', 1e-6):>8} "
+        f"{f('requests_per_trained_group', '.2f'):>7} {f('stale_drop_rate', '.1%'):>6} "
+        f"{g.get('trained', '-')!s:>7} {g.get('lost', '-')!s:>4} {p.get('accounting_ok')!s:>5}"
+    )
+
+
+HEADER = (
+    "rtt_ms  sync50  sync99  wake50  pub50 wait50 steps/s  ideal  loopb  MB/vers  adMBxN  req/grp  stale "
+    "trained lost    ok"
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", type=Path, help="write the figures here")
+    p.add_argument("--rtt-ms", default="100", help="round trip of every link; a comma-separated list sweeps")
+    p.add_argument("--mbit", type=float, default=200.0, help="each link's rate, per direction")
+    p.add_argument("--regions", default="a,b", help="the generators' regions (the fleet is split evenly)")
+    p.add_argument("--generators", type=int, default=8, help="simulated generators, over all regions")
+    p.add_argument("--duration-s", type=float, default=45.0, help="training time per point (the trainer's cap)")
+    p.add_argument("--step-s", type=float, default=4.0, help="seconds of one simulated trainer step")
+    p.add_argument("--prompts-per-request", type=int, default=1)
+    p.add_argument("--groups-per-step", type=int, default=0, help="default: one call of every generator")
+    p.add_argument("--adapter-mb", type=float, default=4.0, help="the published adapter's size (MiB)")
+    p.add_argument("--trainer-region", default=None, help="run the trainer behind a link too (a region's name)")
+    p.add_argument("--proxy-workers", type=int, default=1)
+    p.add_argument("--s3-latency-ms", type=float, default=20.0)
+    p.add_argument("--drop-s", type=float, default=0.0, help="black-hole a link this long in each point")
+    p.add_argument("--drop-region", default=None, help="the link to drop (default: the first region)")
+    p.add_argument("--drop-at-s", type=float, default=None, help="seconds after the fleet starts (default: 1/4)")
+    p.add_argument("--keep", action="store_true", help="keep the logs directory")
+    args = p.parse_args(argv)
+    args.rtts = [float(x) for x in args.rtt_ms.split(",") if x.strip()]
+    args.regions = [r.strip() for r in args.regions.split(",") if r.strip()]
+    args.drop_region = args.drop_region or args.regions[0]
+    if args.drop_at_s is None:
+        args.drop_at_s = args.duration_s / 4
+    if args.drop_s and args.drop_at_s + args.drop_s + 2 * args.step_s > args.duration_s:
+        p.error("the drop must end at least two steps before --duration-s (the fleet drains after the trainer stops)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench/wan.py needs root (network namespaces, tc, nft)", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    say = lambda msg: print(f"[{time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    work = Path(tempfile.mkdtemp(prefix="bucketrl-wan-"))
+    link_regions = list(dict.fromkeys([*args.regions, *([args.trainer_region] if args.trainer_region else [])]))
+    points: dict[str, dict[str, Any]] = {}
+    # Every lab link gets the point's delay through its relay; the rate (tbf) is the lab's, set once. The
+    # backends' sockets (and this process's Redis and S3 front clients) must be in home: it is entered before
+    # anything is started, so every child inherits it.
+    lab = Lab({r: LinkSpec(rtt_ms=0.0, mbit=args.mbit) for r in link_regions})
+    with (
+        lab,
+        lab.entered(HOME),
+        SimBackends(work / "backends", proxy_workers=args.proxy_workers, s3_latency_ms=args.s3_latency_ms) as b,
+    ):
+        say(f"lab {lab.home_ns}: regions {link_regions} at {args.mbit:g} Mbit; backends up in home")
+        for rtt in args.rtts:
+            key = f"{rtt:g}"
+            try:
+                points[key] = point(args, lab, b, rtt, work / f"rtt{key}", say)
+            except Exception as exc:  # a point that fails is a result; the next one still runs
+                say(f"rtt {key} ms failed: {exc}")
+                points[key] = {"rtt_ms": rtt, "errors": [f"{type(exc).__name__}: {exc}"]}
+            say(row(points[key]) if "groups" in points[key] else f"rtt {key}: no figures")
+    base = points.get("0", {}).get("steps_per_s")
+    for p in points.values():
+        if base and p.get("steps_per_s"):
+            p["steps_per_s_vs_loopback"] = round(p["steps_per_s"] / base, 3)
+    print(
+        f"\nwan: {args.generators} generators over {args.regions}, {args.mbit:g} Mbit links, adapter "
+        f"{args.adapter_mb:g} MiB, step {args.step_s:g}s, {args.duration_s:g}s per point, trainer in "
+        f"{args.trainer_region or 'home'}{f', link {args.drop_region} dropped {args.drop_s:g}s' if args.drop_s else ''}"
+        f" ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})"
+    )
+    print(HEADER)
+    for p in points.values():
+        if "groups" in p:
+            print(row(p))
+        else:
+            print(f"{p['rtt_ms']:>6g} failed: {p['errors']}")
+    headline = max((p for p in points.values() if p["rtt_ms"] > 0), key=lambda p: p["rtt_ms"], default=None)
+    out = {
+        "by_rtt_ms": points,
+        # The issue's key shape; "relay" joins it when regional relays exist. The figures at the sweep's largest RTT.
+        "by_mode": {"direct": headline} if headline else {},
+        "config": {**vars(args), "json": str(args.json), "gpu": GPU},
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    print(f"total wall {out['wall_s']}s")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    if args.keep:
+        print(f"logs: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all("groups" in p for p in points.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

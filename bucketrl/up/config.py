@@ -333,8 +333,10 @@ def _apply_options(spec: dict[str, Any], cfg: UpConfig) -> None:
 
 
 def max_new_tokens_given(cfg: UpConfig) -> bool:
-    """Whether the user chose max_new_tokens (an option, or the run-spec file), or the preflight may."""
-    if cfg.max_new_tokens is not None or (cfg.dataset_uri.startswith("toy:") and cfg.run_spec is None):
+    """Whether the user chose max_new_tokens (an option, or the run-spec file), or the preflight may. A toy task's
+    own sampling settings stand (``build_run_spec`` takes them from the task, a run-spec file's over them), so the
+    preflight never chooses one for it: it would report a length the spec does not have."""
+    if cfg.max_new_tokens is not None or cfg.dataset_uri.startswith("toy:"):
         return True
     given = _read_run_spec(cfg.run_spec) if cfg.run_spec is not None else {}
     return "max_new_tokens" in (given.get("sampling") or {})

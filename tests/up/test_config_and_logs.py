@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,21 @@ def test_report_to_is_a_flag_that_reaches_the_trainer_and_a_typo_stops_with_one_
         "bucketrl up: --report-to: tensorbored is not one of tensorboard, wandb, trackio, none, all"
     )
     assert not run_dir.exists()
+
+
+def test_a_toy_task_with_a_run_spec_file_keeps_its_own_max_new_tokens(tmp_path: Path) -> None:
+    """With ``--run-spec`` on a toy dataset the preflight used to choose a length to fit the model and report it
+    ("max_new_tokens 507 (chosen to fit)") while the spec kept the task's own 8."""
+    from bucketrl.up.config import max_new_tokens_given
+
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps({"loss": {"objective": "decoupled"}}))
+    cfg = UpConfig(dir=tmp_path / "run", run_spec=spec_file)
+    assert max_new_tokens_given(cfg)
+    assert (
+        build_run_spec(cfg, None)["sampling"]["max_new_tokens"]
+        == build_run_spec(UpConfig(dir=tmp_path), None)["sampling"]["max_new_tokens"]
+    )
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    assert not max_new_tokens_given(UpConfig(dir=tmp_path / "real", dataset=str(jsonl), run_spec=spec_file))

@@ -114,3 +114,23 @@ def test_the_sweep_finishes_what_a_failed_cleaner_left(redis_server: RedisServer
         assert not {"0-0", "0-1"} & set(snap["open"])
 
     run(redis_server, later)
+
+
+def test_a_batch_no_longer_finished_in_redis_keeps_its_object(redis_server: RedisServer, bucket_url: str) -> None:
+    """The cleaner's deletion of a finished batch can land after a Redis wipe whose rebuild queued the batch's
+    groups again (the newest snapshot did not show them settled yet): it must leave that object alone, or the
+    re-queued groups are lost (a chaos run counted 104 lost). Redis's ``queue:doomed`` decides."""
+    store = open_store(bucket_url)
+    spec = make_spec(group_size=2)
+
+    async def body(r: Any) -> None:
+        epoch, cleaner, (a,), ids = await submitted_and_claimed(r, store, spec, 1, 2)
+        await r.hdel(cleanup.doomed_key(RUN), a.batch_id)  # as after a wipe: nothing says a is finished
+        await cleanup.settle_objects(r, store, RUN, spec, [a.batch_id], 0)
+        assert store.exists(queue.batch_key(RUN, a.batch_id))
+        # Finished for real (the ack records it in queue:doomed): then the object goes.
+        await ack_stage.ack(r, store, RUN, spec, epoch=epoch, delivery_ids=ids, cleaner=cleaner)
+        assert await cleaner.drain(10)
+        assert not store.exists(queue.batch_key(RUN, a.batch_id))
+
+    run(redis_server, body)

@@ -38,18 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from bucketrl.sim.cluster import SimBackends, SimScale, run_scale_sim
+from bucketrl.sim.gpu import BENCH_GPU
 
-# A ~1.5B model on one current GPU, sped up so that runs fit this machine's budget: a call of 8 sequences
-# decodes at ~160 tokens/s each; lengths lognormal (median 150, sigma 1) capped at 1024, so a call lasts
-# ~3.5 s on average and 6 s when one completion hits the cap (the long tail the async design absorbs).
-GPU = {
-    "decode_step_s": 0.006,
-    "decode_step_per_seq_s": 0.00005,
-    "prefill_tokens_per_s": 20000.0,
-    "load_adapter_s": 0.05,
-    "length_median": 150.0,
-    "length_sigma": 1.0,
-}
+GPU = BENCH_GPU
 
 
 def scenario(args: argparse.Namespace, n: int, max_staleness: int, steps: int, capped: bool = True) -> SimScale:

@@ -41,17 +41,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from bucketrl.sim.cluster import Scenario, SimBackends, SimScale, _publishes, run_scale_sim
+from bucketrl.sim.gpu import BENCH_GPU
 from bucketrl.sim.netlab import HOME, Lab, LinkSpec, Relay
 
-# The GPU model of bench/scale_sim.py (a ~1.5B model, sped up): a call lasts ~3.5 s on average, 6 s at the cap.
-GPU = {
-    "decode_step_s": 0.006,
-    "decode_step_per_seq_s": 0.00005,
-    "prefill_tokens_per_s": 20000.0,
-    "load_adapter_s": 0.05,
-    "length_median": 150.0,
-    "length_sigma": 1.0,
-}
+GPU = BENCH_GPU
 
 
 @dataclass

@@ -9,10 +9,12 @@ The engines themselves, the factory that builds one and the sampling checks live
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
+
+from bucketrl import errors
 
 if TYPE_CHECKING:
     from bucketrl.wire import SamplingSpec
@@ -72,3 +74,15 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release the engine's memory and processes."""
         ...
+
+
+def begin_call(
+    loaded: Collection[str], adapter: str, prompts: list[list[int]], while_running: Callable[[], None] | None
+) -> bool:
+    """The start every engine's ``generate`` shares: NotFound for an adapter that is not loaded, the caller's
+    ``while_running`` once, and False when there is nothing to sample."""
+    if adapter not in loaded:
+        raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(loaded)})")
+    if while_running is not None:
+        while_running()
+    return bool(prompts)

@@ -27,7 +27,7 @@ import numpy as np
 
 from bucketrl import errors
 from bucketrl.generator.engines.factory import register_engine
-from bucketrl.rollout.engine import SampledCompletion
+from bucketrl.rollout.engine import SampledCompletion, begin_call
 from bucketrl.sim.gpu import SimGpu, simulate_call
 
 if TYPE_CHECKING:
@@ -85,11 +85,7 @@ class SimEngine:
         sampling: SamplingSpec,
         while_running: Callable[[], None] | None = None,
     ) -> list[list[SampledCompletion]]:
-        if adapter not in self._adapters:
-            raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._adapters)})")
-        if while_running is not None:
-            while_running()
-        if not prompts:
+        if not begin_call(self._adapters, adapter, prompts, while_running):
             return []
         call = simulate_call(
             self.gpu,

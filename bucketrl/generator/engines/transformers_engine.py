@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors
 from bucketrl.logprobs import process_logits, sampled_token_logprobs
-from bucketrl.rollout.engine import SampledCompletion
+from bucketrl.rollout.engine import SampledCompletion, begin_call
 
 if TYPE_CHECKING:
     from bucketrl.generator.settings import GeneratorSettings
@@ -114,11 +114,7 @@ class TransformersEngine:
         sampling: SamplingSpec,
         while_running: Callable[[], None] | None = None,
     ) -> list[list[SampledCompletion]]:
-        if adapter not in self._adapters:
-            raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._adapters)})")
-        if while_running is not None:
-            while_running()
-        if not prompts:
+        if not begin_call(self._adapters, adapter, prompts, while_running):
             return []
         self._model.set_adapter(adapter)
         poll = self._poller(adapter, while_running) if while_running is not None else None

@@ -184,6 +184,11 @@ def test_a_version_retired_during_the_prompt_wait_is_not_the_one_sampled_with(
                 release.wait(120)
                 return lease(n)
 
+            # Prompts that ride on a submit (RolloutBatch.next_prompts) skip lease_prompts: the hold would
+            # then never be reached (a CI run timed out so), so every lease goes through it here.
+            assert worker.submitter is not None
+            lease_with_next = worker.submitter.lease_with_next
+            worker.submitter.lease_with_next = lambda req: None  # type: ignore[method-assign]
             worker.lease_prompts = held_lease  # type: ignore[method-assign]
             assert blocked.wait(120)
             # Now the loop waits for prompts, holding v1 as its version. v2 and v3 arrive: v1 leaves the window.
@@ -192,6 +197,7 @@ def test_a_version_retired_during_the_prompt_wait_is_not_the_one_sampled_with(
             wait_until(lambda: 3 in loaded() and 1 not in loaded(), 60, "v1 retired while the loop waits")
             assert worker.thread.is_alive()  # type: ignore[attr-defined]
             worker.lease_prompts = lease  # type: ignore[method-assign]
+            worker.submitter.lease_with_next = lease_with_next  # type: ignore[method-assign]
             release.set()
             failed = worker.failure  # type: ignore[attr-defined]
             consumer.wait_for(lambda ds: bool(failed) or any(d.version == 3 for d in ds), 120)

@@ -17,8 +17,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bucketrl import errors
 from bucketrl.client import Outage, ProxyClient
+from bucketrl.cost import detect_gpu_class
 from bucketrl.wire import MetricsPush
 from bucketrl.wire.common import ID_PATTERN
+from bucketrl.wire.cost import GPU_CLASS_PATTERN
 
 if TYPE_CHECKING:
     from bucketrl.client import Outage, ProxyClient
@@ -40,6 +42,26 @@ class WorkerSettings(BaseSettings):
         description="BUCKETRL_OUTAGE_BUDGET_S: ride out a proxy outage (unreachable, 5xx: a restart, Redis or the "
         "bucket down) this long, retrying with backoff that honours Retry-After; then give up (exit 1).",
     )
+
+    gpu_class: str = Field(
+        "",
+        pattern=r"^$|" + GPU_CLASS_PATTERN[1:],
+        description="BUCKETRL_GPU_CLASS: what this worker runs on (h100, a10g, cpu, ...; docs/cost.md); empty: "
+        "detected (nvidia-smi's first GPU, cpu without one).",
+    )
+    usd_per_hour: float | None = Field(
+        None,
+        ge=0.0,
+        le=10_000.0,
+        allow_inf_nan=False,
+        description="BUCKETRL_USD_PER_HOUR: what an hour of this worker costs; unset: the proxy's price of its GPU "
+        "class (public list prices, estimates, unless BUCKETRL_PRICES says otherwise).",
+    )
+
+    def declared_gpu_class(self) -> str:
+        """The GPU class the worker's metrics pushes declare (with ``usd_per_hour``)."""
+
+        return self.gpu_class or detect_gpu_class()
 
     def proxy_client(self, outage: Outage) -> ProxyClient:
         """A client for this worker that retries through proxy outages as ``outage`` (shared by the worker's

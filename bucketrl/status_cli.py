@@ -213,7 +213,7 @@ def render_status(status: Any, *, all_metrics: bool = False) -> list[Any]:
         versions.add_row(f"v{v.version}", str(v.leases), f"{_age(now - v.published_at)} ago")
 
     workers = Table(title="workers", title_justify="left")
-    for col in ("worker", "role", "phase", "loaded versions", "heartbeat age", "step"):
+    for col in ("worker", "role", "gpu class", "phase", "loaded versions", "heartbeat age", "step"):
         workers.add_column(col)
     notes = Table(title="notes (configuration errors, first reward error of each kind)", title_justify="left")
     notes.add_column("worker")
@@ -226,6 +226,7 @@ def render_status(status: Any, *, all_metrics: bool = False) -> list[Any]:
         workers.add_row(
             w.worker_id,
             w.role,
+            (w.gpu_class or "–") + ("" if w.usd_per_hour is None else f" (${w.usd_per_hour:g}/h)"),
             w.phase or "–",
             ", ".join(f"v{v}" for v in w.loaded_versions) or "–",
             _age(w.last_seen_s),
@@ -243,7 +244,7 @@ def render_status(status: Any, *, all_metrics: bool = False) -> list[Any]:
         names = [n for n in KEY_METRICS if n in names] + sorted(n for n in names if n.startswith("mismatch/"))
     for name in names:
         metrics.add_row(name, *(_num(status.metrics[wid][name]) if name in status.metrics[wid] else "" for wid in ids))
-    out: list[Any] = [head, versions, workers, *([notes] if notes.row_count else []), metrics]
+    out: list[Any] = [head, versions, workers, *([notes] if notes.row_count else []), metrics, *cost_tables(status)]
     if status.eval:
         evals = Table(title="evaluation (held-out, per version; newest 10)", title_justify="left")
         for col in ("version", "prompts", "mean reward", "pass@1", "pass@k", "mean length", "unscorable"):
@@ -260,3 +261,41 @@ def render_status(status: Any, *, all_metrics: bool = False) -> list[Any]:
             )
         out.append(evals)
     return out
+
+
+def cost_tables(status: Any) -> list[Any]:
+    """The run's cost (docs/cost.md) and the throughput per GPU class; nothing from a proxy without them."""
+
+    c = status.cost
+    if c is None:
+        return []
+
+    def usd(v: float | None, digits: int = 4) -> str:
+        return "–" if v is None else f"${v:.{digits}g}"
+
+    head = Table(title="cost" + (" (list-price estimates)" if c.prices.estimate else ""), title_justify="left")
+    for col in ("total", "$ per step", "$ per 1M trained tokens", "$ per accepted group", "waste"):
+        head.add_column(col, justify="right")
+    per_m = None if c.usd_per_trained_token is None else c.usd_per_trained_token * 1e6
+    head.add_row(
+        usd(c.usd_total),
+        usd(c.usd_per_step),
+        usd(per_m),
+        usd(c.usd_per_accepted_group),
+        f"{100 * c.waste_fraction:.1f} %",
+    )
+    classes = Table(title="GPU classes (throughput per live worker)", title_justify="left")
+    for col in ("role", "class", "live", "hours", "idle", "$", "tokens/s", "groups/s"):
+        classes.add_column(col, justify="right")
+    for u in c.classes:
+        classes.add_row(
+            u.role,
+            u.gpu_class,
+            str(u.workers_live),
+            f"{u.worker_s / 3600:.3g}",
+            f"{100 * u.idle_s / u.worker_s:.0f} %" if u.worker_s > 0 else "–",
+            usd(u.usd),
+            "–" if u.tokens_per_s is None else _num(u.tokens_per_s),
+            "–" if u.groups_per_s is None else _num(u.groups_per_s),
+        )
+    return [head, *([classes] if c.classes else [])]

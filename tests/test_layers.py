@@ -92,6 +92,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "bucketrl.bundles",
         "bucketrl.client",
         "bucketrl.settings",
+        "bucketrl.cost",
     ),
     ("bucketrl.rollout",),
     ("bucketrl.storage",),

@@ -543,6 +543,8 @@ class GeneratorWorker:
                 ][:MAX_NOTES]
             ),
             samples=self.metrics.take_samples() or None,
+            gpu_class=self.settings.declared_gpu_class(),
+            usd_per_hour=self.settings.usd_per_hour,
         )
         held, renewals = self.keeper.renewals() if renew and self.keeper is not None else ({}, None)
         if renewals is not None and (renewals.version_leases or renewals.prompt_ids):

@@ -21,6 +21,7 @@ import sys
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
 from bucketrl.proxy.settings import ProxySettings
 
@@ -51,7 +52,11 @@ def proxy_command(
         overrides["log_level"] = log_level
     if rebuild:
         overrides["rebuild_forced"] = True
-    settings = ProxySettings(**overrides)  # type: ignore[arg-type]
+    try:
+        settings = ProxySettings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:  # a bad BUCKETRL_* value (a negative price): say which, no traceback
+        typer.echo(f"bucketrl proxy: bad settings: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app = create_app(settings, serving=True)

@@ -1,7 +1,10 @@
 """Proxy settings (``BUCKETRL_*`` environment variables). Built in ``create_app``, never at import."""
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from bucketrl.cost import load_prices
+from bucketrl.wire.cost import Prices
 
 
 class ProxySettings(BaseSettings):
@@ -53,6 +56,12 @@ class ProxySettings(BaseSettings):
         "(0 keeps every checkpoint). The latest is never deleted.",
     )
     worker_ttl_s: float = Field(120.0, gt=0, description="Workers silent this long leave the status.")
+    prices: str = Field(
+        "",
+        description="BUCKETRL_PRICES: the prices of the run's cost (docs/cost.md) as JSON, or @path of a JSON file; "
+        "fields given replace the defaults (public list prices, estimates), GPU classes merge into the table.",
+    )
+    _price_table: Prices = PrivateAttr(default_factory=Prices)
     rebuild_on_start: bool = Field(
         True, description="Rebuild runs, versions and checkpoints from bucket manifests if Redis lost them."
     )
@@ -86,3 +95,15 @@ class ProxySettings(BaseSettings):
     rebuild_forced: bool = Field(
         False, description="Rebuild every run from the bucket at start (what `bucketrl proxy --rebuild` sets)."
     )
+
+    @field_validator("prices")
+    @classmethod
+    def _valid_prices(cls, v: str) -> str:
+        load_prices(v)  # a bad price stops the proxy at start, naming it
+        return v
+
+    def model_post_init(self, context: object) -> None:
+        self._price_table = load_prices(self.prices)
+
+    def price_table(self) -> Prices:
+        return self._price_table

@@ -14,6 +14,8 @@ Who updates what:
   — read from the run's shared counters in Redis at scrape time (:class:`RunCounters`), so every replica
   reports the same run totals, and they continue across proxy restarts and Redis wipes (restored from the
   bucket's snapshot).
+- ``bucketrl_cost_usd_total``, ``bucketrl_cost_usd_per_step``, ``bucketrl_cost_waste_fraction`` — the run's
+  cost (``state/cost.py``, docs/cost.md), recomputed from Redis at scrape time.
 
 Metric names carry the ``bucketrl_`` prefix; per-run series are labelled ``run``.
 """
@@ -28,7 +30,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from bucketrl.proxy import keys
-from bucketrl.proxy.state import leases, runs
+from bucketrl.proxy.state import cost, leases, runs, workers
+from bucketrl.proxy.state.accounting import queue_status
 
 if TYPE_CHECKING:
     from bucketrl.proxy.context import ProxyContext
@@ -95,6 +98,12 @@ class Telemetry:
         self.fenced_writes = Counter(
             "bucketrl_fenced_writes", "Trainer writes refused because their epoch was old.", ["run"], registry=r
         )
+        # The run's cost so far (docs/cost.md), recomputed at scrape time like the status's ``cost``.
+        self.cost_usd = Gauge("bucketrl_cost_usd_total", "What the run has cost so far (USD).", ["run"], registry=r)
+        self.cost_per_step = Gauge("bucketrl_cost_usd_per_step", "USD per trainer step so far.", ["run"], registry=r)
+        self.cost_waste = Gauge(
+            "bucketrl_cost_waste_fraction", "Share of the run's cost that trained nothing.", ["run"], registry=r
+        )
         self.scrape_hooks: list[ScrapeHook] = []
 
     async def refresh(self, ctx: ProxyContext) -> None:
@@ -108,9 +117,29 @@ class Telemetry:
             self.latest_version.labels(run=run).set(latest)
             for version, count in (await leases.live_counts(ctx.redis, run)).items():
                 self.live_leases.labels(run=run, version=str(version)).set(count)
+            await self._refresh_cost(ctx, run)
         self.run_counters.values = counts
         for hook in self.scrape_hooks:
             await hook(ctx)
+
+    async def _refresh_cost(self, ctx: ProxyContext, run: str) -> None:
+        spec = await runs.get_spec(ctx.redis, run)
+        if spec is None:
+            return
+        live, metrics = await workers.live_workers(ctx.redis, run, ctx.settings.worker_ttl_s)
+        state = await runs.get_state(ctx.redis, run)
+        c = await cost.run_cost(
+            ctx.redis,
+            run,
+            ctx.settings.price_table(),
+            queue=await queue_status(ctx.redis, run, spec),
+            trainer_step=state.trainer_step,
+            live=live,
+            metrics=metrics,
+        )
+        self.cost_usd.labels(run=run).set(c.usd_total)
+        self.cost_per_step.labels(run=run).set(c.usd_per_step or 0.0)
+        self.cost_waste.labels(run=run).set(c.waste_fraction)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

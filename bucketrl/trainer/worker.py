@@ -492,6 +492,7 @@ class TrainerWorker:
             if with_eval:
                 metrics.update(self._new_eval_metrics())
             push = MetricsPush(worker_id=self.worker_id, step=step, metrics=metrics, phase="training", notes=notes)
+            push.gpu_class, push.usd_per_hour = self.settings.declared_gpu_class(), self.settings.usd_per_hour
             if trackers is not None:
                 trackers.log(metrics, step)  # guarded: a failing tracker is dropped with one warning
             try:

@@ -5,6 +5,7 @@ import math
 from pydantic import Field, field_validator
 
 from bucketrl.wire.common import MAX_LOADED_VERSIONS, LeaseId, ShortStr, Version, WireInt, WireModel, WorkerId
+from bucketrl.wire.cost import GPU_CLASS_PATTERN
 from bucketrl.wire.leases import PromptLease, VersionLease
 
 
@@ -61,6 +62,10 @@ class MetricsPush(WireModel):
     # answered 204 and recorded no more: no duplicate points, no step or loaded versions going back.
     session: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     seq: int | None = Field(None, ge=1, le=2**53)
+    # What the worker runs on and what an hour of it costs (docs/cost.md); a push without them keeps the last
+    # declared. usd_per_hour null: the proxy prices the class from its table (BUCKETRL_PRICES).
+    gpu_class: str | None = Field(None, pattern=GPU_CLASS_PATTERN)
+    usd_per_hour: float | None = Field(None, ge=0.0, le=10_000.0)
     renew: Renewals | None = Field(
         None, description="Leases to renew with this push (the answer is then 200 with what was renewed)."
     )

@@ -5,6 +5,7 @@ from typing import Any
 from pydantic import Field
 
 from bucketrl.wire.common import WireModel
+from bucketrl.wire.cost import RunCost
 from bucketrl.wire.evals import EvalVersionResult
 from bucketrl.wire.metrics import SampleCompletion
 
@@ -36,6 +37,10 @@ class WorkerStatus(WireModel):
     last_seen_s: float
     phase: str | None = None
     notes: dict[str, str] = Field(default_factory=dict)
+    # What it declared it runs on (docs/cost.md) and the seconds it has been up (between its pushes).
+    gpu_class: str | None = None
+    usd_per_hour: float | None = None
+    up_s: float = 0.0
 
 
 class TrainerStatus(WireModel):
@@ -59,3 +64,5 @@ class RunStatus(WireModel):
     eval: list[EvalVersionResult] = Field(default_factory=list)
     # Recent completions with their rewards, newest first (generators push them with their metrics).
     samples: list[SampleCompletion] = Field(default_factory=list)
+    # What the run has cost so far, with throughput per GPU class (docs/cost.md); null from an older proxy.
+    cost: RunCost | None = None

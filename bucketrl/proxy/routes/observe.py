@@ -47,7 +47,7 @@ async def push_metrics(
         role = "generator" if push.loaded_versions is not None else "trainer"
     if push.renew is not None:  # refused (422) before anything is recorded
         prompts.validate_prompt_ids(push.renew.prompt_ids)
-    await workers.record_push(ctx.redis, ref.run, role, push)
+    await workers.record_push(ctx.redis, ref.run, role, push, ctx.settings.worker_ttl_s)
     if push.renew is None:
         return Response(status_code=204)
     return Response((await _renew(ctx, ref.run, push.worker_id, push.renew)).model_dump_json(), 200, media_type=_JSON)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from bucketrl.proxy import keys
-from bucketrl.proxy.state import accounting, evals, leases, runs, versions, workers
+from bucketrl.proxy.state import accounting, cost, evals, leases, runs, versions, workers
 from bucketrl.wire import RunSpec, RunStatus
 
 
@@ -41,4 +41,14 @@ async def build(ctx: Any, run: str, spec: RunSpec) -> RunStatus:
     out["samples"] = [x.model_dump() for x in await workers.recent_samples(r, run)]
     if spec.eval is not None:
         out["eval"] = [x.model_dump() for x in await evals.results(r, ctx.store, run)]
-    return RunStatus.model_validate(out)
+    status = RunStatus.model_validate(out)
+    status.cost = await cost.run_cost(
+        r,
+        run,
+        ctx.settings.price_table(),
+        queue=status.queue,
+        trainer_step=status.trainer.step,
+        live=status.workers,
+        metrics=metrics,
+    )
+    return status

@@ -1,6 +1,7 @@
 """Workers' metrics pushes (which double as heartbeats) and what the status shows of them.
 
-Redis per run: ``workers`` (hash worker_id -> JSON {role, loaded_versions, last_seen, step, phase, notes}),
+Redis per run: ``workers`` (hash worker_id -> JSON {role, loaded_versions, last_seen, step, phase, notes,
+gpu_class, usd_per_hour, up_s}; ``state/cost.py`` accrues the run's cost on each push),
 ``wmetrics:{worker}`` (hash metric -> latest value) and ``metrics:stream`` (capped stream of every push,
 newest last, for the dashboard's time series), ``workers:pushseq`` (hash worker_id -> "session seq" of its
 last recorded push).
@@ -12,6 +13,7 @@ import json
 from typing import Any
 
 from bucketrl.proxy import keys
+from bucketrl.proxy.state import cost
 from bucketrl.proxy.state.clock import redis_now
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.wire import MetricsPush, SampleCompletion, WorkerStatus
@@ -26,8 +28,9 @@ SAMPLES_KEPT = 48
 _FRESH = Lua.load("worker_fresh.lua")
 
 
-async def record_push(r: Any, run: str, role: str, push: MetricsPush) -> bool:
-    """Record a push; False (nothing recorded) for a replayed or late one (see ``MetricsPush.seq``)."""
+async def record_push(r: Any, run: str, role: str, push: MetricsPush, ttl_s: float = 120.0) -> bool:
+    """Record a push; False (nothing recorded) for a replayed or late one (see ``MetricsPush.seq``). The time
+    since the worker's last push (at most ``ttl_s``, the worker TTL) accrues to the run's cost."""
     seq_key = keys.run_key(run, PUSH_SEQ)
     if push.session and push.seq and not await _FRESH(r, [seq_key], [push.worker_id, push.session, push.seq]):
         return False
@@ -35,9 +38,8 @@ async def record_push(r: Any, run: str, role: str, push: MetricsPush) -> bool:
     now = await redis_now(r)  # liveness is a TTL: measured by Redis TIME, like every lease
     loaded = push.loaded_versions
     prev_entry: dict[str, Any] = {}
-    if loaded is None or push.phase is None or not push.notes:
-        prev = await r.hget(workers_key, push.worker_id)
-        prev_entry = json.loads(prev) if prev else {}
+    prev = await r.hget(workers_key, push.worker_id)  # always: the cost accrues from its last_seen
+    prev_entry = json.loads(prev) if prev else {}
     if loaded is None:
         loaded = prev_entry.get("loaded_versions", [])
     entry = {
@@ -48,8 +50,10 @@ async def record_push(r: Any, run: str, role: str, push: MetricsPush) -> bool:
         # A push without them keeps the last phase and notes (metrics-only pushes).
         "phase": push.phase if push.phase is not None else prev_entry.get("phase"),
         "notes": push.notes or prev_entry.get("notes", {}),
+        **cost.declared(push, prev_entry),
     }
     pipe = r.pipeline(transaction=True)
+    cost.accrue(pipe, run, role, push, prev_entry, entry, ttl_s)
     pipe.hset(workers_key, push.worker_id, json.dumps(entry))
     if push.metrics:
         pipe.hset(keys.run_key(run, keys.WORKER_METRICS.format(worker=push.worker_id)), mapping=push.metrics)
@@ -90,6 +94,9 @@ async def live_workers(r: Any, run: str, ttl_s: float) -> tuple[list[WorkerStatu
                 last_seen_s=age,
                 phase=entry.get("phase"),
                 notes=entry.get("notes") or {},
+                gpu_class=entry.get("gpu_class"),
+                usd_per_hour=entry.get("usd_per_hour"),
+                up_s=float(entry.get("up_s", 0.0)),
             )
         )
         steps[wid] = entry.get("step")

@@ -1,0 +1,89 @@
+"""Workers of different GPU classes and prices push their metrics to a real proxy on a real Redis: the status shows
+their classes, throughput per class and a cost consistent with the declared prices, and Prometheus carries it."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+from rich.console import Console
+
+from bucketrl.status_cli import render_status
+from bucketrl.wire import MetricsPush
+from tests.proxy.harness import make_spec, running
+from tests.support.services import RedisServer
+
+
+def test_status_carries_classes_and_a_cost_from_declared_prices(redis_server: RedisServer, tmp_path) -> None:
+    prices = '{"gpu_usd_per_hour": {"a10g": 1.8}}'
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}", prices=prices) as proxy:
+        proxy.client("r1", "trainer").put_run(make_spec())
+        gen, trainer = proxy.client("r1", "generator"), proxy.client("r1", "trainer")
+
+        def push_all(k: int) -> None:
+            done = {"rollout/tokens_total": 100.0 * k, "rollout/groups_submitted_total": 2.0 * k}
+            # g-h100 declares its own price; g-a10g declares only its class (priced from BUCKETRL_PRICES).
+            gen.push_metrics(
+                MetricsPush(
+                    worker_id="g-h100",
+                    loaded_versions=[],
+                    phase="generating",
+                    metrics=done,
+                    gpu_class="h100",
+                    usd_per_hour=36.0,
+                )
+            )
+            gen.push_metrics(
+                MetricsPush(
+                    worker_id="g-a10g", loaded_versions=[], phase="waiting for the first version", gpu_class="a10g"
+                )
+            )
+            trainer.push_metrics(
+                MetricsPush(worker_id="t", step=k, metrics={"train/tokens": 1000.0}, gpu_class="cpu", usd_per_hour=0.0)
+            )
+
+        push_all(1)
+        time.sleep(1.5)
+        push_all(2)
+        status = proxy.client("r1", "viewer").status()
+        body = proxy.http("viewer").get("/metrics").text
+
+    classes = {w.worker_id: (w.gpu_class, w.usd_per_hour) for w in status.workers}
+    assert classes == {"g-h100": ("h100", 36.0), "g-a10g": ("a10g", None), "t": ("cpu", 0.0)}
+    cost = status.cost
+    assert cost is not None and cost.prices.gpu_price("a10g") == 1.8
+    by = {(u.role, u.gpu_class): u for u in cost.classes}
+    h100, a10g = by[("generator", "h100")], by[("generator", "a10g")]
+    assert 1.0 < h100.worker_s < 60 and 1.0 < a10g.worker_s < 60  # the seconds between the two pushes
+    assert math.isclose(h100.usd, h100.worker_s / 3600 * 36.0)
+    assert math.isclose(a10g.usd, a10g.worker_s / 3600 * 1.8)
+    assert by[("trainer", "cpu")].usd == 0.0
+    assert math.isclose(cost.usd_total, h100.usd + a10g.usd)
+    assert cost.trainer_steps == 2 and cost.trained_tokens == 2000.0
+    assert math.isclose(cost.usd_per_step or 0, cost.usd_total / 2)
+    assert math.isclose(cost.usd_per_trained_token or 0, cost.usd_total / 2000)
+    # The a10g waited for a version the whole time: all its dollars are waste, none of the busy h100's.
+    assert a10g.idle_s == a10g.worker_s and h100.idle_s == 0.0
+    assert math.isclose(cost.waste_fraction, a10g.usd / cost.usd_total)
+    assert math.isclose(h100.tokens_per_s or 0, 200.0 / h100.worker_s)  # throughput per worker of the class
+    (line,) = [x for x in body.splitlines() if x.startswith('bucketrl_cost_usd_total{run="r1"}')]
+    assert math.isclose(float(line.split()[-1]), cost.usd_total)
+    console = Console(width=200, record=True)
+    console.print(*render_status(status))
+    text = console.export_text()
+    assert "h100" in text and "a10g" in text and "$ per step" in text
+
+
+def test_proxy_refuses_a_bad_price_at_start(tmp_path) -> None:
+    env = {
+        **os.environ,
+        "BUCKETRL_PRICES": '{"gpu_usd_per_hour": {"h100": -3}}',
+        "BUCKETRL_BUCKET_URL": f"file://{tmp_path}",
+    }
+    cmd = [sys.executable, "-m", "bucketrl.cli", "proxy"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "h100" in out.stderr and "price" in out.stderr, out.stderr[-2000:]

@@ -85,6 +85,8 @@ def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = Non
     figures.update(eval_figures(watcher))
     # The run's latest sample completions with their rewards (newest first): what the model writes now.
     figures["samples"] = [x.model_dump() for x in (watcher.status.samples if watcher.status else [])[:5]]
+    # What the run cost, from the proxy's last status (docs/cost.md): $ per step, per token, waste, the prices.
+    figures["cost"] = status.cost.model_dump() if status is not None and status.cost is not None else None
     return figures
 
 
@@ -201,12 +203,20 @@ def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary") 
                 f"{figures['sync_latency_p50_s'] * 1000:.0f} / {figures['sync_latency_max_s'] * 1000:.0f} ms",
             )
         )
+    if figures.get("cost"):
+        rows.append(_cost_row(figures["cost"]))
     for smp in (figures.get("samples") or [])[:3]:
         reward = "–" if smp.get("reward") is None else f"{smp['reward']:.3f}"
         rows.append((f"  sample v{smp['version']}: {smp['prompt'][:30]!r}", f"{smp['completion'][:40]!r} → {reward}"))
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _cost_row(c: dict[str, Any]) -> tuple[str, str]:
+    per_step = "–" if c.get("usd_per_step") is None else f"${c['usd_per_step']:.4g}"
+    label = "cost: total / per step / waste" + (" (list-price estimates)" if c["prices"].get("estimate") else "")
+    return label, f"${c['usd_total']:.4g} / {per_step} / {100 * c['waste_fraction']:.1f} %"
 
 
 def _rolling(values: list[float], n: int) -> list[float]:

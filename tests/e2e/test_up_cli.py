@@ -68,6 +68,9 @@ def test_ctrl_c_stops_everything_and_a_rerun_resumes(tmp_path: Path) -> None:
             step = s["trainer"]["step"] if s else 0
             time.sleep(1.0)
         assert step >= 7, "the run did not reach step 7"
+        # `status --json` carries the run's cost (docs/cost.md): the workers declared their class (cpu here).
+        assert s is not None and s["cost"]["trainer_steps"] == step and s["cost"]["usd_total"] >= 0
+        assert {c["gpu_class"] for c in s["cost"]["classes"]} and s["cost"]["prices"]["estimate"]
         pids = json.loads((run_dir / "services.json").read_text())
         assert set(pids) == {"redis", "proxy", "trainer", "gen-0", "gen-1"}
         proc.send_signal(signal.SIGINT)  # Ctrl-C
@@ -90,6 +93,8 @@ def test_ctrl_c_stops_everything_and_a_rerun_resumes(tmp_path: Path) -> None:
     assert proc.returncode == 0, out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["last_step"] == stopped_at + 4
+    cost = summary["cost"]  # up's summary carries the cost too; a second session's seconds add to the first's
+    assert cost["trainer_steps"] == stopped_at + 4 and cost["usd_total"] > 0 and cost["usd_per_step"] > 0
     published = _published(run_dir)
     assert published == list(range(1, len(published) + 1)) and len(published) > len(first)
     audit = [json.loads(line) for line in (run_dir / "logs" / "trainer-audit.jsonl").read_text().splitlines()]

@@ -16,12 +16,13 @@ from tests.ui.cdp import Chromium
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-# Charts fed by the trainer's and generators' pushes; "queue" is fed by the page's own status polls.
+# Charts fed by the trainer's and generators' pushes; "queue" and "cost" are fed by the page's own status polls.
 CHARTS = (
     "reward",
     "step_time",
     "wait",
     "queue",
+    "cost",
     "staleness",
     "sync",
     "throughput",
@@ -110,7 +111,7 @@ def test_dashboard_draws_live_charts_without_console_errors(tmp_path: Path) -> N
     assert seen["sampleRows"] > 0 and "v" in samples.splitlines()[1], samples
     # One x-axis convention per grid: every chart drawn against trainer steps sits in the step grid.
     # (charts-time includes the multi-turn "episodes" chart, empty in this single-turn run.)
-    assert layout == {"charts-step": 8, "charts-time": 5}, layout
+    assert layout == {"charts-step": 8, "charts-time": 6}, layout
     assert "gen-0" in workers and "generator" in workers and "trainer" in workers, workers
     assert "generating" in workers, workers  # each worker's phase (issue 11), not an empty heartbeat
     assert "reward_error/timeout: the reward function ran past 10s" in workers, workers

@@ -79,6 +79,7 @@ def _watcher(steps: int = 40) -> RunWatcher:
                 "trainer": {"reward": 0.8, "sample/staleness_mean": 1.0},
                 "gen-0": {"rollout/generated_tok_s": 200},
             },
+            "cost": {"usd_total": 1.5, "usd_per_step": 0.0375, "waste_fraction": 0.125, "trainer_steps": steps},
         }
     )
     w.status_history = [
@@ -108,6 +109,8 @@ def test_summary_figures_and_table(tmp_path: Path) -> None:
     for needle in ("completion length", "12.0 tokens / 6.0 tokens", "entropy", "2.000 / 1.000", "KL", "0.0305"):
         assert needle in text, needle
     assert "clipped fraction" in text and "truncated completions" in text
+    assert figures["cost"]["usd_per_step"] == 0.0375 and figures["cost"]["prices"]["estimate"]
+    assert "cost: total / per step / waste (list-price estimates)" in text and "$1.5 / $0.0375 / 12.5 %" in text
     assert write_summary(figures, tmp_path).exists()
 
 

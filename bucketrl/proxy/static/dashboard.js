@@ -92,6 +92,11 @@
       ],
     },
     {
+      // The run's cost so far over its steps (status.cost, docs/cost.md): list-price estimates unless overridden.
+      id: "cost", title: "$ per trainer step (run so far)", x: "time", yMin: 0,
+      series: [{ status: "usd_per_step", label: "$ per step" }],
+    },
+    {
       id: "sync", title: "Weight sync (s)", x: "time", yMin: 0,
       series: [
         { role: "trainer", metric: "perf/weight_sync_s", label: "trainer publish" },
@@ -249,6 +254,7 @@
       queue: s.queue.groups,
       capacity: s.queue.capacity,
       inflight: s.prompts_inflight,
+      usd_per_step: s.cost ? s.cost.usd_per_step : null,
     });
     if (state.statusHistory.length > MAX_STATUS_SAMPLES) state.statusHistory.shift();
   }
@@ -278,7 +284,8 @@
     const out = [];
     for (const s of chart.series) {
       if (s.status) {
-        out.push({ label: s.label, dash: s.dash, points: state.statusHistory.map((h) => [h.ts - origin, h[s.status]]) });
+        const known = state.statusHistory.filter((h) => h[s.status] !== null && h[s.status] !== undefined);
+        out.push({ label: s.label, dash: s.dash, points: known.map((h) => [h.ts - origin, h[s.status]]) });
         continue;
       }
       const byWorker = new Map();
@@ -440,6 +447,7 @@
     text("c-stale", stale === undefined ? undefined : stale.toFixed(2));
     text("c-queue", status.queue.groups + " / " + status.queue.capacity);
     text("c-inflight", status.prompts_inflight);
+    text("c-cost", status.cost ? "$" + status.cost.usd_total.toPrecision(3) : undefined);
     let toks = 0;
     for (const w of status.workers) {
       const v = (status.metrics[w.worker_id] || {})["rollout/generated_tok_s"];

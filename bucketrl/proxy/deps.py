@@ -31,7 +31,8 @@ Use ``require("trainer", "generator")`` for any other role combination.
 
 Cost: FastAPI solves a dependency's own sub-dependencies again every time it appears (only the final call
 is cached), and each solve walks the request's parameters. So these dependencies take the ``Request``
-itself rather than ``CtxDep``: the trees stay one level deep (a trainer write solves 5 nodes, not 12).
+itself rather than ``CtxDep``: the trees stay one level deep (a trainer write solves 5 nodes, not 12, plus
+the app-wide ``run_scope``, which authenticates once for the role dependency after it: ``request.state``).
 Every one is ``async def`` (a plain ``def`` costs a thread-pool hop per request). ``RunDep`` reads the
 spec and the trainer epoch in one Redis round trip and leaves the epoch for ``EpochDep``.
 """

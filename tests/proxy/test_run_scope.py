@@ -17,6 +17,7 @@ import pytest
 import redis
 from fastapi.routing import APIRoute
 
+from bucketrl.proxy.auth import TokenAuth
 from tests.proxy.harness import TOKENS, TOKENS_ENV, make_spec, running
 from tests.support.services import RedisServer, free_port
 
@@ -129,3 +130,15 @@ def test_bad_run_scope_is_refused_at_start(tokens: str, expected: str, tmp_path:
     assert "bucketrl proxy: BUCKETRL_TOKENS: " in proc.stderr and expected in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_scope_patterns_match_run_ids_as_globs() -> None:
+    auth = TokenAuth.from_settings(
+        "viewer@sweep-[ab]?|exact:tok-viewer-scoped-0123456789,trainer:tok-trainer-0123456789", None, False, "::1"
+    )
+    viewer = auth.authenticate("Bearer tok-viewer-scoped-0123456789")
+    assert viewer.runs == ("sweep-[ab]?", "exact")
+    assert [viewer.may_run(r) for r in ("sweep-a1", "sweep-b9", "sweep-c1", "sweep-a", "exact", "exact2")] == [
+        True, True, False, False, True, False,
+    ]  # fmt: skip
+    assert auth.authenticate("Bearer tok-trainer-0123456789").may_run("anything")  # no '@': every run

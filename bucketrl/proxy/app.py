@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 from starlette.responses import Response
@@ -36,6 +36,7 @@ from bucketrl.proxy import body, decode_pool, durability, errors, gc, identity, 
 from bucketrl.proxy.adapter_cache import AdapterCache
 from bucketrl.proxy.auth import TokenAuth
 from bucketrl.proxy.context import ProxyContext
+from bucketrl.proxy.deps import run_scope
 from bucketrl.proxy.notify import Notifier
 from bucketrl.proxy.redis_mux import RedisMux
 from bucketrl.proxy.redis_pack import fast_packing
@@ -202,7 +203,15 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
             await ctx.redis.bucketrl_mux.aclose()  # type: ignore[attr-defined]  # set by _build_context() above
             await ctx.redis.aclose()
 
-    app = FastAPI(title="bucketrl proxy", version="1", description=API_DESCRIPTION, lifespan=lifespan)
+    # run_scope on the app, not on each route: every route, including one added later, checks a token's run
+    # scope before its own dependencies run.
+    app = FastAPI(
+        title="bucketrl proxy",
+        version="1",
+        description=API_DESCRIPTION,
+        lifespan=lifespan,
+        dependencies=[Depends(run_scope)],
+    )
     errors.install(app)
     for router in all_routers():
         app.include_router(router)

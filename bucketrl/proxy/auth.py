@@ -6,8 +6,16 @@ Tokens come from ``BUCKETRL_TOKENS`` (comma-separated ``role:token`` pairs) and/
     BUCKETRL_TOKENS="trainer:t-secret,generator:g-secret,viewer:v-secret,admin:a-secret"
 
 Roles: ``admin`` ⊇ {``trainer``, ``generator``, ``viewer``}. A missing or unknown token is 401; a known
-token whose role may not call the route is 403. Tokens are compared with ``hmac.compare_digest`` against
-every configured token (no early exit), so timing reveals nothing about which prefix matched.
+token whose role may not call the route is 403.
+
+Run scope: ``role@pattern|pattern:token`` limits a trainer, generator or viewer token to the runs matching one
+of the glob patterns (``fnmatch``: ``*``, ``?``, ``[abc]``, ``[!abc]``), e.g. ``trainer@sweep-*|ablation:...``.
+Without ``@`` a token reaches every run (the behaviour before scopes, so existing configurations are
+unchanged). An admin token always sees every run: a scope on one is refused at start, as are an empty scope
+and a pattern that can never match a run id. ``deps.run_scope`` enforces the scope on every route.
+
+Tokens are compared with ``hmac.compare_digest`` against every configured token (no early exit), so
+timing reveals nothing about which prefix matched.
 
 Without any token configured the proxy refuses to start unless ``BUCKETRL_ALLOW_ANONYMOUS=true`` AND it
 binds a loopback address (the embedded ``bucketrl up`` mode); then every caller is ``admin`` and a loud
@@ -24,7 +32,9 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import re
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from bucketrl import errors
@@ -50,10 +60,10 @@ def weakness(token: str) -> str | None:
     return None
 
 
-def check_strength(pairs: list[tuple[str, str]], host: str, insecure_dev_tokens: bool) -> None:
+def check_strength(entries: list[TokenEntry], host: str, insecure_dev_tokens: bool) -> None:
     """ValueError naming the first weak token's role, unless the insecure-dev switch is on AND ``host`` is
     loopback (then a warning)."""
-    weak = [(role, why) for role, token in pairs if (why := weakness(token)) is not None]
+    weak = [(e.role, why) for e in entries if (why := weakness(e.token)) is not None]
     if not weak:
         return
     role, why = weak[0]
@@ -73,30 +83,70 @@ def check_strength(pairs: list[tuple[str, str]], host: str, insecure_dev_tokens:
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the role of the token that matched (``admin`` for anonymous embedded mode)."""
+    """Who is calling: the role of the token that matched (``admin`` for anonymous embedded mode) and the
+    run patterns it is limited to (``None``: every run)."""
 
     role: str
     anonymous: bool = False
+    runs: tuple[str, ...] | None = None
 
     def may(self, *roles: str) -> bool:
         return self.role == "admin" or self.role in roles
 
+    def may_run(self, run: str) -> bool:
+        return self.runs is None or any(fnmatchcase(run, pattern) for pattern in self.runs)
 
-def parse_pairs(text: str, source: str) -> list[tuple[str, str]]:
-    """Parse ``role:token`` pairs separated by commas or newlines; raise ValueError naming the bad entry."""
-    pairs: list[tuple[str, str]] = []
+
+@dataclass(frozen=True)
+class TokenEntry:
+    role: str
+    token: str
+    runs: tuple[str, ...] | None = None  # None: every run
+
+
+# What a run id may hold (wire.common.ID_PATTERN) plus the glob wildcards; bracket sets are checked apart.
+_GLOB_CHARS = re.compile(r"^[A-Za-z0-9_.*?-]+$")
+_BRACKET_SET = re.compile(r"\[!?[A-Za-z0-9_.-]+\]")
+
+
+def parse_scope(text: str, role: str, where: str) -> tuple[str, ...]:
+    """The glob patterns of ``role@pattern|pattern``; ValueError for a scope that could never be meant."""
+    if role == "admin":
+        raise ValueError(
+            f"{where}: an admin token sees every run and takes no '@runs' scope; scope a trainer, "
+            "generator or viewer token instead"
+        )
+    patterns = tuple(p.strip() for p in text.split("|"))
+    if not any(patterns):
+        raise ValueError(f"{where}: the run scope after '@' is empty: name run patterns, e.g. {role}@sweep-*|run-a")
+    for pattern in patterns:
+        # A stray '[' or ']' (or any character a run id cannot hold) would make a pattern that never matches:
+        # a token silently locked out of every run, so refuse it.
+        if not pattern or not _GLOB_CHARS.match(_BRACKET_SET.sub("x", pattern)):
+            raise ValueError(
+                f"{where}: run pattern {pattern!r} is not a glob over run ids (letters, digits, '_', '.', '-', "
+                "wildcards '*' '?', sets like '[ab]' or '[!ab]'; patterns separated by '|')"
+            )
+    return patterns
+
+
+def parse_pairs(text: str, source: str) -> list[TokenEntry]:
+    """Parse ``role[@runs]:token`` entries separated by commas or newlines; ValueError naming the bad one."""
+    entries: list[TokenEntry] = []
     for raw in text.replace("\n", ",").split(","):
         item = raw.strip()
         if not item or item.startswith("#"):
             continue
-        role, sep, token = item.partition(":")
+        head, sep, token = item.partition(":")
+        role, at, scope = head.partition("@")
         role, token = role.strip(), token.strip()
         if not sep or not token:
-            raise ValueError(f"{source}: entry {item[:20]!r}... is not 'role:token'")
+            raise ValueError(f"{source}: entry {item[:20]!r}... is not 'role:token' (or 'role@runs:token')")
         if role not in ROLES:
             raise ValueError(f"{source}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
-        pairs.append((role, token))
-    return pairs
+        runs = parse_scope(scope, role, f"{source}: {head.strip()!r}") if at else None
+        entries.append(TokenEntry(role, token, runs))
+    return entries
 
 
 def is_loopback(host: str) -> bool:
@@ -111,8 +161,8 @@ def is_loopback(host: str) -> bool:
 class TokenAuth:
     """Maps a bearer token to a :class:`Principal` in constant time."""
 
-    def __init__(self, pairs: list[tuple[str, str]], *, anonymous: bool = False) -> None:
-        self._pairs = [(role, token.encode()) for role, token in pairs]
+    def __init__(self, entries: list[TokenEntry], *, anonymous: bool = False) -> None:
+        self._entries = [(Principal(e.role, runs=e.runs), e.token.encode()) for e in entries]
         self.anonymous = anonymous
 
     @classmethod
@@ -156,11 +206,11 @@ class TokenAuth:
         if scheme.lower() != "bearer" or not token.strip():
             raise errors.Unauthorized("the Authorization header must be 'Bearer <token>'")
         given = token.strip().encode()
-        matched: str | None = None
+        matched: Principal | None = None
         # Compare against every token so the time taken does not depend on which one matched.
-        for role, expected in self._pairs:
+        for principal, expected in self._entries:
             if hmac.compare_digest(given, expected) and matched is None:
-                matched = role
+                matched = principal
         if matched is None:
             raise errors.Unauthorized("unknown bearer token")
-        return Principal(matched)
+        return matched

@@ -1,6 +1,11 @@
 """``Annotated`` dependencies: each handler's signature says what it needs.
 
 =====================  ===========================================================================
+``run_scope``          not a parameter: the app-wide dependency (``create_app``) that runs before every
+                       route's own: on a route with a ``{run}`` path parameter it authenticates the caller
+                       and answers 403 when the token's run scope excludes the run, before the run is looked
+                       up (so an out-of-scope run answers the same whether it exists or not) and before any
+                       body is read. A route added later is covered without declaring anything.
 ``CtxDep``             the app's :class:`~bucketrl.proxy.context.ProxyContext`
 ``RunId``              the ``{run}`` path parameter, validated (no ``/``, ``..``; 422 otherwise)
 ``AnyRole``            any valid token (viewer, generator, trainer, admin); 401 without one
@@ -26,7 +31,8 @@ Use ``require("trainer", "generator")`` for any other role combination.
 
 Cost: FastAPI solves a dependency's own sub-dependencies again every time it appears (only the final call
 is cached), and each solve walks the request's parameters. So these dependencies take the ``Request``
-itself rather than ``CtxDep``: the trees stay one level deep (a trainer write solves 5 nodes, not 12).
+itself rather than ``CtxDep``: the trees stay one level deep (a trainer write solves 5 nodes, not 12, plus
+the app-wide ``run_scope``, which authenticates once for the role dependency after it: ``request.state``).
 Every one is ``async def`` (a plain ``def`` costs a thread-pool hop per request). ``RunDep`` reads the
 spec and the trainer epoch in one Redis round trip and leaves the epoch for ``EpochDep``.
 """
@@ -73,8 +79,33 @@ BEARER = HTTPBearer(
 BearerScheme = Annotated[Any, Security(BEARER)]
 
 
+# request.state key: the caller, authenticated once per request (by run_scope or the first role dependency).
+_PRINCIPAL = "bucketrl_principal"
+
+
+def authenticate(request: Request) -> Principal:
+    principal: Principal | None = getattr(request.state, _PRINCIPAL, None)
+    if principal is None:
+        principal = request.app.state.ctx.auth.authenticate(request.headers.get("authorization"))
+        setattr(request.state, _PRINCIPAL, principal)
+    return principal
+
+
+async def run_scope(request: Request) -> None:
+    """403 for a caller whose token's run scope excludes the route's ``{run}`` (see the module docstring)."""
+    run = request.path_params.get("run")
+    if run is None:
+        return
+    principal = authenticate(request)
+    if not principal.may_run(str(run)):
+        scope = "|".join(principal.runs or ())
+        raise errors.Forbidden(
+            f"this {principal.role} token is limited to runs {scope!r}; run {str(run)[:80]!r} is not one of them"
+        )
+
+
 async def get_principal(request: Request, _scheme: BearerScheme) -> Principal:
-    return request.app.state.ctx.auth.authenticate(request.headers.get("authorization"))
+    return authenticate(request)
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
@@ -85,7 +116,7 @@ def require(*roles: str) -> Callable[..., Coroutine[Any, Any, Principal]]:
     role otherwise. It authenticates itself (no ``PrincipalDep`` sub-dependency: see the module docstring)."""
 
     async def dependency(request: Request, _scheme: BearerScheme) -> Principal:
-        principal: Principal = request.app.state.ctx.auth.authenticate(request.headers.get("authorization"))
+        principal = authenticate(request)
         if not principal.may(*roles):
             raise errors.Forbidden(f"role {principal.role!r} may not call this route (needs {' or '.join(roles)})")
         return principal

@@ -81,8 +81,8 @@ async def static_asset(name: Annotated[str, Path(pattern=r"^[a-z0-9_.-]{1,64}$")
 @router.get(
     "/ui/api/runs",
     response_model=RunList,
-    summary="The runs this proxy's Redis knows (for the dashboard's run picker).",
+    summary="The runs this proxy's Redis knows that the caller's token may see (for the dashboard's run picker).",
     responses=responses(401, 403, 422, 503),
 )
-async def list_runs(ctx: CtxDep, _: ViewerRole) -> RunList:
-    return RunList(runs=await runs.list_runs(ctx.redis))
+async def list_runs(ctx: CtxDep, principal: ViewerRole) -> RunList:
+    return RunList(runs=[run for run in await runs.list_runs(ctx.redis) if principal.may_run(run)])

@@ -14,7 +14,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from bucketrl.relay.cache import CHUNK, AdapterCache, Mismatch
-from bucketrl.relay.forward import HOP, forward, relayed, unavailable, upstream_request
+from bucketrl.relay.forward import HOP, forward, relayed, send, unavailable
 from bucketrl.relay.settings import RelaySettings
 from bucketrl.wire.common import ID_PATTERN
 
@@ -48,7 +48,7 @@ class Relay:
         served from the cache, fetched once per version."""
         http, run, version = self.client(), request.path_params["run"], request.path_params["version"]
         try:
-            probe = await http.send(upstream_request(http, request, {"If-None-Match": "*"}), stream=True)
+            probe = await send(http, request, {"If-None-Match": "*"})
         except httpx.TransportError as exc:
             return unavailable(f"home proxy unreachable: {exc!r}")
         if probe.status_code != 304:
@@ -84,7 +84,9 @@ class Relay:
     async def lifespan(self, _: Starlette) -> AsyncIterator[None]:
         s = self.settings
         timeout = httpx.Timeout(connect=s.connect_timeout_s, read=None, write=60.0, pool=None)
-        limits = httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=64)
+        # Idle upstream connections are dropped before uvicorn's 5 s keep-alive closes them: reusing one the server is
+        # closing at that moment fails the request (RemoteProtocolError), seen in bench/wan.py.
+        limits = httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=64, keepalive_expiry=2.0)
         async with httpx.AsyncClient(base_url=s.upstream_url, timeout=timeout, limits=limits) as self.http:
             yield
 

@@ -39,7 +39,8 @@ def sha_of(path: Path) -> str:
 class Stats:
     upstream_fetches: int = 0
     upstream_bytes: int = 0
-    hits: int = 0
+    hits: int = 0  # served from a verified file
+    shared: int = 0  # served by another caller's fetch (single flight)
     corrupt: int = 0
 
 
@@ -64,7 +65,9 @@ class AdapterCache:
             log.warning("relay cache: %s hashes to %s, not %s; fetching it again", path, got, sha)
             path.unlink(missing_ok=True)
         flight = self._flights.get(path)
-        if flight is None:
+        if flight is not None:
+            self.stats.shared += 1
+        else:
             flight = asyncio.create_task(self._fetch(path, sha, fetch))
             self._flights[path] = flight
             flight.add_done_callback(lambda _: self._flights.pop(path, None))

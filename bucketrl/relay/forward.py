@@ -47,9 +47,21 @@ def relayed(resp: httpx.Response) -> StreamingResponse:
     )
 
 
+async def send(http: httpx.AsyncClient, request: Request, extra: dict[str, str] | None = None) -> httpx.Response:
+    """Sent upstream; a request without a body once more if a pooled connection was closed under it (its body,
+    if it had one, is consumed: the caller's client retries that one)."""
+    req = upstream_request(http, request, extra)
+    try:
+        return await http.send(req, stream=True)
+    except httpx.RemoteProtocolError:
+        if req.headers.get("content-length") or req.headers.get("transfer-encoding"):
+            raise
+        return await http.send(upstream_request(http, request, extra), stream=True)
+
+
 async def forward(http: httpx.AsyncClient, request: Request) -> Response:
     try:
-        resp = await http.send(upstream_request(http, request), stream=True)
+        resp = await send(http, request)
     except httpx.TransportError as exc:
         log.warning("relay: %s %s: home proxy unreachable: %r", request.method, request.url.path, exc)
         return unavailable(f"home proxy unreachable: {exc!r}")

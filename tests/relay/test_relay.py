@@ -132,12 +132,14 @@ def test_single_flight_one_fetch_for_concurrent_misses(tmp_path: Path) -> None:
         await asyncio.sleep(0.2)  # slower than the other callers' arrival
         yield data
 
+    cache = AdapterCache(tmp_path)
+
     async def main() -> list[Path]:
-        cache = AdapterCache(tmp_path)
         return await asyncio.gather(*(cache.ensure("r1", 3, sha, fetch) for _ in range(4)))
 
     paths = asyncio.run(main())
     assert calls == 1 and len(set(paths)) == 1 and paths[0].read_bytes() == data
+    assert (cache.stats.upstream_fetches, cache.stats.shared, cache.stats.hits) == (1, 3, 0)
 
 
 def test_control_calls_and_long_polls_pass_through(proxy_file: ProxyHarness, relay: RelayProc) -> None:

@@ -163,6 +163,27 @@ def test_control_calls_and_long_polls_pass_through(proxy_file: ProxyHarness, rel
         assert woken == [2] and time.monotonic() - started < 15  # woken by the publish, not by wait_s
         with pytest.raises(errors.NotFound):  # an error answer keeps its status and body
             ProxyClient(relay.url, "nope", TOKENS["generator"], retries=0).get_run()
+    _prompt_lease_long_poll_is_woken(proxy_file, relay)
+
+
+def _prompt_lease_long_poll_is_woken(home: ProxyHarness, relay: RelayProc) -> None:
+    """A full pipeline answers 429 with its Retry-After through the relay; a lease long-poll held open through
+    the relay is woken by a release at the home proxy."""
+    home.client("r2", "trainer").put_run(make_spec(dataset={"uri": "toy:digits", "size": 20}, groups_per_step=2))
+    full = home.client("r2", "generator").lease_prompts("gen-a", 4, ttl_s=60)  # the admission limit (2 x 2)
+    with httpx.Client(base_url=relay.url, headers={"Authorization": f"Bearer {TOKENS['generator']}"}) as h:
+        r = h.post("/v1/runs/r2/prompts/lease", json={"worker_id": "gen-b", "n": 1, "wait_s": 0.2})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "0", r.text
+    got: list[int] = []
+    with ProxyClient(relay.url, "r2", TOKENS["generator"], retries=0, timeout_s=30) as g:
+        waiter = threading.Thread(target=lambda: got.append(len(g.lease_prompts("gen-b", 3, wait_s=20).prompts)))
+        waiter.start()
+        time.sleep(0.5)
+        assert waiter.is_alive()  # held open by the home proxy, through the relay
+        started = time.monotonic()
+        home.client("r2", "generator").release_prompts("gen-a", [p.prompt_id for p in full.prompts[:2]])
+        waiter.join(20)
+    assert got == [2] and time.monotonic() - started < 15
 
 
 def test_a_client_falls_back_to_the_home_proxy_and_returns_to_its_relay(

@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python bench/wan.py --rtt-ms 0,50,150 --generators 8 --duration-s 45 --json /tmp/wan.json
     sudo .venv/bin/python bench/wan.py --rtt-ms 100 --drop-s 10            # drop region a's link for 10 s
+    sudo .venv/bin/python bench/wan.py --rtt-ms 80 --mode direct,relay     # with one `bucketrl relay` per region
 
 Root only: it builds a :class:`bucketrl.sim.netlab.Lab`. The scale simulation's parts (:mod:`bucketrl.sim.cluster`,
 all real but the GPU: ``redis-server``, ``bucketrl proxy``, moto S3 behind the slow S3 front, the real trainer
@@ -20,7 +21,12 @@ regions) per adapter version that crossed, next to ``adapter bytes x loads per v
 per trained group. ``--drop-s N`` black-holes ``--drop-region``'s link for N s, ``--drop-at-s`` after the fleet
 starts, in every point: the groups line then says what the outage cost.
 
-What the relay does not emulate (TCP's own RTT, the handshake's) is in :mod:`bucketrl.sim.netlab.delay`; quote it
+``--mode relay`` starts one ``bucketrl relay`` per region, inside the region's namespace on its address, whose
+upstream is the home proxy through that region's link; the region's generators talk to it instead (adapters
+cross the link once per version per region, the rest is forwarded). ``by_mode`` in the JSON holds each mode's
+figures at the sweep's largest RTT.
+
+What the delay relay does not emulate (TCP's own RTT, the handshake's) is in :mod:`bucketrl.sim.netlab.delay`; quote it
 with the figures. This machine's cores are shared by every process here (the relay forwards every byte in Python).
 """
 
@@ -31,7 +37,9 @@ import json
 import os
 import re
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -40,9 +48,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import httpx
+
 from bucketrl.sim.cluster import Scenario, SimBackends, SimScale, _publishes, run_scale_sim
 from bucketrl.sim.gpu import BENCH_GPU
 from bucketrl.sim.netlab import HOME, Lab, LinkSpec, Relay
+
+RELAY_PORT = 8701
 
 GPU = BENCH_GPU
 
@@ -188,11 +200,47 @@ FIELDS = (
 )
 
 
+def start_region_relays(lab: Lab, urls: dict[str, str], workdir: Path) -> dict[str, subprocess.Popen]:
+    """One ``bucketrl relay`` per region, in the region's namespace on its link address (so this process, in home,
+    can see it listen); its upstream is the home proxy through the region's delay relay. Replaces ``urls``."""
+    procs: dict[str, subprocess.Popen] = {}
+    for r, upstream in list(urls.items()):
+        addr = lab.links[r].region_addr
+        argv = [*lab.exec_prefix(r), sys.executable, "-m", "bucketrl.cli", "relay", "--upstream", upstream]
+        argv += ["--cache-dir", str(workdir / f"relay-{r}"), "--host", addr, "--port", str(RELAY_PORT)]
+        workdir.mkdir(parents=True, exist_ok=True)
+        with (workdir / f"relay-{r}.log").open("wb") as log:
+            procs[r] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        urls[r] = f"http://{addr}:{RELAY_PORT}"
+    for r, proc in procs.items():
+        host, port = urls[r].removeprefix("http://").rsplit(":", 1)
+        wait_port_at(host, int(port), proc)
+    return procs
+
+
+def wait_port_at(host: str, port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"relay exited with {proc.returncode} before listening on {host}:{port}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"relay not listening on {host}:{port} after {timeout_s}s")
+
+
+def relay_stats(urls: dict[str, str]) -> dict[str, Any]:
+    return {r: httpx.get(f"{u}/relay/stats", timeout=10).json() for r, u in urls.items()}
+
+
 def point(
-    args: argparse.Namespace, lab: Lab, backends: SimBackends, rtt_ms: float, workdir: Path, say: Any
+    args: argparse.Namespace, lab: Lab, backends: SimBackends, rtt_ms: float, workdir: Path, say: Any, mode: str
 ) -> dict[str, Any]:
     regions = args.regions
     relays: list[Relay] = []
+    region_relays: dict[str, subprocess.Popen] = {}
     try:
         urls = {}
         for r in lab.links:
@@ -200,6 +248,9 @@ def point(
             relay = lab.start_relay(HOME, (link.home_addr, 0), ("127.0.0.1", backends.proxy_port), rtt_ms / 2.0)
             relays.append(relay)
             urls[r] = f"http://{relay.address}"
+        if mode == "relay":
+            region_relays = start_region_relays(lab, {r: urls[r] for r in regions}, workdir)
+            urls.update({r: f"http://{lab.links[r].region_addr}:{RELAY_PORT}" for r in regions})
         drop = (args.drop_region, args.drop_at_s, args.drop_s) if args.drop_s else None
         wiring = Wiring(lab, regions, urls, args.trainer_region, drop)
         cfg = SimScale(
@@ -215,7 +266,7 @@ def point(
             timeout_s=args.duration_s + 180,
             max_train_s=args.duration_s,
         )
-        name = f"rtt{int(rtt_ms)}"
+        name = f"{mode}-rtt{int(rtt_ms)}"
         try:
             r = run_scale_sim(backends, cfg, name, workdir, progress=say, scenario=scenario_for(wiring))
         finally:
@@ -223,7 +274,9 @@ def point(
                 t.cancel()
             for region in lab.links:
                 lab.restore(region)
-        out: dict[str, Any] = {"rtt_ms": rtt_ms, **{k: r.get(k) for k in FIELDS}}
+        out: dict[str, Any] = {"mode": mode, "rtt_ms": rtt_ms, **{k: r.get(k) for k in FIELDS}}
+        if region_relays:
+            out["relay_stats"] = relay_stats({x: urls[x] for x in region_relays})
         out.update(link_figures(cfg, workdir, wiring, wiring.link_bytes()))
         out.update(trainer_figures(workdir, cfg.warmup_steps))
         trained = (r.get("groups") or {}).get("trained") or 0
@@ -235,6 +288,9 @@ def point(
             out["drop"] = {"region": drop[0], "seconds": drop[2], "at_s": at_s}
         return out
     finally:
+        for proc in region_relays.values():
+            proc.kill()
+            proc.wait(10)
         for relay in relays:
             relay.proc.kill()
             relay.proc.wait(10)
@@ -247,7 +303,8 @@ def row(p: dict[str, Any]) -> str:
 
     g = p.get("groups") or {}
     return (
-        f"{p['rtt_ms']:>6g} {f('sync_p50_s', '.2f'):>7} {f('sync_p99_s', '.2f'):>7} {f('wakeup_p50_ms', '.0f'):>7} "
+        f"{p.get('mode', 'direct'):>6} {p['rtt_ms']:>6g} {f('sync_p50_s', '.2f'):>7} {f('sync_p99_s', '.2f'):>7} "
+        f"{f('wakeup_p50_ms', '.0f'):>7} "
         f"{f('publish_p50_s', '.2f'):>6} {f('step_wait_p50_s', '.2f'):>6} "
         f"{f('steps_per_s', '.3f'):>7} {f('steps_per_s_vs_ideal', '.0%'):>6} {f('steps_per_s_vs_loopback', '.0%'):>6} "
         f"{f('wan_bytes_per_version', '.1f', 1e-6):>8} {f('adapter_bytes_x_loads_per_version', '.1f', 1e-6):>8} "
@@ -257,7 +314,7 @@ def row(p: dict[str, Any]) -> str:
 
 
 HEADER = (
-    "rtt_ms  sync50  sync99  wake50  pub50 wait50 steps/s  ideal  loopb  MB/vers  adMBxN  req/grp  stale "
+    "  mode rtt_ms  sync50  sync99  wake50  pub50 wait50 steps/s  ideal  loopb  MB/vers  adMBxN  req/grp  stale "
     "trained lost    ok"
 )
 
@@ -266,6 +323,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("--rtt-ms", default="100", help="round trip of every link; a comma-separated list sweeps")
+    p.add_argument("--mode", default="direct", help="direct, relay (one bucketrl relay per region), or both: a,b")
     p.add_argument("--mbit", type=float, default=200.0, help="each link's rate, per direction")
     p.add_argument("--regions", default="a,b", help="the generators' regions (the fleet is split evenly)")
     p.add_argument("--generators", type=int, default=8, help="simulated generators, over all regions")
@@ -283,6 +341,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the logs directory")
     args = p.parse_args(argv)
     args.rtts = [float(x) for x in args.rtt_ms.split(",") if x.strip()]
+    args.modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+    if not args.modes or set(args.modes) - {"direct", "relay"}:
+        p.error(f"--mode: direct, relay or direct,relay; got {args.mode!r}")
     args.regions = [r.strip() for r in args.regions.split(",") if r.strip()]
     args.drop_region = args.drop_region or args.regions[0]
     if args.drop_at_s is None:
@@ -312,16 +373,18 @@ def main(argv: list[str] | None = None) -> int:
         SimBackends(work / "backends", proxy_workers=args.proxy_workers, s3_latency_ms=args.s3_latency_ms) as b,
     ):
         say(f"lab {lab.home_ns}: regions {link_regions} at {args.mbit:g} Mbit; backends up in home")
-        for rtt in args.rtts:
-            key = f"{rtt:g}"
-            try:
-                points[key] = point(args, lab, b, rtt, work / f"rtt{key}", say)
-            except Exception as exc:  # a point that fails is a result; the next one still runs
-                say(f"rtt {key} ms failed: {exc}")
-                points[key] = {"rtt_ms": rtt, "errors": [f"{type(exc).__name__}: {exc}"]}
-            say(row(points[key]) if "groups" in points[key] else f"rtt {key}: no figures")
-    base = points.get("0", {}).get("steps_per_s")
+        for mode in args.modes:
+            for rtt in args.rtts:
+                key = f"{rtt:g}" if mode == "direct" else f"{mode}:{rtt:g}"
+                try:
+                    points[key] = point(args, lab, b, rtt, work / f"{mode}-rtt{rtt:g}", say, mode)
+                except Exception as exc:  # a point that fails is a result; the next one still runs
+                    say(f"{mode} rtt {rtt:g} ms failed: {exc}")
+                    points[key] = {"mode": mode, "rtt_ms": rtt, "errors": [f"{type(exc).__name__}: {exc}"]}
+                say(row(points[key]) if "groups" in points[key] else f"{key}: no figures")
     for p in points.values():
+        mode = p.get("mode", "direct")
+        base = points.get("0" if mode == "direct" else f"{mode}:0", points.get("0", {})).get("steps_per_s")
         if base and p.get("steps_per_s"):
             p["steps_per_s_vs_loopback"] = round(p["steps_per_s"] / base, 3)
     print(
@@ -336,11 +399,14 @@ def main(argv: list[str] | None = None) -> int:
             print(row(p))
         else:
             print(f"{p['rtt_ms']:>6g} failed: {p['errors']}")
-    headline = max((p for p in points.values() if p["rtt_ms"] > 0), key=lambda p: p["rtt_ms"], default=None)
+    by_mode = {}
+    for mode in args.modes:
+        mine = [p for p in points.values() if p.get("mode", "direct") == mode and p["rtt_ms"] > 0]
+        if mine:  # the issue's key shape: each mode's figures at the sweep's largest RTT
+            by_mode[mode] = max(mine, key=lambda p: p["rtt_ms"])
     out = {
         "by_rtt_ms": points,
-        # The issue's key shape; "relay" joins it when regional relays exist. The figures at the sweep's largest RTT.
-        "by_mode": {"direct": headline} if headline else {},
+        "by_mode": by_mode,
         "config": {**vars(args), "json": str(args.json), "gpu": GPU},
         "wall_s": round(time.monotonic() - t0, 1),
     }

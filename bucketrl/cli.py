@@ -6,6 +6,7 @@ import typer
 from bucketrl.export import export_command
 from bucketrl.generator.cli import generator_command
 from bucketrl.proxy.cli import proxy_command
+from bucketrl.relay.cli import relay_command
 from bucketrl.sim import engine as sim_engine
 from bucketrl.status_cli import status_command
 from bucketrl.trainer.cli import trainer_command
@@ -18,6 +19,7 @@ app = typer.Typer(
 
 def _register() -> None:
     app.command("proxy")(proxy_command)
+    app.command("relay")(relay_command)
     app.command("trainer")(trainer_command)
     app.command("generator")(generator_command)
     app.command("up")(up_command)

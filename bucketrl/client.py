@@ -68,6 +68,7 @@ log = logging.getLogger("bucketrl.client")
 
 MAX_BACKOFF_S = 10.0  # between two attempts during an outage (unless Retry-After asks for longer)
 MAX_RETRY_AFTER_S = 60.0  # a larger Retry-After is capped: the proxy may be back sooner than it guessed
+PRIMARY_RETRY_S = 60.0  # on a fallback URL, try the first one (a region's relay) again this often
 
 
 class Outage:
@@ -174,7 +175,9 @@ class ProxyClient:
         outage: Outage | None = None,
     ) -> None:
         """``retries``: attempts after the first, for a client without ``outage``; with one, transient failures
-        are retried until its budget is spent instead."""
+        are retried until its budget is spent instead. ``base_url``: one URL, or several comma-separated (a
+        regional relay, then the home proxy): a connection refused moves to the next, and the first is tried
+        again every :data:`PRIMARY_RETRY_S`."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.run = run
         self.retries = retries
@@ -182,9 +185,9 @@ class ProxyClient:
         self.outage = outage
         self.epoch: int | None = None
         self._push_session, self._push_seq = uuid.uuid4().hex, itertools.count(1)
-        self._http = httpx.Client(
-            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
-        )
+        self._urls = [u.strip().rstrip("/") for u in base_url.split(",") if u.strip()] or [base_url]
+        self._url_i, self._switched_at = 0, 0.0
+        self._http = httpx.Client(base_url=self._urls[0], headers=headers, timeout=timeout_s, transport=transport)
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -196,6 +199,18 @@ class ProxyClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _next_url(self, exc: httpx.TransportError) -> None:
+        """A connect error (nothing listening, no route): the next URL, if there is one, for the next attempt."""
+        if len(self._urls) > 1 and isinstance(exc, httpx.ConnectError):
+            was, self._url_i = self._urls[self._url_i], (self._url_i + 1) % len(self._urls)
+            self._switched_at = time.monotonic()
+            log.warning("%s unreachable (%r): switching to %s", was, exc, self._urls[self._url_i])
+            self._http.base_url = httpx.URL(self._urls[self._url_i])
+
+    def _back_to_first(self) -> None:
+        if self._url_i and time.monotonic() - self._switched_at >= PRIMARY_RETRY_S:
+            self._url_i, self._http.base_url = 0, httpx.URL(self._urls[0])
 
     def _path(self, suffix: str = "") -> str:
         return f"/v1/runs/{self.run}{suffix}"
@@ -250,9 +265,11 @@ class ProxyClient:
         self, method: str, url: str, kw: dict[str, Any], sink: _Sink | None = None
     ) -> tuple[httpx.Response, None] | tuple[None, errors.BucketRLError]:
         """One request: the response on success, else the error it amounts to."""
+        self._back_to_first()
         try:
             resp = self._http.request(method, url, **kw) if sink is None else self._stream(method, url, kw, sink)
         except httpx.TransportError as exc:  # a body cut short mid-stream too (h11 checks Content-Length)
+            self._next_url(exc)
             return None, errors.Unavailable(f"proxy unreachable: {exc!r}")
         if resp.status_code < 400:
             if self.outage is not None:

@@ -31,7 +31,11 @@ class WorkerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="BUCKETRL_", extra="ignore")
 
-    proxy_url: str = Field("http://127.0.0.1:8000", description="Base URL of the proxy (BUCKETRL_PROXY_URL).")
+    proxy_url: str = Field(
+        "http://127.0.0.1:8000",
+        description="Base URL of the proxy (BUCKETRL_PROXY_URL); several comma-separated are tried in turn when one "
+        "cannot be reached (a regional relay first, the home proxy as its fallback).",
+    )
     token: str = Field("", description="This worker's bearer token (BUCKETRL_TOKEN); empty = no auth header.")
     run: str = Field("demo", pattern=ID_PATTERN, description="Run id (BUCKETRL_RUN).")
     worker_id: str = Field("", description="Stable worker id; default: hostname-pid (BUCKETRL_WORKER_ID).")
@@ -91,9 +95,11 @@ class WorkerSettings(BaseSettings):
     @field_validator("proxy_url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("BUCKETRL_PROXY_URL must start with http:// or https://")
-        return v.rstrip("/")
+        urls = [u.strip().rstrip("/") for u in v.split(",") if u.strip()]
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad or not urls:
+            raise ValueError(f"BUCKETRL_PROXY_URL must be URLs starting with http:// or https://, got {v!r}")
+        return ",".join(urls)
 
     def resolved_worker_id(self, role: str) -> str:
         if self.worker_id:

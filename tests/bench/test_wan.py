@@ -37,6 +37,10 @@ def test_arguments(wan: ModuleType) -> None:
     assert (args.drop_region, args.drop_at_s) == ("a", 15.0)
     with pytest.raises(SystemExit):  # a drop that would still be on when the trainer stops
         wan.parse_args(["--duration-s", "30", "--drop-s", "25"])
+    assert wan.parse_args([]).modes == ["direct"]
+    assert wan.parse_args(["--mode", "direct,relay"]).modes == ["direct", "relay"]
+    with pytest.raises(SystemExit):
+        wan.parse_args(["--mode", "relays"])
 
 
 @pytest.mark.timeout(180)

@@ -117,13 +117,25 @@ async def publish(
     response_class=StreamingResponse,
     responses={
         200: {"content": {TAR: {"schema": {"type": "string", "format": "binary"}}}, "description": "The tar."},
+        304: {"description": "`If-None-Match` matched: the version is live and its sha256 is in the headers."},
         **responses(401, 403, 404, 410, 422, 503),
     },
 )
-async def download(ctx: CtxDep, _: GeneratorRole, ref: RunDep, version: VersionPath) -> Response:
+async def download(
+    ctx: CtxDep,
+    _: GeneratorRole,
+    ref: RunDep,
+    version: VersionPath,
+    if_none_match: Annotated[str | None, Header(description='`*` or `"<sha256>"`: 304 without the body.')] = None,
+) -> Response:
     rec = await versions.live_record(ctx.redis, ref.run, version)
     prefix = versions.adapter_prefix(ref.run, version)
-    headers = {"X-Content-SHA256": rec["sha256"], "Content-Length": rec["bytes"]}
+    etag = f'"{rec["sha256"]}"'
+    if if_none_match is not None and if_none_match.strip() in ("*", etag):
+        # A regional relay (bucketrl/relay) asks this for every caller: the caller's token and the version's
+        # liveness (410 once collected) are checked here, and only the sha crosses the slow link.
+        return Response(status_code=304, headers={"X-Content-SHA256": rec["sha256"], "ETag": etag})
+    headers = {"X-Content-SHA256": rec["sha256"], "Content-Length": rec["bytes"], "ETag": etag}
     cache = ctx.adapter_cache
     if cache is not None and cache.fits(int(rec["bytes"])):
         # Every generator asks at once after a publish: one bucket read per version per replica (adapter_cache.py).

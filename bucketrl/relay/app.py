@@ -1,0 +1,103 @@
+"""The relay's ASGI app: adapter downloads from the disk cache, everything else forwarded (forward.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import AsyncIterator
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from bucketrl.relay.cache import CHUNK, AdapterCache, Mismatch
+from bucketrl.relay.forward import HOP, forward, relayed, send, unavailable
+from bucketrl.relay.settings import RelaySettings
+from bucketrl.wire.common import ID_PATTERN
+
+TAR = "application/x-tar"
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+_RUN = re.compile(ID_PATTERN)
+METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
+class UpstreamStatus(Exception):
+    """The home proxy answered the fetch itself with an error (the version was collected meanwhile...)."""
+
+    def __init__(self, resp: httpx.Response, body: bytes) -> None:
+        super().__init__(resp.status_code)
+        self.status, self.body = resp.status_code, body
+        self.headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP | {"content-length"}}
+
+
+class Relay:
+    def __init__(self, settings: RelaySettings) -> None:
+        self.settings = settings
+        self.cache = AdapterCache(settings.cache_dir)
+        self.http: httpx.AsyncClient | None = None
+
+    def client(self) -> httpx.AsyncClient:
+        assert self.http is not None, "the relay's lifespan has not started"
+        return self.http
+
+    async def adapter(self, request: Request) -> Response:
+        """Authorized upstream for every caller (a conditional GET: 304 + sha256, or the error to answer),
+        served from the cache, fetched once per version."""
+        http, run, version = self.client(), request.path_params["run"], request.path_params["version"]
+        try:
+            probe = await send(http, request, {"If-None-Match": "*"})
+        except httpx.TransportError as exc:
+            return unavailable(f"home proxy unreachable: {exc!r}")
+        if probe.status_code != 304:
+            return relayed(probe)  # 401, 403, 404, 410... or an older proxy's 200 with the body
+        await probe.aclose()
+        sha = probe.headers.get("X-Content-SHA256", "").strip().lower()
+        if not _SHA.match(sha) or not _RUN.match(run):
+            return unavailable(f"home proxy answered no usable sha256 for {run}/v{version}")
+        auth = {"Authorization": v} if (v := request.headers.get("authorization")) else {}
+
+        async def fetch() -> AsyncIterator[bytes]:
+            async with http.stream("GET", request.url.path, headers=auth) as resp:
+                if resp.status_code != 200:
+                    raise UpstreamStatus(resp, await resp.aread())
+                async for chunk in resp.aiter_bytes(CHUNK):
+                    yield chunk
+
+        try:
+            path = await self.cache.ensure(run, version, sha, fetch)
+        except UpstreamStatus as exc:
+            return Response(exc.body, status_code=exc.status, headers=exc.headers)
+        except (httpx.TransportError, Mismatch) as exc:
+            return unavailable(f"fetching {run}/v{version} from the home proxy failed: {exc!r}")
+        return FileResponse(path, media_type=TAR, headers={"X-Content-SHA256": sha, "ETag": f'"{sha}"'})
+
+    async def stats(self, _: Request) -> Response:
+        return JSONResponse(dataclasses.asdict(self.cache.stats))
+
+    async def other(self, request: Request) -> Response:
+        return await forward(self.client(), request)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: Starlette) -> AsyncIterator[None]:
+        s = self.settings
+        timeout = httpx.Timeout(connect=s.connect_timeout_s, read=None, write=60.0, pool=None)
+        # Idle upstream connections are dropped before uvicorn's 5 s keep-alive closes them: reusing one the server is
+        # closing at that moment fails the request (RemoteProtocolError), seen in bench/wan.py.
+        limits = httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=64, keepalive_expiry=2.0)
+        async with httpx.AsyncClient(base_url=s.upstream_url, timeout=timeout, limits=limits) as self.http:
+            yield
+
+
+def create_app(settings: RelaySettings) -> Starlette:
+    relay = Relay(settings)
+    routes = [
+        Route("/relay/stats", relay.stats, methods=["GET"]),
+        Route("/v1/runs/{run}/adapters/{version:int}", relay.adapter, methods=["GET"]),
+        Route("/{path:path}", relay.other, methods=METHODS),
+    ]
+    app = Starlette(routes=routes, lifespan=relay.lifespan)
+    app.state.relay = relay
+    return app

@@ -1,0 +1,68 @@
+"""Streaming reverse proxy to the home proxy: method, path, query, headers (the caller's token among them) and
+body go up as they are; status, headers (``Retry-After``...) and body come back as they are, chunk by chunk.
+
+No read timeout upstream: long-polls last as long as the caller asked (``wait_s``), and the caller's own client
+times out a request that hangs. A home proxy that cannot be reached is a retryable 503 in the proxy's error shape,
+so a worker's client rides it out like any outage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+log = logging.getLogger("bucketrl.relay.forward")
+
+# Hop-by-hop headers (RFC 9110 7.6.1) belong to one connection, not to the request; Host names the relay.
+HOP = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding"}
+    | {"upgrade", "host"}
+)
+
+
+def unavailable(message: str) -> Response:
+    body = {"error": {"code": "unavailable", "message": f"relay: {message}"[:500], "retryable": True}}
+    return Response(json.dumps(body), status_code=503, media_type="application/json", headers={"Retry-After": "1"})
+
+
+def upstream_request(http: httpx.AsyncClient, request: Request, extra: dict[str, str] | None = None) -> httpx.Request:
+    extra = extra or {}
+    replaced = HOP | {k.lower() for k in extra}
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in replaced] + list(extra.items())
+    has_body = "content-length" in request.headers or "transfer-encoding" in request.headers
+    url = httpx.URL(path=request.url.path, query=request.url.query.encode())
+    return http.build_request(request.method, url, headers=headers, content=request.stream() if has_body else None)
+
+
+def relayed(resp: httpx.Response) -> StreamingResponse:
+    """An upstream answer handed back as it comes (raw: a compressed body stays compressed, its length right)."""
+    headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP}
+    return StreamingResponse(
+        resp.aiter_raw(), status_code=resp.status_code, headers=headers, background=BackgroundTask(resp.aclose)
+    )
+
+
+async def send(http: httpx.AsyncClient, request: Request, extra: dict[str, str] | None = None) -> httpx.Response:
+    """Sent upstream; a request without a body once more if a pooled connection was closed under it (its body,
+    if it had one, is consumed: the caller's client retries that one)."""
+    req = upstream_request(http, request, extra)
+    try:
+        return await http.send(req, stream=True)
+    except httpx.RemoteProtocolError:
+        if req.headers.get("content-length") or req.headers.get("transfer-encoding"):
+            raise
+        return await http.send(upstream_request(http, request, extra), stream=True)
+
+
+async def forward(http: httpx.AsyncClient, request: Request) -> Response:
+    try:
+        resp = await send(http, request)
+    except httpx.TransportError as exc:
+        log.warning("relay: %s %s: home proxy unreachable: %r", request.method, request.url.path, exc)
+        return unavailable(f"home proxy unreachable: {exc!r}")
+    return relayed(resp)

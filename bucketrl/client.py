@@ -31,6 +31,7 @@ import msgpack
 from pydantic import BaseModel
 
 from bucketrl import errors
+from bucketrl.tls import CA_FILE_ENV, TransportSecurity, verification_failure
 from bucketrl.wire import (
     AckRequest,
     AckResponse,
@@ -172,9 +173,14 @@ class ProxyClient:
         backoff_s: float = 0.2,
         transport: httpx.BaseTransport | None = None,
         outage: Outage | None = None,
+        security: TransportSecurity | None = None,
     ) -> None:
         """``retries``: attempts after the first, for a client without ``outage``; with one, transient failures
-        are retried until its budget is spent instead."""
+        are retried until its budget is spent instead. ``security`` (default: from ``BUCKETRL_CA_FILE`` and
+        ``BUCKETRL_INSECURE_HTTP``) refuses plain HTTP off loopback with ``ValueError`` and verifies HTTPS
+        (``bucketrl/tls.py``); a given ``transport`` brings its own verification."""
+        security = security or TransportSecurity.from_env()
+        security.check(base_url)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.run = run
         self.retries = retries
@@ -183,7 +189,11 @@ class ProxyClient:
         self.epoch: int | None = None
         self._push_session, self._push_seq = uuid.uuid4().hex, itertools.count(1)
         self._http = httpx.Client(
-            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            timeout=timeout_s,
+            transport=transport,
+            verify=security.verify(),
         )
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -253,6 +263,11 @@ class ProxyClient:
         try:
             resp = self._http.request(method, url, **kw) if sink is None else self._stream(method, url, kw, sink)
         except httpx.TransportError as exc:  # a body cut short mid-stream too (h11 checks Content-Length)
+            reason = verification_failure(exc)
+            if reason is not None:  # not an outage: retrying cannot make an untrusted certificate trusted
+                where = self._http.base_url
+                msg = f"TLS: the certificate of {where} failed verification ({reason}); give its CA with {CA_FILE_ENV}"
+                return None, errors.Unavailable(msg, retryable=False)
             return None, errors.Unavailable(f"proxy unreachable: {exc!r}")
         if resp.status_code < 400:
             if self.outage is not None:

@@ -98,7 +98,9 @@ class WanScenario(Scenario):
         if region is not None:
             # `ip netns exec` execs the command in place: the Service's pid is the worker's, as without it.
             argv = [*self.wiring.lab.exec_prefix(region), *argv]
-            env = {**env, "BUCKETRL_PROXY_URL": self.wiring.urls[region]}
+            # Plain HTTP between the lab's namespaces: an emulated private network (TLS is tested in
+            # tests/proxy/test_tls.py), so the workers' refusal of http:// off loopback is waived on purpose.
+            env = {**env, "BUCKETRL_PROXY_URL": self.wiring.urls[region], "BUCKETRL_INSECURE_HTTP": "1"}
         return super()._start(name, argv, env)
 
     def start_fleet(self) -> Any:

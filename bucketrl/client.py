@@ -31,6 +31,7 @@ import msgpack
 from pydantic import BaseModel
 
 from bucketrl import errors
+from bucketrl.tls import CA_FILE_ENV, TransportSecurity, verification_failure
 from bucketrl.wire import (
     AckRequest,
     AckResponse,
@@ -173,11 +174,15 @@ class ProxyClient:
         backoff_s: float = 0.2,
         transport: httpx.BaseTransport | None = None,
         outage: Outage | None = None,
+        security: TransportSecurity | None = None,
     ) -> None:
         """``retries``: attempts after the first, for a client without ``outage``; with one, transient failures
         are retried until its budget is spent instead. ``base_url``: one URL, or several comma-separated (a
         regional relay, then the home proxy): a connection refused moves to the next, and the first is tried
-        again every :data:`PRIMARY_RETRY_S`."""
+        again every :data:`PRIMARY_RETRY_S`. ``security`` (default: from
+        ``BUCKETRL_CA_FILE`` and ``BUCKETRL_INSECURE_HTTP``) refuses plain HTTP off loopback with ``ValueError`` and
+        verifies HTTPS (``bucketrl/tls.py``); a given ``transport`` brings its own verification."""
+        security = security or TransportSecurity.from_env()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.run = run
         self.retries = retries
@@ -186,8 +191,12 @@ class ProxyClient:
         self.epoch: int | None = None
         self._push_session, self._push_seq = uuid.uuid4().hex, itertools.count(1)
         self._urls = [u.strip().rstrip("/") for u in base_url.split(",") if u.strip()] or [base_url]
+        for url in self._urls:
+            security.check(url)
         self._url_i, self._switched_at = 0, 0.0
-        self._http = httpx.Client(base_url=self._urls[0], headers=headers, timeout=timeout_s, transport=transport)
+        self._http = httpx.Client(
+            base_url=self._urls[0], headers=headers, timeout=timeout_s, transport=transport, verify=security.verify()
+        )
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -269,6 +278,11 @@ class ProxyClient:
         try:
             resp = self._http.request(method, url, **kw) if sink is None else self._stream(method, url, kw, sink)
         except httpx.TransportError as exc:  # a body cut short mid-stream too (h11 checks Content-Length)
+            reason = verification_failure(exc)
+            if reason is not None:  # not an outage: retrying cannot make an untrusted certificate trusted
+                where = self._http.base_url
+                msg = f"TLS: the certificate of {where} failed verification ({reason}); give its CA with {CA_FILE_ENV}"
+                return None, errors.Unavailable(msg, retryable=False)
             self._next_url(exc)
             return None, errors.Unavailable(f"proxy unreachable: {exc!r}")
         if resp.status_code < 400:

@@ -12,12 +12,13 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bucketrl import errors
 from bucketrl.client import Outage, ProxyClient
 from bucketrl.cost import detect_gpu_class
+from bucketrl.tls import TransportSecurity
 from bucketrl.wire import MetricsPush
 from bucketrl.wire.common import ID_PATTERN
 from bucketrl.wire.cost import GPU_CLASS_PATTERN
@@ -67,17 +68,42 @@ class WorkerSettings(BaseSettings):
 
         return self.gpu_class or detect_gpu_class()
 
+    ca_file: str = Field(
+        "",
+        description="BUCKETRL_CA_FILE: PEM file of the CA(s) the proxy's HTTPS certificate is verified against; "
+        "empty = the system store.",
+    )
+    insecure_http: bool = Field(
+        False,
+        description="BUCKETRL_INSECURE_HTTP: allow a plain http:// proxy URL to a non-loopback host (bearer tokens "
+        "cross the network unencrypted): only inside one private network, on purpose.",
+    )
+
+    @property
+    def security(self) -> TransportSecurity:
+        return TransportSecurity(ca_file=self.ca_file, insecure_http=self.insecure_http)
+
+    @model_validator(mode="after")
+    def _transport_security(self) -> WorkerSettings:
+        # At start, not at the first request: a worker pointed at http://<remote> exits naming the URL and setting.
+        for url in self.proxy_url.split(","):
+            if url.strip():
+                self.security.check(url.strip())
+        return self
+
     def proxy_client(self, outage: Outage) -> ProxyClient:
         """A client for this worker that retries through proxy outages as ``outage`` (shared by the worker's
         clients: one log line per outage, one budget) allows."""
 
-        return ProxyClient(self.proxy_url, self.run, self.token, timeout_s=self.http_timeout_s, outage=outage)
+        return ProxyClient(
+            self.proxy_url, self.run, self.token, timeout_s=self.http_timeout_s, outage=outage, security=self.security
+        )
 
     def phase_client(self) -> ProxyClient:
         """A client that tries once, briefly: for phase and note pushes, which must never hold up a start or an
         exit (a configuration error reported while the proxy is down)."""
 
-        return ProxyClient(self.proxy_url, self.run, self.token, timeout_s=5.0, retries=0)
+        return ProxyClient(self.proxy_url, self.run, self.token, timeout_s=5.0, retries=0, security=self.security)
 
     def push_phase(self, worker_id: str, phase: str, notes: dict[str, str] | None = None) -> None:
         """Tell the proxy what a worker is doing (status, dashboard, live view); best effort, never raises."""

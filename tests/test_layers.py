@@ -3,7 +3,7 @@ function that no test runs is caught too).
 
 Layers, bottom to top. A module imports modules of its own layer or of a lower one, never of a higher one:
 
-    0  core      bucketrl (the package), errors, wire, logprobs, tarball, bundles, client, settings
+    0  core      bucketrl (the package), errors, wire, logprobs, tarball, bundles, tls, client, settings
     1  rollout   bucketrl.rollout: what generators, environments, rewards and the trainer share (samples,
                  examples, episodes, the engine seam, reward classification)
     2  storage   bucketrl.storage: the bucket backends
@@ -90,6 +90,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "bucketrl.logprobs",
         "bucketrl.tarball",
         "bucketrl.bundles",
+        "bucketrl.tls",
         "bucketrl.client",
         "bucketrl.settings",
         "bucketrl.cost",

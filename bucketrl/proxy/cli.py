@@ -4,7 +4,8 @@
     BUCKETRL_TOKENS="trainer:t,generator:g,viewer:v" bucketrl proxy --host 0.0.0.0 --port 8000
 
 Every setting is a ``BUCKETRL_*`` environment variable (``bucketrl/proxy/settings.py``); ``--host``,
-``--port`` and ``--log-level`` override theirs. Responses leave in one socket write each
+``--port``, ``--log-level``, ``--tls-cert-file`` and ``--tls-key-file`` override theirs (given a certificate and
+key, the proxy serves HTTPS only; docs/deploy.md "TLS"). Responses leave in one socket write each
 (``http_protocol.py``). ``--workers N`` runs N processes on the port: the proxy
 is stateless, so they are simply N replicas (a way to use more cores of one machine). ``--rebuild``
 restores runs, versions and checkpoint pointers from the bucket's manifests into Redis before serving
@@ -33,6 +34,10 @@ def proxy_command(
         bool, typer.Option("--rebuild", help="Restore Redis state from the bucket manifests before serving.")
     ] = False,
     log_level: Annotated[str | None, typer.Option(help="uvicorn log level (BUCKETRL_LOG_LEVEL).")] = None,
+    tls_cert_file: Annotated[
+        str | None, typer.Option(help="PEM certificate chain: serve HTTPS (BUCKETRL_TLS_CERT_FILE).")
+    ] = None,
+    tls_key_file: Annotated[str | None, typer.Option(help="PEM private key (BUCKETRL_TLS_KEY_FILE).")] = None,
     workers: Annotated[
         int, typer.Option(min=1, help="Processes serving the port (each a stateless replica sharing Redis).")
     ] = 1,
@@ -50,6 +55,10 @@ def proxy_command(
         overrides["port"] = port
     if log_level is not None:
         overrides["log_level"] = log_level
+    if tls_cert_file is not None:
+        overrides["tls_cert_file"] = tls_cert_file
+    if tls_key_file is not None:
+        overrides["tls_key_file"] = tls_key_file
     if rebuild:
         overrides["rebuild_forced"] = True
     try:
@@ -68,6 +77,8 @@ def proxy_command(
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
     http = _http_protocol()
+    # The same protocol serves HTTPS: asyncio's SSL transport sits under the coalescing wrapper (http_protocol.py).
+    cert, key = settings.tls_cert_file or None, settings.tls_key_file or None
     if workers == 1:
         uvicorn.run(
             app,
@@ -77,6 +88,8 @@ def proxy_command(
             access_log=False,
             http=http,
             limit_concurrency=settings.max_connections,
+            ssl_certfile=cert,
+            ssl_keyfile=key,
         )
         return
     # Several processes: each builds its own app from the environment, so pass the overrides that way.
@@ -92,6 +105,8 @@ def proxy_command(
         access_log=False,
         http=http,
         limit_concurrency=settings.max_connections,
+        ssl_certfile=cert,
+        ssl_keyfile=key,
     )
 
 

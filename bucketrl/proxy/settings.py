@@ -1,6 +1,8 @@
 """Proxy settings (``BUCKETRL_*`` environment variables). Built in ``create_app``, never at import."""
 
-from pydantic import Field, PrivateAttr, field_validator
+import os
+
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bucketrl.cost import load_prices
@@ -17,6 +19,10 @@ class ProxySettings(BaseSettings):
     tokens_file: str | None = Field(None, description="File with one role:token pair a line.")
     host: str = Field("127.0.0.1", description="Bind address of `bucketrl proxy`.")
     port: int = Field(8000, ge=1, le=65535, description="Port of `bucketrl proxy`.")
+    tls_cert_file: str = Field(
+        "", description="PEM certificate (chain) to serve HTTPS with; empty = plain HTTP. Needs tls_key_file."
+    )
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file.")
     allow_anonymous: bool = Field(
         False, description="Run without tokens. Refused unless bound to loopback (embedded mode)."
     )
@@ -107,3 +113,15 @@ class ProxySettings(BaseSettings):
 
     def price_table(self) -> Prices:
         return self._price_table
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "ProxySettings":
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("BUCKETRL_TLS_CERT_FILE and BUCKETRL_TLS_KEY_FILE must be set together (or neither)")
+        for name, path in (
+            ("BUCKETRL_TLS_CERT_FILE", self.tls_cert_file),
+            ("BUCKETRL_TLS_KEY_FILE", self.tls_key_file),
+        ):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name}={path} is not a readable file")
+        return self

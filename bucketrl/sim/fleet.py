@@ -106,7 +106,11 @@ class Api:
         headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         self.http = httpx.AsyncClient(
-            base_url=settings.proxy_url, headers=headers, timeout=httpx.Timeout(60.0), limits=limits
+            verify=settings.security.verify(),
+            base_url=settings.proxy_url,
+            headers=headers,
+            timeout=httpx.Timeout(60.0),
+            limits=limits,
         )
 
     async def call(

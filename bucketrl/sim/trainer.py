@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import resource
+import ssl
 import sys
 import threading
 import time
@@ -142,8 +143,8 @@ class SimLearner:
 class CountingTransport(httpx.HTTPTransport):
     """Counts requests by method (thread-safe): the trainer's share of the proxy's request rate."""
 
-    def __init__(self, counts: Counter[str], lock: threading.Lock) -> None:
-        super().__init__()
+    def __init__(self, counts: Counter[str], lock: threading.Lock, verify: ssl.SSLContext) -> None:
+        super().__init__(verify=verify)
         self.counts, self.lock = counts, lock
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -162,8 +163,10 @@ class SimTrainerWorker(TrainerWorker):
 
     def _new_client(self) -> ProxyClient:
         s = self.settings
-        transport = CountingTransport(self.request_counts, self._count_lock)
-        return ProxyClient(s.proxy_url, s.run, s.token, timeout_s=s.http_timeout_s, transport=transport)
+        transport = CountingTransport(self.request_counts, self._count_lock, s.security.verify())
+        return ProxyClient(
+            s.proxy_url, s.run, s.token, timeout_s=s.http_timeout_s, transport=transport, security=s.security
+        )
 
     def _make_learner(self, spec: RunSpec) -> SimLearner:
         return SimLearner(spec, self.settings)

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from bucketrl.tls import TransportSecurity
 from bucketrl.wire import RunStatus
 
 FIRST_FETCH = 5000
@@ -24,7 +25,10 @@ NEXT_FETCH = 500
 class RunWatcher:
     def __init__(self, base_url: str, run: str, token: str, timeout_s: float = 10.0) -> None:
         self.run = run
+        security = TransportSecurity.from_env()
+        security.check(base_url)
         self._http = httpx.Client(
+            verify=security.verify(),
             base_url=base_url.rstrip("/"),
             headers={"Authorization": f"Bearer {token}"} if token else {},
             timeout=timeout_s,

@@ -354,8 +354,13 @@ def test_generators_gpu_placement_and_autoscaling(combo) -> None:
         # Generators elsewhere: nothing but them in this release, pointed at the remote proxy.
         env = expand_k8s_env(c, Refs(docs, merged))
         assert env["BUCKETRL_PROXY_URL"] == merged["proxyUrl"].rstrip("/"), name
+        # A proxy the user names is never exempted from the workers' refusal of plain HTTP off loopback.
+        assert "BUCKETRL_INSECURE_HTTP" not in env, name
         if not merged["proxy"]["enabled"]:
             assert {d["kind"] for d in docs} == {"Deployment"}, name
+    else:
+        # This release's own Service, over the pod network: plain HTTP on purpose, said so explicitly.
+        assert expand_k8s_env(c, Refs(docs, merged))["BUCKETRL_INSECURE_HTTP"] == "1", name
     gpu = merged["generator"]["gpu"]
     limits = c["resources"]["limits"]
     if gpu["enabled"]:

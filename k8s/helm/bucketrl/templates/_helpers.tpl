@@ -131,6 +131,12 @@ securityContext:
 {{- define "bucketrl.workerEnv" -}}
 - name: BUCKETRL_PROXY_URL
   value: {{ include "bucketrl.proxyUrl" .ctx | quote }}
+{{- if and (not .ctx.Values.proxyUrl) .ctx.Values.proxy.enabled }}
+{{- /* This release's proxy Service over plain HTTP, on purpose: the traffic stays on the cluster's pod network.
+       A proxyUrl given by the user is never exempted: http:// to a remote host is refused by the workers. */}}
+- name: BUCKETRL_INSECURE_HTTP
+  value: "1"
+{{- end }}
 - name: BUCKETRL_RUN
   value: {{ .ctx.Values.run.id | quote }}
 - name: BUCKETRL_TOKEN

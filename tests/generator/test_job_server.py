@@ -1,0 +1,75 @@
+"""A real generator worker (transformers engine, the built-in tiny model) serving completion jobs through a real
+proxy: jobs pinned to two versions are batched and answered with exact token ids and behaviour logprobs (the
+trainer's teacher-forced ones), a job leased by a generator that died is answered by this one once the lease
+lapses, and a base-model job is left queued (this engine seam serves only adapters, said in job_server.py)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from bucketrl.tarball import pack_dir
+from bucketrl.wire import SamplingSpec
+from bucketrl.wire.completion_jobs import CompletionJobRequest, CompletionJobResult
+from tests.generator.helpers import make_adapter, teacher_forced_logprobs
+from tests.generator.worker_support import create_run, running_worker, worker_settings
+from tests.proxy.harness import ProxyHarness, running
+from tests.support.services import RedisServer
+
+
+@pytest.fixture()
+def proxy(redis_server: RedisServer, tmp_path: Path) -> Iterator[ProxyHarness]:
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as h:
+        yield h
+
+
+def test_a_worker_serves_jobs_of_two_versions_and_a_dead_generators_job(
+    proxy: ProxyHarness, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    adapters = {v: make_adapter(tiny_model_dir, tmp_path / f"v{v}", seed=20 + v) for v in (1, 2)}
+    trainer, _ = create_run(proxy, "jobs", tiny_model_dir, adapters[1])
+    trainer.publish_adapter(2, pack_dir(adapters[2]))
+    prompt = AutoTokenizer.from_pretrained(str(tiny_model_dir))("1+2=")["input_ids"]
+    jobs = [
+        CompletionJobRequest(request_id="dead", version=2, prompt_token_ids=prompt, max_tokens=3),
+        CompletionJobRequest(request_id="v1", version=1, prompt_token_ids=prompt, max_tokens=5, n=2),
+        CompletionJobRequest(request_id="v1b", version=1, prompt_token_ids=prompt[:2], max_tokens=5, n=2),
+        CompletionJobRequest(request_id="v2", version=2, prompt_token_ids=prompt, max_tokens=4, temperature=0.0),
+        CompletionJobRequest(request_id="base", version=None, prompt_token_ids=prompt, max_tokens=4),
+    ]
+    trainer.submit_completion_job(jobs[0])
+    dead = proxy.client("jobs", "generator")
+    (lost,) = dead.lease_completion_jobs("gen-dead", max_jobs=1, ttl_s=1.0, base_model=False).jobs  # never answered
+    assert lost.job.request_id == "dead"
+    for job in jobs[1:]:
+        trainer.submit_completion_job(job)
+
+    settings = worker_settings(proxy, "jobs", "gen-jobs", serve_completion_jobs=True)
+    with running_worker(settings):
+        results: dict[str, CompletionJobResult] = {}
+        deadline = time.monotonic() + 120
+        while len(results) < 4 and time.monotonic() < deadline:
+            for job in jobs[:4]:
+                if job.request_id not in results:
+                    got = trainer.wait_completion_job(job.request_id, wait_s=1.0)
+                    if got is not None:
+                        results[job.request_id] = got
+        assert sorted(results) == ["dead", "v1", "v1b", "v2"]
+        assert trainer.wait_completion_job("base", wait_s=0) is None  # left queued for a base-serving generator
+
+    for job in jobs[:4]:
+        res = results[job.request_id]
+        assert (res.worker_id, res.version, len(res.choices)) == ("gen-jobs", job.version, job.n)
+        for c in res.choices:
+            assert 1 <= len(c.token_ids) <= job.max_tokens and len(c.logprobs) == len(c.token_ids)
+            assert all(math.isfinite(x) and x <= 0.0 for x in c.logprobs)
+    # The behaviour logprobs are the adapter's own: what the trainer recomputes by teacher forcing.
+    sampling = SamplingSpec(temperature=1.0, max_new_tokens=5)
+    c = results["v1"].choices[0]
+    want = teacher_forced_logprobs(tiny_model_dir, adapters[1], prompt, c.token_ids, sampling)
+    assert c.logprobs == pytest.approx(want, abs=2e-3)

@@ -40,7 +40,7 @@ class CompletionJobsClient:
         (``unknown_job``) when the proxy does not know it (never submitted, expired, or Redis was wiped)."""
         resp = self._request(
             "GET",
-            self._path(f"/completion-jobs/{request_id}"),
+            self._path(f"/completion-jobs/{request_id}/result"),
             params={"wait_s": wait_s},
             extra_timeout_s=wait_s,
         )

@@ -1,9 +1,12 @@
 """Completion jobs over HTTP (rules in ``bucketrl.proxy.state.completion_jobs``).
 
 ``POST /v1/runs/{run}/completion-jobs``                      queue a job (trainer); a retry is the same job
-``GET  /v1/runs/{run}/completion-jobs/{request_id}``         its result (200), long-polled; 202 while pending
+``GET  /v1/runs/{run}/completion-jobs/{request_id}/result``  its result (200), long-polled; 202 while pending
 ``POST /v1/runs/{run}/completion-jobs/lease``                jobs for a generator, long-polled
 ``POST /v1/runs/{run}/completion-jobs/{request_id}/result``  the generator's answer; the first one wins
+
+The result is read at ``.../{request_id}/result``, not ``.../{request_id}``: a GET of ``.../lease`` would be
+read as a job named "lease" (404) where every other route answers a wrong method 405.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ async def lease(
 
 
 @router.get(
-    "/{request_id}",
+    "/{request_id}/result",
     response_model=CompletionJobResult,
     summary="The job's result (200) as soon as it is answered, waiting up to wait_s; 202 with its state if not.",
     responses={

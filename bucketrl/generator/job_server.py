@@ -7,8 +7,7 @@ sample the jobs of one version and the same sampling settings in ONE engine call
 token ids and behaviour logprobs. The proxy hands out only jobs of published versions, so a job is never held
 here waiting for one. A job that fails here is left to its lease: it expires and another generator gets it.
 
-Base-model jobs (``version`` None) are not served yet: the engine seam samples only with a loaded adapter, so
-this worker leases with ``base_model=False`` and such jobs wait for a generator that serves them.
+Base-model jobs (``version`` None) are sampled with :data:`~bucketrl.rollout.engine.BASE_ADAPTER` (no adapter).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.generator.adapters import VersionBook, fetch_adapter
 from bucketrl.generator.settings import GeneratorSettings
-from bucketrl.rollout.engine import Engine
+from bucketrl.rollout.engine import BASE_ADAPTER, Engine
 from bucketrl.wire import SamplingSpec
 from bucketrl.wire.completion_jobs import CompletionChoice, CompletionJobRequest, CompletionJobResult
 
@@ -71,7 +70,6 @@ class JobServer:
                     loaded_versions=w.book.loaded_versions(),
                     ttl_s=w.settings.completion_job_ttl_s,
                     wait_s=JOB_WAIT_S,
-                    base_model=False,
                 )
             except errors.BucketRLError as exc:
                 log.warning("completion job lease: %s %s", exc.code, exc.message)
@@ -80,8 +78,7 @@ class JobServer:
             batches: dict[tuple[int, float, float, int, int], list[CompletionJobRequest]] = defaultdict(list)
             for leased in lease.jobs:
                 job = leased.job
-                if job.version is not None:
-                    batches[(job.version, job.temperature, job.top_p, job.max_tokens, job.n)].append(job)
+                batches[(job.version or 0, job.temperature, job.top_p, job.max_tokens, job.n)].append(job)
             for (version, *_), jobs in batches.items():
                 if w.stop_event.is_set():
                     return  # unanswered jobs: their leases expire and another generator gets them
@@ -107,15 +104,17 @@ class JobServer:
         return True
 
     def _serve(self, version: int, sampling: SamplingSpec, n: int, jobs: list[CompletionJobRequest]) -> None:
+        """One engine call for ``jobs`` (same version, 0: the base model, and sampling); each answered."""
         w = self.w
         assert w.engine is not None
-        if not self._ensure_loaded(version):
+        if version and not self._ensure_loaded(version):
             return
-        w.book.begin(version)  # in use: not retired under the call
+        if version:
+            w.book.begin(version)  # in use: not retired under the call
         try:
             groups = w.engine.generate(
                 [j.prompt_token_ids for j in jobs],
-                adapter=w.book.name(version),
+                adapter=w.book.name(version) if version else BASE_ADAPTER,
                 n=n,
                 sampling=sampling,
                 while_running=w.sync_versions,
@@ -124,14 +123,15 @@ class JobServer:
             log.warning("completion jobs of v%d: sampling failed (%s)", version, exc.message)
             return
         finally:
-            w.book.end(version)
+            if version:
+                w.book.end(version)
         for job, samples in zip(jobs, groups, strict=True):
             choices = [
                 CompletionChoice(token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason)
                 for s in samples
             ]
             result = CompletionJobResult(
-                request_id=job.request_id, worker_id=w.worker_id, version=version, choices=choices
+                request_id=job.request_id, worker_id=w.worker_id, version=version or None, choices=choices
             )
             try:
                 w.client.post_completion_result(result)

@@ -1,7 +1,7 @@
 """A real generator worker (transformers engine, the built-in tiny model) serving completion jobs through a real
 proxy: jobs pinned to two versions are batched and answered with exact token ids and behaviour logprobs (the
 trainer's teacher-forced ones), a job leased by a generator that died is answered by this one once the lease
-lapses, and a base-model job is left queued (this engine seam serves only adapters, said in job_server.py)."""
+lapses, and a base-model job is sampled with no adapter."""
 
 from __future__ import annotations
 
@@ -20,6 +20,19 @@ from tests.generator.helpers import make_adapter, teacher_forced_logprobs
 from tests.generator.worker_support import create_run, running_worker, worker_settings
 from tests.proxy.harness import ProxyHarness, running
 from tests.support.services import RedisServer
+
+
+def base_logprobs(model_dir: Path, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The bare model's teacher-forced logprobs (temperature 1): what a base-model job must report."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bucketrl.logprobs import sampled_token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return sampled_token_logprobs(logits, torch.tensor(tokens), 1.0, -1, 1.0).tolist()
 
 
 @pytest.fixture()
@@ -53,16 +66,15 @@ def test_a_worker_serves_jobs_of_two_versions_and_a_dead_generators_job(
     with running_worker(settings):
         results: dict[str, CompletionJobResult] = {}
         deadline = time.monotonic() + 120
-        while len(results) < 4 and time.monotonic() < deadline:
-            for job in jobs[:4]:
+        while len(results) < len(jobs) and time.monotonic() < deadline:
+            for job in jobs:
                 if job.request_id not in results:
                     got = trainer.wait_completion_job(job.request_id, wait_s=1.0)
                     if got is not None:
                         results[job.request_id] = got
-        assert sorted(results) == ["dead", "v1", "v1b", "v2"]
-        assert trainer.wait_completion_job("base", wait_s=0) is None  # left queued for a base-serving generator
+        assert sorted(results) == ["base", "dead", "v1", "v1b", "v2"]
 
-    for job in jobs[:4]:
+    for job in jobs:
         res = results[job.request_id]
         assert (res.worker_id, res.version, len(res.choices)) == ("gen-jobs", job.version, job.n)
         for c in res.choices:
@@ -73,3 +85,9 @@ def test_a_worker_serves_jobs_of_two_versions_and_a_dead_generators_job(
     c = results["v1"].choices[0]
     want = teacher_forced_logprobs(tiny_model_dir, adapters[1], prompt, c.token_ids, sampling)
     assert c.logprobs == pytest.approx(want, abs=2e-3)
+    b = results["base"].choices[0]
+    assert results["base"].version is None
+    assert b.logprobs == pytest.approx(base_logprobs(tiny_model_dir, prompt, b.token_ids), abs=2e-3)
+    assert b.logprobs != pytest.approx(
+        teacher_forced_logprobs(tiny_model_dir, adapters[2], prompt, b.token_ids, sampling), abs=2e-3
+    )

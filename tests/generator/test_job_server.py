@@ -6,6 +6,9 @@ lapses, and a base-model job is sampled with no adapter."""
 from __future__ import annotations
 
 import math
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +20,14 @@ from bucketrl.tarball import pack_dir
 from bucketrl.wire import SamplingSpec
 from bucketrl.wire.completion_jobs import CompletionJobRequest, CompletionJobResult
 from tests.generator.helpers import make_adapter, teacher_forced_logprobs
-from tests.generator.worker_support import create_run, running_worker, worker_settings
+from tests.generator.worker_support import (
+    REPO,
+    create_run,
+    generator_env,
+    running_worker,
+    wait_until,
+    worker_settings,
+)
 from tests.proxy.harness import ProxyHarness, running
 from tests.support.services import RedisServer
 
@@ -91,3 +101,39 @@ def test_a_worker_serves_jobs_of_two_versions_and_a_dead_generators_job(
     assert b.logprobs != pytest.approx(
         teacher_forced_logprobs(tiny_model_dir, adapters[2], prompt, b.token_ids, sampling), abs=2e-3
     )
+
+
+def test_a_generator_killed_holding_a_job_leaves_it_to_another(
+    proxy: ProxyHarness, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Generator A, a real process started with the CLI flag, serves a job; then it is frozen (SIGSTOP) inside
+    its next long-polled lease, so the proxy leases it the next job, and SIGKILLed: B answers that job."""
+    trainer, _ = create_run(proxy, "kill", tiny_model_dir, make_adapter(tiny_model_dir, tmp_path / "v1", seed=7))
+    prompt = AutoTokenizer.from_pretrained(str(tiny_model_dir))("1+2=")["input_ids"]
+    log = tmp_path / "gen-a.log"
+    with log.open("wb") as out:
+        a = subprocess.Popen(
+            [sys.executable, "-m", "bucketrl.cli", "generator", "--serve-completion-jobs"],
+            env=generator_env(proxy, "kill", worker_id="gen-a", completion_job_ttl_s=2),
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        trainer.submit_completion_job(CompletionJobRequest(request_id="warm", version=1, prompt_token_ids=prompt))
+        warm = wait_until(lambda: trainer.wait_completion_job("warm", wait_s=1.0), 120, "gen-a serving")
+        assert warm.worker_id == "gen-a", log.read_text()
+        time.sleep(0.5)  # gen-a is back in its 2 s long-poll for jobs
+        a.send_signal(signal.SIGSTOP)
+        job = CompletionJobRequest(request_id="orphan", version=1, prompt_token_ids=prompt, max_tokens=3)
+        trainer.submit_completion_job(job)
+        wait_until(lambda: trainer.submit_completion_job(job).state == "leased", 10, "the job leased to gen-a")
+        a.kill()
+        a.wait(30)
+        with running_worker(worker_settings(proxy, "kill", "gen-b", serve_completion_jobs=True)):
+            res = wait_until(lambda: trainer.wait_completion_job("orphan", wait_s=1.0), 60, "gen-b answering")
+        assert res.worker_id == "gen-b" and 1 <= len(res.choices[0].token_ids) <= 3
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait(30)

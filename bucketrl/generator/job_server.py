@@ -23,6 +23,7 @@ from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.generator.adapters import VersionBook, fetch_adapter
 from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.generator.versions import release_version_lease
 from bucketrl.rollout.engine import BASE_ADAPTER, Engine
 from bucketrl.wire import SamplingSpec
 from bucketrl.wire.completion_jobs import CompletionChoice, CompletionJobRequest, CompletionJobResult
@@ -88,17 +89,24 @@ class JobServer:
         """``version`` in the engine; an older one than the adapter-sync thread follows is fetched here."""
         w = self.w
         assert w.engine is not None and w._cache_dir is not None
+        if version in w.book.versions() and version not in w.book.loaded_versions():
+            w.sync_versions()  # fetched by the adapter-sync thread: its own load, with its lease
         if version in w.book.loaded_versions():
             return True
+        if version in w.book.versions():
+            return False  # still downloading there; the job's lease lapses and it is served later
         t0 = time.monotonic()
         try:
             lease = w.client.lease_version(w.worker_id, version, ttl_s=w.settings.version_lease_ttl_s)
             path = fetch_adapter(w.client, version, w._cache_dir)
-            w.book.add(version, lease.lease_id, path, time.monotonic() - t0)
+            for old in w.book.add(version, lease.lease_id, path, time.monotonic() - t0):
+                release_version_lease(w.client, old.lease_id)  # fetched, never loaded: superseded
             w.engine.load_adapter(w.book.name(version), version, path)
-        except (errors.BucketRLError, OSError) as exc:
+        except Exception as exc:  # a bad or collected version, or no room in the engine: the job goes elsewhere
             log.warning("completion jobs of v%d: the version could not be loaded (%s)", version, exc)
-            w.book.drop(version)
+            slot = w.book.drop(version)
+            if slot is not None:
+                release_version_lease(w.client, slot.lease_id)
             return False
         w.book.mark_loaded(version)
         return True

@@ -57,6 +57,7 @@ def test_a_worker_serves_jobs_of_two_versions_and_a_dead_generators_job(
     adapters = {v: make_adapter(tiny_model_dir, tmp_path / f"v{v}", seed=20 + v) for v in (1, 2)}
     trainer, _ = create_run(proxy, "jobs", tiny_model_dir, adapters[1])
     trainer.publish_adapter(2, pack_dir(adapters[2]))
+    trainer.publish_adapter(3, pack_dir(adapters[2]))  # the worker follows v3: v1 and v2 are fetched for their jobs
     prompt = AutoTokenizer.from_pretrained(str(tiny_model_dir))("1+2=")["input_ids"]
     jobs = [
         CompletionJobRequest(request_id="dead", version=2, prompt_token_ids=prompt, max_tokens=3),

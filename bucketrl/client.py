@@ -31,6 +31,7 @@ import msgpack
 from pydantic import BaseModel
 
 from bucketrl import errors
+from bucketrl.client_jobs import CompletionJobsClient
 from bucketrl.tls import CA_FILE_ENV, TransportSecurity, verification_failure
 from bucketrl.wire import (
     AckRequest,
@@ -160,7 +161,7 @@ class _Sink:
         self.sha.update(chunk)
 
 
-class ProxyClient:
+class ProxyClient(CompletionJobsClient):
     """Typed client for one run on one proxy."""
 
     def __init__(
@@ -179,9 +180,8 @@ class ProxyClient:
         """``retries``: attempts after the first, for a client without ``outage``; with one, transient failures
         are retried until its budget is spent instead. ``base_url``: one URL, or several comma-separated (a
         regional relay, then the home proxy): a connection refused moves to the next, and the first is tried
-        again every :data:`PRIMARY_RETRY_S`. ``security`` (default: from
-        ``BUCKETRL_CA_FILE`` and ``BUCKETRL_INSECURE_HTTP``) refuses plain HTTP off loopback with ``ValueError`` and
-        verifies HTTPS (``bucketrl/tls.py``); a given ``transport`` brings its own verification."""
+        again every :data:`PRIMARY_RETRY_S`. ``security`` (default: ``BUCKETRL_CA_FILE``, ``BUCKETRL_INSECURE_HTTP``)
+        refuses plain HTTP off loopback (``ValueError``) and verifies HTTPS; a ``transport`` brings its own."""
         security = security or TransportSecurity.from_env()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.run = run

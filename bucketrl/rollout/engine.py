@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from bucketrl.wire import SamplingSpec
 
 FinishReason = Literal["stop", "length", "abort"]
+# The adapter name that samples with the base model alone (no adapter: completion jobs of version None).
+BASE_ADAPTER = ""
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def begin_call(
 ) -> bool:
     """The start every engine's ``generate`` shares: NotFound for an adapter that is not loaded, the caller's
     ``while_running`` once, and False when there is nothing to sample."""
-    if adapter not in loaded:
+    if adapter != BASE_ADAPTER and adapter not in loaded:
         raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(loaded)})")
     if while_running is not None:
         while_running()

@@ -17,6 +17,7 @@ every token of a call is sampled from the adapter the call was made with.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors
 from bucketrl.logprobs import process_logits, sampled_token_logprobs
-from bucketrl.rollout.engine import SampledCompletion, begin_call
+from bucketrl.rollout.engine import BASE_ADAPTER, SampledCompletion, begin_call
 
 if TYPE_CHECKING:
     from bucketrl.generator.settings import GeneratorSettings
@@ -116,6 +117,12 @@ class TransformersEngine:
     ) -> list[list[SampledCompletion]]:
         if not begin_call(self._adapters, adapter, prompts, while_running):
             return []
+        if adapter == BASE_ADAPTER:
+            # The bare weights: peft's adapter layers off for this call, with no hook inside it (a load there
+            # could turn them back on mid-call).
+            off = self._model.disable_adapter() if self._model is not None else contextlib.nullcontext()
+            with off, self._torch.inference_mode():
+                return self._sample(prompts, n, sampling, None, net=self._model or self._base)
         self._model.set_adapter(adapter)
         poll = self._poller(adapter, while_running) if while_running is not None else None
         with self._torch.inference_mode():
@@ -140,9 +147,15 @@ class TransformersEngine:
         return poll
 
     def _sample(
-        self, prompts: list[list[int]], n: int, sampling: SamplingSpec, poll: Callable[[], None] | None = None
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingSpec,
+        poll: Callable[[], None] | None = None,
+        net: Any = None,
     ) -> list[list[SampledCompletion]]:
         torch = self._torch
+        net = net or self._model
 
         dev = self.device
         b = len(prompts)
@@ -157,7 +170,7 @@ class TransformersEngine:
             ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device=dev)
             mask[i, width - len(prompt) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self._model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        out = net(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         cache = out.past_key_values
         # Prefill once per prompt, then one row per completion: [b, ...] -> [b*n, ...].
         cache.batch_repeat_interleave(n)
@@ -192,7 +205,7 @@ class TransformersEngine:
                 cache.batch_select_indices(idx)
                 live, tok, mask, next_pos = live[idx], tok[idx], mask[idx], next_pos[idx]
             mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=dev)], dim=-1)
-            out = self._model(
+            out = net(
                 input_ids=tok[:, None],
                 attention_mask=mask,
                 position_ids=next_pos,

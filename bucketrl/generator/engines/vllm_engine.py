@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors
 from bucketrl.generator.engines.base import vllm_lora_rank
-from bucketrl.rollout.engine import FinishReason, SampledCompletion
+from bucketrl.rollout.engine import BASE_ADAPTER, FinishReason, SampledCompletion
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
@@ -147,8 +147,8 @@ class VLLMEngine:
         sampling: SamplingSpec,
         while_running: Callable[[], None] | None = None,
     ) -> list[list[SampledCompletion]]:
-        req = self._requests.get(adapter)
-        if req is None:
+        req = self._requests.get(adapter)  # None for BASE_ADAPTER: the base model
+        if req is None and adapter != BASE_ADAPTER:
             raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._requests)})")
         if not prompts:
             if while_running is not None:

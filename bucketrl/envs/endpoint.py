@@ -3,12 +3,16 @@ the episode routes of external agents (``POST /v1/episodes``, ``POST /v1/episode
 
 Every call names an episode in ``model`` (``{run}-v{N}:{episode_id}``) and is sampled with that episode's policy
 version and the run's sampling settings (the trainer recomputes behaviour logprobs with them, so a request's
-``temperature``/``top_p`` are ignored; ``max_tokens`` only lowers the run's ``sampling.max_new_tokens``). A chat
+``temperature``/``top_p`` other than the run's are refused with a 400 naming both, never silently ignored;
+``max_tokens`` only lowers the run's ``sampling.max_new_tokens``). ``stream: true`` on chat calls answers
+server-sent events (:mod:`bucketrl.envs.streaming`; the turn is recorded as for a plain call). A chat
 call is rendered with the model's chat template (``tools=`` included), its tool calls parsed into OpenAI
 ``tool_calls`` (:mod:`bucketrl.envs.parsers`), and its exact prompt ids, sampled ids and behaviour logprobs are
-recorded into the episode. Refused: ``stream``, ``n`` > 1, ``echo``, concurrent calls of one episode, a model name
-of another episode or version (that fails the episode), calls past ``episode.max_turns`` (fails it too) or past
-the context (``BUCKETRL_MAX_MODEL_LEN``, ``episode.max_episode_tokens``). Auth: ``Authorization: Bearer <token>``.
+recorded into the episode. Refused: ``stream`` on ``/v1/completions``, ``n`` > 1, ``echo``, concurrent calls of
+one episode, a model name of another episode or version (that fails the episode), calls past ``episode.max_turns``
+(fails it too) or past the context (``BUCKETRL_MAX_MODEL_LEN``, ``episode.max_episode_tokens``). A finish whose
+group is already too stale to be trained answers 409 ``stale_group`` with the reason (the episode is recorded all
+the same). Auth: ``Authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from bucketrl.envs import openai_models as om
 from bucketrl.envs.parsers import parse
+from bucketrl.envs.streaming import stream_response
 from bucketrl.envs.templates import render
 from bucketrl.rollout.episodes import EndpointError, Episode
 
@@ -62,9 +67,12 @@ def make_app(hub: EpisodeService) -> FastAPI:
     async def models() -> om.ModelList:
         return om.ModelList(data=[om.ModelCard(id=m) for m in hub.live_models()[:1000]])
 
-    @app.post("/v1/chat/completions", response_model=om.ChatCompletion)
-    async def chat(req: om.ChatRequest) -> om.ChatCompletion:
-        return await _chat_completion(hub, req)
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(req: om.ChatRequest) -> om.ChatCompletion | StreamingResponse:
+        done = await _chat_completion(hub, req)
+        if req.stream:
+            return stream_response(done, bool(req.stream_options and req.stream_options.include_usage))
+        return done
 
     @app.post("/v1/completions", response_model=om.TextCompletion)
     async def completions(req: om.CompletionRequest) -> om.TextCompletion:
@@ -88,8 +96,9 @@ def make_app(hub: EpisodeService) -> FastAPI:
 
 async def _chat_completion(hub: EpisodeService, req: om.ChatRequest) -> om.ChatCompletion:
     """One model turn of the episode ``req.model`` names, from chat messages (tool calls parsed out)."""
-    _plain(req.n, req.stream)
+    _plain(req.n, False)
     ep = hub.book.episode_for(req.model)
+    _run_sampling(ep, req.temperature, req.top_p)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
@@ -129,6 +138,7 @@ async def _text_completion(hub: EpisodeService, req: om.CompletionRequest) -> om
     if req.echo:
         raise EndpointError(400, "unsupported", "echo is not supported")
     ep = hub.book.episode_for(req.model)
+    _run_sampling(ep, req.temperature, req.top_p)
     prompt_ids = _completion_prompt_ids(hub, req)
     sample = await hub.sample(ep, prompt_ids, req.max_tokens)
     text = hub.decode(sample.token_ids)
@@ -174,7 +184,20 @@ def _plain(n: int, stream: bool) -> None:
     if n != 1:
         raise EndpointError(400, "unsupported", "n must be 1: an episode is one trajectory (start G episodes instead)")
     if stream:
-        raise EndpointError(400, "unsupported", "stream is not supported by this endpoint; send stream=false")
+        raise EndpointError(400, "unsupported", "stream is supported on /v1/chat/completions only; send stream=false")
+
+
+def _run_sampling(ep: Episode, temperature: float | None, top_p: float | None) -> None:
+    """A request's sampling settings must be the run's: the trainer recomputes behaviour logprobs with those."""
+    run = ep.group.sampling
+    for name, asked, used in (("temperature", temperature, run.temperature), ("top_p", top_p, run.top_p)):
+        if asked is not None and abs(asked - used) > 1e-6:
+            raise EndpointError(
+                400,
+                "unsupported_sampling",
+                f"{name}={asked:g} differs from the run's sampling.{name}={used:g}: every turn is sampled with the "
+                f"run's settings (the trainer recomputes behaviour logprobs with them); omit {name} or send {used:g}",
+            )
 
 
 def _usage(prompt_ids: list[int], completion_ids: list[int]) -> om.Usage:

@@ -44,6 +44,10 @@ class ToolDef(_Loose):
     function: FunctionDef
 
 
+class StreamOptions(_Loose):
+    include_usage: bool = False
+
+
 class ChatRequest(_Loose):
     model: str = Field(..., min_length=1, max_length=300)
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=10_000)
@@ -53,8 +57,10 @@ class ChatRequest(_Loose):
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     logprobs: bool = False
-    # Sampling settings are the run's (the trainer recomputes behaviour logprobs with them): accepted, ignored.
+    # Sampling settings are the run's (the trainer recomputes behaviour logprobs with them): the run's values are
+    # accepted, any other is refused (never silently ignored).
     temperature: float | None = None
     top_p: float | None = None
 
@@ -109,6 +115,37 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a ``stream: true`` chat call (OpenAI's chunk format)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -7,10 +7,11 @@ turns they ask for (:class:`bucketrl.envs.engine_queue.EngineQueue`).
     svc.queue.serve(engine, ...)                    # main thread, in its loop
     for group in svc.take_finished(): ...           # every episode closed: submit it
 
-Failures never escape an episode: the environment raising, hanging past ``episode.episode_timeout_s``, asking for
-more than ``episode.max_turns`` turns, another model name, or returning a bad reward closes that episode with
-reward null and the error's kind and message (the group's ``reward_errors``; counted in the metrics), and its
-group's other episodes carry on.
+Failures never escape an episode: hanging past ``episode.episode_timeout_s``, asking for more than
+``episode.max_turns`` turns, another model name or an agent's reported error closes that episode as ``abort``
+(reward null, never trained, out of the group's statistics) with the error's kind and message (the group's
+``reward_errors`` as ``episode:<kind>``; the metrics' ``episode/failed_<kind>_total``); a bad reward value or an
+environment that raised (possibly its own reward) makes it unscorable instead. The group's other episodes carry on.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class EpisodeService:
         port: int = 0,
         new_external_group: Callable[[], GroupRun] | None = None,
         on_episode_closed: Callable[[Episode], None] | None = None,
+        stale_reason: Callable[[GroupRun], str | None] | None = None,
         env_threads: int = 64,
     ) -> None:
         self.tokenizer = tokenizer
@@ -70,6 +72,7 @@ class EpisodeService:
         self.book = EpisodeBook()
         self._new_external_group = new_external_group
         self._on_closed = on_episode_closed
+        self._stale_reason = stale_reason  # why a group would be refused as stale now (None: it would not)
         self._finished: queue.Queue[GroupRun] = queue.Queue()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -202,7 +205,7 @@ class EpisodeService:
                 g.handed = True
                 self.book.remove(g)
                 for e in g.episodes:
-                    e.fail("exception", why, abort=True)
+                    e.fail("exception", why)
                     e.close()
             return groups
 
@@ -237,13 +240,13 @@ class EpisodeService:
                 work = self.loop.run_in_executor(self._threads, self.env.rollout, ctx)
                 result = await asyncio.wait_for(work, timeout)
         except TimeoutError:
-            ep.fail("timeout", f"the episode ran past episode.episode_timeout_s={timeout:g}s", abort=True)
+            ep.fail("timeout", f"the episode ran past episode.episode_timeout_s={timeout:g}s")
         except asyncio.CancelledError:
-            ep.fail("exception", "cancelled: the generator is stopping", abort=True)
+            ep.fail("exception", "cancelled: the generator is stopping")
             self.close_episode(ep)
             raise
         except Exception as exc:
-            ep.fail("exception", f"the environment raised {type(exc).__name__}: {exc}")
+            ep.fail("exception", f"the environment raised {type(exc).__name__}: {exc}", abort=False)
         else:
             ep.finish(result)
         self.close_episode(ep)
@@ -275,10 +278,9 @@ class EpisodeService:
                         continue
                     if e.assigned and e.deadline is not None and now > e.deadline:
                         e.fail("timeout", f"the agent's episode ran past episode.episode_timeout_s={self.timeout_s:g}s")
-                        e.aborted = True
                         self.close_episode(e)
                     elif not e.assigned and now > g.created + self.timeout_s:
-                        e.fail("timeout", f"no agent took this episode within {self.timeout_s:g}s", abort=True)
+                        e.fail("timeout", f"no agent took this episode within {self.timeout_s:g}s")
                         self.close_episode(e)
 
     # -- turns (the endpoint's handlers) ---------------------------------------------------------------
@@ -357,3 +359,8 @@ class EpisodeService:
         else:
             ep.finish(reward)
         self.close_episode(ep)
+        # Recorded either way (the group still goes to the proxy, whose verdict is the one counted), but the agent
+        # learns now that this work will not be trained, instead of a 200 for a group about to be refused.
+        why = self._stale_reason(ep.group) if self._stale_reason is not None else None
+        if why:
+            raise EndpointError(409, "stale_group", why)

@@ -1,6 +1,7 @@
 """A finished group of episodes as the wire's :class:`~bucketrl.wire.RolloutGroup` (docs/design.md "Multi-turn
 trajectories"): each episode's samples become multi-turn completions (``segments``), split episodes are tagged with
-``episode``, a sample whose prompt is not the group's carries its own, and every failure is in ``reward_errors``.
+``episode``, a sample whose prompt is not the group's carries its own, and every failure is in ``reward_errors``
+(an aborted episode's as ``episode:<kind>``, so that the trainer never blames the reward for it).
 
 An episode that ended before its first model turn (its environment raised at once, no agent took it) has nothing
 the trainer could learn from, but the group must still hold G episodes: it is sent as a one-token placeholder with
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from bucketrl.rollout.episodes import Episode
 from bucketrl.rollout.reward_kinds import Scored
-from bucketrl.wire import Completion, PromptLeaseItem, RolloutGroup
+from bucketrl.wire import EPISODE_ERROR_PREFIX, Completion, PromptLeaseItem, RolloutGroup
 
 MAX_REWARD_ERRORS = 8  # RolloutGroup.reward_errors' cap
 
@@ -38,10 +39,16 @@ def episode_group(
         reward, kind, message = ep.reward, None, None
         if ep.error is not None:
             reward, (kind, message) = None, ep.error
+            if ep.aborted:  # the episode's failure, not the reward's: the trainer tells them apart by the prefix
+                kind = f"{EPISODE_ERROR_PREFIX}{kind}"
         elif i in scored:
             reward, kind, message = scored[i].value, scored[i].kind, scored[i].message
         elif not eps_samples:
-            reward, kind, message = None, "none", "the episode ended before the model's first turn"
+            reward, kind, message = (
+                None,
+                f"{EPISODE_ERROR_PREFIX}no_turn",
+                "the episode ended before the model's first turn",
+            )
         if kind is not None and kind not in errors and len(errors) < MAX_REWARD_ERRORS:
             errors[kind] = message or kind
         built = _completions(eps_samples, first, reward, ep.finish_reason, i if split else None)

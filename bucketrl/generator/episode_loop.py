@@ -15,6 +15,7 @@ all G finished (or timed out). Its URL and token go to ``BUCKETRL_ENDPOINT_FILE`
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.02
 AGENT_LEASE_WAIT_S = 2.0
+STALE_WARN_EVERY_S = 30.0
 
 
 class EpisodeHost(Protocol):
@@ -93,9 +95,11 @@ class EpisodeDriver:
             port=s.openai_port or 0,
             new_external_group=self._external_group if self.exposed else None,
             on_episode_closed=w.metrics.episode,
+            stale_reason=self._stale_reason,
         )
         self.target = s.episode_groups or s.prompts_per_request
         self._lease: tuple[Future[list[PromptLeaseItem]], int] | None = None
+        self._stale_warned = -math.inf
 
     def start(self) -> None:
         self.svc.start()
@@ -143,6 +147,25 @@ class EpisodeDriver:
         slot = w.book.current()
         assert w.spec is not None
         return slot is not None and slot.version >= w.book.newest_known - w.spec.max_staleness
+
+    def _stale_reason(self, group: GroupRun) -> str | None:
+        """Why the proxy will refuse ``group`` as stale (what its agent is told at finish), or None."""
+        w = self.w
+        assert w.spec is not None
+        newest, limit = w.book.newest_known, w.spec.max_staleness
+        if group.version >= newest - limit:
+            return None
+        age = time.monotonic() - group.created
+        why = (
+            f"this episode's group is stale: its policy version {group.version} is older than the latest {newest} "
+            f"- max_staleness {limit}, so the proxy will refuse it and it will not be trained (the group has been "
+            f"open {age:.0f} s). Finish a group's episodes sooner, or raise the run spec's max_staleness"
+        )
+        now = time.monotonic()
+        if now - self._stale_warned > STALE_WARN_EVERY_S:  # the operator's view of it, not once per episode
+            self._stale_warned = now
+            log.warning("agents are slower than the staleness window allows: %s", why)
+        return why
 
     def _start_groups(self) -> None:
         w = self.w

@@ -4,6 +4,10 @@ An :class:`Episode` is one of the G episodes of a prompt's :class:`GroupRun`. It
 its group started with (the model name ``{run}-v{N}:{episode_id}`` names both, and every call must send exactly
 that name), records its model turns (:mod:`bucketrl.rollout.trajectory`) and statistics, and is closed exactly once:
 with a reward, with "score me with the run's reward function", or with an error (kind + message, reward null).
+An episode that failed (:meth:`Episode.fail`: the agent's error, a timeout, the turn limit, a wrong model name, no
+room left in the context; not an environment that raised) is ``abort``: never trained, out of its group's
+statistics, and never counted against the reward (its kind is an ``episode/failed_<kind>``, not an unscorable
+completion). A reward the episode returned that is not a number is the reward's failure: unscorable, not abort.
 Nothing is recorded into a closed episode. A group is done when all of its episodes are closed.
 """
 
@@ -74,7 +78,9 @@ class Episode:
 
     # -- closing (first one wins) ---------------------------------------------------------------------
 
-    def fail(self, kind: str, message: str, *, abort: bool = False) -> None:
+    def fail(self, kind: str, message: str, *, abort: bool = True) -> None:
+        """The episode failed (not its reward): ``abort``, whatever turns it recorded. ``abort=False`` only for an
+        environment that raised, which may be its own reward's failure (verifiers raises for a reward that did)."""
         if self.closed or self.error is not None:
             return
         self.error = (kind, message[:500])

@@ -10,13 +10,16 @@ import time
 
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
-from bucketrl.wire import Delivery, EvalVersionResult
+from bucketrl.wire import EPISODE_ERROR_PREFIX, Delivery, EvalVersionResult
 
 # The worker's logger: these lines read as they did when this code was part of the worker.
 log = logging.getLogger("bucketrl.trainer")
 
-# Steps over which the share of completions without a reward is compared with max_unscorable_fraction.
+# Steps over which the share of completions without a reward is compared with max_unscorable_fraction (and the
+# share of failed episodes with max_failed_episode_fraction).
 UNSCORABLE_WINDOW = 3
+# Over this share of failed episodes the trainer warns each step (the agents mostly fail), below the stop's limit.
+FAILED_EPISODES_WARN = 0.5
 # The checkpointed counter of the newest evaluated version the trainer has reported (new_eval_metrics).
 EVAL_REPORTED = "eval/reported_version"
 
@@ -88,25 +91,40 @@ def eval_results(client: ProxyClient) -> list[EvalVersionResult] | None:
 
 
 class RewardWatch:
-    """Completions without a reward over the last steps, and each failure kind's first message."""
+    """Completions the reward could not score, and episodes that failed, over the last steps (each failure kind's
+    first message kept). The two are apart: an aborted episode (the agent's error, a timeout, the turn limit) was
+    never given to the reward, so it never counts against it."""
 
-    def __init__(self, max_unscorable_fraction: float) -> None:
+    def __init__(self, max_unscorable_fraction: float, max_failed_episode_fraction: float = 1.0) -> None:
         self.limit = max_unscorable_fraction
-        self.unscorable: list[tuple[int, int]] = []  # (completions, without a reward) of the last steps
+        self.episode_limit = max_failed_episode_fraction
+        self.unscorable: list[tuple[int, int]] = []  # (completions given to the reward, without a reward) per step
+        self.failed: list[tuple[int, int]] = []  # (episodes, aborted) per step
         self.reward_errors: dict[str, str] = {}  # the first message of each reward failure kind seen
+        self.episode_errors: dict[str, str] = {}  # the first message of each episode failure kind seen
 
     def check(self, deliveries: list[Delivery], reward_name: str) -> None:
-        """Count the step's completions without a reward (keeping each failure kind's first message); stop the
-        run (exit 2) when over the last few steps more than ``max_unscorable_fraction`` of them had none."""
-        total = unscorable = 0
+        """Count the step's completions the reward could not score and its failed episodes; stop the run (exit 2)
+        when over the last UNSCORABLE_WINDOW steps (fewer at the start of a run) more than
+        ``max_unscorable_fraction`` of the scored ones had no reward, or more than ``max_failed_episode_fraction``
+        of the episodes failed."""
+        scored = unscorable = episodes = failed = 0
         for d in deliveries:
             for g in d.groups:
                 results = g.episode_results()  # a split episode counts once
-                total += len(results)
-                unscorable += sum(c.reward is None for c in results)
+                aborted = sum(c.finish_reason == "abort" for c in results)
+                scored += len(results) - aborted
+                unscorable += sum(c.reward is None and c.finish_reason != "abort" for c in results)
+                if any(c.segments is not None for c in g.completions):
+                    episodes, failed = episodes + len(results), failed + aborted
                 for kind, message in g.reward_errors.items():
-                    self.reward_errors.setdefault(kind, message)
-        self.unscorable = [*self.unscorable[-(UNSCORABLE_WINDOW - 1) :], (total, unscorable)]
+                    if kind.startswith(EPISODE_ERROR_PREFIX):
+                        self.episode_errors.setdefault(kind.removeprefix(EPISODE_ERROR_PREFIX), message)
+                    else:
+                        self.reward_errors.setdefault(kind, message)
+        self.unscorable = [*self.unscorable[-(UNSCORABLE_WINDOW - 1) :], (scored, unscorable)]
+        self.failed = [*self.failed[-(UNSCORABLE_WINDOW - 1) :], (episodes, failed)]
+        self._check_episodes()
         seen = sum(t for t, _ in self.unscorable)
         bad = sum(u for _, u in self.unscorable)
         if seen and bad / seen > self.limit:
@@ -117,9 +135,29 @@ class RewardWatch:
                 f"{kinds}"
             )
 
+    def _check_episodes(self) -> None:
+        seen = sum(t for t, _ in self.failed)
+        bad = sum(u for _, u in self.failed)
+        if not seen or bad / seen <= FAILED_EPISODES_WARN:
+            return
+        kinds = "; ".join(f"{k}: {m}" for k, m in self.episode_errors.items()) or "no message"
+        what = f"{bad}/{seen} episodes of the last {len(self.failed)} step(s) failed before the reward saw them"
+        if bad / seen > self.episode_limit:
+            raise preflight.ConfigError(
+                f"the agent (or environment) is failing: {what} (not trained), over "
+                f"BUCKETRL_MAX_FAILED_EPISODE_FRACTION={self.episode_limit:g}: {kinds}. The reward is not at fault: "
+                "fix the agent (or raise the limit)"
+            )
+        log.warning("most episodes fail in the agent (or environment), not the reward: %s: %s", what, kinds)
+
     def last_fraction(self) -> float:
-        """The share of the last step's completions without a reward."""
+        """The share of the last step's completions given to the reward that it could not score."""
         return self.unscorable[-1][1] / max(1, self.unscorable[-1][0])
+
+    def last_failed_fraction(self) -> float | None:
+        """The share of the last step's episodes that failed (None: no episodes)."""
+        episodes, failed = self.failed[-1] if self.failed else (0, 0)
+        return failed / episodes if episodes else None
 
 
 def log_step(step: int, max_steps: int, stats: dict[str, float], wait_s: float) -> None:

@@ -72,7 +72,17 @@ class TrainerSettings(WorkerSettings):
         ge=0.0,
         le=1.0,
         description="BUCKETRL_MAX_UNSCORABLE_FRACTION: stop the run (exit 2, with the reward's first error of each "
-        "kind) when more than this share of the completions of the last 3 steps had no reward (1 = never stop).",
+        "kind) when more than this share of the completions the reward was given in the last 3 steps (fewer at the "
+        "start: the first step's alone) had no reward (1 = never stop). Failed episodes are not the reward's: "
+        "BUCKETRL_MAX_FAILED_EPISODE_FRACTION.",
+    )
+    max_failed_episode_fraction: float = Field(
+        0.9,
+        ge=0.0,
+        le=1.0,
+        description="BUCKETRL_MAX_FAILED_EPISODE_FRACTION: multi-turn runs: stop the run (exit 2, naming the agent's "
+        "first error of each kind) when more than this share of the episodes of the last 3 steps failed (the agent "
+        "reported an error, timed out, hit episode.max_turns; never trained); over half, each step warns.",
     )
     claim_wait_s: float = Field(
         2.0, gt=0.0, le=60.0, description="BUCKETRL_CLAIM_WAIT_S: long-poll of one claim (bounds SIGTERM latency)."

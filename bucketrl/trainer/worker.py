@@ -118,7 +118,7 @@ class TrainerWorker:
         self.run_created_at = 0.0  # the run's creation time on the proxy: names the tracker run
         self.trackers: Any = None
         self.phase = "starting"
-        self.rewards = RewardWatch(settings.max_unscorable_fraction)
+        self.rewards = RewardWatch(settings.max_unscorable_fraction, settings.max_failed_episode_fraction)
         self.eval_reports = EvalReports(self.counters)  # shares the checkpointed counters
         self.claims = ClaimLoop(
             settings=settings,
@@ -321,6 +321,8 @@ class TrainerWorker:
             self.speaker.step(groups, self.policy_version)
         stats = self.learner.train_step(groups, policy_version=self.policy_version)
         stats["reward/unscorable_frac"] = self.rewards.last_fraction()
+        if (failed := self.rewards.last_failed_fraction()) is not None:
+            stats["episode/failed_frac"] = failed
         return stats
 
     def _consume(self, deliveries: list[Delivery], repeats: list[str], stats: dict[str, float]) -> int:
@@ -485,6 +487,7 @@ class TrainerWorker:
     def _push(self, step: int, stats: dict[str, float], *, report_eval: bool = True) -> None:
         metrics = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(v)}
         notes = {f"reward_error/{kind}": text for kind, text in self.rewards.reward_errors.items()}
+        notes.update({f"episode_error/{kind}": text for kind, text in self.rewards.episode_errors.items()})
         trackers = self.trackers
         with_eval = report_eval and self.spec is not None and self.spec.eval is not None
 

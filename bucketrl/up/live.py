@@ -17,13 +17,14 @@ def _f(v: float | None, fmt: str = ".3f", unit: str = "") -> str:
     return "–" if v is None else f"{v:{fmt}}{unit}"
 
 
-def reward_errors(watcher: RunWatcher) -> dict[str, str]:
-    """The first message of each reward failure kind any worker reported (``reward_error/<kind>`` notes)."""
+def reward_errors(watcher: RunWatcher, prefix: str = "reward_error/") -> dict[str, str]:
+    """The first message of each reward failure kind any worker reported (``reward_error/<kind>`` notes; with
+    ``prefix="episode_error/"``, each episode failure kind's: the agent's, a timeout, the turn limit)."""
     out: dict[str, str] = {}
     for w in watcher.status.workers if watcher.status else []:
         for name, text in w.notes.items():
-            if name.startswith("reward_error/"):
-                out.setdefault(name.removeprefix("reward_error/"), text)
+            if name.startswith(prefix):
+                out.setdefault(name.removeprefix(prefix), text)
     return out
 
 

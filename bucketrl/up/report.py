@@ -71,10 +71,13 @@ def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = Non
         "unscorable_frac_mean": _mean(unscorable),
         "unscorable_frac_max": max(unscorable) if unscorable else None,
         "reward_errors": reward_errors(watcher),
+        "episode_errors": reward_errors(watcher, "episode_error/"),
         "staleness_mean": _mean([v for _, v in watcher.trainer_series("sample/staleness_mean")]),
         "ratio_mean": _mean([v for _, v in watcher.trainer_series("ratio")]),
         # The proxy's counter (the trainer's restarts with the trainer).
         "dropped_stale_total": status.queue.dropped_stale_total if status else int(dropped[-1]) if dropped else 0,
+        # Refused at submit (409, never queued): status' rejected_stale_total; the summary names both the same way.
+        "rejected_stale_total": status.queue.rejected_stale_total if status else None,
         "generated_tokens": gen_tokens,
         "queue_accepted_total": status.queue.accepted_total if status else None,
         "sync_latency_p50_s": sync.p50 if sync else None,
@@ -171,7 +174,10 @@ def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary") 
         ("adapter publish (mean)", fmt(figures["weight_sync_s_mean"], " s")),
         ("staleness (mean, versions)", fmt(figures["staleness_mean"], "", 2)),
         ("ratio π/π_behav (mean)", fmt(figures["ratio_mean"], "", 4)),
-        ("groups dropped as stale", fmt(figures["dropped_stale_total"])),
+        (
+            "groups dropped stale (at claim) / rejected stale (at submit)",
+            f"{fmt(figures['dropped_stale_total'])} / {fmt(figures.get('rejected_stale_total'))}",
+        ),
         ("groups accepted by the proxy", fmt(figures["queue_accepted_total"])),
         ("generated tokens", fmt(int(figures["generated_tokens"]))),
         ("completions without a reward (mean / worst step)", _frac(figures)),
@@ -188,6 +194,8 @@ def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary") 
             rows.append((f"{label}, first / last {window} steps", f"{first} / {last}"))
     for kind, message in (figures.get("reward_errors") or {}).items():
         rows.append((f"  first reward error: {kind}", message[:120]))
+    for kind, message in (figures.get("episode_errors") or {}).items():  # the agent's, not the reward's
+        rows.append((f"  first failed episode: {kind}", message[:120]))
 
     if figures.get("eval_versions"):
         rows.append(

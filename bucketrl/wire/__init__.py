@@ -26,6 +26,7 @@ from bucketrl.wire.leases import (
 )
 from bucketrl.wire.metrics import MetricsPush, SampleCompletion
 from bucketrl.wire.rollouts import (
+    EPISODE_ERROR_PREFIX,
     AckRequest,
     AckResponse,
     ClaimRequest,
@@ -54,6 +55,7 @@ from bucketrl.wire.status import QueueStatus, RunStatus, TrainerStatus, VersionS
 from bucketrl.wire.trainer import TrainerRegistration
 
 __all__ = [
+    "EPISODE_ERROR_PREFIX",
     "AckRequest",
     "AckResponse",
     "AdapterVersionInfo",

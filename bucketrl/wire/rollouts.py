@@ -96,6 +96,8 @@ def _is_empty(value: object) -> bool:
 EpisodeStatName = Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")]
 EpisodeStatValue = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
 MAX_EPISODE_STATS = 16
+# reward_errors keys of an episode that failed (aborted: the agent, a timeout, the turn limit), not its reward.
+EPISODE_ERROR_PREFIX = "episode:"
 
 
 class Completion(WireModel):
@@ -259,7 +261,8 @@ class RolloutGroup(WireModel):
     # per run); the static cap covers 1024 episodes split into several samples.
     completions: list[Completion] = Field(..., min_length=1, max_length=MAX_GROUP_COMPLETIONS, fail_fast=True)
     # Why completions have ``reward: null``: the first message of each failure kind in this group
-    # (exception, timeout, non_numeric, non_finite, none). The trainer counts and reports them.
+    # (the reward's: exception, timeout, non_numeric, non_finite, none; an aborted episode's, prefixed
+    # EPISODE_ERROR_PREFIX: episode:agent, episode:timeout, episode:turn_limit...). The trainer counts and reports them.
     reward_errors: dict[str, str] = Field(default_factory=dict, max_length=8)
     # Multi-turn groups: sums over the group's G episodes (``episodes``, ``tool_calls``, ``tool_errors``,
     # ``timeouts``, ``gen_s``, ``env_s``) that the trainer reports per step (its trackers see what the generator

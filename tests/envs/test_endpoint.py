@@ -29,9 +29,18 @@ def h(tiny_model_dir: Path, adapter_dir: Path) -> Iterator[Harness]:
     def new_group() -> GroupRun:
         return holder[0].group(EXAMPLE, external=True)
 
-    with harness(tiny_model_dir, adapter_dir, episode_spec(tiny_model_dir), new_external_group=new_group) as hh:
+    def stale(_group: GroupRun) -> str | None:
+        return STALE[0] if STALE else None
+
+    with harness(
+        tiny_model_dir, adapter_dir, episode_spec(tiny_model_dir), new_external_group=new_group, stale_reason=stale
+    ) as hh:
         holder.append(hh)
         yield hh
+    STALE.clear()
+
+
+STALE: list[str] = []  # what the generator says about staleness (set by a test: the group is now too old)
 
 
 def _http(h: Harness) -> httpx.Client:
@@ -114,9 +123,17 @@ def test_turn_limit_unsupported_options_auth_and_finish(h: Harness) -> None:
     client = openai.OpenAI(base_url=f"{h.svc.url}/v1", api_key=TOKEN, max_retries=0)
     ep = http.post("/v1/episodes").raise_for_status().json()
     msgs = [{"role": "user", "content": "q?"}]
-    for bad, match in (({"n": 2}, "n must be 1"), ({"stream": True}, "stream is not supported")):
+    for bad, match in (
+        ({"n": 2}, "n must be 1"),
+        ({"temperature": 0.2}, "temperature=0.2 differs from the run's sampling.temperature=1"),
+        ({"top_p": 0.9}, "top_p=0.9 differs from the run's sampling.top_p=1"),
+    ):
         r = http.post("/v1/chat/completions", json={"model": ep["model"], "messages": msgs, **bad})
-        assert r.status_code == 400 and match in r.json()["error"]["message"]
+        assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
+    r = http.post("/v1/completions", json={"model": ep["model"], "prompt": "q?", "stream": True})
+    assert r.status_code == 400 and "stream is supported on /v1/chat/completions only" in r.text
+    # The run's own values are accepted (agents that always send them).
+    http.post("/v1/chat/completions", json={"model": ep["model"], "messages": msgs, "temperature": 1.0, "top_p": 1})
     r = http.post("/v1/chat/completions", json={"model": ep["model"], "messages": [{"role": "wizard"}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages.0.role")
     unauth = httpx.post(f"{h.svc.url}/v1/chat/completions", json={"model": ep["model"], "messages": msgs})
@@ -126,7 +143,7 @@ def test_turn_limit_unsupported_options_auth_and_finish(h: Harness) -> None:
     assert got.usage.completion_tokens <= 3 and len(got.choices[0].logprobs.token_logprobs) <= 3
     r = http.post("/v1/completions", json={"model": ep["model"], "prompt": [5, 64]})
     assert r.status_code == 400 and "outside [0, 64)" in r.json()["error"]["message"]
-    for _ in range(2):  # max_turns is 3: the completions call was turn 1
+    for _ in range(1):  # max_turns is 3: the chat call with the run's settings and the completions call were 1, 2
         client.chat.completions.create(model=ep["model"], messages=msgs)
     with pytest.raises(openai.BadRequestError, match="max_turns is 3"):
         client.chat.completions.create(model=ep["model"], messages=msgs)
@@ -148,3 +165,46 @@ def test_a_non_numeric_reward_from_an_agent_is_refused_and_changes_nothing(h: Ha
         assert r.status_code == 400, r.text
     record = h.svc.book.get(ep["episode_id"])
     assert record is not None and not record.closed
+
+
+def test_a_finish_for_a_group_that_will_be_refused_as_stale_is_answered_409_with_the_reason(h: Harness) -> None:
+    http = _http(h)
+    eps = [http.post("/v1/episodes").raise_for_status().json() for _ in range(2)]
+    r = http.post(f"/v1/episodes/{eps[0]['episode_id']}/finish", json={"reward": 1.0})
+    assert r.status_code == 200 and not r.json()["group_complete"]
+    STALE.append("its policy version 1 is older than the latest 9 - max_staleness 4")
+    record = h.svc.book.get(eps[1]["episode_id"])
+    r = http.post(f"/v1/episodes/{eps[1]['episode_id']}/finish", json={"reward": 0.5})
+    assert r.status_code == 409, r.text
+    assert r.json()["error"]["code"] == "stale_group" and "max_staleness 4" in r.json()["error"]["message"]
+    # Recorded all the same (the proxy's verdict on the group is what status counts).
+    assert record is not None and record.closed and record.reward == 0.5
+
+
+def test_the_openai_clients_streaming_call_is_served_and_recorded_like_a_plain_one(h: Harness) -> None:
+    client = openai.OpenAI(base_url=f"{h.svc.url}/v1", api_key=TOKEN, max_retries=0)
+    ep = _http(h).post("/v1/episodes").raise_for_status().json()
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    stream = client.chat.completions.create(
+        model=ep["model"],
+        messages=[{"role": "user", "content": "q?"}],
+        tools=tools,  # type: ignore[list-item]
+        logprobs=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    events = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in events if c.choices)
+    logprobs = [t.logprob for c in events if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    calls = [t for c in events if c.choices for t in c.choices[0].delta.tool_calls or []]
+    finish = [c.choices[0].finish_reason for c in events if c.choices and c.choices[0].finish_reason]
+    usage = events[-1].usage
+    record = h.svc.book.get(ep["episode_id"])
+    assert record is not None and len(record.turns) == 1
+    turn = record.turns[0]
+    # What the stream carried is what was recorded: the sampled tokens' behaviour logprobs, their count, the text.
+    assert logprobs == turn.logprobs and usage is not None and usage.completion_tokens == len(turn.completion_ids)
+    assert usage.prompt_tokens == len(turn.prompt_ids)
+    assert finish == ["tool_calls" if calls else ("length" if turn.finish_reason == "length" else "stop")]
+    assert content == (record.final_text or "")
+    assert all(c.function.name == "lookup" for c in calls)

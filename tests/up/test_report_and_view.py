@@ -68,10 +68,22 @@ def _watcher(steps: int = 40) -> RunWatcher:
             "run": "demo",
             "latest_version": steps + 1,
             "versions": [{"version": steps + 1, "leases": 2, "published_at": now}],
-            "queue": {"groups": 3, "capacity": 64, "accepted_total": 330, "dropped_stale_total": 2},
+            "queue": {
+                "groups": 3,
+                "capacity": 64,
+                "accepted_total": 330,
+                "dropped_stale_total": 2,
+                "rejected_stale_total": 5,
+            },
             "prompts_inflight": 8,
             "workers": [
-                {"worker_id": "gen-0", "role": "generator", "loaded_versions": [steps, steps + 1], "last_seen_s": 0.4},
+                {
+                    "worker_id": "gen-0",
+                    "role": "generator",
+                    "loaded_versions": [steps, steps + 1],
+                    "last_seen_s": 0.4,
+                    "notes": {"episode_error/agent": "the agent reported: boom"},
+                },
                 {"worker_id": "trainer", "role": "trainer", "loaded_versions": [], "last_seen_s": 0.1},
             ],
             "trainer": {"epoch": 1, "step": steps},
@@ -101,6 +113,10 @@ def test_summary_figures_and_table(tmp_path: Path) -> None:
     console.print(summary_table(figures))
     text = console.export_text()
     assert "8.00x" in text and "400 / 1000 ms" in text
+    # Stale groups counted as status counts them (dropped at claim / rejected at submit); an agent's failure is
+    # shown as a failed episode, never as a reward error.
+    assert "groups dropped stale (at claim) / rejected stale (at submit)" in text and "2 / 5" in text
+    assert "first failed episode: agent" in text and "first reward error" not in text
     # What the policy does while it learns, first and last 20 steps (issue 13).
     assert (figures["completion_length_first"], figures["completion_length_last"]) == (12.0, 6.0)
     assert (figures["entropy_first"], figures["entropy_last"]) == (2.0, 1.0)

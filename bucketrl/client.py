@@ -59,7 +59,7 @@ from bucketrl.wire import (
     packed,
 )
 from bucketrl.wire.datasets import DatasetInfo
-from bucketrl.wire.metrics import Renewed
+from bucketrl.wire.metrics import DrainNotice, DrainRequest, Renewed
 from bucketrl.wire.trainer import TrainerRegisterRequest
 
 M = TypeVar("M", bound=BaseModel)
@@ -525,9 +525,15 @@ class ProxyClient:
         resp = self._request(
             "POST", self._path("/metrics"), content=push.model_dump_json(), headers={"Content-Type": "application/json"}
         )
-        if push.renew is None or resp.status_code != 200 or not resp.content:
+        if resp.status_code != 200 or not resp.content:
             return None
         return Renewed.model_validate(resp.json())
+
+    def drain_worker(self, worker_id: str, notice_s: float) -> DrainNotice:
+        """Tell a worker it will be reclaimed in ``notice_s`` (issue 25; a spot-notice watcher's call)."""
+        return self._json(
+            "POST", self._path(f"/workers/{worker_id}/drain"), DrainNotice, DrainRequest(notice_s=notice_s)
+        )
 
     def status(self) -> RunStatus:
         return self._json("GET", self._path("/status"), RunStatus)

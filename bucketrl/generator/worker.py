@@ -119,8 +119,7 @@ class GeneratorWorker:
         self._version_ready.set()
 
     def notice_given(self, notice_s: float, why: str) -> None:
-        """A preemption notice: stop taking prompts, hand back those never sampled now (on a thread: this may run
-        in a signal handler), finish what completes in time."""
+        """A notice: take no prompts, hand back those never sampled (on a thread: maybe a signal handler)."""
         if not self.notice.give(notice_s):
             return
         log.warning("preemption notice (%s, %.1fs): submitting what completes in time", why, notice_s)
@@ -129,7 +128,8 @@ class GeneratorWorker:
         threading.Thread(target=self._hand_back_idle, name="hand-back", daemon=True).start()
 
     def _hand_back_idle(self) -> None:
-        idle = self.notice.idle(self.ledger.ids())
+        # Episodes hold their prompts outside Notice.take: theirs are released at shutdown.
+        idle = [] if self.episodes is not None else self.notice.idle(self.ledger.ids())
         if idle and self.submitter is not None:
             log.info("preemption notice: released %d prompt(s) never sampled", len(idle))
             self.submitter.release_prompts(idle)

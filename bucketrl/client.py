@@ -31,7 +31,7 @@ import msgpack
 from pydantic import BaseModel
 
 from bucketrl import errors
-from bucketrl.client_jobs import CompletionJobsClient
+from bucketrl.client_workers import WorkerOpsClient
 from bucketrl.tls import CA_FILE_ENV, TransportSecurity, verification_failure
 from bucketrl.wire import (
     AckRequest,
@@ -161,7 +161,7 @@ class _Sink:
         self.sha.update(chunk)
 
 
-class ProxyClient(CompletionJobsClient):
+class ProxyClient(WorkerOpsClient):
     """Typed client for one run on one proxy."""
 
     def __init__(
@@ -556,7 +556,7 @@ class ProxyClient(CompletionJobsClient):
         resp = self._request(
             "POST", self._path("/metrics"), content=push.model_dump_json(), headers={"Content-Type": "application/json"}
         )
-        if push.renew is None or resp.status_code != 200 or not resp.content:
+        if resp.status_code != 200 or not resp.content:
             return None
         return Renewed.model_validate(resp.json())
 

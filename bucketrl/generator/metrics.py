@@ -48,6 +48,10 @@ from bucketrl.wire import SampleCompletion
 SAMPLES_PER_PUSH = 3
 
 
+# MetricsPush.notes' cap.
+MAX_NOTES = 16
+
+
 class GeneratorMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -163,6 +167,15 @@ class GeneratorMetrics:
             out = list(self._samples)
             self._samples.clear()
             return out
+
+    def notes(self) -> dict[str, str]:
+        """The heartbeat's notes: the reward and episode errors seen (MetricsPush.notes' cap)."""
+        return dict(
+            [
+                *((f"reward_error/{kind}", text) for kind, text in self.reward_errors.items()),
+                *((f"episode_error/{kind}", text) for kind, text in self.episode_errors.items()),
+            ][:MAX_NOTES]
+        )
 
     def snapshot(self) -> dict[str, float]:
         """The flat map to push; starts a new window for the windowed values."""

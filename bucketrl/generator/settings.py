@@ -106,6 +106,14 @@ class GeneratorSettings(WorkerSettings):
         description="After SIGTERM: how long in-flight groups may take to be submitted before their prompts are "
         "released instead (BUCKETRL_SHUTDOWN_TIMEOUT_S).",
     )
+    preemption_notice_s: float = Field(
+        25.0,
+        gt=0.0,
+        le=3600.0,
+        description="SIGTERM is a preemption notice of this many seconds (issue 25; match Kubernetes' "
+        "terminationGracePeriodSeconds): sampling stops, what completes in time is submitted, the rest released, "
+        "exit 0 before it ends (BUCKETRL_PREEMPTION_NOTICE_S). A proxy drain names its own notice.",
+    )
     submit_queue_batches: int = Field(
         2,
         ge=1,

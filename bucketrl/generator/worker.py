@@ -15,10 +15,10 @@ Threads (the engine is only ever touched by the main thread):
 - ``submitter`` (:mod:`bucketrl.generator.submit`): score, submit with an idempotency key, settle.
 - ``keeper``: renews version and prompt leases, pushes metrics + ``loaded_versions`` (the heartbeat).
 
-Stopping: SIGTERM/SIGINT (or ``request_stop``) -> no new leases; the batch being sampled finishes; queued
-batches get ``shutdown_timeout_s`` to be submitted, after which their prompts are released; every lease
-still held is released; exit 0. A SIGKILLed worker loses nothing: its prompt leases expire on the proxy
-and the prompts are issued again.
+Stopping: SIGINT (or ``request_stop``) -> no new leases; the sampled batch finishes; queued batches get
+``shutdown_timeout_s`` to be submitted, then their prompts and every lease are released; exit 0. SIGTERM, or a
+drain in the heartbeat's answer, is a preemption notice (:mod:`bucketrl.generator.notice`): the same, bounded by
+the notice, with never-sampled prompts back at once. A SIGKILLed worker loses nothing: its leases expire.
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ from typing import Any
 
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
-from bucketrl.generator import trust
+from bucketrl.generator import startup, trust
 from bucketrl.generator.adapters import VersionBook, VersionSlot, clear_stale_tmp
-from bucketrl.generator.engines.base import check_reproducible
 from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.episode_loop import EpisodeDriver
 from bucketrl.generator.evaluation import Evaluator
 from bucketrl.generator.job_server import JobServer
 from bucketrl.generator.lease_keeper import LeaseKeeper
 from bucketrl.generator.metrics import GeneratorMetrics
+from bucketrl.generator.notice import Notice, NoticeExpired
 from bucketrl.generator.prompt_tokens import PromptTokens
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
@@ -58,8 +58,6 @@ log = logging.getLogger(__name__)
 
 # While the main thread waits (a prompt lease, a full submit queue), it loads fetched versions this often (s).
 IDLE_POLL_S = 0.02
-# MetricsPush.notes' cap.
-MAX_NOTES = 16
 # A prompt lease long-polls this long for admission control's room (the proxy caps it at its max_wait_s).
 PROMPT_WAIT_S = 2.0
 
@@ -106,6 +104,7 @@ class GeneratorWorker:
         self.keeper: LeaseKeeper | None = None  # the keeper thread's renewals, once started
         self.episodes: EpisodeDriver | None = None  # multi-turn runs (run spec env)
         self.phase = "starting"
+        self.notice = Notice()  # a preemption notice's deadline, once one is given
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -118,8 +117,29 @@ class GeneratorWorker:
             self.client.outage.stopping()
         self._version_ready.set()
 
+    def notice_given(self, notice_s: float, why: str) -> None:
+        """A notice: take no prompts, hand back those never sampled (on a thread: maybe a signal handler)."""
+        if not self.notice.give(notice_s):
+            return
+        log.warning("preemption notice (%s, %.1fs): submitting what completes in time", why, notice_s)
+        self.request_stop()
+        self.phase = "draining"
+        threading.Thread(target=self._hand_back_idle, name="hand-back", daemon=True).start()
+
+    def _hand_back_idle(self) -> None:
+        # Episodes hold their prompts outside Notice.take: theirs are released at shutdown.
+        idle = [] if self.episodes is not None else self.notice.idle(self.ledger.ids())
+        if idle and self.submitter is not None:
+            log.info("preemption notice: released %d prompt(s) never sampled", len(idle))
+            self.submitter.release_prompts(idle)
+
+    def _grace_s(self) -> float:
+        """How long queued batches may still take: ``shutdown_timeout_s``, bounded by a notice."""
+        left = self.notice.left()
+        return self.settings.shutdown_timeout_s if left is None else min(left, self.settings.shutdown_timeout_s)
+
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGTERM, lambda *_: self.notice_given(self.settings.preemption_notice_s, "SIGTERM"))
         signal.signal(signal.SIGINT, self.request_stop)
 
     def run(self) -> int:
@@ -133,7 +153,7 @@ class GeneratorWorker:
 
     def _setup(self) -> bool:
         """Everything before the loop. False if stopped while waiting for the run to exist."""
-        spec = self._wait_for_run()
+        spec = startup.wait_for_run(self.client, self.stop_event, self.settings.run, self.settings.proxy_url)
         if spec is None:
             return False
         self.spec = spec
@@ -160,7 +180,7 @@ class GeneratorWorker:
         self.announce("checking configuration")
         # The operator's allow-lists first: nothing the spec names is imported or read unless they admit it.
         trust.check_spec(spec, s.allowed_reward_modules, s.allowed_dataset_locations)
-        examples = self._load_examples(spec)
+        examples = startup.load_examples(self.client, self.stop_event, spec)
         if examples is None:
             return False
         # The same checks as `bucketrl up`'s, against this worker's model and dataset: a mistake is one line and
@@ -281,36 +301,6 @@ class GeneratorWorker:
         """Tell the proxy what this worker is doing (status, dashboard, live view); best effort."""
         self.phase = phase
         self.settings.push_phase(self.worker_id, phase, notes)
-
-    def _load_examples(self, spec: RunSpec) -> list[Example] | None:
-        """The run's examples; a ``bucket:`` dataset the trainer has not uploaded yet is waited for."""
-        delay = 0.5
-        while not self.stop_event.is_set():
-            try:
-                examples = preflight.check_dataset(spec.dataset, self.client, preflight.SPEC_NAMES)
-            except (errors.NotFound, errors.Unavailable) as exc:
-                log.info("waiting for the run's dataset %s: %s", spec.dataset.uri, exc.message)
-                self.stop_event.wait(delay)
-                delay = min(delay * 2, 10.0)
-                continue
-            if len(examples) < spec.dataset.size:
-                raise preflight.ConfigError(
-                    f"{preflight.SPEC_NAMES['dataset']} {spec.dataset.uri}: {len(examples)} examples but the run was "
-                    f"created with dataset.size={spec.dataset.size}"
-                )
-            return examples
-        return None
-
-    def _wait_for_run(self) -> RunSpec | None:
-        delay = 0.5
-        while not self.stop_event.is_set():
-            try:
-                return self.client.get_run().spec
-            except (errors.NotFound, errors.Unavailable) as exc:
-                log.info("waiting for run %s on %s: %s", self.settings.run, self.settings.proxy_url, exc.message)
-            self.stop_event.wait(delay)
-            delay = min(delay * 2, 10.0)
-        return None
 
     # -- the engine loop (main thread) ----------------------------------------------------------------
 
@@ -469,6 +459,10 @@ class GeneratorWorker:
     def _sample_and_hand_over(self, slot: VersionSlot, prompts: list[PromptLeaseItem]) -> None:
         assert self.spec is not None and self.engine is not None and self.submitter is not None
         spec = self.spec
+        if not self.notice.take([p.prompt_id for p in prompts], self.ledger.ids()):
+            held = set(self.ledger.ids())  # a notice came: these go back now, unsampled
+            self.submitter.release_prompts([p.prompt_id for p in prompts if p.prompt_id in held])
+            return
         ids = [self.prompt_ids(p.index) for p in prompts]
         self.book.begin(slot.version)
         batch = GeneratedBatch(
@@ -482,15 +476,23 @@ class GeneratorWorker:
         )
         try:
             batch.samples = self.engine.generate(
-                ids, adapter=slot.name, n=spec.group_size, sampling=spec.sampling, while_running=self.sync_versions
+                ids, adapter=slot.name, n=spec.group_size, sampling=spec.sampling, while_running=self._while_sampling
             )
+        except NoticeExpired:
+            self.submitter.release(batch, "preemption notice: the call would not finish in time")
+            return
         except Exception:
             log.exception("engine failed on %d prompts; releasing them", len(prompts))
             self.submitter.release(batch, "engine error")
             self.stop_event.wait(1.0)
             return
         self.metrics.generated(sum(len(smp.token_ids) for g in batch.samples for smp in g))
-        self.submitter.put(batch, self.stop_event, self.settings.shutdown_timeout_s, idle=self.sync_versions)
+        self.submitter.put(batch, self.stop_event, self._grace_s(), idle=self.sync_versions)
+
+    def _while_sampling(self) -> None:
+        """The engine's hook between steps: a notice's end abandons the call; versions load meanwhile."""
+        self.notice.check()
+        self.sync_versions()
 
     # -- evaluation during training (bucketrl/proxy/state/evals.py) --------------------------------------
 
@@ -510,15 +512,8 @@ class GeneratorWorker:
 
     def _refresh_spec(self) -> None:
         """Mutable run fields (sampling, max_staleness) may change between versions; pick them up."""
-        try:
-            spec = self.client.get_run().spec
-            check_reproducible(spec.sampling, spec.vocab_size, self.settings.engine)
-            trust.check_spec(spec, self.settings.allowed_reward_modules, self.settings.allowed_dataset_locations)
-        except preflight.ConfigError as exc:  # a spec change the allow-lists refuse: keep the admitted one
-            log.error("keeping the current run spec: %s", exc)
-            return
-        except errors.BucketRLError as exc:
-            log.warning("keeping the current run spec: %s", exc.message)
+        spec = startup.refreshed_spec(self.client, self.settings)
+        if spec is None:
             return
         changed = self.spec is not None and spec.sampling.max_new_tokens != self.spec.sampling.max_new_tokens
         if changed and self.prompt_tokens is not None:
@@ -530,19 +525,14 @@ class GeneratorWorker:
     def push_metrics(self, *, renew: bool = False) -> bool:
         """Push the heartbeat; ``renew``: with the leases to renew. True when the proxy renewed them (an older
         proxy ignores them, a failed push renewed nothing: the keeper renews on the renew routes then)."""
-        if self.phase not in ("stopping",):
+        if self.phase not in ("stopping", "draining"):
             self.phase = "generating" if self.book.current() is not None else "waiting for the first version"
         push = MetricsPush(
             worker_id=self.worker_id,
             metrics=self.metrics.snapshot(),
             loaded_versions=self.book.loaded_versions(),
             phase=self.phase,
-            notes=dict(
-                [
-                    *((f"reward_error/{kind}", text) for kind, text in self.metrics.reward_errors.items()),
-                    *((f"episode_error/{kind}", text) for kind, text in self.metrics.episode_errors.items()),
-                ][:MAX_NOTES]
-            ),
+            notes=self.metrics.notes(),
             samples=self.metrics.take_samples() or None,
             gpu_class=self.settings.declared_gpu_class(),
             usd_per_hour=self.settings.usd_per_hour,
@@ -555,6 +545,8 @@ class GeneratorWorker:
         except errors.BucketRLError as exc:
             log.warning("metrics push failed: %s", exc.message)
             return False
+        if got is not None and got.drain is not None:
+            self.notice_given(got.drain.notice_s, "drain")
         if push.renew is None:
             return renew  # nothing to renew
         if got is None:
@@ -566,11 +558,13 @@ class GeneratorWorker:
     # -- shutdown --------------------------------------------------------------------------------------
 
     def _shutdown(self) -> None:
-        s = self.settings
         self.stop_event.set()
         self._version_ready.set()
-        if self.submitter is not None and not self.submitter.close(s.shutdown_timeout_s):
-            log.warning("shutdown: in-flight batches not submitted (within %.0fs) were released", s.shutdown_timeout_s)
+        if self.notice.given:
+            self._hand_back_idle()  # a prefetch answered after the notice
+        grace = self._grace_s()
+        if self.submitter is not None and not self.submitter.close(grace):
+            log.warning("shutdown: in-flight batches not submitted (within %.0fs) were released", grace)
         leftover = self.ledger.ids()
         if leftover:
             try:
@@ -586,7 +580,7 @@ class GeneratorWorker:
         if self.spec is not None:
             self.push_metrics()
         for t in self._threads:
-            t.join(timeout=1.0)  # the long-poll thread may be mid-request; it is a daemon
+            t.join(timeout=0.2 if self.notice.given else 1.0)  # the long-poll thread may be mid-request; a daemon
         if self._pool is not None:
             self._pool.close()
         if self.engine is not None and self._own_engine:
@@ -597,4 +591,10 @@ class GeneratorWorker:
         if self._own_cache_dir and self._cache_dir is not None:
             shutil.rmtree(self._cache_dir, ignore_errors=True)
         self.client.close()
+        if self.notice.given_at is not None:
+            log.info(
+                "generator %s stopped %.1fs after the preemption notice",
+                self.worker_id,
+                time.monotonic() - self.notice.given_at,
+            )
         log.info("generator %s stopped", self.worker_id)

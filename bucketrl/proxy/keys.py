@@ -46,3 +46,4 @@ GC_HOLD = "gc:hold"  # present (with a TTL) after a rebuild: no GC until generat
 CHECKPOINT_INFO = "ckpt:{step}"  # hash: sha256, bytes, created_at, epoch
 WRITE_LOCK = "lock:{name}"  # owner token of an in-flight bundle write (adapter version or checkpoint step)
 WORKER_METRICS = "wmetrics:{worker}"  # hash metric name -> latest value of one worker
+WORKER_DRAIN = "drain:{worker}"  # deadline (Redis TIME) of a worker told to drain; expires with the notice

@@ -97,6 +97,7 @@ class TrainerWorker:
         self.client, self.claim_client, self.write_client = (self._new_client() for _ in range(3))
         self.echo = echo
         self.stop_requested = threading.Event()
+        self.stop_at: float | None = None  # when SIGTERM (a preemption notice, issue 25) came, monotonic
         self.epoch = 0
         self.latest_version = 0  # the newest version on the proxy (ours after every publish)
         self.policy_version = 0  # the version whose weights equal the current ones
@@ -137,7 +138,8 @@ class TrainerWorker:
 
     def request_stop(self, *_: object) -> None:
         if not self.stop_requested.is_set():
-            log.info("stop requested: finishing the current step, then checkpointing")
+            self.stop_at = time.monotonic()
+            log.info("stop requested (a preemption notice): finishing the current step, then checkpointing at once")
         self.stop_requested.set()
         self.outage.stopping()
 
@@ -537,7 +539,11 @@ class TrainerWorker:
             self._checkpoint()
         self._uploader().drain()
         if stopped:
-            self.echo(f"bucketrl trainer: stopped at step {step} (checkpointed); resume by starting it again")
+            took = "" if self.stop_at is None else f" {time.monotonic() - self.stop_at:.1f}s after the stop request"
+            self.echo(
+                f"bucketrl trainer: stopped at step {step} (checkpointed{took}); steps lost: 0, a successor resumes "
+                f"at step {step}; resume by starting it again"
+            )
             return EXIT_OK
         run = self.settings.run
         self.echo(

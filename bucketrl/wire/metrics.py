@@ -19,13 +19,31 @@ class Renewals(WireModel):
     prompt_ttl_s: float = Field(300.0, gt=0.0, le=86_400.0)
 
 
+class DrainRequest(WireModel):
+    """``POST /v1/runs/{run}/workers/{worker_id}/drain`` (issue 25): the worker will be reclaimed in ``notice_s``
+    (a spot-notice watcher's call). It stops taking work, finishes what completes in time, hands the rest back."""
+
+    notice_s: float = Field(..., gt=0.0, le=3600.0)
+
+
+class DrainNotice(WireModel):
+    """A pending drain: the answer to the drain call, and carried by the worker's next heartbeat answer."""
+
+    worker_id: WorkerId
+    # Seconds left of the notice when this was sent (the proxy's clock: no clock skew between machines).
+    notice_s: float = Field(..., ge=0.0, le=3600.0)
+
+
 class Renewed(WireModel):
-    """What a push's :class:`Renewals` renewed (200; a push without renewals is answered 204)."""
+    """What a push's :class:`Renewals` renewed (200; a push without renewals is answered 204 unless a drain is
+    pending for the worker, which is then answered 200 with ``drain`` and nothing renewed)."""
 
     # lease_id -> the renewed lease, or null when it had expired (410 lease_expired on its own route).
     versions: dict[str, VersionLease | None] = Field(default_factory=dict)
     # The prompt leases renewed (those the worker still held); empty when it held none of them.
     prompts: PromptLease | None = None
+    # A drain pending for the pushing worker (issue 25): it winds down within ``drain.notice_s``.
+    drain: DrainNotice | None = None
 
 
 class SampleCompletion(WireModel):

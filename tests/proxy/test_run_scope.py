@@ -30,7 +30,7 @@ OWN, OTHER, MISSING = "own-a", "other", "ghost"
 CROSS_RUN = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/healthz", "/readyz", "/metrics", "/"}
 CROSS_RUN |= {"/ui", "/ui/static/{name}", "/ui/api/runs"}
 # A value for each path parameter other than {run}: any that passes the route's validation.
-PARAM_VALUES = {"lease_id": "L1", "version": "1", "step": "1", "request_id": "job-1"}
+PARAM_VALUES = {"lease_id": "L1", "version": "1", "step": "1", "request_id": "job-1", "worker_id": "w1"}
 JUNK = b"\x00 not a body"  # every body-reading route refuses it (422/415) before changing anything
 
 

@@ -9,12 +9,12 @@ from fastapi import APIRouter, Depends, Query, Response
 from bucketrl import errors
 from bucketrl.proxy import body
 from bucketrl.proxy.context import ProxyContext
-from bucketrl.proxy.deps import CtxDep, RunDep, ViewerRole, WorkerRole
+from bucketrl.proxy.deps import CtxDep, GeneratorRole, RunDep, ViewerRole, WorkerRole
 from bucketrl.proxy.errors import responses
-from bucketrl.proxy.state import leases, prompts, workers
+from bucketrl.proxy.state import drains, leases, prompts, workers
 from bucketrl.proxy.state import status as status_state
 from bucketrl.wire import MetricsPush, PromptLease, RunStatus
-from bucketrl.wire.metrics import MetricsRecord, Renewals, Renewed
+from bucketrl.wire.metrics import DrainNotice, DrainRequest, MetricsRecord, Renewals, Renewed
 
 router = APIRouter(prefix="/v1/runs/{run}", tags=["observability"])
 
@@ -27,7 +27,8 @@ router = APIRouter(prefix="/v1/runs/{run}", tags=["observability"])
         "The worker's role is its token's role. With an admin token (or the anonymous embedded mode) it is "
         "`generator` when the push reports `loaded_versions`, else `trainer`. A trainer's `step` becomes the run's "
         "trainer step. A push with `renew` also renews those version and prompt leases (as their renew routes "
-        "do) and answers 200 with what it renewed."
+        "do) and answers 200 with what it renewed. A drain pending for the worker is answered 200 with `drain` "
+        "(its seconds left), with or without renewals."
     ),
     responses={
         204: {"description": "Recorded."},
@@ -48,9 +49,34 @@ async def push_metrics(
     if push.renew is not None:  # refused (422) before anything is recorded
         prompts.validate_prompt_ids(push.renew.prompt_ids)
     await workers.record_push(ctx.redis, ref.run, role, push, ctx.settings.worker_ttl_s)
-    if push.renew is None:
+    drain = await drains.pending(ctx.redis, ref.run, push.worker_id)
+    if push.renew is None and drain is None:
         return Response(status_code=204)
-    return Response((await _renew(ctx, ref.run, push.worker_id, push.renew)).model_dump_json(), 200, media_type=_JSON)
+    out = Renewed() if push.renew is None else await _renew(ctx, ref.run, push.worker_id, push.renew)
+    out.drain = drain
+    return Response(out.model_dump_json(), 200, media_type=_JSON)
+
+
+@router.post(
+    "/workers/{worker_id}/drain",
+    status_code=202,
+    summary="Tell a worker it will be reclaimed in `notice_s` (a spot-notice watcher's call; docs/faults.md).",
+    description=(
+        "The worker learns of it from the answer to its next heartbeat: it stops taking prompts, submits what "
+        "completes within the notice, releases every other prompt and version lease and exits 0 before the notice "
+        "ends. Calling again never lengthens a notice. 404 for a worker that never pushed a heartbeat."
+    ),
+    responses={202: {"description": "Recorded."}, **responses(401, 403, 404, 413, 422, 503)},
+    openapi_extra=body.openapi_body(DrainRequest),
+)
+async def drain_worker(
+    ctx: CtxDep,
+    principal: GeneratorRole,
+    ref: RunDep,
+    worker_id: str,
+    req: Annotated[DrainRequest, Depends(body.decoded(DrainRequest))],
+) -> DrainNotice:
+    return await drains.request(ctx.redis, ref.run, worker_id, req.notice_s)
 
 
 _JSON = "application/json"

@@ -1,0 +1,15 @@
+""":class:`~bucketrl.client.ProxyClient`'s calls about a worker rather than a run's data: a preemption drain
+(``/v1/runs/{run}/workers/{id}/drain``), a mixin kept apart so ``client.py`` stays under the size rule."""
+
+from __future__ import annotations
+
+from bucketrl.client_jobs import CompletionJobsClient
+from bucketrl.wire.metrics import DrainNotice, DrainRequest
+
+
+class WorkerOpsClient(CompletionJobsClient):
+    def drain_worker(self, worker_id: str, notice_s: float) -> DrainNotice:
+        """Tell a worker it will be reclaimed in ``notice_s`` (a spot-notice watcher's call; docs/faults.md)."""
+        return self._json(
+            "POST", self._path(f"/workers/{worker_id}/drain"), DrainNotice, DrainRequest(notice_s=notice_s)
+        )

@@ -31,6 +31,7 @@ import msgpack
 from pydantic import BaseModel
 
 from bucketrl import errors
+from bucketrl.client_jobs import CompletionJobsClient
 from bucketrl.wire import (
     AckRequest,
     AckResponse,
@@ -158,7 +159,7 @@ class _Sink:
         self.sha.update(chunk)
 
 
-class ProxyClient:
+class ProxyClient(CompletionJobsClient):
     """Typed client for one run on one proxy."""
 
     def __init__(

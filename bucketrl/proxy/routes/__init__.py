@@ -13,7 +13,18 @@ from fastapi import APIRouter
 
 # Starlette tries routes in mount order until one matches (a regex per route), so the routes every worker
 # calls many times a second come first. No two modules' paths overlap, so the order changes no match.
-CORE = ("rollouts", "prompts", "leases", "adapters", "runs", "checkpoints", "observe", "health", "evals")
+CORE = (
+    "rollouts",
+    "prompts",
+    "leases",
+    "adapters",
+    "runs",
+    "checkpoints",
+    "observe",
+    "health",
+    "evals",
+    "completion_jobs",
+)
 OPTIONAL = ("ui",)
 
 

@@ -6,7 +6,8 @@
 
 - ``POST /v1/runs/{run}/completion-jobs`` (``CompletionJobRequest`` -> ``CompletionJobAccepted``): idempotent by
   ``request_id``, so a retried submit is the same job;
-- ``GET /v1/runs/{run}/completion-jobs/{request_id}?wait_s=`` -> 200 ``CompletionJobResult``, or 204 (none yet).
+- ``GET /v1/runs/{run}/completion-jobs/{request_id}?wait_s=`` -> 200 ``CompletionJobResult``, 202 while pending,
+  404 ``unknown_job`` if the proxy lost it (expired, or Redis was wiped): it is submitted again, same id.
 
 Transient failures (transport errors, 5xx) are retried with backoff until the caller's deadline: a proxy restart
 shows up as latency. Other errors are raised as :mod:`bucketrl.errors` classes, as ``ProxyClient`` does.
@@ -79,7 +80,7 @@ class CompletionJobs:
             params={"wait_s": wait_s},
             timeout=httpx.Timeout(30.0, read=wait_s + 30.0),
         )
-        if resp.status_code == 204:
+        if resp.status_code != 200:  # 202: still pending
             return None
         return CompletionJobResult.model_validate(resp.json())
 
@@ -91,6 +92,10 @@ class CompletionJobs:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"completion job {job.request_id} unanswered after {timeout_s:.0f}s")
-            result = await self.wait(job.request_id, min(wait_s, max(left, 0.1)), deadline)
+            try:
+                result = await self.wait(job.request_id, min(wait_s, max(left, 0.1)), deadline)
+            except errors.NotFound:
+                await self.submit(job, deadline)  # the queue forgot it: the same job again
+                continue
             if result is not None:
                 return result

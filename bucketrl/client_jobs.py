@@ -56,9 +56,15 @@ class CompletionJobsClient:
         loaded_versions: list[int] | None = None,
         ttl_s: float = 60.0,
         wait_s: float = 0.0,
+        base_model: bool = True,
     ) -> CompletionJobLease:
         req = CompletionJobLeaseRequest(
-            worker_id=worker_id, max_jobs=max_jobs, loaded_versions=loaded_versions or [], ttl_s=ttl_s, wait_s=wait_s
+            worker_id=worker_id,
+            max_jobs=max_jobs,
+            loaded_versions=loaded_versions or [],
+            ttl_s=ttl_s,
+            wait_s=wait_s,
+            base_model=base_model,
         )
         return self._json("POST", self._path("/completion-jobs/lease"), CompletionJobLease, req, extra_timeout_s=wait_s)
 

@@ -38,6 +38,14 @@ def generator_command(
         int | None, typer.Option(help="Exit after submitting this many groups (BUCKETRL_MAX_GROUPS).")
     ] = None,
     log_level: Annotated[str | None, typer.Option(help="Python log level (BUCKETRL_LOG_LEVEL).")] = None,
+    serve_completion_jobs: Annotated[
+        bool | None,
+        typer.Option(
+            "--serve-completion-jobs/--no-serve-completion-jobs",
+            help="Serve an external trainer's completion jobs instead of the run's prompts "
+            "(BUCKETRL_SERVE_COMPLETION_JOBS).",
+        ),
+    ] = None,
 ) -> None:
     """Generate rollouts for a run: lease the latest adapter, sample G completions per prompt, score, submit."""
 
@@ -51,6 +59,7 @@ def generator_command(
             "prompts_per_request": prompts_per_request,
             "max_groups": max_groups,
             "log_level": log_level,
+            "serve_completion_jobs": serve_completion_jobs,
         }.items()
         if v is not None
     }

@@ -139,6 +139,17 @@ class GeneratorSettings(WorkerSettings):
     max_groups: int | None = Field(
         None, ge=1, description="Exit 0 after submitting this many groups (BUCKETRL_MAX_GROUPS); None = no limit."
     )
+    serve_completion_jobs: bool = Field(
+        False,
+        description="Serve completion jobs (an external trainer's, through `bucketrl gateway`) instead of leasing "
+        "the run's prompts (BUCKETRL_SERVE_COMPLETION_JOBS).",
+    )
+    completion_jobs_per_lease: int = Field(
+        32, ge=1, le=256, description="Jobs leased at once (one engine call each version)."
+    )
+    completion_job_ttl_s: float = Field(
+        60.0, gt=0.0, le=3600.0, description="A leased job unanswered by then is offered to another generator."
+    )
     openai_port: int | None = Field(
         None,
         ge=0,

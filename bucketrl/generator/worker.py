@@ -42,6 +42,7 @@ from bucketrl.generator.engines.base import check_reproducible
 from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.episode_loop import EpisodeDriver
 from bucketrl.generator.evaluation import Evaluator
+from bucketrl.generator.job_server import JobServer
 from bucketrl.generator.lease_keeper import LeaseKeeper
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.prompt_tokens import PromptTokens
@@ -315,8 +316,8 @@ class GeneratorWorker:
 
     def _loop(self) -> None:
         assert self.spec is not None and self.engine is not None and self.submitter is not None
-        if self.episodes is not None:
-            self.episodes.loop()
+        if self.episodes is not None or self.settings.serve_completion_jobs:  # loops of their own (no prompts)
+            (self.episodes or JobServer(self)).loop()
             return
         s = self.settings
         try:

@@ -69,6 +69,7 @@ class CompletionJobLeaseRequest(WireModel):
     loaded_versions: list[int] = Field(default_factory=list, max_length=MAX_LOADED_VERSIONS)
     ttl_s: float = Field(60.0, gt=0.0, le=3600.0, description="Unanswered by then, the job is offered again.")
     wait_s: float = Field(0.0, ge=0.0, le=60.0, description="Long-poll for jobs instead of answering empty.")
+    base_model: bool = Field(True, description="The caller serves base-model jobs (version None) too.")
 
 
 class LeasedCompletionJob(WireModel):

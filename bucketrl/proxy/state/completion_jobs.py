@@ -155,6 +155,7 @@ async def _lease_once(r: Any, run: str, req: CompletionJobLeaseRequest) -> Compl
             req.max_jobs,
             req.worker_id,
             ",".join(map(str, req.loaded_versions)),
+            "1" if req.base_model else "0",
             LEASE_SCAN,
             keys.run_key(run, keys.CJOB),
         ],

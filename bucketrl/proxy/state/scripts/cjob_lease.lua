@@ -1,10 +1,11 @@
--- KEYS: queued leased state seq ; ARGV: ttl_s max_jobs worker loaded_csv scan job_prefix
--- The job hashes are named from ARGV[6] .. request_id (they are not known before the queue is read: one
+-- KEYS: queued leased state seq ; ARGV: ttl_s max_jobs worker loaded_csv base scan job_prefix
+-- base '0': the caller serves no base-model job (version 0); they are left for another
+-- The job hashes are named from ARGV[7] .. request_id (they are not known before the queue is read: one
 -- Redis, no cluster). Returns {lease_id, request_json, ...}. Lease times are Redis TIME, like every lease.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local exp = string.format('%.6f', now + tonumber(ARGV[1]))
-local prefix = ARGV[6]
+local prefix = ARGV[7]
 -- 1. an expired lease's job goes back first in line (its seq less 1e15: before every job never leased)
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. string.format('%.6f', now), 'LIMIT', 0, 1000)
 for _, rid in ipairs(expired) do
@@ -21,11 +22,11 @@ local latest = tonumber(redis.call('HGET', KEYS[3], 'latest_version') or '0')
 local loaded = {['0'] = true}
 for v in string.gmatch(ARGV[4], '[^,]+') do loaded[v] = true end
 local first, second = {}, {}
-for _, rid in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[5]) - 1)) do
+for _, rid in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[6]) - 1)) do
   local v = redis.call('HGET', prefix .. rid, 'version')
   if not v then
     redis.call('ZREM', KEYS[1], rid)  -- the job expired (its ttl_s passed)
-  elseif tonumber(v) <= latest then
+  elseif tonumber(v) <= latest and (v ~= '0' or ARGV[5] == '1') then
     if loaded[v] then table.insert(first, rid) else table.insert(second, rid) end
   end
 end

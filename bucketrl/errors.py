@@ -146,3 +146,12 @@ def from_wire(status: int, body: Any, retry_after: float | None = None) -> Bucke
     err = cls(message or cls.code, retryable=retryable or status >= 500, retry_after=retry_after, code=code or None)
     err.status = status  # type: ignore[misc]
     return err
+
+
+def settings_problems(exc: Any) -> str:
+    """A pydantic ``ValidationError`` of settings as one line a CLI can print: each field and what is wrong with it
+    (no pydantic URL, no echo of every input)."""
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or 'settings'}: {str(e['msg']).removeprefix('Value error, ')}"
+        for e in exc.errors()
+    )

@@ -24,6 +24,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from bucketrl import errors
 from bucketrl.proxy.settings import ProxySettings
 
 
@@ -64,7 +65,7 @@ def proxy_command(
     try:
         settings = ProxySettings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:  # a bad BUCKETRL_* value (a negative price): say which, no traceback
-        typer.echo(f"bucketrl proxy: bad settings: {exc}", err=True)
+        typer.echo(f"bucketrl proxy: bad settings: {errors.settings_problems(exc)}", err=True)
         raise typer.Exit(code=2) from exc
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

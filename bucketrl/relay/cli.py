@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from bucketrl import errors
 from bucketrl.relay.settings import RelaySettings
 
 
@@ -37,7 +38,7 @@ def relay_command(
     try:
         settings = RelaySettings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+        problems = errors.settings_problems(exc)
         typer.echo(f"bucketrl relay: {problems} (--upstream or BUCKETRL_RELAY_UPSTREAM_URL)", err=True)
         raise typer.Exit(code=2) from exc
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -156,6 +157,16 @@ class Trackers:
             self.sinks.pop(name, None)
 
 
+def _warn_if_trackio_dir_is_fixed() -> None:
+    # Importing TRL or transformers' integrations imports trackio, which fixes its directory then: a
+    # TRACKIO_DIR set afterwards is not seen, and saying where the database really is saves a search.
+    utils = sys.modules.get("trackio.utils")
+    wanted = Path(os.environ["TRACKIO_DIR"])
+    actual = getattr(utils, "TRACKIO_DIR", None)
+    if actual is not None and Path(actual) != wanted:
+        log.warning("trackio was imported before TRACKIO_DIR was set: its database is in %s, not %s", actual, wanted)
+
+
 def tracker_run_id(run: str, created_at: float) -> str:
     """A stable id per training run: the same after a restart, new for a run recreated under the same name."""
     digest = hashlib.sha256(f"{run}\0{created_at!r}".encode()).hexdigest()[:10]
@@ -184,6 +195,7 @@ def open_trackers(
             elif name == "trackio":
                 # trackio reads its storage directory from the environment at import.
                 os.environ.setdefault("TRACKIO_DIR", str(base / "trackio"))
+                _warn_if_trackio_dir_is_fixed()
                 sinks[name] = _Trackio(project, run_id, config)
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 
 from bucketrl.tarball import unpack
 from bucketrl.trainer.settings import TrainerSettings
-from bucketrl.trainer.trackers import default_report_to, parse_report_to
+from bucketrl.trainer.trackers import _warn_if_trackio_dir_is_fixed, default_report_to, parse_report_to
 from bucketrl.trainer.worker import EVAL_REPORTED, EXIT_OK, TrainerWorker
 from tests.proxy.harness import TOKENS, ProxyHarness, running
 from tests.support.services import RedisServer
@@ -23,6 +24,14 @@ from tests.trainer.fake_generator import FakeGenerator
 from tests.trainer.test_worker import spec_json
 
 DATASET = {"uri": "toy:digits", "size": 16}
+
+# trackio fixes its directory when it is first imported (TRL's import does it, in the gateway's tests), so the
+# database may be shared with earlier test sessions: a project name of this session's own keeps runs apart.
+_SESSION = uuid.uuid4().hex[:8]
+
+
+def project_name(tmp_path: Path) -> str:
+    return f"proj-{_SESSION}-{tmp_path.name}"
 
 
 def train(
@@ -49,7 +58,7 @@ def train(
         claim_wait_s=0.5,
         report_to=report_to,
         tracker_dir=str(tmp_path / "trackers"),
-        tracker_project=f"proj-{tmp_path.name}",
+        tracker_project=project_name(tmp_path),
         work_dir=str(tmp_path / "work"),
     )
     gen = FakeGenerator(proxy.url, "r1", TOKENS["generator"], worker_id="gen-a", evaluate=eval_spec is not None)
@@ -162,6 +171,23 @@ def _fresh_wandb() -> None:
 NAMES = ["train/loss", "train/grad_norm", "reward", "entropy", "ratio", "policy/version"]
 
 
+def test_a_trackio_directory_fixed_by_an_earlier_import_is_warned_about(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Importing TRL imports trackio and fixes its directory; the trainer then says where the database is.
+    Runs before the slow tests below on purpose: they must pass with trackio already imported, as in CI."""
+    import trackio.utils
+
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "elsewhere"))
+    with caplog.at_level(logging.WARNING, logger="bucketrl.trainer"):
+        _warn_if_trackio_dir_is_fixed()
+    assert f"its database is in {trackio.utils.TRACKIO_DIR}, not {tmp_path / 'elsewhere'}" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("TRACKIO_DIR", str(trackio.utils.TRACKIO_DIR))
+    _warn_if_trackio_dir_is_fixed()
+    assert caplog.text == ""
+
+
 @pytest.mark.slow
 def test_tensorboard_wandb_and_trackio_get_the_trainers_metrics_and_resume_continues_them(
     redis_server: RedisServer, tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
@@ -191,7 +217,7 @@ def test_tensorboard_wandb_and_trackio_get_the_trainers_metrics_and_resume_conti
 
     from trackio.sqlite_storage import SQLiteStorage
 
-    project = f"proj-{tmp_path.name}"
+    project = project_name(tmp_path)
     runs = SQLiteStorage.get_runs(project)
     assert len(runs) == 1, runs  # resume="allow": one trackio run across both trainers
     logs = SQLiteStorage.get_logs(project, runs[0])
@@ -245,7 +271,7 @@ def test_eval_results_reach_every_tracker_once_per_version_across_a_resume(
     assert_same(evals, {int(r["_step"]): r for r in rows if "eval/version" in r}, EVAL_NAMES)
     from trackio.sqlite_storage import SQLiteStorage
 
-    project = f"proj-{tmp_path.name}"
+    project = project_name(tmp_path)
     logs = SQLiteStorage.get_logs(project, SQLiteStorage.get_runs(project)[0])
     assert_same(evals, {int(r["step"]): r for r in logs if "eval/version" in r}, EVAL_NAMES)
 

@@ -173,6 +173,12 @@ class RunSpec(StrictWireModel):
     episode: EpisodeSpec = Field(default_factory=EpisodeSpec)
     # Multi-turn episodes run by this environment (None: single-turn completions). Immutable.
     env: EnvSpec | None = None
+    # The run's weight on a shared generator pool (docs/pool.md): pool leases go to the run with the fewest
+    # generated tokens per unit of share, so shares 2:1 get tokens 2:1 while both have work.
+    share: float = Field(1.0, gt=0.0, le=1_000_000.0)
+    # Cap on the tokens the pool generates for the run (None: no cap). Past it the run is skipped by pool
+    # leases and refused per-run leases with 429: queued, never failed (raise it with a PUT to go on).
+    budget_tokens: int | None = Field(None, ge=1, le=MAX_WIRE_INT)
 
     @model_validator(mode="after")
     def _queue_holds_a_step(self) -> "RunSpec":

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from bucketrl.client_jobs import CompletionJobsClient
+from bucketrl.client_pool import PoolClient
 from bucketrl.wire.metrics import DrainNotice, DrainRequest
 
 
-class WorkerOpsClient(CompletionJobsClient):
+class WorkerOpsClient(PoolClient):
     def drain_worker(self, worker_id: str, notice_s: float) -> DrainNotice:
         """Tell a worker it will be reclaimed in ``notice_s`` (a spot-notice watcher's call; docs/faults.md)."""
         return self._json(

@@ -14,6 +14,8 @@ Who updates what:
   — read from the run's shared counters in Redis at scrape time (:class:`RunCounters`), so every replica
   reports the same run totals, and they continue across proxy restarts and Redis wipes (restored from the
   bucket's snapshot).
+- ``bucketrl_tokens_generated_total``, ``bucketrl_pool_share``, ``bucketrl_pool_held`` — the generator pool
+  (``state/pool.py``, docs/pool.md), from the same counters and the run's spec.
 - ``bucketrl_cost_usd_total``, ``bucketrl_cost_usd_per_step``, ``bucketrl_cost_waste_fraction`` — the run's
   cost (``state/cost.py``, docs/cost.md), recomputed from Redis at scrape time.
 
@@ -30,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from bucketrl.proxy import keys
-from bucketrl.proxy.state import cost, leases, runs, workers
+from bucketrl.proxy.state import cost, leases, pool, runs, workers
 from bucketrl.proxy.state.accounting import queue_status
 
 if TYPE_CHECKING:
@@ -51,6 +53,7 @@ class RunCounters(Collector):
         "dropped_stale_total": ("bucketrl_stale_dropped_groups", "Groups dropped as too stale at claim time."),
         "rejected_stale_total": ("bucketrl_stale_rejected_groups", "Groups refused as too stale at submit (409)."),
         "lost_total": ("bucketrl_lost_groups", "Accepted groups whose batch object vanished from the bucket."),
+        "tokens_generated_total": ("bucketrl_tokens_generated", "Generated tokens of the run's accepted groups."),
     }
 
     def __init__(self) -> None:
@@ -104,6 +107,11 @@ class Telemetry:
         self.cost_waste = Gauge(
             "bucketrl_cost_waste_fraction", "Share of the run's cost that trained nothing.", ["run"], registry=r
         )
+        # The generator pool (docs/pool.md): each run's weight, and whether pool leases skip it.
+        self.pool_share = Gauge("bucketrl_pool_share", "The run's fair-share weight on the pool.", ["run"], registry=r)
+        self.pool_held = Gauge(
+            "bucketrl_pool_held", "1 while pool leases skip the run (paused or budget spent).", ["run"], registry=r
+        )
         self.scrape_hooks: list[ScrapeHook] = []
 
     async def refresh(self, ctx: ProxyContext) -> None:
@@ -137,6 +145,9 @@ class Telemetry:
             live=live,
             metrics=metrics,
         )
+        status = await pool.run_status(ctx.redis, run, spec)
+        self.pool_share.labels(run=run).set(spec.share)
+        self.pool_held.labels(run=run).set(0 if status.hold == "ok" else 1)
         self.cost_usd.labels(run=run).set(c.usd_total)
         self.cost_per_step.labels(run=run).set(c.usd_per_step or 0.0)
         self.cost_waste.labels(run=run).set(c.waste_fraction)

@@ -8,6 +8,7 @@ from bucketrl.wire.common import WireModel
 from bucketrl.wire.cost import RunCost
 from bucketrl.wire.evals import EvalVersionResult
 from bucketrl.wire.metrics import SampleCompletion
+from bucketrl.wire.pool import RunPoolStatus
 
 
 class VersionStatus(WireModel):
@@ -66,3 +67,5 @@ class RunStatus(WireModel):
     samples: list[SampleCompletion] = Field(default_factory=list)
     # What the run has cost so far, with throughput per GPU class (docs/cost.md); null from an older proxy.
     cost: RunCost | None = None
+    # The run's place in the generator pool (docs/pool.md): share, tokens generated, pause, budget.
+    pool: RunPoolStatus | None = None

@@ -29,6 +29,8 @@ OWN, OTHER, MISSING = "own-a", "other", "ghost"
 # A new route without ``{run}`` fails the matrix until it is added here, after deciding what it shows whom.
 CROSS_RUN = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/healthz", "/readyz", "/metrics", "/"}
 CROSS_RUN |= {"/ui", "/ui/static/{name}", "/ui/api/runs"}
+# The pool checks the scope itself on every run it would serve, and lists only the caller's runs.
+CROSS_RUN |= {"/v1/pool/lease", "/v1/pool"}
 # A value for each path parameter other than {run}: any that passes the route's validation.
 PARAM_VALUES = {"lease_id": "L1", "version": "1", "step": "1", "request_id": "job-1", "worker_id": "w1"}
 JUNK = b"\x00 not a body"  # every body-reading route refuses it (422/415) before changing anything

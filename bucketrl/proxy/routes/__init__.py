@@ -24,6 +24,7 @@ CORE = (
     "health",
     "evals",
     "completion_jobs",
+    "pool",
 )
 OPTIONAL = ("ui",)
 

@@ -65,6 +65,8 @@ from bucketrl.wire import PromptLease, RunSpec
 
 # Retry-After (s) of a prompt lease refused by admission control: about one trainer step.
 RETRY_AFTER_S = 1.0
+# Retry-After (s) of a lease of a held (paused, over budget) run: a person or a spec change releases it.
+HELD_RETRY_AFTER_S = 5.0
 # A long-polled lease re-checks at least this often: a prompt lease expiring frees room with no announcement.
 PACE_SLICE_S = 0.5
 # Versions of slack the pace rule keeps by default (module docstring; BUCKETRL_PACE_SLACK_VERSIONS): measured
@@ -162,6 +164,21 @@ def spec_digest(spec: RunSpec) -> str:
     return hashlib.sha1(spec.model_dump_json().encode()).hexdigest()  # an identity, not a security check
 
 
+class Held(errors.Backpressure):
+    """A prompt lease of a run held by the pool (paused, or its token budget spent): 429, never a failure."""
+
+    def __init__(self, run: str, why: str, spec: RunSpec) -> None:
+        if why == "paused":
+            message = f"run {run!r}: generation is paused; POST /v1/runs/{run}/generation/resume to go on"
+        else:
+            message = (
+                f"run {run!r}: its budget of {spec.budget_tokens} generated tokens is spent; raise budget_tokens "
+                "in its spec (PUT /v1/runs/{run}) to go on"
+            )
+        super().__init__(message, retry_after=HELD_RETRY_AFTER_S)
+        self.why = why
+
+
 class PacedOut(errors.Backpressure):
     """A prompt lease refused by admission control (429 ``backpressure``, like any other)."""
 
@@ -204,13 +221,17 @@ async def _lease_once(
                 *(k.stream, k.counters, k.queue_meta, k.state, k.pace),
                 keys.run_key(run, f"prompts:leasereq:{worker_id}:{request_id or '-'}"),
                 keys.run_key(run, keys.SPEC),
+                keys.run_key(run, keys.POOL),
             ],
             [
                 *(repr(float(ttl_s)), n, spec_digest, worker_id, spec.dataset.size, limit, STREAM_GROUP),
                 *(version or 0, spec.groups_per_step, spec.max_staleness, effective_slack(slack, spec)),
                 request_id or "",
+                "" if spec.budget_tokens is None else spec.budget_tokens,
             ],
         )
+        if int(res[0]) == -3:
+            raise Held(run, res[1].decode() if isinstance(res[1], bytes) else str(res[1]), spec)
         if int(res[0]) == -2:
             raise SpecChanged(f"run {run!r}: its spec changed; read it again")
         if int(res[0]) != -1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from bucketrl.proxy import keys
-from bucketrl.proxy.state import accounting, cost, evals, leases, runs, versions, workers
+from bucketrl.proxy.state import accounting, cost, evals, leases, pool, runs, versions, workers
 from bucketrl.wire import RunSpec, RunStatus
 
 
@@ -42,6 +42,7 @@ async def build(ctx: Any, run: str, spec: RunSpec) -> RunStatus:
     if spec.eval is not None:
         out["eval"] = [x.model_dump() for x in await evals.results(r, ctx.store, run)]
     status = RunStatus.model_validate(out)
+    status.pool = await pool.run_status(r, run, spec)
     status.cost = await cost.run_cost(
         r,
         run,

@@ -286,7 +286,7 @@ async def _write_and_enqueue(
             ],
             [
                 *(a.batch_id, GROUP, batch.version, spec.max_staleness, spec.queue_capacity_groups, batch.worker_id),
-                *(IDEMPOTENCY_TTL_S, answer.model_dump_json(), n, a.token),
+                *(IDEMPOTENCY_TTL_S, answer.model_dump_json(), n, a.token, generated_tokens(batch)),
                 *(g.prompt_id for g in batch.groups),
             ],
         )
@@ -311,6 +311,12 @@ async def _write_and_enqueue(
     if status == "full":
         raise _full(a.run, int(res[1]), n, spec)
     raise errors.Invalid(f"version: {batch.version} is newer than the latest published version {int(res[1])}")
+
+
+def generated_tokens(batch: RolloutBatch) -> int:
+    """The tokens the model generated for a batch (multi-turn: model segments only; environment tokens were not
+    generated): what a run's ``tokens_generated_total`` and budget count."""
+    return sum(c.model_tokens() for g in batch.groups for c in g.completions)
 
 
 def _duplicate(seen: Any) -> SubmitResponse:

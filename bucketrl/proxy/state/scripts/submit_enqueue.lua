@@ -1,5 +1,6 @@
 -- KEYS: idem state stream counters entry remaining p_open p_inflight p_owner p_meta queue_meta bseq write_lock
--- ARGV: batch_id group version max_staleness capacity worker idem_ttl idem_value n_groups lock_token pid...
+-- ARGV: batch_id group version max_staleness capacity worker idem_ttl idem_value n_groups lock_token tokens pid...
+-- (tokens: the batch's generated tokens, counted with accepted_total: exactly once, what pool fair share reads)
 -- (the batch's write lock is released here when the object stays: enqueued, or a duplicate's)
 if redis.call('HEXISTS', KEYS[11], 'ready') == 0 or redis.call('HEXISTS', KEYS[10], 'ready') == 0 then
   return {'notready'}
@@ -34,8 +35,9 @@ for g = 0, n - 1 do
 end
 redis.call('HSET', KEYS[6], batch, n)
 redis.call('HINCRBY', KEYS[4], 'accepted_total', n)
+redis.call('HINCRBY', KEYS[4], 'tokens_generated_total', tonumber(ARGV[11]))
 local completed, repeated = 0, 0
-for i = 11, #ARGV do
+for i = 12, #ARGV do
   local pid = ARGV[i]
   if redis.call('SREM', KEYS[7], pid) == 1 then
     redis.call('ZREM', KEYS[8], pid)

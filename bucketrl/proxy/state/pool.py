@@ -1,0 +1,104 @@
+"""The generator pool's Redis state: per-run pause, the fair-share pick, and each run's place in the pool.
+
+Fair share (docs/pool.md): a pool lease tries the runs a generator may serve in the order of
+``(tokens generated + credit + tokens of its prompts in flight) / share``, lowest first, and takes the first
+run whose own admission control grants. Tokens are counted by the submit script with ``accepted_total``
+(``tokens_generated_total``: exactly once per accepted group, restored with the other counters after a
+Redis wipe), so over time each run with work gets tokens in proportion to its share. The in-flight term
+makes concurrent leases see each other: the prompts a lease took raise its run's score in the same Redis
+state the next pick reads (one script, so every proxy replica and generator agrees on the order).
+
+Held runs are skipped, never failed: ``paused`` (POST /v1/runs/{run}/generation/pause) and ``budget`` (its
+``budget_tokens`` generated). A per-run prompt lease of a held run answers 429 too (``prompt_lease.lua``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bucketrl.proxy import keys
+from bucketrl.proxy.state.lua import Lua
+from bucketrl.proxy.state.prompts import PromptKeys
+from bucketrl.wire import RunSpec
+from bucketrl.wire.pool import RunPoolStatus
+
+_PICK = Lua.load("pool_pick.lua")
+
+# A run that got no pool lease for this long is "inactive": when it has work again it starts at the
+# least-served active run's score rather than its own, lower one (pool_pick.lua).
+ACTIVE_WINDOW_S = 10.0
+
+
+def pool_key(run: str) -> str:
+    return keys.run_key(run, keys.POOL)
+
+
+def tokens_per_group_guess(spec: RunSpec) -> int:
+    """What a group in flight is assumed to cost before the run has any accepted group: half the most it may."""
+    per = spec.episode.max_episode_tokens if spec.env is not None else spec.sampling.max_new_tokens
+    return max(1, spec.group_size * per // 2)
+
+
+@dataclass(frozen=True)
+class Pick:
+    now: float
+    order: list[str]  # runs to try, fair-share order
+    holds: dict[str, str]  # run -> ok | paused | budget
+    scores: dict[str, float]
+
+
+async def pick(r: Any, candidates: list[tuple[str, RunSpec]], window_s: float = ACTIVE_WINDOW_S) -> Pick:
+    """The fair-share order of ``candidates`` (one script: a consistent reading of every run's counters)."""
+    ks: list[str] = []
+    args: list[Any] = [window_s]
+    for run, spec in candidates:
+        ks += [PromptKeys.of(run).counters, pool_key(run), PromptKeys.of(run).inflight]
+        budget = "" if spec.budget_tokens is None else spec.budget_tokens
+        args += [repr(float(spec.share)), budget, tokens_per_group_guess(spec)]
+    now, order, holds, scores = await _PICK(r, ks, args)
+    names = [run for run, _ in candidates]
+    return Pick(
+        now=float(now),
+        order=[names[int(i) - 1] for i in order],
+        holds={names[i]: _str(h) for i, h in enumerate(holds)},
+        scores={names[i]: float(s) for i, s in enumerate(scores)},
+    )
+
+
+async def mark_granted(r: Any, run: str, now: float) -> None:
+    await r.hset(pool_key(run), "last_granted", repr(now))
+
+
+async def set_paused(r: Any, run: str, paused: bool) -> None:
+    # Resume drops last_granted: the run starts again at the pool's current score, not its old lower one.
+    pipe = r.pipeline(transaction=True)
+    pipe.hset(pool_key(run), "paused", 1 if paused else 0)
+    if not paused:
+        pipe.hdel(pool_key(run), "last_granted")
+    await pipe.execute()
+
+
+async def run_status(r: Any, run: str, spec: RunSpec) -> RunPoolStatus:
+    k = PromptKeys.of(run)
+    pipe = r.pipeline(transaction=False)
+    pipe.hmget(k.counters, "tokens_generated_total", "accepted_total")
+    pipe.hget(pool_key(run), "paused")
+    pipe.zcard(k.inflight)
+    (tokens, groups), paused_raw, inflight = await pipe.execute()
+    tokens_i, paused = int(tokens or 0), _str(paused_raw) == "1"
+    over = spec.budget_tokens is not None and tokens_i >= spec.budget_tokens
+    return RunPoolStatus(
+        run=run,
+        share=spec.share,
+        tokens_generated=tokens_i,
+        groups_accepted=int(groups or 0),
+        paused=paused,
+        budget_tokens=spec.budget_tokens,
+        hold="paused" if paused else "budget" if over else "ok",
+        prompts_inflight=int(inflight),
+    )
+
+
+def _str(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v or "")

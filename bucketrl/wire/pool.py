@@ -1,0 +1,56 @@
+"""The generator pool: one lease route for generators serving several runs (docs/pool.md, issue 23)."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from bucketrl.wire.common import RequestId, RunId, ShortStr, Version, WireModel, WorkerId
+from bucketrl.wire.leases import PromptLeaseItem
+
+
+class PoolLeaseRequest(WireModel):
+    worker_id: WorkerId
+    # The runs this generator may serve (None: every run its token reaches). Naming an unknown run is 404, one
+    # out of the token's scope 403: a typo must not silently shrink the pool.
+    runs: list[RunId] | None = Field(None, min_length=1, max_length=256)
+    # Only runs of this base model (a generator loads one base model; None: no filter).
+    base_model: ShortStr | None = None
+    # The policy version the caller has loaded per run (absent: the latest), as PromptLeaseRequest.version.
+    versions: dict[RunId, Version] = Field(default_factory=dict, max_length=256)
+    n: int = Field(1, ge=1, le=4096)
+    ttl_s: float = Field(300.0, gt=0.0, le=86_400.0)
+    wait_s: float = Field(0.0, ge=0.0, le=60.0)
+    # Unique per lease, the same on its retries: a replay is answered from the run the first attempt picked.
+    request_id: RequestId | None = None
+
+
+class PoolLease(WireModel):
+    run: str
+    prompts: list[PromptLeaseItem]
+    expires_at: float
+    waited_s: float = 0.0
+    # The runs tried before this one, in fair-share order, and why each was passed over.
+    passed_over: dict[str, str] = Field(default_factory=dict)
+
+
+PoolHold = Literal["ok", "paused", "budget"]
+
+
+class RunPoolStatus(WireModel):
+    """One run's place in the pool: its weight, what it got, and whether it is held."""
+
+    run: str
+    share: float
+    tokens_generated: int
+    groups_accepted: int
+    paused: bool
+    budget_tokens: int | None
+    # "ok", or why pool leases skip it (and per-run leases answer 429): paused, or its budget spent.
+    hold: PoolHold
+    prompts_inflight: int = 0
+
+
+class PoolStatus(WireModel):
+    runs: list[RunPoolStatus]
+    # Each run's tokens_generated over the sum of all listed runs' (what share it actually got).
+    token_fraction: dict[str, float] = Field(default_factory=dict)

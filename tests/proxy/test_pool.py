@@ -1,0 +1,155 @@
+"""The generator pool over real HTTP (uvicorn + real Redis + bucket): weighted fair share over generated tokens,
+budgets and pause skip a run (429, never a failure), a removed run frees its share at once, one run's publishes
+and removal leave another's accounting alone, and bad input changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from bucketrl import errors
+from bucketrl.client import ProxyClient
+from bucketrl.wire import PromptLeaseItem, RolloutBatch, RunSpec
+from bucketrl.wire.pool import PoolLease, PoolLeaseRequest
+from tests.proxy.harness import TOKENS, TOKENS_ENV, ProxyHarness, adapter_tar, make_spec, running
+from tests.support.services import RedisServer
+
+# Roomy admission control: the pick, not the pipeline limit, decides who gets each lease.
+ROOMY = {
+    "groups_per_step": 64,
+    "max_staleness": 4,
+    "queue_capacity_groups": 512,
+    "dataset": {"uri": "toy:d", "size": 4096},
+}
+
+
+class Run:
+    """A run with v1 published and a generator client; its completions have ``length`` tokens each."""
+
+    def __init__(self, h: ProxyHarness, name: str, length: int, **spec_kw: Any) -> None:
+        self.name, self.length = name, length
+        self.spec: RunSpec = make_spec(**{**ROOMY, **spec_kw})
+        self.t = h.client(name, "trainer")
+        self.t.put_run(self.spec)
+        self.t.register_trainer("trainer-" + name)
+        self.t.publish_adapter(1, adapter_tar(1))
+        self.g = h.client(name, "generator")
+        self.lease_id = self.g.lease_version("gen").lease_id
+        self.keys = 0
+
+    def submit(self, items: list[PromptLeaseItem]) -> None:
+        comp = {
+            "token_ids": [5] * self.length,
+            "logprobs": [-0.5] * self.length,
+            "reward": 1.0,
+            "finish_reason": "stop",
+        }
+        groups = [
+            {"prompt_id": p.prompt_id, "prompt_index": p.index, "prompt_token_ids": [1, 2], "completions": [comp] * 2}
+            for p in items
+        ]
+        batch = RolloutBatch.model_validate(
+            {"worker_id": "gen", "lease_id": self.lease_id, "version": 1, "groups": groups}
+        )
+        self.keys += 1
+        assert self.g.submit_rollouts(batch, f"{self.name}-{self.keys}").accepted_groups == len(items)
+
+
+def serve(pool: ProxyClient, runs: dict[str, Run], leases: int, **kw: Any) -> dict[str, int]:
+    """A generator's loop: lease from the pool, submit the groups to the run it names. Leases per run."""
+    got = dict.fromkeys(runs, 0)
+    for _ in range(leases):
+        lease = pool.pool_lease(PoolLeaseRequest(worker_id="gen", n=1, **kw))
+        runs[lease.run].submit(lease.prompts)
+        got[lease.run] += 1
+    return got
+
+
+def tokens(pool: ProxyClient) -> dict[str, int]:
+    return {s.run: s.tokens_generated for s in pool.pool_status().runs}
+
+
+def test_shares_two_to_one_get_tokens_two_to_one(proxy_file: ProxyHarness) -> None:
+    # b's completions are 3x longer: fair share counts tokens, so b gets 1 lease for a's 6, not 1 for 2.
+    runs = {"a": Run(proxy_file, "a", 2, share=2), "b": Run(proxy_file, "b", 6, share=1)}
+    pool = proxy_file.client("a", "generator")
+    got = serve(pool, runs, 70)
+    tok = tokens(pool)
+    assert 1.8 <= tok["a"] / tok["b"] <= 2.2, (tok, got)
+    assert got["a"] >= 5 * got["b"], got
+    st = {s.run: s for s in pool.pool_status().runs}
+    assert (st["a"].share, st["a"].groups_accepted, st["a"].tokens_generated) == (2.0, got["a"], got["a"] * 2 * 2)
+    assert runs["a"].t.status().pool.tokens_generated == tok["a"]  # type: ignore[union-attr]
+    metrics = httpx.get(f"{proxy_file.url}/metrics", headers={"Authorization": f"Bearer {TOKENS['viewer']}"}).text
+    assert f'bucketrl_tokens_generated_total{{run="a"}} {float(tok["a"])}' in metrics
+    assert 'bucketrl_pool_share{run="a"} 2.0' in metrics
+
+
+def test_budget_and_pause_skip_a_run_and_a_removed_run_frees_its_share(
+    proxy_file: ProxyHarness, redis_server: RedisServer
+) -> None:
+    runs = {"a": Run(proxy_file, "a", 2), "b": Run(proxy_file, "b", 2, budget_tokens=12)}
+    pool = proxy_file.client("a", "generator")
+    assert serve(pool, runs, 8) == {"a": 5, "b": 3}  # b spent its 12 tokens (3 groups of 2 x 2): a alone since
+    with pytest.raises(errors.Backpressure, match="budget of 12 generated tokens is spent"):
+        runs["b"].g.lease_prompts("gen", 1)  # its own lease route too: queued, not failed
+    assert {s.run: s.hold for s in pool.pool_status().runs} == {"a": "ok", "b": "budget"}
+    runs["b"].t.put_run(runs["b"].spec.model_copy(update={"budget_tokens": 10_000}))
+    # Raised: b takes its share again from the pool's position (credited to a's score), no catch-up burst.
+    assert serve(pool, runs, 6) == {"a": 3, "b": 3}
+
+    paused = runs["a"].t.pause_generation()
+    assert (paused.paused, paused.hold) == (True, "paused")
+    with pytest.raises(errors.Backpressure, match="generation is paused"):
+        runs["a"].g.lease_prompts("gen", 1)
+    assert serve(pool, runs, 4) == {"a": 0, "b": 4}
+    assert not runs["a"].t.resume_generation().paused
+    assert serve(pool, runs, 4) == {"a": 2, "b": 2}  # resumed at the pool's position: no burst either
+
+    # A's publishes change nothing of b's; a removed run (its keys and its entry gone) frees its share at once.
+    before_b = _run_state(redis_server, "b")
+    for v in range(2, 7):
+        runs["a"].t.publish_adapter(v, adapter_tar(v))
+    assert _run_state(redis_server, "b") == before_b
+    with redis.Redis.from_url(redis_server.url) as r:
+        r.delete(*r.keys("brl:a:*"))
+        r.srem("brl:runs", "a")
+    assert serve(pool, {"b": runs["b"]}, 3) == {"b": 3}
+    after = _run_state(redis_server, "b")
+    assert int(after["accepted_total"]) == int(before_b["accepted_total"]) + 3
+
+
+def _run_state(redis_server: RedisServer, run: str) -> dict[str, str]:
+    with redis.Redis.from_url(redis_server.url, decode_responses=True) as r:
+        return {**r.hgetall(f"brl:{run}:counters"), "cursor": r.get(f"brl:{run}:prompts:cursor") or ""}
+
+
+def test_bad_input_is_refused_and_changes_nothing(redis_server: RedisServer, tmp_path: Path) -> None:
+    scoped = "generator@a:tok-gen-scoped-0123456789"
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}", tokens=f"{TOKENS_ENV},{scoped}") as h:
+        runs = {"a": Run(h, "a", 2), "b": Run(h, "b", 2)}
+        with h.http("trainer") as http:
+            r = http.put("/v1/runs/a", json={**runs["a"].spec.model_dump(), "share": 0})
+            assert r.status_code == 422 and "share" in r.json()["error"]["message"], r.text
+            assert http.get("/v1/runs/a").json()["spec"]["share"] == 1.0
+        before = {run: _run_state(redis_server, run) for run in runs}
+        with h.http("generator") as http:
+            r = http.post("/v1/pool/lease", json={"worker_id": "gen", "runs": ["a", "ghost"]})
+            assert r.status_code == 404 and "ghost" in r.json()["error"]["message"], r.text
+            assert http.post("/v1/pool/lease", json={"worker_id": "gen", "runs": []}).status_code == 422
+            r = http.post("/v1/pool/lease", json={"worker_id": "gen", "base_model": "other-model"})
+            assert r.status_code == 429 and "no run to serve" in r.json()["error"]["message"], r.text
+        assert {run: _run_state(redis_server, run) for run in runs} == before
+        # A generator token limited to run a: never given b, and naming b is 403.
+        limited = httpx.Client(base_url=h.url, headers={"Authorization": "Bearer tok-gen-scoped-0123456789"})
+        with limited:
+            r = limited.post("/v1/pool/lease", json={"worker_id": "gen", "runs": ["b"]})
+            assert r.status_code == 403 and "limited to runs" in r.json()["error"]["message"]
+            picked = {PoolLease.model_validate(limited.post("/v1/pool/lease", json={"worker_id": "g"}).json()).run}
+            picked |= {PoolLease.model_validate(limited.post("/v1/pool/lease", json={"worker_id": "g"}).json()).run}
+            assert picked == {"a"}
+        assert _run_state(redis_server, "b") == before["b"]

@@ -27,6 +27,7 @@ from rich.table import Table
 from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.settings import WorkerSettings
+from bucketrl.wire.pool import PoolStatus
 
 KEY_METRICS = (
     "reward",
@@ -151,6 +152,7 @@ def status_command(
     client = ProxyClient(settings.proxy_url, settings.run, settings.token, retries=1, timeout_s=10.0)
     try:
         status = client.status()
+        pool = _pool_or_none(client)
     except errors.Unauthorized as exc:
         typer.echo(f"bucketrl status: {exc.message} (pass --token or set BUCKETRL_TOKEN)", err=True)
         raise typer.Exit(code=1) from exc
@@ -164,10 +166,39 @@ def status_command(
     if stopped:
         typer.echo(f"bucketrl status: {dir}: {stopped}", err=True)
     if as_json:
-        typer.echo(status.model_dump_json(indent=2))
+        out = status.model_dump(mode="json")
+        if pool is not None:  # every run the token reaches on this proxy (docs/pool.md)
+            out["runs"] = [r.model_dump(mode="json") for r in pool.runs]
+            out["token_fraction"] = pool.token_fraction
+        typer.echo(json.dumps(out, indent=2))
         return
 
-    Console().print(*render_status(status, all_metrics=all_metrics))
+    Console().print(*render_status(status, all_metrics=all_metrics), *pool_tables(pool))
+
+
+def _pool_or_none(client: ProxyClient) -> PoolStatus | None:
+    """The proxy's runs with their shares (None from a proxy older than the pool: its 404)."""
+    try:
+        return client.pool_status()
+    except errors.NotFound:
+        return None
+
+
+def pool_tables(pool: PoolStatus | None) -> list[Any]:
+    """The runs sharing the generator pool: share, the fraction of the tokens they got, hold, budget."""
+    if pool is None or len(pool.runs) < 2:
+        return []
+    table = Table(title="runs on the generator pool", title_justify="left")
+    for col in ("run", "share", "tokens generated", "token fraction", "groups accepted", "in flight", "hold", "budget"):
+        table.add_column(col, justify="right")
+    for r in pool.runs:
+        budget = "–" if r.budget_tokens is None else str(r.budget_tokens)
+        frac = f"{100 * pool.token_fraction.get(r.run, 0.0):.1f} %"
+        table.add_row(
+            r.run, _num(r.share), str(r.tokens_generated), frac, str(r.groups_accepted), str(r.prompts_inflight),
+            r.hold, budget,
+        )  # fmt: skip
+    return [table]
 
 
 def _age(seconds: float) -> str:

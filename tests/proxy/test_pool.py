@@ -4,14 +4,17 @@ and removal leave another's accounting alone, and bad input changes nothing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
+from typer.testing import CliRunner
 
 from bucketrl import errors
+from bucketrl.cli import app
 from bucketrl.client import ProxyClient
 from bucketrl.wire import PromptLeaseItem, RolloutBatch, RunSpec
 from bucketrl.wire.pool import PoolLease, PoolLeaseRequest
@@ -87,6 +90,15 @@ def test_shares_two_to_one_get_tokens_two_to_one(proxy_file: ProxyHarness) -> No
     metrics = httpx.get(f"{proxy_file.url}/metrics", headers={"Authorization": f"Bearer {TOKENS['viewer']}"}).text
     assert f'bucketrl_tokens_generated_total{{run="a"}} {float(tok["a"])}' in metrics
     assert 'bucketrl_pool_share{run="a"} 2.0' in metrics
+    # `bucketrl status --json` lists every run with its share and what it got (the proxy is in this process).
+    args = ["status", "--proxy", proxy_file.url, "--run", "a", "--token", TOKENS["viewer"], "--json"]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    listed = {r["run"]: r for r in json.loads(out.output)["runs"]}
+    assert {run: (r["share"], r["tokens_generated"], r["groups_accepted"]) for run, r in listed.items()} == {
+        "a": (2.0, tok["a"], got["a"]),
+        "b": (1.0, tok["b"], got["b"]),
+    }
 
 
 def test_budget_and_pause_skip_a_run_and_a_removed_run_frees_its_share(

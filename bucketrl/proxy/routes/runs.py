@@ -33,8 +33,9 @@ def run_json_key(run: str) -> str:
     summary="Create (201) or confirm (200) a run spec; a changed immutable field is 409.",
     description=(
         "Same spec again: 200 and nothing changes. A change to a mutable field (max_staleness, sampling, reward, "
-        "queue_capacity_groups, groups_per_step, loss) is applied and answered 200. base_model, lora, group_size, "
-        "vocab_size and dataset are immutable: 409 `immutable_field`. The spec is also written to the bucket as "
+        "queue_capacity_groups, groups_per_step, loss, share, budget_tokens) is applied and answered 200. "
+        "base_model, lora, group_size, vocab_size and dataset are immutable: 409 `immutable_field`. The spec is "
+        "also written to the bucket as "
         "`runs/{run}/run.json` (what a rebuild restores from)."
     ),
     responses={201: {"model": RunInfo, "description": "Run created."}, **responses(401, 403, 409, 413, 422, 503)},

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from bucketrl import errors
 from bucketrl.cli import app
 from bucketrl.client import ProxyClient
+from bucketrl.proxy import rebuild
 from bucketrl.wire import PromptLeaseItem, RolloutBatch, RunSpec
 from bucketrl.wire.pool import PoolLease, PoolLeaseRequest
 from tests.proxy.harness import TOKENS, TOKENS_ENV, ProxyHarness, adapter_tar, make_spec, running
@@ -165,3 +166,24 @@ def test_bad_input_is_refused_and_changes_nothing(redis_server: RedisServer, tmp
             picked |= {PoolLease.model_validate(limited.post("/v1/pool/lease", json={"worker_id": "g"}).json()).run}
             assert picked == {"a"}
         assert _run_state(redis_server, "b") == before["b"]
+
+
+def test_tokens_are_counted_once_and_survive_a_wipe(proxy_file: ProxyHarness, redis_server: RedisServer) -> None:
+    """A replayed submit adds no tokens; after a Redis wipe the rebuild restores the count exactly: the
+    snapshot's counters, plus the groups of batches accepted after it (their objects carry their tokens)."""
+    a = Run(proxy_file, "a", 3)
+    pool = proxy_file.client("a", "generator")
+    first = pool.pool_lease(PoolLeaseRequest(worker_id="gen", n=2))
+    a.submit(first.prompts)
+    a.keys -= 1
+    a.submit(first.prompts)  # the same idempotency key again: a duplicate, counted once
+    claimed = a.t.claim("trainer-a", max_groups=1)
+    assert a.t.ack([d.delivery_id for d in claimed.deliveries]) == 1
+    assert proxy_file.call(lambda ctx: ctx.cleaner.drain(10.0))  # a snapshot with the counters so far
+    a.submit(pool.pool_lease(PoolLeaseRequest(worker_id="gen", n=3)).prompts)  # accepted after it
+    before = tokens(pool)
+    assert before == {"a": (2 + 3) * 2 * 3}
+    redis_server.wipe()
+    redis_server.start()
+    assert any(proxy_file.call(rebuild.rebuild_if_wiped) for _ in range(3))
+    assert tokens(pool) == before

@@ -126,7 +126,7 @@ async def _requeue(r: Any, run: str, k: QueueKeys, loaded: Loaded, snap: dict[st
             pipe.multi()
             pipe.xgroup_create(k.stream, GROUP, id="0", mkstream=True)
             done = _enqueue_live(pipe, run, k, loaded, snap)
-            _restore_counters(pipe, k, snap, restored_counters, done.accepted, _count_lost(run, loaded, snap))
+            _restore_counters(pipe, k, snap, restored_counters, done, _count_lost(run, loaded, snap))
             if done.entry_map:
                 pipe.hset(k.entry, mapping=done.entry_map)
                 # each of them may have been trained already: a claim with hold_rebuilt hands it over even when
@@ -144,6 +144,7 @@ class _Requeued:
     batches: int = 0
     groups: int = 0
     accepted: int = 0  # groups the snapshot's counters do not count as accepted yet
+    tokens: int = 0  # their generated tokens (batch objects older than the pool carry none: 0)
     entry_map: dict[str, str] = field(default_factory=dict)  # delivery id -> its new stream id
 
 
@@ -167,6 +168,8 @@ def _enqueue_live(pipe: Any, run: str, k: QueueKeys, loaded: Loaded, snap: dict[
             continue
         if snap is None or b not in live_s:  # not in the snapshot's counters yet
             out.accepted += len(live)
+            group_tokens = obj.get("group_tokens") or []
+            out.tokens += sum(int(group_tokens[g]) for g in live if g < len(group_tokens))
         for g in live:
             d, sid = f"{b}:{g}", f"{base_ms}-{len(out.entry_map)}"
             # "r": re-queued by a rebuild (the trainer may have trained it: see the claim's drop)
@@ -202,7 +205,7 @@ def _count_lost(run: str, loaded: Loaded, snap: dict[str, Any] | None) -> int:
 
 
 def _restore_counters(
-    pipe: Any, k: QueueKeys, snap: dict[str, Any] | None, restored_counters: bool, accepted: int, lost: int
+    pipe: Any, k: QueueKeys, snap: dict[str, Any] | None, restored_counters: bool, done: _Requeued, lost: int
 ) -> None:
     """The lifetime counters continue from the snapshot's (unless this Redis kept its own), plus what the rebuild
     found accepted or lost since."""
@@ -211,5 +214,6 @@ def _restore_counters(
             pipe.hincrby(k.counters, name, int(value))
         if redropped := snap.get("redropped"):
             pipe.hset(k.redropped, mapping=dict.fromkeys(redropped, 1))
-    pipe.hincrby(k.counters, "accepted_total", accepted)
+    pipe.hincrby(k.counters, "accepted_total", done.accepted)
+    pipe.hincrby(k.counters, "tokens_generated_total", done.tokens)
     pipe.hincrby(k.counters, "lost_total", lost)

@@ -247,6 +247,8 @@ def _batch_object(a: _Attempt, spec: RunSpec) -> bytes:
         "lease_id": batch.lease_id,
         "version": batch.version,
         "prompt_ids": [g.prompt_id for g in batch.groups],
+        # Each group's generated tokens: a rebuild adds those of groups the snapshot's counters do not know yet.
+        "group_tokens": [sum(c.model_tokens() for c in g.completions) for g in batch.groups],
         "groups_msgpack": a.groups_msgpack,
         # What the groups were sampled with: recorded now, so a later change of the run's spec cannot change it.
         "sampling": (batch.sampling or spec.sampling).model_dump(mode="json"),

@@ -17,6 +17,7 @@ import typer
 from pydantic import ValidationError
 
 from bucketrl import errors, preflight
+from bucketrl.generator.pool import PoolGenerator
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.worker import GeneratorWorker
 from bucketrl.settings import warn_if_proxy_url_unset
@@ -30,6 +31,9 @@ def generator_command(
         str | None, typer.Option(help="Local base model path, overrides the run spec (BUCKETRL_MODEL_PATH).")
     ] = None,
     run: Annotated[str | None, typer.Option(help="Run id (BUCKETRL_RUN).")] = None,
+    runs: Annotated[
+        str | None, typer.Option(help="Pool mode: serve these comma-separated runs from one engine (BUCKETRL_RUNS).")
+    ] = None,
     proxy_url: Annotated[str | None, typer.Option(help="Proxy base URL (BUCKETRL_PROXY_URL).")] = None,
     prompts_per_request: Annotated[
         int | None, typer.Option(help="Prompts per engine call (BUCKETRL_PROMPTS_PER_REQUEST).")
@@ -55,6 +59,7 @@ def generator_command(
             "engine": engine,
             "model_path": model_path,
             "run": run,
+            "runs": runs,
             "proxy_url": proxy_url,
             "prompts_per_request": prompts_per_request,
             "max_groups": max_groups,
@@ -73,7 +78,7 @@ def generator_command(
     )
 
     warn_if_proxy_url_unset("generator", settings)
-    worker = GeneratorWorker(settings)
+    worker: GeneratorWorker | PoolGenerator = PoolGenerator(settings) if settings.runs else GeneratorWorker(settings)
     worker.install_signal_handlers()
     try:
         code = worker.run()

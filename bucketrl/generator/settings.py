@@ -12,11 +12,13 @@ Imports without torch (the settings are parsed before any engine is built).
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from bucketrl.settings import WorkerSettings
+from bucketrl.wire.common import ID_PATTERN
 
 
 class GeneratorSettings(WorkerSettings):
@@ -188,9 +190,21 @@ class GeneratorSettings(WorkerSettings):
         "BUCKETRL_PROMPTS_PER_REQUEST. Their turns are sampled together, in batches.",
     )
     log_level: str = Field("INFO", description="Python log level (BUCKETRL_LOG_LEVEL).")
+    runs: str | None = Field(
+        None,
+        description="Pool mode (BUCKETRL_RUNS, docs/pool.md): serve these comma-separated runs of one base model "
+        "from one engine, each lease's run picked by the proxy's fair share; BUCKETRL_RUN is then unused.",
+    )
+
+    def pool_runs(self) -> list[str]:
+        """The runs of BUCKETRL_RUNS, in order, each once."""
+        return list(dict.fromkeys(r.strip() for r in (self.runs or "").split(",") if r.strip()))
 
     @model_validator(mode="after")
     def _check(self) -> GeneratorSettings:
+        bad = [r for r in self.pool_runs() if not re.match(ID_PATTERN, r)]
+        if bad or (self.runs is not None and not self.pool_runs()):
+            raise ValueError(f"BUCKETRL_RUNS: {self.runs!r} is not a comma-separated list of run ids (bad: {bad})")
         if self.max_loras is not None and self.max_loras < 2:
             raise ValueError("BUCKETRL_MAX_LORAS must be >= 2: one slot serves, one loads the next version")
         return self

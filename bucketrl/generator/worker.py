@@ -342,7 +342,7 @@ class GeneratorWorker:
                 n_next = s.prompts_per_request if after is None else min(s.prompts_per_request, after)
                 if n_next > 0 and not self.stop_event.is_set():
                     self._prefetch = (self._lease_next(n_next), n_next)
-                self._sample_and_hand_over(slot, prompts)
+                self.sample_and_hand_over(slot, prompts)
                 # At most one eval batch (greedy: one sample per prompt, against G per training prompt) per
                 # training batch, so an evaluated version is done while it is loaded, without starving training.
                 self._evaluate_some()
@@ -402,7 +402,7 @@ class GeneratorWorker:
                 except TimeoutError:
                     if self.stop_event.is_set():
                         return []
-            return self.lease_prompts(n) if lease is None or not lease.prompts else self._took(lease)
+            return self.lease_prompts(n) if lease is None or not lease.prompts else self.took(lease)
 
         return self.leaser.submit(after_submit)
 
@@ -438,9 +438,9 @@ class GeneratorWorker:
             return []
         if lease.waited_s > 0:
             self.metrics.backpressure(lease.waited_s)
-        return self._took(lease)
+        return self.took(lease)
 
-    def _took(self, lease: PromptLease) -> list[PromptLeaseItem]:
+    def took(self, lease: PromptLease) -> list[PromptLeaseItem]:
         """A lease's prompts this worker can sample (in flight from now); any beyond the dataset released."""
         assert self.submitter is not None
         self.ledger.add(lease.prompts)
@@ -456,7 +456,7 @@ class GeneratorWorker:
         assert self.prompt_tokens is not None
         return self.prompt_tokens.ids(index)
 
-    def _sample_and_hand_over(self, slot: VersionSlot, prompts: list[PromptLeaseItem]) -> None:
+    def sample_and_hand_over(self, slot: VersionSlot, prompts: list[PromptLeaseItem]) -> None:
         assert self.spec is not None and self.engine is not None and self.submitter is not None
         spec = self.spec
         if not self.notice.take([p.prompt_id for p in prompts], self.ledger.ids()):

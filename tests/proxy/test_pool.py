@@ -5,6 +5,7 @@ and removal leave another's accounting alone, and bad input changes nothing."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -187,3 +188,28 @@ def test_tokens_are_counted_once_and_survive_a_wipe(proxy_file: ProxyHarness, re
     redis_server.start()
     assert any(proxy_file.call(rebuild.rebuild_if_wiped) for _ in range(3))
     assert tokens(pool) == before
+
+
+def test_concurrent_generators_agree_on_the_shares(proxy_file: ProxyHarness) -> None:
+    """Four generators leasing at once (through one proxy, as many replicas share one Redis): the pick reads
+    the prompts in flight, so leases taken before any submit still split by share."""
+    runs = {"a": Run(proxy_file, "a", 4, share=3), "b": Run(proxy_file, "b", 4, share=1)}
+    lock = threading.Lock()
+    got = dict.fromkeys(runs, 0)
+
+    def generator(name: str) -> None:
+        pool = proxy_file.client("a", "generator")
+        for _ in range(10):
+            lease = pool.pool_lease(PoolLeaseRequest(worker_id=name, n=1))
+            with lock:
+                got[lease.run] += 1
+                runs[lease.run].submit(lease.prompts)
+
+    threads = [threading.Thread(target=generator, args=(f"g{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sum(got.values()) == 40 and 28 <= got["a"] <= 32, got
+    tok = tokens(proxy_file.client("a", "viewer"))
+    assert tok == {"a": got["a"] * 2 * 4, "b": got["b"] * 2 * 4}

@@ -139,6 +139,9 @@ async def _try_once(
         except prompt_lease.PacedOut:
             passed[run] = "admission control"
             continue
+        except (errors.Unavailable, errors.NotFound) as exc:  # restoring, or removed since the pick: the next run
+            passed[run] = exc.code
+            continue
         await pool.mark_granted(ctx.redis, run, picked.now)
         if req.request_id is not None:
             await ctx.redis.set(_request_key(req), run, ex=REQUEST_TTL_S)

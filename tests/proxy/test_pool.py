@@ -169,7 +169,7 @@ def test_bad_input_is_refused_and_changes_nothing(redis_server: RedisServer, tmp
         assert _run_state(redis_server, "b") == before["b"]
 
 
-def test_tokens_are_counted_once_and_survive_a_wipe(proxy_file: ProxyHarness, redis_server: RedisServer) -> None:
+def test_tokens_and_a_pause_survive_a_wipe(proxy_file: ProxyHarness, redis_server: RedisServer) -> None:
     """A replayed submit adds no tokens; after a Redis wipe the rebuild restores the count exactly: the
     snapshot's counters, plus the groups of batches accepted after it (their objects carry their tokens)."""
     a = Run(proxy_file, "a", 3)
@@ -184,10 +184,17 @@ def test_tokens_are_counted_once_and_survive_a_wipe(proxy_file: ProxyHarness, re
     a.submit(pool.pool_lease(PoolLeaseRequest(worker_id="gen", n=3)).prompts)  # accepted after it
     before = tokens(pool)
     assert before == {"a": (2 + 3) * 2 * 3}
+    a.t.pause_generation()
     redis_server.wipe()
     redis_server.start()
     assert any(proxy_file.call(rebuild.rebuild_if_wiped) for _ in range(3))
     assert tokens(pool) == before
+    # The pause outlives the wipe too (its bucket marker), until resumed.
+    assert [(s.run, s.hold) for s in pool.pool_status().runs] == [("a", "paused")]
+    with pytest.raises(errors.Backpressure, match="paused"):
+        pool.pool_lease(PoolLeaseRequest(worker_id="gen"))
+    a.t.resume_generation()
+    assert pool.pool_lease(PoolLeaseRequest(worker_id="gen")).run == "a"
 
 
 def test_concurrent_generators_agree_on_the_shares(proxy_file: ProxyHarness) -> None:

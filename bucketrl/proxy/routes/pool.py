@@ -19,7 +19,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 
 from bucketrl import errors
-from bucketrl.proxy import body, keys
+from bucketrl.proxy import body, keys, rebuild
 from bucketrl.proxy.auth import Principal
 from bucketrl.proxy.context import ProxyContext
 from bucketrl.proxy.deps import CtxDep, GeneratorRole, RunDep, TrainerRole, ViewerRole, resolve_run
@@ -174,6 +174,8 @@ async def pool_status(ctx: CtxDep, principal: ViewerRole) -> PoolStatus:
     responses=responses(401, 403, 404, 422, 503),
 )
 async def pause(ctx: CtxDep, _: TrainerRole, ref: RunDep) -> RunPoolStatus:
+    # The bucket's marker first: a rebuild after a Redis wipe finds the run paused (rebuild.scan_run).
+    await asyncio.to_thread(ctx.store.put_bytes, rebuild.paused_marker_key(ref.run), b"")
     await pool.set_paused(ctx.redis, ref.run, True)
     return await pool.run_status(ctx.redis, ref.run, ref.spec)
 
@@ -185,5 +187,6 @@ async def pause(ctx: CtxDep, _: TrainerRole, ref: RunDep) -> RunPoolStatus:
     responses=responses(401, 403, 404, 422, 503),
 )
 async def resume(ctx: CtxDep, _: TrainerRole, ref: RunDep) -> RunPoolStatus:
+    await asyncio.to_thread(ctx.store.delete, [rebuild.paused_marker_key(ref.run)])
     await pool.set_paused(ctx.redis, ref.run, False)
     return await pool.run_status(ctx.redis, ref.run, ref.spec)

@@ -103,6 +103,17 @@ def test_shares_two_to_one_get_tokens_two_to_one(proxy_file: ProxyHarness) -> No
     }
 
 
+def test_one_run_alone_gets_the_whole_pool_and_a_run_added_midway_its_share_at_once(
+    proxy_file: ProxyHarness,
+) -> None:
+    runs = {"a": Run(proxy_file, "a", 2)}
+    pool = proxy_file.client("a", "generator")
+    assert serve(pool, runs, 10) == {"a": 10}
+    runs["b"] = Run(proxy_file, "b", 2)
+    # b starts at a's position (credited), not at 0: alternating from its first lease, no 10-lease catch-up.
+    assert serve(pool, runs, 10) == {"a": 5, "b": 5}
+
+
 def test_budget_and_pause_skip_a_run_and_a_removed_run_frees_its_share(
     proxy_file: ProxyHarness, redis_server: RedisServer
 ) -> None:
@@ -126,7 +137,7 @@ def test_budget_and_pause_skip_a_run_and_a_removed_run_frees_its_share(
 
     # A's publishes change nothing of b's; a removed run (its keys and its entry gone) frees its share at once.
     before_b = _run_state(redis_server, "b")
-    for v in range(2, 7):
+    for v in range(2, 12):  # ten versions of a
         runs["a"].t.publish_adapter(v, adapter_tar(v))
     assert _run_state(redis_server, "b") == before_b
     with redis.Redis.from_url(redis_server.url) as r:

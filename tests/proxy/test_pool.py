@@ -231,3 +231,21 @@ def test_concurrent_generators_agree_on_the_shares(proxy_file: ProxyHarness) -> 
     assert sum(got.values()) == 40 and 28 <= got["a"] <= 32, got
     tok = tokens(proxy_file.client("a", "viewer"))
     assert tok == {"a": got["a"] * 2 * 4, "b": got["b"] * 2 * 4}
+
+
+def test_a_run_at_its_admission_limit_is_passed_over_and_its_refusal_counted_once(
+    proxy_file: ProxyHarness, redis_server: RedisServer
+) -> None:
+    small = {"groups_per_step": 2, "max_staleness": 1, "queue_capacity_groups": 32}  # admission limit 2
+    # a's large share puts it first, its 2 prompts in flight notwithstanding (b got a group already): it is
+    # tried first, and refused.
+    runs = {"a": Run(proxy_file, "a", 2, share=100, **small), "b": Run(proxy_file, "b", 2)}
+    pool = proxy_file.client("a", "generator")
+    runs["b"].submit(pool.pool_lease(PoolLeaseRequest(worker_id="gen", runs=["b"])).prompts)
+    assert pool.pool_lease(PoolLeaseRequest(worker_id="gen", runs=["a"], n=2)).run == "a"  # a's limit reached
+    lease = pool.pool_lease(PoolLeaseRequest(worker_id="gen", n=1))
+    assert (lease.run, lease.passed_over) == ("b", {"a": "admission control"})
+    with pytest.raises(errors.Backpressure, match="a: admission control"):
+        pool.pool_lease(PoolLeaseRequest(worker_id="gen", runs=["a"], wait_s=1.2))  # a long-poll of 2+ passes
+    # The pass-over is not a's refusal (b answered); the long-poll's passes count once.
+    assert int(_run_state(redis_server, "a")["prompts_backpressure_total"]) == 1

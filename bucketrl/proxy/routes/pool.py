@@ -75,6 +75,10 @@ async def pool_lease(
                 return got
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                # Each run refused by its admission control counts one refusal per pool request (as a per-run
+                # long-poll counts once), not one per retry of the wait.
+                for run in [run for run, reason in passed.items() if reason == "admission control"]:
+                    await prompt_lease.record_refusal(ctx.redis, run)
                 why = "; ".join(f"{run}: {reason}" for run, reason in passed.items()) or "no run to serve"
                 raise errors.Backpressure(f"no run of the pool grants a lease now ({why})", retry_after=1.0)
             await _wait_any(events, min(remaining, prompt_lease.PACE_SLICE_S))
@@ -132,7 +136,7 @@ async def _try_once(
             worker_id=req.worker_id, n=req.n, ttl_s=req.ttl_s, version=req.versions.get(run), request_id=req.request_id
         )
         try:
-            got = await lease_cached(ctx, await spec_of(ctx, run), lease_req)
+            got = await lease_cached(ctx, await spec_of(ctx, run), lease_req, count_refusal=False)
         except prompt_lease.Held as exc:
             passed[run] = exc.why
             continue

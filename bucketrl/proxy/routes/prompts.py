@@ -50,7 +50,9 @@ async def lease(
     return await lease_cached(ctx, spec, req)
 
 
-async def lease_prompts(ctx: ProxyContext, ref: RunRef, req: PromptLeaseRequest, spec_digest: str = "") -> PromptLease:
+async def lease_prompts(
+    ctx: ProxyContext, ref: RunRef, req: PromptLeaseRequest, spec_digest: str = "", count_refusal: bool = True
+) -> PromptLease:
     """The lease's work. ``spec_digest``: ``ref.spec`` came from :class:`LeaseSpecs`, checked against the
     stored spec by the lease's own script (``prompt_lease.SpecChanged`` if it is no longer that spec)."""
     return await prompt_lease.lease(
@@ -67,6 +69,7 @@ async def lease_prompts(ctx: ProxyContext, ref: RunRef, req: PromptLeaseRequest,
         slack=ctx.settings.pace_slack_versions,
         request_id=req.request_id,
         spec_digest=spec_digest,
+        count_refusal=count_refusal,
     )
 
 
@@ -118,17 +121,20 @@ async def cached_spec(ctx: CtxDep, run: RunId) -> CachedSpec:
     return await spec_of(ctx, run)
 
 
-async def lease_cached(ctx: ProxyContext, spec: CachedSpec, req: PromptLeaseRequest) -> PromptLease:
-    """:func:`lease_prompts` with a spec from :func:`spec_of`, read again when the stored one changed."""
+async def lease_cached(
+    ctx: ProxyContext, spec: CachedSpec, req: PromptLeaseRequest, count_refusal: bool = True
+) -> PromptLease:
+    """:func:`lease_prompts` with a spec from :func:`spec_of`, read again when the stored one changed.
+    ``count_refusal`` False: a 429 is not counted (a pool lease counts its own, once per request)."""
     run = spec.ref.run
     try:
-        return await lease_prompts(ctx, spec.ref, req, spec.digest)
+        return await lease_prompts(ctx, spec.ref, req, spec.digest, count_refusal)
     except prompt_lease.SpecChanged:
         if not spec.cached:  # read in this very request and already another one: leave it unchecked this once
-            return await lease_prompts(ctx, await resolve_run(ctx, run), req)
+            return await lease_prompts(ctx, await resolve_run(ctx, run), req, "", count_refusal)
     # Another spec was stored since this app cached it (or the run is gone): read it as RunDep does.
     ref, digest = await LeaseSpecs.of(ctx).read(ctx, run)
-    return await lease_prompts(ctx, ref, req, digest)
+    return await lease_prompts(ctx, ref, req, digest, count_refusal)
 
 
 @_prompts.post(

@@ -104,6 +104,7 @@ async def lease(
     slack: int = PACE_SLACK_VERSIONS,
     request_id: str | None = None,
     spec_digest: str = "",
+    count_refusal: bool = True,
 ) -> PromptLease:
     """Lease up to ``n`` prompts (fewer when admission control allows fewer). 429 when none may be.
 
@@ -118,8 +119,9 @@ async def lease(
     """
     if wait_s <= 0 or notifier is None:
         return await _lease_once(
-            r, store, run, spec, worker_id, n, ttl_s, version, slack, request_id=request_id, spec_digest=spec_digest
-        )
+            r, store, run, spec, worker_id, n, ttl_s, version, slack,
+            count_refusal=count_refusal, request_id=request_id, spec_digest=spec_digest,
+        )  # fmt: skip
     t0 = time.monotonic()
     deadline = t0 + wait_s
     while True:
@@ -147,7 +149,7 @@ async def lease(
                 # Paced out with a newer version published: waiting cannot help (the trainer's pace only moves
                 # further from the caller's version); asking again with the newer version can.
                 if remaining <= 0 or exc.newer_version_exists:
-                    await _count_refusal(r, run)
+                    await record_refusal(r, run)
                     exc.retry_after = 0.0
                     raise
                 with contextlib.suppress(TimeoutError):
@@ -188,7 +190,7 @@ class PacedOut(errors.Backpressure):
         self.newer_version_exists = newer_version_exists
 
 
-async def _count_refusal(r: Any, run: str) -> None:
+async def record_refusal(r: Any, run: str) -> None:
     """One refused lease request in the run's counters (a long-poll's retries count once)."""
     pipe = r.pipeline(transaction=False)
     pipe.hincrby(PromptKeys.of(run).counters, "backpressure_total", 1)
@@ -243,7 +245,7 @@ async def _lease_once(
     if int(res[0]) == 0:
         inflight, queued, paced, at, used, latest = (int(x) for x in res[1:7])
         if count_refusal:
-            await _count_refusal(r, run)
+            await record_refusal(r, run)
         if paced:
             message = (
                 f"run {run!r}: {queued} queued groups + {inflight} in-flight prompts are ahead; a group sampled with "

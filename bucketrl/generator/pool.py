@@ -103,8 +103,14 @@ class PoolGenerator:
         for run in self.runs:
             self.settings.model_copy(update={"run": run}).push_phase(self.worker_id, phase, notes)
 
+    def notice_given(self, notice_s: float, why: str) -> None:
+        """A preemption notice: every lane hands back its never-sampled prompts and stops within the notice."""
+        self.stop_event.set()
+        for lane in self.lanes.values():
+            lane.notice_given(notice_s, why)
+
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGTERM, lambda *_: self.notice_given(self.settings.preemption_notice_s, "SIGTERM"))
         signal.signal(signal.SIGINT, self.request_stop)
 
     def run(self) -> int:

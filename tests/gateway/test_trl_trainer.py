@@ -46,9 +46,9 @@ def test_cpu_tree_attention_is_each_samples_causal_attention() -> None:
 
 @pytest.mark.slow  # ~1.5 min on a loaded 2-core machine: TRL spawns its rollout process, a generator starts
 def test_async_grpo_trainer_through_the_gateway(
-    redis_server: RedisServer, tiny_model_dir: Path, tmp_path: Path
+    redis_server: RedisServer, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    patch_trl_for_cpu()
+    patch_trl_for_cpu(monkeypatch.setattr)
     with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
         spec = run_spec(tiny_model_dir, max_staleness=2)
         proxy.client("trl", "trainer").put_run(spec)

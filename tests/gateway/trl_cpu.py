@@ -16,6 +16,7 @@ response template (TRL parses each completion with it and refuses a tokenizer it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -63,11 +64,12 @@ def cpu_varlen_attention(
     return out
 
 
-def patch_trl_for_cpu() -> None:
+def patch_trl_for_cpu(set_attr: Callable[[object, str, object], None] = setattr) -> None:
+    """``set_attr``: pytest's ``monkeypatch.setattr`` in a test (undone after it), plain ``setattr`` in a script."""
     from trl.experimental.async_grpo import async_grpo_trainer, packing
 
-    async_grpo_trainer.get_peak_flops_per_device = lambda *_a, **_k: None
-    packing._flash_attn = lambda: SimpleNamespace(flash_attn_varlen_func=cpu_varlen_attention)
+    set_attr(async_grpo_trainer, "get_peak_flops_per_device", lambda *_a, **_k: None)
+    set_attr(packing, "_flash_attn", lambda: SimpleNamespace(flash_attn_varlen_func=cpu_varlen_attention))
 
 
 def tiny_tokenizer(model_dir: str) -> Any:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from markdown.extensions.toc import slugify
 
+from bucketrl.gateway.settings import GatewaySettings
 from bucketrl.relay.settings import RelaySettings
 from tests.deploy.support import SERVICES, env_names, settings_class
 
@@ -111,6 +112,7 @@ def test_every_setting_the_docs_name_is_one_a_service_reads() -> None:
     # A renamed or removed setting must not live on in the docs (tests/deploy checks the deploy files the same way).
     known = set().union(*(env_names(settings_class(component)) for component in SERVICES))
     known |= set(env_names(RelaySettings))  # the regional relay: no chart template (yet), so not in SERVICES
+    known |= set(env_names(GatewaySettings))  # the TRL gateway (docs/trl.md): none either
     unknown = {
         page.relative_to(ROOT).as_posix(): sorted(names - known)
         for page in _pages()

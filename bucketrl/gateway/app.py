@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.gateway import publish as publishing
+from bucketrl.gateway.holds import VersionHolds
 from bucketrl.gateway.jobs_http import CompletionJobs
 from bucketrl.gateway.names import NameBook, NameEntry
 from bucketrl.gateway.settings import GatewaySettings
@@ -49,8 +50,13 @@ class Gateway:
         self.spec: RunSpec = self.client.get_run().spec
         # The gateway is the run's trainer: publishing is epoch-fenced, so it takes the epoch (a bucketrl trainer
         # still running on this run is fenced from here on, and the other way round).
-        self.client.register_trainer(f"gateway-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+        self.worker_id = f"gateway-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        self.client.register_trainer(self.worker_id)
         self.names = NameBook(settings.state_path(), settings.run)
+        self.holds: VersionHolds | None = None
+        if settings.lease_token:
+            leaser = ProxyClient(settings.proxy_url, settings.run, settings.lease_token)
+            self.holds = VersionHolds(leaser, self.worker_id)
         self.base_names = {self.spec.base_model, *settings.served_model_names}
         self.jobs = CompletionJobs(
             settings.proxy_url, settings.run, settings.token, max_connections=settings.max_connections
@@ -116,13 +122,19 @@ class Gateway:
                 version = done.version
                 log.info("%s -> version %d (%s)", req.lora_name, version, "adopted" if done.adopted else "published")
             self.names.put(req.lora_name, NameEntry(version=version, sha256=sha))
+            if self.holds is not None:
+                await asyncio.to_thread(self.holds.hold, version)
         return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", status_code=200)
 
     async def unload(self, req: UnloadLoraRequest) -> Response:
         if not req.lora_name:
             return vllm_error("'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput", 400)
-        if not self.names.unload(req.lora_name):
+        entry = self.names.get(req.lora_name)
+        if entry is None or not self.names.unload(req.lora_name):
             return vllm_error(f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError", 404)
+        still_named = any(e.version == entry.version for e in self.names.loaded().values())
+        if self.holds is not None and not still_named:
+            await asyncio.to_thread(self.holds.release, entry.version)
         return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", status_code=200)
 
     async def complete(self, req: CompletionRequest) -> Response:
@@ -187,12 +199,27 @@ def completion_response(
     return CompletionResponse(model=req.model, choices=choices, usage=usage)
 
 
+async def keep_holds(gw: Gateway) -> None:
+    """Hold the versions of the names a restarted gateway still answers, then renew every lease each ttl/3."""
+    assert gw.holds is not None
+    for version in sorted({e.version for e in gw.names.loaded().values()}):
+        await asyncio.to_thread(gw.holds.hold, version)
+    while True:
+        await asyncio.sleep(gw.holds.ttl_s / 3)
+        await asyncio.to_thread(gw.holds.renew_all)
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     gw = Gateway(settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        keeper = asyncio.create_task(keep_holds(gw)) if gw.holds is not None else None
         yield
+        if keeper is not None:
+            # The leases are not released: a restarted gateway holds them again, and until then they run out
+            # their ttl, so a restart does not open a window in which GC takes a version TRL still names.
+            keeper.cancel()
         await gw.jobs.aclose()
         gw.client.close()
 

@@ -16,6 +16,11 @@ class GatewaySettings(BaseSettings):
     run: str = Field("default", description="The run whose versions the gateway publishes (it must exist).")
     host: str = Field("127.0.0.1", description="Bind address: beside the TRL trainer, loopback by default.")
     port: int = Field(8100, ge=0, le=65535, description="Port (0: any free one; the bound URL is printed).")
+    lease_token: str = Field(
+        "",
+        description="A generator-role token of the run: with it the gateway leases every version a loaded name "
+        "maps to, so GC keeps what TRL may still request past the run's max_staleness (empty: no leases).",
+    )
     gateway_state: Path | None = Field(
         None,
         description="JSON file of adapter name -> version (default ~/.cache/bucketrl/gateway/<run>.json): a "

@@ -358,12 +358,12 @@ class ProxyClient(WorkerOpsClient):
         self.download_adapter_to(version, buf)
         return buf.getvalue()
 
-    def download_adapter_to(self, version: int, out: IO[bytes]) -> str:
-        """Stream the adapter tar into ``out`` (seekable; a retried attempt starts it over), one chunk in memory
-        at a time whatever the adapter's size. Returns its sha256, checked against the proxy's header
-        (``Invalid``, retryable: a corrupted transfer, if not)."""
-        sink = _Sink(out)
-        resp = self._request("GET", self._path(f"/adapters/{version}"), sink=sink)
+    def download_adapter_to(self, version: int, out: IO[bytes], *, fresh: bool = False) -> str:
+        """Stream the adapter tar into ``out`` (seekable; a retried attempt starts it over), one chunk in memory at
+        a time. Returns its sha256, checked against the proxy's header (``Invalid``, retryable: a corrupted
+        transfer, if not). ``fresh``: a cache on the way (a relay) checks its copy first (the retry after that)."""
+        sink, headers = _Sink(out), {"Cache-Control": "no-cache"} if fresh else None
+        resp = self._request("GET", self._path(f"/adapters/{version}"), sink=sink, headers=headers)
         want, got = resp.headers.get("X-Content-SHA256"), sink.sha.hexdigest()
         if want and want != got:
             raise errors.Invalid(f"adapter v{version}: sha256 {got} != advertised {want}", retryable=True)

@@ -3,13 +3,19 @@ body go up as they are; status, headers (``Retry-After``...) and body come back 
 
 No read timeout upstream: long-polls last as long as the caller asked (``wait_s``), and the caller's own client
 times out a request that hangs. A home proxy that cannot be reached is a retryable 503 in the proxy's error shape,
-so a worker's client rides it out like any outage.
+so a worker's client rides it out like any outage (with the same idempotency key: nothing is lost or done twice).
+
+What waits here on the home proxy is bounded (:class:`Gate`): at most ``max_pending`` requests at a time, and
+while a connect has just failed (the link is down) one request at a time probes it and the others are answered
+503 at once, so an outage costs the relay no pile of stuck requests, and the workers back off instead.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from dataclasses import dataclass
 
 import httpx
 from starlette.background import BackgroundTask
@@ -23,6 +29,30 @@ HOP = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding"}
     | {"upgrade", "host"}
 )
+
+
+# After a failed connect, how long the link counts as down (one probe at a time meanwhile).
+DOWN_S = 1.0
+
+
+class Refused(Exception):
+    """The relay does not send this request upstream now (its backlog is full, or the link is down)."""
+
+
+@dataclass
+class Gate:
+    max_pending: int
+    pending: int = 0  # sent (or being sent) upstream, no answer yet
+    refused: int = 0
+    down_until: float = 0.0
+
+    def admit(self) -> None:
+        if self.pending >= self.max_pending:
+            self.refused += 1
+            raise Refused(f"{self.pending} requests already wait on the home proxy (BUCKETRL_RELAY_MAX_PENDING)")
+        if self.pending and time.monotonic() < self.down_until:
+            self.refused += 1
+            raise Refused("the home proxy was unreachable a moment ago; one request at a time probes it")
 
 
 def unavailable(message: str) -> Response:
@@ -47,21 +77,33 @@ def relayed(resp: httpx.Response) -> StreamingResponse:
     )
 
 
-async def send(http: httpx.AsyncClient, request: Request, extra: dict[str, str] | None = None) -> httpx.Response:
-    """Sent upstream; a request without a body once more if a pooled connection was closed under it (its body,
-    if it had one, is consumed: the caller's client retries that one)."""
+async def send(
+    http: httpx.AsyncClient, request: Request, gate: Gate, extra: dict[str, str] | None = None
+) -> httpx.Response:
+    """Sent upstream, if the gate admits it (:class:`Refused` if not); a request without a body once more if a
+    pooled connection was closed under it (its body, if it had one, is consumed: the caller's client retries)."""
+    gate.admit()
+    gate.pending += 1
     req = upstream_request(http, request, extra)
     try:
-        return await http.send(req, stream=True)
-    except httpx.RemoteProtocolError:
-        if req.headers.get("content-length") or req.headers.get("transfer-encoding"):
-            raise
-        return await http.send(upstream_request(http, request, extra), stream=True)
+        try:
+            return await http.send(req, stream=True)
+        except httpx.RemoteProtocolError:
+            if req.headers.get("content-length") or req.headers.get("transfer-encoding"):
+                raise
+            return await http.send(upstream_request(http, request, extra), stream=True)
+    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout):
+        gate.down_until = time.monotonic() + DOWN_S
+        raise
+    finally:
+        gate.pending -= 1
 
 
-async def forward(http: httpx.AsyncClient, request: Request) -> Response:
+async def forward(http: httpx.AsyncClient, request: Request, gate: Gate) -> Response:
     try:
-        resp = await send(http, request)
+        resp = await send(http, request, gate)
+    except Refused as exc:
+        return unavailable(str(exc))
     except httpx.TransportError as exc:
         log.warning("relay: %s %s: home proxy unreachable: %r", request.method, request.url.path, exc)
         return unavailable(f"home proxy unreachable: {exc!r}")

@@ -33,6 +33,8 @@ HOP = frozenset(
 
 # After a failed connect, how long the link counts as down (one probe at a time meanwhile).
 DOWN_S = 1.0
+# Bodies up to this size are read before they are sent, so a send that met a closed connection can be repeated.
+REPLAYABLE_BYTES = 1 << 20
 
 
 class Refused(Exception):
@@ -60,13 +62,17 @@ def unavailable(message: str) -> Response:
     return Response(json.dumps(body), status_code=503, media_type="application/json", headers={"Retry-After": "1"})
 
 
-def upstream_request(http: httpx.AsyncClient, request: Request, extra: dict[str, str] | None = None) -> httpx.Request:
+def upstream_request(
+    http: httpx.AsyncClient, request: Request, extra: dict[str, str] | None = None, body: bytes | None = None
+) -> httpx.Request:
+    """``body``: the request's body read already (it can be sent again); else the body streams through."""
     extra = extra or {}
     replaced = HOP | {k.lower() for k in extra}
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in replaced] + list(extra.items())
     has_body = "content-length" in request.headers or "transfer-encoding" in request.headers
     url = httpx.URL(path=request.url.path, query=request.url.query.encode())
-    return http.build_request(request.method, url, headers=headers, content=request.stream() if has_body else None)
+    content = body if body is not None else request.stream() if has_body else None
+    return http.build_request(request.method, url, headers=headers, content=content)
 
 
 def relayed(resp: httpx.Response) -> StreamingResponse:
@@ -80,18 +86,22 @@ def relayed(resp: httpx.Response) -> StreamingResponse:
 async def send(
     http: httpx.AsyncClient, request: Request, gate: Gate, extra: dict[str, str] | None = None
 ) -> httpx.Response:
-    """Sent upstream, if the gate admits it (:class:`Refused` if not); a request without a body once more if a
-    pooled connection was closed under it (its body, if it had one, is consumed: the caller's client retries)."""
+    """Sent upstream, if the gate admits it (:class:`Refused` if not). Sent once more if a pooled connection was
+    closed under it (the server closing an idle keep-alive as it is reused, which it never read): a small body is
+    read first so it can be; a large one streams through, and the caller's client resends that one. A second send
+    of a request the server did process is what the caller's own retry would be: the same idempotency key."""
+    size = request.headers.get("content-length", "")
+    body = await request.body() if size.isdigit() and int(size) <= REPLAYABLE_BYTES else None
     gate.admit()
     gate.pending += 1
-    req = upstream_request(http, request, extra)
+    req = upstream_request(http, request, extra, body)
     try:
         try:
             return await http.send(req, stream=True)
         except httpx.RemoteProtocolError:
-            if req.headers.get("content-length") or req.headers.get("transfer-encoding"):
+            if body is None and (req.headers.get("content-length") or req.headers.get("transfer-encoding")):
                 raise
-            return await http.send(upstream_request(http, request, extra), stream=True)
+            return await http.send(upstream_request(http, request, extra, body), stream=True)
     except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout):
         gate.down_until = time.monotonic() + DOWN_S
         raise

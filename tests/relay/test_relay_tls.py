@@ -147,3 +147,37 @@ def test_requests_waiting_on_a_silent_home_proxy_are_bounded(tmp_path: Path) -> 
         for s in held:
             s.close()
         silent.close()
+
+
+def test_a_small_body_is_sent_again_when_the_connection_closes_under_it(tmp_path: Path) -> None:
+    """An upstream that drops its first connection without answering (an idle keep-alive closed as it is reused
+    looks the same to the relay): the relay sends the same small body once more and the caller gets the answer,
+    not a 503."""
+    server = socket.create_server(("127.0.0.1", 0))
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        for attempt in range(2):
+            conn, _ = server.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                seen.append(data.split(b"\r\n\r\n", 1)[1])
+                if attempt == 1:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    relay = RelayProc(f"http://127.0.0.1:{server.getsockname()[1]}", tmp_path / "c", free_port()).start()
+    try:
+        r = httpx.post(f"{relay.url}/v1/runs/r1/prompts/release", json={"worker_id": "g", "ids": ["p1"]}, timeout=10)
+        assert r.status_code == 200, r.text
+        assert seen == [b'{"worker_id":"g","ids":["p1"]}'] * 2
+    finally:
+        relay.kill()
+        server.close()
+        th.join(5)

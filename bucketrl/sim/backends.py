@@ -158,15 +158,7 @@ class SimBackends:
             aws_secret_access_key="testing",
         )
         s3.create_bucket(Bucket=self.bucket)
-        env = {
-            **AWS_ENV,
-            "BUCKETRL_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
-            "BUCKETRL_BUCKET_URL": f"s3://{self.bucket}/bucketrl",
-            "BUCKETRL_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.front_port}",
-            "BUCKETRL_TOKENS": ",".join(f"{r}:{t}" for r, t in TOKENS.items()),
-        }
-        if self.tls:
-            env.update({"BUCKETRL_TLS_CERT_FILE": str(self.tls.cert), "BUCKETRL_TLS_KEY_FILE": str(self.tls.key)})
+        env = self._proxy_env()
         self.proxy = self.start_service(
             "proxy",
             [
@@ -187,6 +179,18 @@ class SimBackends:
         )
         self._wait_port(self.proxy_port, self.proxy, "the proxy")
         wait_until(self._ready, 60, "proxy /readyz", self.proxy)
+
+    def _proxy_env(self) -> dict[str, str]:
+        env = {
+            **AWS_ENV,
+            "BUCKETRL_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
+            "BUCKETRL_BUCKET_URL": f"s3://{self.bucket}/bucketrl",
+            "BUCKETRL_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.front_port}",
+            "BUCKETRL_TOKENS": ",".join(f"{r}:{t}" for r, t in TOKENS.items()),
+        }
+        if self.tls:  # HTTPS with the given certificate (bench/wan.py --tls)
+            env.update({"BUCKETRL_TLS_CERT_FILE": str(self.tls.cert), "BUCKETRL_TLS_KEY_FILE": str(self.tls.key)})
+        return env
 
     def _ready(self) -> bool:
         try:

@@ -49,6 +49,10 @@ class HeldFile(FileResponse):
             self.cache.release(self.held)
 
 
+class BucketFailed(Exception):
+    """A presigned URL that did not answer the tar (expired, refused): the caller asks again."""
+
+
 class Relay:
     def __init__(self, settings: RelaySettings, security: TransportSecurity | None = None) -> None:
         self.settings = settings
@@ -78,12 +82,19 @@ class Relay:
         if not _SHA.match(sha) or not _RUN.match(run):
             return unavailable(f"home proxy answered no usable sha256 for {run}/v{version}")
         auth = {"Authorization": v} if (v := request.headers.get("authorization")) else {}
+        if self.settings.presigned:  # a 307 to the bucket, where the proxy presigns (BUCKETRL_PRESIGN_ADAPTERS_S)
+            auth["X-Bucketrl-Presign"] = "1"
 
         async def fetch() -> AsyncIterator[bytes]:
             async with http.stream("GET", request.url.path, headers=auth) as resp:
-                if resp.status_code != 200:
+                location = resp.headers.get("location") if resp.status_code == 307 else None
+                if location is None and resp.status_code != 200:
                     raise UpstreamStatus(resp, await resp.aread())
-                async for chunk in resp.aiter_bytes(CHUNK):
+                if location is None:
+                    async for chunk in resp.aiter_bytes(CHUNK):
+                        yield chunk
+            if location is not None:
+                async for chunk in self._from_bucket(location):
                     yield chunk
 
         # A worker whose download did not hash right asks again with no-cache: the cached file is hashed first.
@@ -92,9 +103,22 @@ class Relay:
             held = await self.cache.acquire(run, version, sha, fetch, fresh=fresh)
         except UpstreamStatus as exc:
             return Response(exc.body, status_code=exc.status, headers=exc.headers)
-        except (httpx.TransportError, Mismatch) as exc:
+        except (httpx.TransportError, Mismatch, BucketFailed) as exc:
             return unavailable(f"fetching {run}/v{version} from the home proxy failed: {exc!r}")
         return HeldFile(self.cache, held, {"X-Content-SHA256": sha, "ETag": f'"{sha}"'})
+
+    async def _from_bucket(self, url: str) -> AsyncIterator[bytes]:
+        """A presigned URL's bytes: no token goes there (the URL is the credential), and the bucket's certificate
+        is a public one (the system store and certifi's roots, not BUCKETRL_CA_FILE's private CA)."""
+        self.cache.stats.bucket_fetches += 1
+        async with (
+            httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=self.settings.connect_timeout_s)) as bucket,
+            bucket.stream("GET", url) as resp,
+        ):
+            if resp.status_code != 200:
+                raise BucketFailed(f"the bucket answered {resp.status_code} to the presigned URL")
+            async for chunk in resp.aiter_bytes(CHUNK):
+                yield chunk
 
     async def stats(self, _: Request) -> Response:
         gate = {"pending": self.gate.pending, "refused": self.gate.refused}

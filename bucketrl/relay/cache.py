@@ -59,6 +59,7 @@ def stamp_of(path: Path) -> Stamp | None:
 @dataclass
 class Stats:
     upstream_fetches: int = 0
+    bucket_fetches: int = 0  # of those, read straight from the bucket (presigned URLs)
     upstream_bytes: int = 0
     hits: int = 0  # served from a cached file
     shared: int = 0  # served by another caller's fetch (single flight)

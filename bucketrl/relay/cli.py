@@ -42,6 +42,9 @@ def relay_command(
     max_pending: Annotated[
         int | None, typer.Option(help="Requests waiting on the home proxy before 503s (BUCKETRL_RELAY_MAX_PENDING).")
     ] = None,
+    presigned: Annotated[
+        bool | None, typer.Option("--presigned", help="Adapters straight from S3 (BUCKETRL_RELAY_PRESIGNED).")
+    ] = None,
 ) -> None:
     """Run a regional relay: adapters from a local cache, every other call forwarded to the home proxy."""
     import uvicorn
@@ -57,6 +60,7 @@ def relay_command(
         "tls_cert_file": tls_cert_file,
         "tls_key_file": tls_key_file,
         "max_pending": max_pending,
+        "presigned": presigned,
     }
     try:
         settings = RelaySettings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]

@@ -21,6 +21,11 @@ class RelaySettings(BaseSettings):
         description="Adapter cache cap (BUCKETRL_RELAY_CACHE_MAX_BYTES); least recently served files go first, "
         "never one being served. 0 = no cap.",
     )
+    presigned: bool = Field(
+        False,
+        description="Fetch adapter versions straight from an S3 bucket through the home proxy's presigned URLs "
+        "(BUCKETRL_RELAY_PRESIGNED; the proxy needs BUCKETRL_PRESIGN_ADAPTERS_S, else it serves them itself).",
+    )
     host: str = Field("127.0.0.1", description="Bind address (BUCKETRL_RELAY_HOST).")
     port: int = Field(8001, ge=1, le=65535, description="Port (BUCKETRL_RELAY_PORT).")
     tls_cert_file: str = Field(

@@ -1,6 +1,7 @@
 """Adapters straight from the bucket: the home proxy (over a real moto S3) answers a download that asks for it
-with a 307 to a presigned URL, and a relay started with ``--presigned`` fills its cache from that URL, carrying no
-bucket credentials and none of the proxy's bandwidth; the bytes are still checked against the sha256."""
+with a 307 to a presigned URL; a generator's client that asks (``BUCKETRL_PRESIGNED_ADAPTERS``) and a relay started
+with ``--presigned`` read the tar from that URL, carrying no bucket credentials and none of the proxy's bandwidth;
+the bytes are still checked against the sha256."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bucketrl.client import ProxyClient
+from bucketrl.client import Outage, ProxyClient
+from bucketrl.settings import WorkerSettings
 from tests.proxy.harness import TOKENS, ProxyHarness, adapter_tar, make_spec, running
 from tests.relay.test_relay import RelayProc
 from tests.support.services import MotoServer, RedisServer, free_port
@@ -43,6 +45,18 @@ def test_a_presigned_download_reads_the_bucket_without_credentials(s3_home: Prox
         # Without the header (every worker today) the proxy serves the bytes itself; the token is checked first.
         assert h.get("/v1/runs/r1/adapters/1", headers=GEN).content == tar
         assert h.get("/v1/runs/r1/adapters/1", headers={"X-Bucketrl-Presign": "1"}).status_code == 401
+
+    # A generator that asks (BUCKETRL_PRESIGNED_ADAPTERS=1): the bytes from the bucket, checked like the proxy's.
+    seen: list[tuple[str, bool]] = []
+    with ProxyClient(s3_home.url, "r1", TOKENS["generator"], retries=0) as g:
+        g._http.event_hooks["response"] = [
+            lambda r: seen.append((str(r.status_code), "authorization" in r.request.headers))
+        ]
+        g.presigned = True
+        assert g.download_adapter(1) == tar
+    assert seen == [("307", True)]  # the proxy's answer; the bucket read is another client, with no token
+    with WorkerSettings(proxy_url=s3_home.url, run="r1", presigned_adapters=True).proxy_client(Outage(5.0)) as w:
+        assert w.presigned
 
     relay = RelayProc(s3_home.url, tmp_path / "cache", free_port(), args=("--presigned",)).start()
     try:

@@ -33,11 +33,13 @@ with the figures. This machine's cores are shared by every process here (the rel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -53,6 +55,7 @@ import httpx
 from bucketrl.sim.cluster import Scenario, SimBackends, SimScale, _publishes, run_scale_sim
 from bucketrl.sim.gpu import BENCH_GPU
 from bucketrl.sim.netlab import HOME, Lab, LinkSpec, Relay
+from bucketrl.sim.pki import Pki, make_pki
 
 RELAY_PORT = 8701
 
@@ -98,9 +101,7 @@ class WanScenario(Scenario):
         if region is not None:
             # `ip netns exec` execs the command in place: the Service's pid is the worker's, as without it.
             argv = [*self.wiring.lab.exec_prefix(region), *argv]
-            # Plain HTTP between the lab's namespaces: an emulated private network (TLS is tested in
-            # tests/proxy/test_tls.py), so the workers' refusal of http:// off loopback is waived on purpose.
-            env = {**env, "BUCKETRL_PROXY_URL": self.wiring.urls[region], "BUCKETRL_INSECURE_HTTP": "1"}
+            env = {**env, "BUCKETRL_PROXY_URL": self.wiring.urls[region], **insecure_env(self.wiring.urls[region])}
         return super()._start(name, argv, env)
 
     def start_fleet(self) -> Any:
@@ -115,6 +116,12 @@ class WanScenario(Scenario):
             t.start()
             w.timers.append(t)
         return fleets
+
+
+def insecure_env(url: str) -> dict[str, str]:
+    """Without ``--tls``, plain HTTP between the lab's namespaces (an emulated private network), so the workers'
+    refusal of http:// off loopback is waived on purpose; with it, workers verify against the lab's CA."""
+    return {} if url.startswith("https://") else {"BUCKETRL_INSECURE_HTTP": "1"}
 
 
 def scenario_for(wiring: Wiring) -> type[Scenario]:
@@ -144,6 +151,7 @@ def link_figures(cfg: SimScale, workdir: Path, w: Wiring, after: dict[str, dict[
             loads += [tuple(x) for x in rep["loads"]]
             retries += int(rep.get("transport_retries", 0))
     versions = {v for _g, v, _t in loads}
+    recovery = after_drop(w, loads, workdir, cfg.processes)
     delta = {r: {d: after[r][d] - w.link_bytes_before.get(r, {}).get(d, 0) for d in ("down", "up")} for r in after}
     total = sum(x["down"] + x["up"] for x in delta.values())
     n = max(len(versions), 1)
@@ -157,7 +165,36 @@ def link_figures(cfg: SimScale, workdir: Path, w: Wiring, after: dict[str, dict[
         "wan_down_bytes_per_version_by_region": {r: round(x["down"] / n) for r, x in delta.items()},
         "adapter_bytes": adapter,
         "adapter_bytes_x_loads_per_version": round(adapter * loads_per_version),
+        **recovery,
     }
+
+
+def after_drop(w: Wiring, loads: list[tuple[str, int, float]], workdir: Path, processes: int) -> dict[str, Any]:
+    """With a drop: each region's adapter loads once the link was back (its generators were fed again), and the
+    groups each region's fleet had accepted."""
+    if w.drop is None or w.dropped_at is None:
+        return {}
+    back = w.dropped_at + w.drop[2]
+    region_of = {}
+    groups: dict[str, int] = dict.fromkeys(w.regions, 0)
+    for i in range(processes):
+        region = w.regions[i % len(w.regions)]
+        path = workdir / f"fleet-{i}.json"
+        if path.exists():
+            rep = json.loads(path.read_text())
+            region_of.update({g: region for g, _v, _t in rep["loads"]})
+            groups[region] += int(rep.get("groups_submitted", 0))
+    after: dict[str, int] = dict.fromkeys(w.regions, 0)
+    for g, _v, t in loads:
+        if t >= back and g in region_of:
+            after[region_of[g]] += 1
+    steps = 0  # trainer steps logged once the link was back (its log's local-time stamps)
+    log = workdir / "logs" / "trainer.log"
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if _STEP.search(line):
+            with contextlib.suppress(ValueError):
+                steps += time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) >= back
+    return {"loads_after_drop_by_region": after, "groups_submitted_by_region": groups, "steps_after_drop": steps}
 
 
 _STEP = re.compile(r"step (\d+)/\d+ .* wait ([0-9.]+)s step")
@@ -202,21 +239,27 @@ FIELDS = (
 )
 
 
-def start_region_relays(lab: Lab, urls: dict[str, str], workdir: Path) -> dict[str, subprocess.Popen]:
+def start_region_relays(
+    lab: Lab, urls: dict[str, str], workdir: Path, backends: SimBackends
+) -> dict[str, subprocess.Popen]:
     """One ``bucketrl relay`` per region, in the region's namespace on its link address (so this process, in home,
-    can see it listen); its upstream is the home proxy through the region's delay relay. Replaces ``urls``."""
+    can see it listen); its upstream is the home proxy through the region's delay relay. Replaces ``urls``. With
+    ``--tls`` it serves HTTPS with the lab's certificate and verifies the home proxy with the lab's CA."""
     procs: dict[str, subprocess.Popen] = {}
+    tls = backends.tls
     for r, upstream in list(urls.items()):
         addr = lab.links[r].region_addr
         argv = [*lab.exec_prefix(r), sys.executable, "-m", "bucketrl.cli", "relay", "--upstream", upstream]
         argv += ["--cache-dir", str(workdir / f"relay-{r}"), "--host", addr, "--port", str(RELAY_PORT)]
+        if tls:
+            argv += ["--tls-cert-file", str(tls.cert), "--tls-key-file", str(tls.key)]
+        env = {**os.environ, **backends.client_env, **insecure_env(upstream)}
         workdir.mkdir(parents=True, exist_ok=True)
         with (workdir / f"relay-{r}.log").open("wb") as log:
-            procs[r] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        urls[r] = f"http://{addr}:{RELAY_PORT}"
+            procs[r] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        urls[r] = f"{'https' if tls else 'http'}://{addr}:{RELAY_PORT}"
     for r, proc in procs.items():
-        host, port = urls[r].removeprefix("http://").rsplit(":", 1)
-        wait_port_at(host, int(port), proc)
+        wait_port_at(lab.links[r].region_addr, RELAY_PORT, proc)
     return procs
 
 
@@ -233,8 +276,9 @@ def wait_port_at(host: str, port: int, proc: subprocess.Popen, timeout_s: float 
     raise TimeoutError(f"relay not listening on {host}:{port} after {timeout_s}s")
 
 
-def relay_stats(urls: dict[str, str]) -> dict[str, Any]:
-    return {r: httpx.get(f"{u}/relay/stats", timeout=10).json() for r, u in urls.items()}
+def relay_stats(urls: dict[str, str], backends: SimBackends) -> dict[str, Any]:
+    verify = ssl.create_default_context(cafile=str(backends.tls.ca)) if backends.tls else True
+    return {r: httpx.get(f"{u}/relay/stats", timeout=10, verify=verify).json() for r, u in urls.items()}
 
 
 def point(
@@ -249,10 +293,11 @@ def point(
             link = lab.links[r]
             relay = lab.start_relay(HOME, (link.home_addr, 0), ("127.0.0.1", backends.proxy_port), rtt_ms / 2.0)
             relays.append(relay)
-            urls[r] = f"http://{relay.address}"
+            urls[r] = f"{'https' if backends.tls else 'http'}://{relay.address}"
         if mode == "relay":
-            region_relays = start_region_relays(lab, {r: urls[r] for r in regions}, workdir)
-            urls.update({r: f"http://{lab.links[r].region_addr}:{RELAY_PORT}" for r in regions})
+            relayed = {r: urls[r] for r in regions}
+            region_relays = start_region_relays(lab, relayed, workdir, backends)
+            urls.update(relayed)
         drop = (args.drop_region, args.drop_at_s, args.drop_s) if args.drop_s else None
         wiring = Wiring(lab, regions, urls, args.trainer_region, drop)
         cfg = SimScale(
@@ -278,7 +323,7 @@ def point(
                 lab.restore(region)
         out: dict[str, Any] = {"mode": mode, "rtt_ms": rtt_ms, **{k: r.get(k) for k in FIELDS}}
         if region_relays:
-            out["relay_stats"] = relay_stats({x: urls[x] for x in region_relays})
+            out["relay_stats"] = relay_stats({x: urls[x] for x in region_relays}, backends)
         out.update(link_figures(cfg, workdir, wiring, wiring.link_bytes()))
         out.update(trainer_figures(workdir, cfg.warmup_steps))
         trained = (r.get("groups") or {}).get("trained") or 0
@@ -321,6 +366,12 @@ HEADER = (
 )
 
 
+def lab_pki(lab: Lab, where: Path) -> Pki:
+    """A CA and one certificate for every address the proxy and the relays listen on in the lab."""
+    addrs = [a for link in lab.links.values() for a in (link.home_addr, link.region_addr)]
+    return make_pki(where, ips=("127.0.0.1", *addrs))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, help="write the figures here")
@@ -340,6 +391,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drop-s", type=float, default=0.0, help="black-hole a link this long in each point")
     p.add_argument("--drop-region", default=None, help="the link to drop (default: the first region)")
     p.add_argument("--drop-at-s", type=float, default=None, help="seconds after the fleet starts (default: 1/4)")
+    p.add_argument("--tls", action="store_true", help="HTTPS everywhere: proxy and relays, verified with a lab CA")
     p.add_argument("--keep", action="store_true", help="keep the logs directory")
     args = p.parse_args(argv)
     args.rtts = [float(x) for x in args.rtt_ms.split(",") if x.strip()]
@@ -372,7 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     with (
         lab,
         lab.entered(HOME),
-        SimBackends(work / "backends", proxy_workers=args.proxy_workers, s3_latency_ms=args.s3_latency_ms) as b,
+        SimBackends(
+            work / "backends",
+            proxy_workers=args.proxy_workers,
+            s3_latency_ms=args.s3_latency_ms,
+            tls=lab_pki(lab, work / "pki") if args.tls else None,  # built once the lab has its addresses
+        ) as b,
     ):
         say(f"lab {lab.home_ns}: regions {link_regions} at {args.mbit:g} Mbit; backends up in home")
         for mode in args.modes:

@@ -31,6 +31,7 @@ import msgpack
 from pydantic import BaseModel
 
 from bucketrl import errors
+from bucketrl.client_download import Sink, from_bucket
 from bucketrl.client_workers import WorkerOpsClient
 from bucketrl.tls import CA_FILE_ENV, TransportSecurity, verification_failure
 from bucketrl.wire import (
@@ -144,23 +145,6 @@ TAR = "application/x-tar"
 MSGPACK = "application/msgpack"
 
 
-class _Sink:
-    """Where a streamed answer's body goes: a seekable file, hashed on the way."""
-
-    def __init__(self, out: IO[bytes]) -> None:
-        self.out, self.start = out, out.tell()
-        self.sha = hashlib.sha256()
-
-    def restart(self) -> None:
-        self.out.seek(self.start)
-        self.out.truncate()
-        self.sha = hashlib.sha256()
-
-    def write(self, chunk: bytes) -> None:
-        self.out.write(chunk)
-        self.sha.update(chunk)
-
-
 class ProxyClient(WorkerOpsClient):
     """Typed client for one run on one proxy."""
 
@@ -188,6 +172,7 @@ class ProxyClient(WorkerOpsClient):
         self.retries = retries
         self.backoff_s = backoff_s
         self.outage = outage
+        self.presigned = False  # adapters straight from the bucket when the proxy presigns (client_download.py)
         self.epoch: int | None = None
         self._push_session, self._push_seq = uuid.uuid4().hex, itertools.count(1)
         self._urls = [u.strip().rstrip("/") for u in base_url.split(",") if u.strip()] or [base_url]
@@ -237,7 +222,7 @@ class ProxyClient(WorkerOpsClient):
         *,
         retry: bool = True,
         extra_timeout_s: float = 0.0,
-        sink: _Sink | None = None,
+        sink: Sink | None = None,
         **kw: Any,
     ) -> httpx.Response:
         """Send one request; translate error bodies into bucketrl errors; retry transient failures.
@@ -271,7 +256,7 @@ class ProxyClient(WorkerOpsClient):
             attempt += 1
 
     def _attempt(
-        self, method: str, url: str, kw: dict[str, Any], sink: _Sink | None = None
+        self, method: str, url: str, kw: dict[str, Any], sink: Sink | None = None
     ) -> tuple[httpx.Response, None] | tuple[None, errors.BucketRLError]:
         """One request: the response on success, else the error it amounts to."""
         self._back_to_first()
@@ -295,7 +280,7 @@ class ProxyClient(WorkerOpsClient):
             body = resp.text
         return None, errors.from_wire(resp.status_code, body, _retry_after(resp))
 
-    def _stream(self, method: str, url: str, kw: dict[str, Any], sink: _Sink) -> httpx.Response:
+    def _stream(self, method: str, url: str, kw: dict[str, Any], sink: Sink) -> httpx.Response:
         with self._http.stream(method, url, **kw) as resp:
             if resp.status_code >= 400:
                 resp.read()  # an error body: small JSON
@@ -358,12 +343,16 @@ class ProxyClient(WorkerOpsClient):
         self.download_adapter_to(version, buf)
         return buf.getvalue()
 
-    def download_adapter_to(self, version: int, out: IO[bytes]) -> str:
-        """Stream the adapter tar into ``out`` (seekable; a retried attempt starts it over), one chunk in memory
-        at a time whatever the adapter's size. Returns its sha256, checked against the proxy's header
-        (``Invalid``, retryable: a corrupted transfer, if not)."""
-        sink = _Sink(out)
-        resp = self._request("GET", self._path(f"/adapters/{version}"), sink=sink)
+    def download_adapter_to(self, version: int, out: IO[bytes], *, fresh: bool = False) -> str:
+        """Stream the adapter tar into ``out`` (seekable; a retried attempt starts it over), one chunk in memory at
+        a time. Returns its sha256, checked against the proxy's header (``Invalid``, retryable: a corrupted
+        transfer, if not). ``fresh``: a cache on the way (a relay) checks its copy first (the retry after that)."""
+        sink, headers = Sink(out), {"Cache-Control": "no-cache"} if fresh else {}
+        if self.presigned:
+            headers["X-Bucketrl-Presign"] = "1"
+        resp = self._request("GET", self._path(f"/adapters/{version}"), sink=sink, headers=headers)
+        if resp.status_code == 307:  # the tar straight from the bucket; no token goes there
+            from_bucket(resp.headers["location"], sink, self._http.timeout)
         want, got = resp.headers.get("X-Content-SHA256"), sink.sha.hexdigest()
         if want and want != got:
             raise errors.Invalid(f"adapter v{version}: sha256 {got} != advertised {want}", retryable=True)

@@ -79,6 +79,12 @@ class WorkerSettings(BaseSettings):
         "cross the network unencrypted): only inside one private network, on purpose.",
     )
 
+    presigned_adapters: bool = Field(
+        False,
+        description="BUCKETRL_PRESIGNED_ADAPTERS: ask for adapter downloads straight from an S3 bucket (a presigned "
+        "URL the proxy hands out when BUCKETRL_PRESIGN_ADAPTERS_S is set; no bucket keys on the worker).",
+    )
+
     @property
     def security(self) -> TransportSecurity:
         return TransportSecurity(ca_file=self.ca_file, insecure_http=self.insecure_http)
@@ -95,9 +101,11 @@ class WorkerSettings(BaseSettings):
         """A client for this worker that retries through proxy outages as ``outage`` (shared by the worker's
         clients: one log line per outage, one budget) allows."""
 
-        return ProxyClient(
+        client = ProxyClient(
             self.proxy_url, self.run, self.token, timeout_s=self.http_timeout_s, outage=outage, security=self.security
         )
+        client.presigned = self.presigned_adapters
+        return client
 
     def phase_client(self) -> ProxyClient:
         """A client that tries once, briefly: for phase and note pushes, which must never hold up a start or an

@@ -69,6 +69,17 @@ class TransportSecurity:
         return _context(self.ca_file)
 
 
+def server_pair_problem(cert: tuple[str, str], key: tuple[str, str]) -> str | None:
+    """What is wrong with a server's (setting name, path) certificate and key, if anything: both or neither,
+    each a file."""
+    if bool(cert[1]) != bool(key[1]):
+        return f"{cert[0]} and {key[0]} must be set together (or neither)"
+    for name, path in (cert, key):
+        if path and not os.path.isfile(path):
+            return f"{name}={path} is not a readable file"
+    return None
+
+
 def verification_failure(exc: BaseException) -> str | None:
     """The reason, when ``exc`` (an httpx transport error) is the server's certificate failing verification."""
     seen: BaseException | None = exc

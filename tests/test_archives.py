@@ -101,7 +101,7 @@ def test_any_unpack_failure_is_a_bad_version_not_a_crash(tmp_path: Path, monkeyp
     class Client:
         data = good
 
-        def download_adapter_to(self, version: int, out: IO[bytes]) -> str:
+        def download_adapter_to(self, version: int, out: IO[bytes], *, fresh: bool = False) -> str:
             out.write(self.data)
             return hashlib.sha256(self.data).hexdigest()
 

@@ -96,7 +96,8 @@ def _download(client: ProxyClient, version: int, tar_path: Path, expected_sha256
     for attempt in (1, 2):
         with tar_path.open("wb") as fh:
             try:
-                got = client.download_adapter_to(version, fh)  # checks the proxy's X-Content-SHA256 header
+                # Checks the proxy's X-Content-SHA256 header; the second time a relay's cache is checked too.
+                got = client.download_adapter_to(version, fh, fresh=attempt == 2)
             except errors.Invalid as exc:
                 if not exc.retryable:
                     raise

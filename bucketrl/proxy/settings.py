@@ -32,6 +32,14 @@ class ProxySettings(BaseSettings):
         "loopback: for a development proxy only.",
     )
     max_adapter_bytes: int = Field(512 * 1024 * 1024, ge=1, description="Upper bound of an adapter tar.")
+    presign_adapters_s: int = Field(
+        0,
+        ge=0,
+        le=7 * 24 * 3600,
+        description="S3 buckets: a download asking for it (header X-Bucketrl-Presign: 1, e.g. a regional relay "
+        "started with --presigned) is answered 307 to a presigned URL valid this long, so the bytes come straight "
+        "from the bucket (BUCKETRL_PRESIGN_ADAPTERS_S; 0 = off).",
+    )
     max_checkpoint_bytes: int = Field(4 * 1024**3, ge=1, description="Upper bound of a checkpoint tar.")
     adapter_cache_mb: int = Field(
         256,

@@ -12,10 +12,12 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
-from bucketrl.relay.cache import CHUNK, AdapterCache, Mismatch
-from bucketrl.relay.forward import HOP, forward, relayed, send, unavailable
+from bucketrl.relay.cache import CHUNK, AdapterCache, Entry, Mismatch
+from bucketrl.relay.forward import HOP, Gate, Refused, forward, relayed, send, unavailable
 from bucketrl.relay.settings import RelaySettings
+from bucketrl.tls import TransportSecurity
 from bucketrl.wire.common import ID_PATTERN
 
 TAR = "application/x-tar"
@@ -33,10 +35,30 @@ class UpstreamStatus(Exception):
         self.headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP | {"content-length"}}
 
 
+class HeldFile(FileResponse):
+    """A cached file, held against eviction until it has been sent (or the caller went away)."""
+
+    def __init__(self, cache: AdapterCache, held: Entry, headers: dict[str, str]) -> None:
+        super().__init__(held.path, media_type=TAR, headers=headers)
+        self.cache, self.held = cache, held
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cache.release(self.held)
+
+
+class BucketFailed(Exception):
+    """A presigned URL that did not answer the tar (expired, refused): the caller asks again."""
+
+
 class Relay:
-    def __init__(self, settings: RelaySettings) -> None:
+    def __init__(self, settings: RelaySettings, security: TransportSecurity | None = None) -> None:
         self.settings = settings
-        self.cache = AdapterCache(settings.cache_dir)
+        self.security = security or TransportSecurity.from_env()
+        self.cache = AdapterCache(settings.cache_dir, settings.cache_max_bytes)
+        self.gate = Gate(settings.max_pending)
         self.http: httpx.AsyncClient | None = None
 
     def client(self) -> httpx.AsyncClient:
@@ -48,7 +70,9 @@ class Relay:
         served from the cache, fetched once per version."""
         http, run, version = self.client(), request.path_params["run"], request.path_params["version"]
         try:
-            probe = await send(http, request, {"If-None-Match": "*"})
+            probe = await send(http, request, self.gate, {"If-None-Match": "*"})
+        except Refused as exc:
+            return unavailable(str(exc))
         except httpx.TransportError as exc:
             return unavailable(f"home proxy unreachable: {exc!r}")
         if probe.status_code != 304:
@@ -58,41 +82,68 @@ class Relay:
         if not _SHA.match(sha) or not _RUN.match(run):
             return unavailable(f"home proxy answered no usable sha256 for {run}/v{version}")
         auth = {"Authorization": v} if (v := request.headers.get("authorization")) else {}
+        if self.settings.presigned:  # a 307 to the bucket, where the proxy presigns (BUCKETRL_PRESIGN_ADAPTERS_S)
+            auth["X-Bucketrl-Presign"] = "1"
 
         async def fetch() -> AsyncIterator[bytes]:
             async with http.stream("GET", request.url.path, headers=auth) as resp:
-                if resp.status_code != 200:
+                location = resp.headers.get("location") if resp.status_code == 307 else None
+                if location is None and resp.status_code != 200:
                     raise UpstreamStatus(resp, await resp.aread())
-                async for chunk in resp.aiter_bytes(CHUNK):
+                if location is None:
+                    async for chunk in resp.aiter_bytes(CHUNK):
+                        yield chunk
+            if location is not None:
+                async for chunk in self._from_bucket(location):
                     yield chunk
 
+        # A worker whose download did not hash right asks again with no-cache: the cached file is hashed first.
+        fresh = "no-cache" in request.headers.get("cache-control", "").lower()
         try:
-            path = await self.cache.ensure(run, version, sha, fetch)
+            held = await self.cache.acquire(run, version, sha, fetch, fresh=fresh)
         except UpstreamStatus as exc:
             return Response(exc.body, status_code=exc.status, headers=exc.headers)
-        except (httpx.TransportError, Mismatch) as exc:
+        except (httpx.TransportError, Mismatch, BucketFailed) as exc:
             return unavailable(f"fetching {run}/v{version} from the home proxy failed: {exc!r}")
-        return FileResponse(path, media_type=TAR, headers={"X-Content-SHA256": sha, "ETag": f'"{sha}"'})
+        return HeldFile(self.cache, held, {"X-Content-SHA256": sha, "ETag": f'"{sha}"'})
+
+    async def _from_bucket(self, url: str) -> AsyncIterator[bytes]:
+        """A presigned URL's bytes: no token goes there (the URL is the credential), and the bucket's certificate
+        is a public one (the system store and certifi's roots, not BUCKETRL_CA_FILE's private CA)."""
+        self.cache.stats.bucket_fetches += 1
+        async with (
+            httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=self.settings.connect_timeout_s)) as bucket,
+            bucket.stream("GET", url) as resp,
+        ):
+            if resp.status_code != 200:
+                raise BucketFailed(f"the bucket answered {resp.status_code} to the presigned URL")
+            async for chunk in resp.aiter_bytes(CHUNK):
+                yield chunk
 
     async def stats(self, _: Request) -> Response:
-        return JSONResponse(dataclasses.asdict(self.cache.stats))
+        gate = {"pending": self.gate.pending, "refused": self.gate.refused}
+        return JSONResponse({**dataclasses.asdict(self.cache.stats), **gate})
 
     async def other(self, request: Request) -> Response:
-        return await forward(self.client(), request)
+        return await forward(self.client(), request, self.gate)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Starlette) -> AsyncIterator[None]:
         s = self.settings
-        timeout = httpx.Timeout(connect=s.connect_timeout_s, read=None, write=60.0, pool=None)
+        # A pool slot is waited for a while, not for ever: all of them held by requests stuck on a dropped link.
+        timeout = httpx.Timeout(connect=s.connect_timeout_s, read=None, write=60.0, pool=30.0)
         # Idle upstream connections are dropped before uvicorn's 5 s keep-alive closes them: reusing one the server is
         # closing at that moment fails the request (RemoteProtocolError), seen in bench/wan.py.
         limits = httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=64, keepalive_expiry=2.0)
-        async with httpx.AsyncClient(base_url=s.upstream_url, timeout=timeout, limits=limits) as self.http:
+        verify = self.security.verify()  # BUCKETRL_CA_FILE or the system store: the callers' tokens go up this link
+        async with httpx.AsyncClient(
+            base_url=s.upstream_url, timeout=timeout, limits=limits, verify=verify
+        ) as self.http:
             yield
 
 
-def create_app(settings: RelaySettings) -> Starlette:
-    relay = Relay(settings)
+def create_app(settings: RelaySettings, security: TransportSecurity | None = None) -> Starlette:
+    relay = Relay(settings, security)
     routes = [
         Route("/relay/stats", relay.stats, methods=["GET"]),
         Route("/v1/runs/{run}/adapters/{version:int}", relay.adapter, methods=["GET"]),

@@ -1,8 +1,19 @@
-"""The relay's on-disk adapter cache: one file per (run, version, sha256), verified on every read.
+"""The relay's on-disk adapter cache: one file per (run, version, sha256), capped in bytes, least recently
+served evicted first.
 
-A cache, nothing more: a relay that restarts finds its files again (each is re-hashed before it is served) and
-one that loses them fetches them again. Concurrent misses of one version share a single upstream fetch (single
-flight), so a publish that every generator of a region asks for at once crosses the slow link once.
+A cache, nothing more: a relay that restarts finds its files again and one that loses them fetches them again.
+Concurrent misses of one version share a single upstream fetch (single flight), so a publish that every
+generator of a region asks for at once crosses the slow link once.
+
+Integrity without re-hashing every hit: a file is hashed once as it is written (it only appears under its final
+name when it hashed right) and once more on its first use after a restart; each hit then checks that the file is
+still the one hashed (inode, size, mtime), so anything that rewrote it is caught and the file re-hashed. What a
+stat cannot see (a bit rotting in place) the caller catches: every worker checks the sha256 header against the
+bytes it got, and asks again with ``Cache-Control: no-cache``, which makes the relay hash its file before
+serving it (``fresh``).
+
+Eviction never touches a file being served (``readers``): the cache may stand over its cap while every file is
+in use, and shrinks as they are released.
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ import hashlib
 import logging
 import os
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +33,7 @@ log = logging.getLogger("bucketrl.relay.cache")
 CHUNK = 1 << 20
 
 Fetch = Callable[[], AsyncIterator[bytes]]  # the upstream body, opened when iterated
+Stamp = tuple[int, int, int]  # (inode, size, mtime_ns) of a file as it was hashed
 
 
 class Mismatch(Exception):
@@ -35,44 +48,108 @@ def sha_of(path: Path) -> str:
     return h.hexdigest()
 
 
+def stamp_of(path: Path) -> Stamp | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 @dataclass
 class Stats:
     upstream_fetches: int = 0
+    bucket_fetches: int = 0  # of those, read straight from the bucket (presigned URLs)
     upstream_bytes: int = 0
-    hits: int = 0  # served from a verified file
+    hits: int = 0  # served from a cached file
     shared: int = 0  # served by another caller's fetch (single flight)
+    verified: int = 0  # cached files hashed again (first use after a restart, a changed stamp, no-cache)
     corrupt: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    files: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Entry:
+    path: Path
+    size: int
+    stamp: Stamp | None  # None: found on disk at start, not hashed yet by this process
+    readers: int = 0
 
 
 @dataclass
 class AdapterCache:
     root: Path
+    max_bytes: int = 0  # 0: no cap
     stats: Stats = field(default_factory=Stats)
+    _entries: OrderedDict[Path, Entry] = field(default_factory=OrderedDict)  # least recently served first
     _flights: dict[Path, asyncio.Task[None]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Files a previous run left are cached again (oldest first, to be hashed on first use); partial ones go."""
+        found: list[tuple[int, Path, int]] = []
+        for p in self.root.glob("*/*"):
+            if p.name.endswith(".part"):
+                p.unlink(missing_ok=True)
+            elif p.name.endswith(".tar") and p.is_file():
+                st = p.stat()
+                found.append((st.st_mtime_ns, p, st.st_size))
+        for _, p, size in sorted(found):
+            self._entries[p] = Entry(p, size, None)
+        self._count()
+        self._prune()
 
     def path(self, run: str, version: int, sha: str) -> Path:
         return self.root / run / f"v{version}.{sha}.tar"
 
-    async def ensure(self, run: str, version: int, sha: str, fetch: Fetch) -> Path:
-        """The verified file of this version, fetched (once, whoever else asks meanwhile) if absent or corrupt."""
+    async def acquire(self, run: str, version: int, sha: str, fetch: Fetch, fresh: bool = False) -> Entry:
+        """The verified file of this version, held for serving until :meth:`release`; fetched (once, whoever else
+        asks meanwhile) if absent or corrupt. ``fresh``: hash the cached file before trusting it."""
         path = self.path(run, version, sha)
-        if path.exists():
-            got = await asyncio.to_thread(sha_of, path)
-            if got == sha:
+        while True:
+            e = self._entries.get(path)
+            if e is not None and not fresh and e.stamp is not None and stamp_of(path) == e.stamp:
                 self.stats.hits += 1
-                return path
-            self.stats.corrupt += 1
+                return self._hold(path, e)
+            flight = self._flights.get(path)
+            if flight is not None:
+                self.stats.shared += 1
+            else:
+                flight = asyncio.create_task(self._settle(path, sha, fetch, check=e is not None))
+                self._flights[path] = flight
+                flight.add_done_callback(lambda _: self._flights.pop(path, None))
+            await asyncio.shield(flight)  # a caller that goes away does not cancel the others' fetch
+            e = self._entries.get(path)
+            if e is not None:  # else evicted before this caller resumed (a tiny cap): once more
+                return self._hold(path, e)
+            fresh = False
+
+    def release(self, e: Entry) -> None:
+        e.readers = max(0, e.readers - 1)
+        self._prune()
+
+    def _hold(self, path: Path, e: Entry) -> Entry:
+        e.readers += 1
+        self._entries.move_to_end(path)
+        return e
+
+    async def _settle(self, path: Path, sha: str, fetch: Fetch, check: bool) -> None:
+        """Hash the cached file (``check``) and keep it if it is right; else fetch it."""
+        if check:
+            stamp = stamp_of(path)
+            got = await asyncio.to_thread(sha_of, path) if stamp is not None else None
+            self.stats.verified += 1
+            e = self._entries.get(path)
+            if got == sha and e is not None and stamp_of(path) == stamp:
+                e.stamp = stamp
+                self.stats.hits += 1  # served from the cache all the same
+                return
+            self.stats.corrupt += got is not None
             log.warning("relay cache: %s hashes to %s, not %s; fetching it again", path, got, sha)
-            path.unlink(missing_ok=True)
-        flight = self._flights.get(path)
-        if flight is not None:
-            self.stats.shared += 1
-        else:
-            flight = asyncio.create_task(self._fetch(path, sha, fetch))
-            self._flights[path] = flight
-            flight.add_done_callback(lambda _: self._flights.pop(path, None))
-        await asyncio.shield(flight)  # a caller that goes away does not cancel the others' fetch
-        return path
+            self._drop(path)
+        await self._fetch(path, sha, fetch)
 
     async def _fetch(self, path: Path, sha: str, fetch: Fetch) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +166,32 @@ class AdapterCache:
             if h.hexdigest() != sha:
                 raise Mismatch(f"{path.name}: upstream sent {n} bytes hashing to {h.hexdigest()}")
             os.replace(tmp, path)  # whole or absent: a reader never sees a partial file under the final name
+            self._entries[path] = Entry(path, n, stamp_of(path))
             log.info("relay cache: fetched %s (%d bytes)", path, n)
         finally:
             tmp.unlink(missing_ok=True)
+        self._count()
+        self._prune()
+
+    def _drop(self, path: Path) -> None:
+        self._entries.pop(path, None)
+        path.unlink(missing_ok=True)
+        self._count()
+
+    def _prune(self) -> None:
+        """Evict least recently served files, none in use, until the cache fits its cap."""
+        if not self.max_bytes:
+            return
+        for path, e in list(self._entries.items()):
+            if self.stats.bytes <= self.max_bytes:
+                break
+            if e.readers or path in self._flights:
+                continue
+            self._drop(path)
+            self.stats.evictions += 1
+            self.stats.evicted_bytes += e.size
+            log.info("relay cache: evicted %s (%d bytes, over the %d-byte cap)", path, e.size, self.max_bytes)
+
+    def _count(self) -> None:
+        self.stats.files = len(self._entries)
+        self.stats.bytes = sum(e.size for e in self._entries.values())

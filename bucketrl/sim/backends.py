@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import ssl
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from bucketrl.up.processes import Service, free_port, port_open, redis_server_binary, wait_until
+
+if TYPE_CHECKING:
+    from bucketrl.sim.pki import Pki
 
 # 16+ characters: the proxy refuses shorter tokens at start.
 TOKENS = {
@@ -52,9 +57,16 @@ class SimBackends:
     each). Every process is ended by its own pid."""
 
     def __init__(
-        self, workdir: Path, *, proxy_workers: int = 1, s3_latency_ms: float = 20.0, s3_jitter_ms: float = 10.0
+        self,
+        workdir: Path,
+        *,
+        proxy_workers: int = 1,
+        s3_latency_ms: float = 20.0,
+        s3_jitter_ms: float = 10.0,
+        tls: Pki | None = None,
     ) -> None:
         self.dir = workdir
+        self.tls = tls  # the proxy serves HTTPS with its certificate; workers verify it with its CA
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proxy_workers = proxy_workers
         self.s3_latency_ms, self.s3_jitter_ms = s3_latency_ms, s3_jitter_ms
@@ -67,7 +79,12 @@ class SimBackends:
 
     @property
     def proxy_url(self) -> str:
-        return f"http://127.0.0.1:{self.proxy_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.proxy_port}"
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """What a worker needs to trust the proxy (``BUCKETRL_CA_FILE``) when it serves HTTPS."""
+        return {"BUCKETRL_CA_FILE": str(self.tls.ca)} if self.tls else {}
 
     def start_service(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Service:
         svc = Service(name, argv, self.dir / "logs" / f"{name}.log", env=env or {}).start()
@@ -141,13 +158,7 @@ class SimBackends:
             aws_secret_access_key="testing",
         )
         s3.create_bucket(Bucket=self.bucket)
-        env = {
-            **AWS_ENV,
-            "BUCKETRL_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
-            "BUCKETRL_BUCKET_URL": f"s3://{self.bucket}/bucketrl",
-            "BUCKETRL_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.front_port}",
-            "BUCKETRL_TOKENS": ",".join(f"{r}:{t}" for r, t in TOKENS.items()),
-        }
+        env = self._proxy_env()
         self.proxy = self.start_service(
             "proxy",
             [
@@ -169,9 +180,22 @@ class SimBackends:
         self._wait_port(self.proxy_port, self.proxy, "the proxy")
         wait_until(self._ready, 60, "proxy /readyz", self.proxy)
 
+    def _proxy_env(self) -> dict[str, str]:
+        env = {
+            **AWS_ENV,
+            "BUCKETRL_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
+            "BUCKETRL_BUCKET_URL": f"s3://{self.bucket}/bucketrl",
+            "BUCKETRL_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.front_port}",
+            "BUCKETRL_TOKENS": ",".join(f"{r}:{t}" for r, t in TOKENS.items()),
+        }
+        if self.tls:  # HTTPS with the given certificate (bench/wan.py --tls)
+            env.update({"BUCKETRL_TLS_CERT_FILE": str(self.tls.cert), "BUCKETRL_TLS_KEY_FILE": str(self.tls.key)})
+        return env
+
     def _ready(self) -> bool:
         try:
-            return httpx.get(f"{self.proxy_url}/readyz", timeout=2.0).status_code == 200
+            verify = ssl.create_default_context(cafile=str(self.tls.ca)) if self.tls else True
+            return httpx.get(f"{self.proxy_url}/readyz", timeout=2.0, verify=verify).status_code == 200
         except httpx.HTTPError:
             return False
 

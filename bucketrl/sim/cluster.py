@@ -119,6 +119,7 @@ class Scenario:
 
     def worker_env(self, role: str) -> dict[str, str]:
         env = {"BUCKETRL_PROXY_URL": self.b.proxy_url, "BUCKETRL_TOKEN": TOKENS[role], "BUCKETRL_RUN": self.run}
+        env.update(self.b.client_env)
         env.update({f"BUCKETRL_SIM_{k.upper()}": str(v) for k, v in self.cfg.gpu.items()})
         return env
 

@@ -257,6 +257,13 @@ def iter_bundle(store: BucketStore, prefix: str, chunk_size: int = 1 << 20) -> I
     return store.iter_chunks(norm + BUNDLE, chunk_size)
 
 
+def presigned_bundle(store: BucketStore, prefix: str, expires_s: int) -> str | None:
+    """A credential-free URL of ``{prefix}/bundle.tar`` valid ``expires_s``; None when the store cannot sign
+    one (a file bucket). The caller has checked the directory is committed (a live version's record)."""
+    presign = getattr(store, "presign_get", None)
+    return None if presign is None else str(presign(_dir_prefix(prefix) + BUNDLE, expires_s))
+
+
 def delete_dir(store: BucketStore, prefix: str) -> int:
     """Delete a directory: manifest first (readers stop seeing it), then the rest. Returns objects deleted after."""
     norm = _dir_prefix(prefix)

@@ -154,6 +154,12 @@ class S3Store:
         finally:
             body.close()
 
+    def presign_get(self, key: str, expires_s: int) -> str:
+        """A URL that reads ``key`` without credentials for ``expires_s`` (signed here, no request made)."""
+        params = {"Bucket": self.bucket, "Key": self._full(key)}
+        with self._translate(f"presign {key!r}", key):
+            return str(self._client.generate_presigned_url("get_object", Params=params, ExpiresIn=expires_s))
+
     def exists(self, key: str) -> bool:
         full = self._full(key)
         try:

@@ -60,6 +60,15 @@ COMBOS: dict[str, dict[str, Any]] = {
         "proxyUrl": "https://bucketrl.example.org/",
         "secrets": {"tokens": {"existingSecret": "generator-token"}},
     },
+    "regional-relay": {
+        "proxy": {"enabled": False},
+        "trainer": {"enabled": False},
+        "redis": {"enabled": False},
+        "proxyUrl": "https://bucketrl.example.org/",
+        "secrets": {"tokens": {"existingSecret": "generator-token"}},
+        "relay": {"enabled": True, "cacheMaxBytes": 2147483648, "service": {"port": 8101}},
+        "caSecret": {"name": "home-ca", "key": "ca.pem"},
+    },
     "cpu-statefulset-keys": {
         "trainer": {"kind": "StatefulSet", "gpu": {"enabled": False}, "tolerations": []},
         "generator": {"engine": "transformers", "gpu": {"enabled": False}, "tolerations": []},
@@ -122,6 +131,7 @@ class Refs:
             ("Secret", secrets["s3"]["existingSecret"]),
             ("Secret", values["redis"]["external"]["existingSecret"]),
             ("ConfigMap", values["run"]["existingConfigMap"]),
+            ("Secret", values["caSecret"]["name"]),
         }
         # Secrets the values reference through extraEnv (e.g. an HF token) are the user's own.
         for component in ("trainer", "generator"):
@@ -350,7 +360,20 @@ def test_generators_gpu_placement_and_autoscaling(combo) -> None:
     generator = one(docs, "Deployment", "generator")
     spec = pod_spec(generator)
     (c,) = spec["containers"]
-    if merged["proxyUrl"]:
+    if merged["relay"]["enabled"]:
+        # Generators elsewhere behind their region's relay: the relay first, the home proxy (https) as fallback;
+        # only the relay's leg, over the pod network, is plain HTTP.
+        env = expand_k8s_env(c, Refs(docs, merged))
+        relay_svc = one(docs, "Service", "relay")
+        relay_url = f"http://{relay_svc['metadata']['name']}:{relay_svc['spec']['ports'][0]['port']}"
+        assert env["BUCKETRL_PROXY_URL"] == f"{relay_url},{merged['proxyUrl'].rstrip('/')}", name
+        assert env["BUCKETRL_INSECURE_HTTP"] == "1" and merged["proxyUrl"].startswith("https://"), name
+        assert {(d["kind"], d["metadata"]["labels"]["app.kubernetes.io/component"]) for d in docs} == {
+            ("Deployment", "generator"),
+            ("Deployment", "relay"),
+            ("Service", "relay"),
+        }, name
+    elif merged["proxyUrl"]:
         # Generators elsewhere: nothing but them in this release, pointed at the remote proxy.
         env = expand_k8s_env(c, Refs(docs, merged))
         assert env["BUCKETRL_PROXY_URL"] == merged["proxyUrl"].rstrip("/"), name
@@ -429,6 +452,9 @@ BAD_VALUES = [
     ({"proxy": {"enabled": False}, "proxyUrl": "https://p"}, "secrets.tokens.existingSecret"),
     ({"redis": {"auth": {"password": "p@ss/word"}}}, "letters and digits only"),
     ({"generator": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}, "minReplicas"),
+    ({"relay": {"enabled": True}}, "relay.enabled: set proxyUrl to the home proxy's https:// address"),
+    ({"relay": {"enabled": True}, "proxyUrl": "http://p:8000"}, "https:// address"),
+    ({"relay": {"env": {"BUCKETRL_PORT": "1"}}}, "'BUCKETRL_PORT' does not match"),
 ]
 
 
@@ -439,3 +465,42 @@ def test_bad_values_fail_with_a_message_naming_the_value(values: dict[str, Any],
     with pytest.raises(helm.HelmError) as info:
         render_chart(values)
     assert message in str(info.value)
+
+
+def test_relay_settings_ports_cache_and_ca_agree(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The relay's environment parses as its own settings: upstream the home proxy, the cap, the CA file mounted
+    where BUCKETRL_CA_FILE says; its probes and Service use its named port; the cache volume holds the cap."""
+    from bucketrl.relay.settings import RelaySettings
+    from tests.deploy.support import env_names
+
+    values = COMBOS["regional-relay"]
+    docs = manifests(render_chart(values))
+    merged = merged_values(values)
+    relay = one(docs, "Deployment", "relay")
+    spec = pod_spec(relay)
+    (c,) = spec["containers"]
+    args = c["args"]
+    assert args[0] == "relay" and args[args.index("--host") + 1] == "0.0.0.0"
+    (port,) = c["ports"]
+    assert int(args[args.index("--port") + 1]) == port["containerPort"] == merged["relay"]["port"]
+    assert c["readinessProbe"]["httpGet"] == c["livenessProbe"]["httpGet"] == {"path": "/relay/stats", "port": "http"}
+    env = expand_k8s_env(c, Refs(docs, merged))
+    unknown = [k for k in env if k.startswith("BUCKETRL_RELAY_") and k not in env_names(RelaySettings)]
+    assert not unknown, unknown
+    ca_mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["ca"]
+    ca_vol = {v["name"]: v for v in spec["volumes"]}["ca"]
+    assert ca_vol["secret"]["secretName"] == "home-ca"
+    assert env["BUCKETRL_CA_FILE"] == f"{ca_mount}/{ca_vol['secret']['items'][0]['path']}"
+    settings = build_settings(
+        RelaySettings, {k: v for k, v in env.items() if k.startswith("BUCKETRL_RELAY_")}, monkeypatch
+    )
+    assert settings.upstream_url == "https://bucketrl.example.org"
+    assert settings.cache_max_bytes == merged["relay"]["cacheMaxBytes"]
+    cache_dir = args[args.index("--cache-dir") + 1]
+    (cache_vol,) = [v for v in spec["volumes"] if v["name"] == "cache"]
+    assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["cache"] == cache_dir
+    assert int(cache_vol["emptyDir"]["sizeLimit"]) >= settings.cache_max_bytes + merged["proxy"]["maxAdapterBytes"]
+    # The generators trust the same CA for their fallback to the home proxy.
+    (gc,) = pod_spec(one(docs, "Deployment", "generator"))["containers"]
+    assert expand_k8s_env(gc, Refs(docs, merged))["BUCKETRL_CA_FILE"] == env["BUCKETRL_CA_FILE"]
+    assert any(m["name"] == "ca" for m in gc["volumeMounts"])

@@ -33,7 +33,7 @@ from tests.deploy.support import (
 )
 
 BASE, GPU = COMPOSE_FILES
-LONG_RUNNING = {"redis", "minio", "proxy"}
+LONG_RUNNING = {"redis", "minio", "proxy", "relay"}
 ONE_SHOT = {"minio-init", "model-init"}
 WORKERS = {"trainer", "generator"}
 
@@ -294,3 +294,26 @@ def test_bucketrl_containers_drop_capabilities_and_the_proxy_root_is_read_only(c
         assert "no-new-privileges:true" in svc["security_opt"], name
     proxy = cpu["services"]["proxy"]
     assert proxy["read_only"] is True and "/tmp" in proxy["tmpfs"]
+
+
+def test_the_opt_in_relay_forwards_to_the_proxy_and_parses_as_its_settings(
+    cpu: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bucketrl.relay.settings import RelaySettings
+    from tests.deploy.support import build_settings, env_names, service_env
+
+    services = cpu["services"]
+    relay = services["relay"]
+    assert relay["profiles"] == ["relay"], "opt-in: `docker compose up` alone starts no relay"
+    env = service_env(relay)
+    assert not [k for k in env if k.startswith("BUCKETRL_RELAY_") and k not in env_names(RelaySettings)]
+    settings = build_settings(RelaySettings, env, monkeypatch)
+    worker_url = service_env(services["trainer"])["BUCKETRL_PROXY_URL"]
+    assert settings.upstream_url == worker_url
+    # Without GENERATOR_PROXY_URL the generators use the proxy, as the trainer does; the relay's port and health
+    # check agree with its command.
+    assert service_env(services["generator"])["BUCKETRL_PROXY_URL"] == worker_url
+    cmd = relay["command"]
+    port = cmd[cmd.index("--port") + 1]
+    assert f"127.0.0.1:{port}/relay/stats" in relay["healthcheck"]["test"][-1]
+    assert cmd[cmd.index("--cache-dir") + 1] in relay["tmpfs"] and relay["read_only"] is True

@@ -112,7 +112,7 @@ class ProxyHarness:
         }
         base.update(settings)
         self.settings = ProxySettings(**base)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if self.settings.tls_cert_file else 'http'}://127.0.0.1:{self.port}"
         self.server: uvicorn.Server | None = None
         self.thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -120,7 +120,15 @@ class ProxyHarness:
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> ProxyHarness:
         self.app = create_app(self.settings)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            ssl_certfile=self.settings.tls_cert_file or None,
+            ssl_keyfile=self.settings.tls_key_file or None,
+        )
         self.server = uvicorn.Server(config)
         ready = threading.Event()
 

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import os
+import ssl
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -34,15 +36,18 @@ class RelayProc:
     cache_dir: Path
     port: int
     proc: subprocess.Popen | None = None
+    args: tuple[str, ...] = ()  # more flags (TLS, the cache's cap...)
+    env: dict[str, str] = field(default_factory=dict)
+    verify: ssl.SSLContext | bool = True  # how this test reaches /relay/stats
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if '--tls-cert-file' in self.args else 'http'}://127.0.0.1:{self.port}"
 
     def start(self) -> RelayProc:
         cmd = [sys.executable, "-m", "bucketrl.cli", "relay", "--upstream", self.upstream]
-        cmd += ["--cache-dir", str(self.cache_dir), "--port", str(self.port)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        cmd += ["--cache-dir", str(self.cache_dir), "--port", str(self.port), *self.args]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wait_port(self.port, 30.0, self.proc)
         return self
@@ -53,7 +58,7 @@ class RelayProc:
             self.proc.wait(10)
 
     def stats(self) -> dict[str, int]:
-        return httpx.get(f"{self.url}/relay/stats", timeout=10).json()
+        return httpx.get(f"{self.url}/relay/stats", timeout=10, verify=self.verify).json()
 
 
 @pytest.fixture()
@@ -104,12 +109,31 @@ def test_concurrent_downloads_cross_once_and_a_corrupt_cache_file_is_fetched_aga
     (cached,) = relay.cache_dir.glob("r1/v1.*.tar")
     assert cached.name == f"v1.{want}.tar"
 
-    cached.write_bytes(tar[:-1] + bytes([tar[-1] ^ 1]))  # one flipped bit on disk
+    assert relay.stats()["verified"] == 0  # hashed as it was written, trusted on the hits since
+
+    cached.write_bytes(tar[:-1] + bytes([tar[-1] ^ 1]))  # one flipped bit on disk: the file's stamp changed
     with ProxyClient(relay.url, "r1", TOKENS["generator"], retries=0) as g:
         assert g.download_adapter(1) == tar  # the client checks the sha header against the bytes too
     stats = relay.stats()
-    assert (stats["corrupt"], stats["upstream_fetches"]) == (1, 2)
+    assert (stats["corrupt"], stats["upstream_fetches"], stats["verified"]) == (1, 2, 1)
     assert cached.read_bytes() == tar
+
+    # A bit rotting in place (stamp kept) gets past the stat; the client's own hash catches it, and its
+    # no-cache retry makes the relay hash its copy and fetch it again.
+    st = cached.stat()
+    with cached.open("r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(cached, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with ProxyClient(relay.url, "r1", TOKENS["generator"], retries=0) as g:
+        with pytest.raises(errors.Invalid, match="sha256"):
+            g.download_adapter(1)
+        buf = io.BytesIO()
+        assert g.download_adapter_to(1, buf, fresh=True) == want and buf.getvalue() == tar
+    stats = relay.stats()
+    assert (stats["corrupt"], stats["upstream_fetches"], stats["verified"]) == (2, 3, 2)
 
     # Cached or not, every caller is authorized by the home proxy: no token, a viewer's, a collected version.
     with httpx.Client(base_url=relay.url, timeout=10) as h:
@@ -118,7 +142,7 @@ def test_concurrent_downloads_cross_once_and_a_corrupt_cache_file_is_fetched_aga
         assert h.get("/v1/runs/r1/adapters/1", headers=viewer).status_code == 403
         gen = {"Authorization": f"Bearer {TOKENS['generator']}"}
         assert h.get("/v1/runs/r1/adapters/9", headers=gen).status_code == 404
-    assert relay.stats()["upstream_fetches"] == 2
+    assert relay.stats()["upstream_fetches"] == 3
 
 
 def test_single_flight_one_fetch_for_concurrent_misses(tmp_path: Path) -> None:
@@ -135,7 +159,7 @@ def test_single_flight_one_fetch_for_concurrent_misses(tmp_path: Path) -> None:
     cache = AdapterCache(tmp_path)
 
     async def main() -> list[Path]:
-        return await asyncio.gather(*(cache.ensure("r1", 3, sha, fetch) for _ in range(4)))
+        return [e.path for e in await asyncio.gather(*(cache.acquire("r1", 3, sha, fetch) for _ in range(4)))]
 
     paths = asyncio.run(main())
     assert calls == 1 and len(set(paths)) == 1 and paths[0].read_bytes() == data
@@ -199,8 +223,9 @@ def test_a_client_falls_back_to_the_home_proxy_and_returns_to_its_relay(
         monkeypatch.setattr(client_module, "PRIMARY_RETRY_S", 0.0)
         relay.start()  # a restart loses nothing: the cache on disk is verified and served again
         assert g.download_adapter(1) == tar
+        assert g.download_adapter(1) == tar  # hashed once after the restart, not on every hit
     stats = relay.stats()
-    assert (stats["hits"], stats["upstream_fetches"]) == (1, 0)
+    assert (stats["hits"], stats["upstream_fetches"], stats["verified"]) == (2, 0, 1)
 
 
 def test_relay_command_without_an_upstream_says_what_is_missing(tmp_path: Path) -> None:

@@ -118,6 +118,7 @@ async def publish(
     responses={
         200: {"content": {TAR: {"schema": {"type": "string", "format": "binary"}}}, "description": "The tar."},
         304: {"description": "`If-None-Match` matched: the version is live and its sha256 is in the headers."},
+        307: {"description": "`X-Bucketrl-Presign: 1` on an S3 bucket with presigning on: `Location` reads the tar."},
         **responses(401, 403, 404, 410, 422, 503),
     },
 )
@@ -127,6 +128,9 @@ async def download(
     ref: RunDep,
     version: VersionPath,
     if_none_match: Annotated[str | None, Header(description='`*` or `"<sha256>"`: 304 without the body.')] = None,
+    presign: Annotated[
+        str | None, Header(alias="X-Bucketrl-Presign", description="`1`: a 307 to the bucket when presigning is on.")
+    ] = None,
 ) -> Response:
     rec = await versions.live_record(ctx.redis, ref.run, version)
     prefix = versions.adapter_prefix(ref.run, version)
@@ -135,6 +139,12 @@ async def download(
         # A regional relay (bucketrl/relay) asks this for every caller: the caller's token and the version's
         # liveness (410 once collected) are checked here, and only the sha crosses the slow link.
         return Response(status_code=304, headers={"X-Content-SHA256": rec["sha256"], "ETag": etag})
+    ttl = ctx.settings.presign_adapters_s
+    if presign == "1" and ttl:
+        # The bytes straight from the bucket (no credentials on the caller, none of the proxy's bandwidth).
+        url = await asyncio.to_thread(dirs.presigned_bundle, ctx.store, prefix, ttl)
+        if url is not None:
+            return Response(status_code=307, headers={"Location": url, "X-Content-SHA256": rec["sha256"], "ETag": etag})
     headers = {"X-Content-SHA256": rec["sha256"], "Content-Length": rec["bytes"], "ETag": etag}
     cache = ctx.adapter_cache
     if cache is not None and cache.fits(int(rec["bytes"])):

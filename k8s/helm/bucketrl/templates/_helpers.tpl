@@ -94,6 +94,32 @@ app.kubernetes.io/part-of: bucketrl
 {{- end }}
 {{- end }}
 
+{{/* This release's regional relay Service (relay.enabled). */}}
+{{- define "bucketrl.relayUrl" -}}
+{{- printf "http://%s-relay:%d" (include "bucketrl.fullname" .) (int .Values.relay.service.port) }}
+{{- end }}
+
+{{/* The private CA (caSecret) the relay and the generators verify the home proxy with: env, mount, volume. */}}
+{{- define "bucketrl.caEnv" -}}
+{{- if .Values.caSecret.name }}
+- name: BUCKETRL_CA_FILE
+  value: /etc/bucketrl/ca/{{ .Values.caSecret.key }}
+{{- end }}
+{{- end }}
+{{- define "bucketrl.caMount" -}}
+{{- if .Values.caSecret.name }}
+- {name: ca, mountPath: /etc/bucketrl/ca, readOnly: true}
+{{- end }}
+{{- end }}
+{{- define "bucketrl.caVolume" -}}
+{{- if .Values.caSecret.name }}
+- name: ca
+  secret:
+    secretName: {{ .Values.caSecret.name }}
+    items: [{key: {{ .Values.caSecret.key }}, path: {{ .Values.caSecret.key }}}]
+{{- end }}
+{{- end }}
+
 {{- define "bucketrl.proxyServiceAccount" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (printf "%s-proxy" (include "bucketrl.fullname" .)) .Values.serviceAccount.name }}
@@ -129,8 +155,18 @@ securityContext:
 
 {{/* Worker environment shared by trainer and generators: (dict "ctx" $ "role" "trainer") */}}
 {{- define "bucketrl.workerEnv" -}}
+{{- if and (eq .role "generator") .ctx.Values.relay.enabled }}
+{{- /* The region's relay first, the home proxy second (the generators' fallback while the relay is down). The
+       relay's Service is reached over the pod network in plain HTTP, on purpose; the home proxy's URL must be
+       https:// (relay.yaml refuses anything else), so no token crosses clouds unencrypted. */}}
+- name: BUCKETRL_PROXY_URL
+  value: {{ printf "%s,%s" (include "bucketrl.relayUrl" .ctx) (include "bucketrl.proxyUrl" .ctx) | quote }}
+- name: BUCKETRL_INSECURE_HTTP
+  value: "1"
+{{- else }}
 - name: BUCKETRL_PROXY_URL
   value: {{ include "bucketrl.proxyUrl" .ctx | quote }}
+{{- end }}
 {{- if and (not .ctx.Values.proxyUrl) .ctx.Values.proxy.enabled }}
 {{- /* This release's proxy Service over plain HTTP, on purpose: the traffic stays on the cluster's pod network.
        A proxyUrl given by the user is never exempted: http:// to a remote host is refused by the workers. */}}

@@ -71,7 +71,7 @@ def generator_command(
     try:
         settings = GeneratorSettings(**overrides)
     except ValidationError as exc:
-        typer.echo(f"invalid generator settings:\n{exc}", err=True)
+        typer.echo(f"bucketrl generator: {errors.settings_problems(exc)}", err=True)
         raise typer.Exit(code=2) from exc
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"

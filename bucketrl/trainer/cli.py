@@ -19,6 +19,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from bucketrl import errors
 from bucketrl.settings import warn_if_proxy_url_unset
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.trainer.worker import TrainerWorker
@@ -65,7 +66,7 @@ def trainer_command(
     try:
         settings = TrainerSettings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
-        typer.echo(f"bucketrl trainer: bad settings:\n{exc}", err=True)
+        typer.echo(f"bucketrl trainer: {errors.settings_problems(exc)}", err=True)
         raise typer.Exit(code=2) from exc
 
     warn_if_proxy_url_unset("trainer", settings)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -62,3 +63,18 @@ def test_cli_imports_no_heavy_library_and_refuses_bad_settings() -> None:
     )
     assert out.returncode == 2
     assert "engine" in out.stderr
+
+
+def test_a_bad_setting_is_one_line_that_names_it_and_not_the_token() -> None:
+    env = {**os.environ, "BUCKETRL_PROXY_URL": "http://127.0.0.1:9", "BUCKETRL_TOKEN": "s3cret-token"}
+    out = subprocess.run(
+        [sys.executable, "-m", "bucketrl.cli", "generator", "--runs", "a b"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bucketrl generator: ") and "BUCKETRL_RUNS" in lines[0], lines
+    assert "s3cret-token" not in out.stderr

@@ -50,7 +50,8 @@ def parse_report_to(value: str) -> list[str]:
         return [t for t in TRACKERS if installed(t)]
     unknown = [n for n in names if n not in TRACKERS]
     if unknown or "none" in names:
-        raise ValueError(f"report_to: {', '.join(unknown) or 'none'} is not one of {', '.join(TRACKERS)}, none, all")
+        # No field name here: the settings' error printer and `up`'s flag check each name it their own way.
+        raise ValueError(f"{', '.join(unknown) or 'none'} is not one of {', '.join(TRACKERS)}, none, all")
     return list(dict.fromkeys(names))
 
 

@@ -125,7 +125,7 @@ class UpConfig(BaseModel):
             except ValueError as exc:
                 # The trackers' own message names the variable; here the user typed the flag.
                 raise ValueError(
-                    str(exc).replace("BUCKETRL_REPORT_TO", "--report-to").removeprefix("report_to: ")
+                    str(exc).replace("BUCKETRL_REPORT_TO", "--report-to")
                 ) from None
         return v
 

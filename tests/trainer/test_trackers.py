@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -306,3 +309,17 @@ def test_report_to_is_checked_at_start_up() -> None:
     assert parse_report_to("tensorboard, wandb") == ["tensorboard", "wandb"]
     with pytest.raises(ValueError, match="mlflow is not one of"):
         TrainerSettings(report_to="tensorboard,mlflow")
+
+
+def test_the_trainer_cli_names_an_unknown_tracker_once() -> None:
+    env = {**os.environ, "BUCKETRL_PROXY_URL": "http://127.0.0.1:9", "BUCKETRL_TOKEN": "t"}
+    out = subprocess.run(
+        [sys.executable, "-m", "bucketrl.cli", "trainer", "--run", "a"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "BUCKETRL_REPORT_TO": "mlflow"},
+    )
+    assert out.returncode == 2
+    want = "bucketrl trainer: report_to: mlflow is not one of tensorboard, wandb, trackio, none, all"
+    assert out.stderr.strip() == want

@@ -89,16 +89,21 @@ class Outage:
         self.who = who
         self.since: float | None = None
         self.outages = 0
+        self.hard_end: float | None = None  # monotonic end of a preemption notice: no retry outlives it
         self._lock = threading.RLock()  # re-entrant: ``stopping`` runs in signal handlers
         # Wakes the retry waits in progress when the budget shrinks. A Condition, not an Event: a set Event would
         # make every later wait return at once (a busy retry loop for the rest of the stop grace).
         self._changed = threading.Condition()
 
-    def stopping(self) -> None:
+    def stopping(self, notice_s: float | None = None) -> None:
         """The worker is shutting down: cut the budget to :attr:`STOP_GRACE_S` (a SIGTERM during an outage
-        must not wait out ten minutes), waking every retry wait to re-check it."""
+        must not wait out ten minutes), and to ``notice_s`` from now under a preemption notice (the machine is
+        gone at its end: a retry past it helps nobody and delays the exit), waking every retry wait to re-check."""
         with self._lock:
             self.budget_s = min(self.budget_s, self.STOP_GRACE_S)
+            if notice_s is not None:
+                end = time.monotonic() + notice_s
+                self.hard_end = end if self.hard_end is None else min(self.hard_end, end)
         with self._changed:
             self._changed.notify_all()
 
@@ -107,9 +112,13 @@ class Outage:
             self._changed.wait(seconds)
 
     def spent(self) -> bool:
-        """An outage is going on and has lasted the whole budget."""
+        """An outage is going on and has lasted the whole budget (or outlived a notice)."""
         since = self.since
-        return since is not None and time.monotonic() - since >= self.budget_s
+        return since is not None and self._left(since, time.monotonic()) <= 0
+
+    def _left(self, since: float, now: float) -> float:
+        left = since + self.budget_s - now
+        return left if self.hard_end is None else min(left, self.hard_end - now)
 
     def failed(self, err: errors.BucketRLError) -> float:
         """Record a transient failure; returns the seconds left of the budget (<= 0: give up)."""
@@ -125,7 +134,7 @@ class Outage:
                     err.message[:200],
                     self.budget_s,
                 )
-            return self.since + self.budget_s - now
+            return self._left(self.since, now)
 
     def recovered(self) -> None:
         if self.since is None:  # the common case: no lock on the hot path
@@ -304,8 +313,9 @@ class ProxyClient(WorkerOpsClient):
     def put_run(self, spec: RunSpec) -> RunInfo:
         return self._json("PUT", self._path(), RunInfo, spec)
 
-    def get_run(self) -> RunInfo:
-        return self._json("GET", self._path(), RunInfo)
+    def get_run(self, *, retry: bool = True) -> RunInfo:
+        """``retry=False``: one attempt, for a caller that polls in its own loop and must hear a stop at once."""
+        return self._json("GET", self._path(), RunInfo, retry=retry)
 
     def register_trainer(self, worker_id: str, *, request_id: str | None = None) -> TrainerRegistration:
         """``request_id`` (default: a fresh one per call) rides on every retry: a retry gets the epoch its first

@@ -144,6 +144,21 @@ def test_the_budget_ends_the_retries_and_a_stop_cuts_it_short(scripted: list[Scr
     assert time.monotonic() - t0 < 60
 
 
+def test_a_preemption_notice_ends_the_retries_with_the_notice(scripted: list[Scripted]) -> None:
+    """Under a notice the machine is gone at its end: a retry outliving it only delays the exit (the stop grace
+    of 30 s counts from the outage's start, so a generator noticed 7 s in used to keep retrying for 23 s)."""
+    server = Scripted([(503, {"Content-Type": "application/json", "Retry-After": "1"}, UNAVAILABLE)])
+    scripted.append(server)
+    outage = Outage(600.0)
+    c = ProxyClient(server.url, "r1", outage=outage, backoff_s=0.05)
+    threading.Timer(0.5, outage.stopping, kwargs={"notice_s": 1.0}).start()
+    t0 = time.monotonic()
+    with pytest.raises(errors.Unavailable):
+        c.download_adapter(1)
+    assert time.monotonic() - t0 < 3.0  # STOP_GRACE_S alone: 30 s
+    assert outage.spent()
+
+
 def test_a_client_without_an_outage_keeps_its_retry_count(scripted: list[Scripted]) -> None:
     server = Scripted([(503, {"Content-Type": "application/json", "Retry-After": "1"}, UNAVAILABLE)])
     scripted.append(server)

@@ -19,11 +19,12 @@ log = logging.getLogger("bucketrl.generator.worker")
 
 
 def wait_for_run(client: ProxyClient, stop_event: threading.Event, run: str, proxy_url: str) -> RunSpec | None:
-    """The run's spec, polled for until it exists; None if stopped first."""
+    """The run's spec, polled for until it exists; None if stopped first. One attempt per poll: the client's own
+    outage retries would hold a SIGTERM for their stop grace, while nothing is held yet that needs it."""
     delay = 0.5
     while not stop_event.is_set():
         try:
-            return client.get_run().spec
+            return client.get_run(retry=False).spec
         except (errors.NotFound, errors.Unavailable) as exc:
             log.info("waiting for run %s on %s: %s", run, proxy_url, exc.message)
         stop_event.wait(delay)

@@ -114,7 +114,7 @@ class GeneratorWorker:
             log.info("stop requested: no new leases; finishing what is in flight")
         self.stop_event.set()
         if self.client.outage is not None:
-            self.client.outage.stopping()
+            self.client.outage.stopping(self.notice.left())
         self._version_ready.set()
 
     def notice_given(self, notice_s: float, why: str) -> None:

@@ -124,9 +124,7 @@ class UpConfig(BaseModel):
                 check_report_to(v)
             except ValueError as exc:
                 # The trackers' own message names the variable; here the user typed the flag.
-                raise ValueError(
-                    str(exc).replace("BUCKETRL_REPORT_TO", "--report-to")
-                ) from None
+                raise ValueError(str(exc).replace("BUCKETRL_REPORT_TO", "--report-to")) from None
         return v
 
     @model_validator(mode="after")

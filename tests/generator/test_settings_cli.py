@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -78,3 +80,26 @@ def test_a_bad_setting_is_one_line_that_names_it_and_not_the_token() -> None:
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bucketrl generator: ") and "BUCKETRL_RUNS" in lines[0], lines
     assert "s3cret-token" not in out.stderr
+
+
+def test_sigterm_while_the_proxy_is_unreachable_exits_at_once() -> None:
+    """Nothing is held before the run is found, so a notice has nothing to wait for: the start-up poll makes one
+    attempt per round (the client's own outage retries used to hold the exit for most of a 30 s stop grace)."""
+    env = {**os.environ, "BUCKETRL_PROXY_URL": "http://127.0.0.1:9", "BUCKETRL_TOKEN": "t"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bucketrl.cli", "generator", "--run", "a"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "BUCKETRL_PREEMPTION_NOTICE_S": "60"},
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the worker is past start-up and polling the unreachable proxy
+        if "waiting for run a" in line:
+            break
+    time.sleep(2.0)  # into the poll's backoff
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0, rest
+    assert time.monotonic() - t0 < 5.0
+    assert "stopped" in rest

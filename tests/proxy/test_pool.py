@@ -249,3 +249,19 @@ def test_a_run_at_its_admission_limit_is_passed_over_and_its_refusal_counted_onc
         pool.pool_lease(PoolLeaseRequest(worker_id="gen", runs=["a"], wait_s=1.2))  # a long-poll of 2+ passes
     # The pass-over is not a's refusal (b answered); the long-poll's passes count once.
     assert int(_run_state(redis_server, "a")["prompts_backpressure_total"]) == 1
+
+
+def test_a_run_back_from_its_admission_limit_takes_its_share_not_a_catch_up_burst(proxy_file: ProxyHarness) -> None:
+    """A run passed over at its admission limit (its trainer stalled) leaves the competition: when its trainer
+    catches up it is credited to the other run's score, so it alternates rather than taking every lease until
+    its count catches up (that burst cut the other run to 44 % for seconds: bench/pool_isolation.py)."""
+    limited = {"groups_per_step": 8, "max_staleness": 1, "queue_capacity_groups": 64}  # admission limit 8
+    runs = {"a": Run(proxy_file, "a", 2, **limited), "b": Run(proxy_file, "b", 2)}
+    pool = proxy_file.client("a", "generator")
+    for _ in range(8):  # a's trainer claims nothing: a reaches its limit
+        runs["a"].submit(pool.pool_lease(PoolLeaseRequest(worker_id="gen", runs=["a"])).prompts)
+    assert serve(pool, runs, 16) == {"a": 0, "b": 16}  # passed over: b gets the pool
+    claimed = runs["a"].t.claim("trainer-a", max_groups=8)
+    assert runs["a"].t.ack([d.delivery_id for d in claimed.deliveries]) == 8  # a's trainer is back
+    got = serve(pool, runs, 8)
+    assert 3 <= got["a"] <= 5, got  # its share of what comes next; before: all 8 (8 groups behind b)

@@ -139,9 +139,11 @@ async def _try_once(
             got = await lease_cached(ctx, await spec_of(ctx, run), lease_req, count_refusal=False)
         except prompt_lease.Held as exc:
             passed[run] = exc.why
+            await pool.mark_passed_over(ctx.redis, run)
             continue
         except prompt_lease.PacedOut:
             passed[run] = "admission control"
+            await pool.mark_passed_over(ctx.redis, run)
             continue
         except (errors.Unavailable, errors.NotFound) as exc:  # restoring, or removed since the pick: the next run
             passed[run] = exc.code

@@ -70,6 +70,14 @@ async def mark_granted(r: Any, run: str, now: float) -> None:
     await r.hset(pool_key(run), "last_granted", repr(now))
 
 
+async def mark_passed_over(r: Any, run: str) -> None:
+    """A run that could not take a lease (its own admission control, or held) is out of the pool's competition
+    from now: when it has room again, the pick credits it up to the least-served active run, so a run whose
+    trainer stalled does not take the whole pool on its return to catch up (bench/pool_isolation.py measured
+    the other run at 44 % of its rate for seconds after such a return, within the 10 s window)."""
+    await r.hdel(pool_key(run), "last_granted")
+
+
 async def set_paused(r: Any, run: str, paused: bool) -> None:
     # Resume drops last_granted: the run starts again at the pool's current score, not its old lower one.
     pipe = r.pipeline(transaction=True)

@@ -170,6 +170,7 @@ def status_command(
         if pool is not None:  # every run the token reaches on this proxy (docs/pool.md)
             out["runs"] = [r.model_dump(mode="json") for r in pool.runs]
             out["token_fraction"] = pool.token_fraction
+            out["recent_fraction"] = pool.recent_fraction
         typer.echo(json.dumps(out, indent=2))
         return
 
@@ -189,13 +190,16 @@ def pool_tables(pool: PoolStatus | None) -> list[Any]:
     if pool is None or len(pool.runs) < 2:
         return []
     table = Table(title="runs on the generator pool", title_justify="left")
-    for col in ("run", "share", "tokens generated", "token fraction", "groups accepted", "in flight", "hold", "budget"):
+    recent = f"last {pool.recent_window_s:.0f} s"
+    for col in ("run", "share", "tokens generated", "token fraction", recent, "groups accepted", "in flight", "hold"):
         table.add_column(col, justify="right")
+    table.add_column("budget", justify="right")
     for r in pool.runs:
         budget = "–" if r.budget_tokens is None else str(r.budget_tokens)
         frac = f"{100 * pool.token_fraction.get(r.run, 0.0):.1f} %"
+        now = f"{100 * pool.recent_fraction.get(r.run, 0.0):.1f} %"
         table.add_row(
-            r.run, _num(r.share), str(r.tokens_generated), frac, str(r.groups_accepted), str(r.prompts_inflight),
+            r.run, _num(r.share), str(r.tokens_generated), frac, now, str(r.groups_accepted), str(r.prompts_inflight),
             r.hold, budget,
         )  # fmt: skip
     return [table]

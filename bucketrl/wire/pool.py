@@ -48,9 +48,14 @@ class RunPoolStatus(WireModel):
     # "ok", or why pool leases skip it (and per-run leases answer 429): paused, or its budget spent.
     hold: PoolHold
     prompts_inflight: int = 0
+    # Generated tokens of groups accepted over the last ``PoolStatus.recent_window_s`` (not kept across a wipe).
+    tokens_recent: int = 0
 
 
 class PoolStatus(WireModel):
     runs: list[RunPoolStatus]
     # Each run's tokens_generated over the sum of all listed runs' (what share it actually got).
     token_fraction: dict[str, float] = Field(default_factory=dict)
+    # The same over the recent window: the share each run is getting now (a sweep's late run, a paused one).
+    recent_fraction: dict[str, float] = Field(default_factory=dict)
+    recent_window_s: float = 60.0

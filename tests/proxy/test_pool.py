@@ -18,6 +18,7 @@ from bucketrl import errors
 from bucketrl.cli import app
 from bucketrl.client import ProxyClient
 from bucketrl.proxy import rebuild
+from bucketrl.proxy.state import pool as pool_state
 from bucketrl.wire import PromptLeaseItem, RolloutBatch, RunSpec
 from bucketrl.wire.pool import PoolLease, PoolLeaseRequest
 from tests.proxy.harness import TOKENS, TOKENS_ENV, ProxyHarness, adapter_tar, make_spec, running
@@ -89,6 +90,9 @@ def test_shares_two_to_one_get_tokens_two_to_one(proxy_file: ProxyHarness) -> No
     st = {s.run: s for s in pool.pool_status().runs}
     assert (st["a"].share, st["a"].groups_accepted, st["a"].tokens_generated) == (2.0, got["a"], got["a"] * 2 * 2)
     assert runs["a"].t.status().pool.tokens_generated == tok["a"]  # type: ignore[union-attr]
+    # All of it within the last minute: the recent share is the share so far.
+    ps = pool.pool_status()
+    assert {s.run: s.tokens_recent for s in ps.runs} == tok and ps.recent_fraction == ps.token_fraction
     metrics = httpx.get(f"{proxy_file.url}/metrics", headers={"Authorization": f"Bearer {TOKENS['viewer']}"}).text
     assert f'bucketrl_tokens_generated_total{{run="a"}} {float(tok["a"])}' in metrics
     assert 'bucketrl_pool_share{run="a"} 2.0' in metrics
@@ -97,6 +101,7 @@ def test_shares_two_to_one_get_tokens_two_to_one(proxy_file: ProxyHarness) -> No
     out = CliRunner().invoke(app, args)
     assert out.exit_code == 0, out.output
     listed = {r["run"]: r for r in json.loads(out.output)["runs"]}
+    assert json.loads(out.output)["recent_fraction"] == pytest.approx({"a": 2 / 3, "b": 1 / 3}, abs=0.04)
     assert {run: (r["share"], r["tokens_generated"], r["groups_accepted"]) for run, r in listed.items()} == {
         "a": (2.0, tok["a"], got["a"]),
         "b": (1.0, tok["b"], got["b"]),
@@ -265,3 +270,12 @@ def test_a_run_back_from_its_admission_limit_takes_its_share_not_a_catch_up_burs
     assert runs["a"].t.ack([d.delivery_id for d in claimed.deliveries]) == 8  # a's trainer is back
     got = serve(pool, runs, 8)
     assert 3 <= got["a"] <= 5, got  # its share of what comes next; before: all 8 (8 groups behind b)
+
+
+def test_the_recent_share_counts_the_last_minute_only() -> None:
+    """Slots of 10 s as submit_enqueue.lua keys them: the current one (partly elapsed) and the five before."""
+    now = 1_000_005.0  # slot 100000
+    slots = {b"99994": b"7", b"99995": b"1", b"99999": b"2", b"100000": b"4"}
+    assert pool_state.recent_tokens(slots, now) == 1 + 2 + 4
+    assert pool_state.recent_tokens(slots, now + 10.0) == 2 + 4  # a slot later: 99995 is out
+    assert pool_state.recent_tokens({}, now) == 0

@@ -169,7 +169,13 @@ async def pool_status(ctx: CtxDep, principal: ViewerRole) -> PoolStatus:
             listed.append(await pool.run_status(ctx.redis, run, spec))
     total = sum(s.tokens_generated for s in listed)
     fraction = {s.run: (s.tokens_generated / total if total else 0.0) for s in listed}
-    return PoolStatus(runs=listed, token_fraction=fraction)
+    recent = sum(s.tokens_recent for s in listed)
+    return PoolStatus(
+        runs=listed,
+        token_fraction=fraction,
+        recent_fraction={s.run: (s.tokens_recent / recent if recent else 0.0) for s in listed},
+        recent_window_s=pool.RECENT_WINDOW_S,
+    )
 
 
 @router.post(

@@ -25,6 +25,17 @@ from bucketrl.wire.pool import RunPoolStatus
 
 _PICK = Lua.load("pool_pick.lua")
 
+RECENT_SLOT_S = 10  # submit_enqueue.lua's slot of the recent tokens
+RECENT_WINDOW_S = 60.0  # what pool status calls recent: the last 6 slots, the current one included
+
+
+def recent_tokens(slots: dict[Any, Any], now: float, window_s: float = RECENT_WINDOW_S) -> int:
+    """The tokens of ``slots`` (slot index -> tokens, as submit_enqueue.lua counts them) within ``window_s`` of
+    ``now``: the current slot (partly elapsed) and the whole ones before it."""
+    first = int(now // RECENT_SLOT_S) - int(window_s // RECENT_SLOT_S) + 1
+    return sum(int(v) for k, v in slots.items() if int(k) >= first)
+
+
 # A run that got no pool lease for this long is "inactive": when it has work again it starts at the
 # least-served active run's score rather than its own, lower one (pool_pick.lua).
 ACTIVE_WINDOW_S = 10.0
@@ -93,7 +104,9 @@ async def run_status(r: Any, run: str, spec: RunSpec) -> RunPoolStatus:
     pipe.hmget(k.counters, "tokens_generated_total", "accepted_total")
     pipe.hget(pool_key(run), "paused")
     pipe.zcard(k.inflight)
-    (tokens, groups), paused_raw, inflight = await pipe.execute()
+    pipe.hgetall(keys.run_key(run, keys.TOKENS_RECENT))
+    pipe.time()
+    (tokens, groups), paused_raw, inflight, slots, (sec, usec) = await pipe.execute()
     tokens_i, paused = int(tokens or 0), _str(paused_raw) == "1"
     over = spec.budget_tokens is not None and tokens_i >= spec.budget_tokens
     return RunPoolStatus(
@@ -105,6 +118,7 @@ async def run_status(r: Any, run: str, spec: RunSpec) -> RunPoolStatus:
         budget_tokens=spec.budget_tokens,
         hold="paused" if paused else "budget" if over else "ok",
         prompts_inflight=int(inflight),
+        tokens_recent=recent_tokens(slots, int(sec) + int(usec) / 1e6),
     )
 
 

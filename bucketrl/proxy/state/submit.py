@@ -284,7 +284,7 @@ async def _write_and_enqueue(
             r,
             [
                 *(a.idem_key, k.state, k.stream, k.counters, k.entry, k.remaining, k.p.open, k.p.inflight),
-                *(k.p.owner, k.p.meta, k.meta, k.bseq, a.lock_key),
+                *(k.p.owner, k.p.meta, k.meta, k.bseq, a.lock_key, keys.run_key(a.run, keys.TOKENS_RECENT)),
             ],
             [
                 *(a.batch_id, GROUP, batch.version, spec.max_staleness, spec.queue_capacity_groups, batch.worker_id),

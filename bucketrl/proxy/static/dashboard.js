@@ -450,7 +450,8 @@
     text("c-cost", status.cost ? "$" + status.cost.usd_total.toPrecision(3) : undefined);
     // The run's place on a shared generator pool (status.pool, docs/pool.md); null from an older proxy.
     const pool = status.pool;
-    text("c-pool", pool ? "×" + pool.share + " · " + pool.tokens_generated + " tok · " + pool.hold : undefined);
+    const recent = pool && pool.tokens_recent !== undefined ? " (" + pool.tokens_recent + " last 60 s)" : "";
+    text("c-pool", pool ? "×" + pool.share + " · " + pool.tokens_generated + " tok" + recent + " · " + pool.hold : undefined);
     let toks = 0;
     for (const w of status.workers) {
       const v = (status.metrics[w.worker_id] || {})["rollout/generated_tok_s"];

@@ -1,4 +1,5 @@
 -- KEYS: idem state stream counters entry remaining p_open p_inflight p_owner p_meta queue_meta bseq write_lock
+--       tokens_recent
 -- ARGV: batch_id group version max_staleness capacity worker idem_ttl idem_value n_groups lock_token tokens pid...
 -- (tokens: the batch's generated tokens, counted with accepted_total: exactly once, what pool fair share reads)
 -- (the batch's write lock is released here when the object stays: enqueued, or a duplicate's)
@@ -36,6 +37,15 @@ end
 redis.call('HSET', KEYS[6], batch, n)
 redis.call('HINCRBY', KEYS[4], 'accepted_total', n)
 redis.call('HINCRBY', KEYS[4], 'tokens_generated_total', tonumber(ARGV[11]))
+-- The same tokens by 10 s slot: the share a run got recently (pool status), not only since it began.
+local slot = math.floor(tonumber(redis.call('TIME')[1]) / 10)
+redis.call('HINCRBY', KEYS[14], slot, tonumber(ARGV[11]))
+if redis.call('HLEN', KEYS[14]) > 12 then
+  for _, f in ipairs(redis.call('HKEYS', KEYS[14])) do
+    if tonumber(f) < slot - 12 then redis.call('HDEL', KEYS[14], f) end
+  end
+end
+redis.call('EXPIRE', KEYS[14], 300)
 local completed, repeated = 0, 0
 for i = 12, #ARGV do
   local pid = ARGV[i]

@@ -19,5 +19,9 @@ class PoolClient(CompletionJobsClient):
     def pause_generation(self) -> RunPoolStatus:
         return self._json("POST", self._path("/generation/pause"), RunPoolStatus)
 
+    def finish_generation(self) -> RunPoolStatus:
+        """The run's trainer is done: its pool share goes to the other runs until a trainer registers again."""
+        return self._json("POST", self._path("/generation/finish"), RunPoolStatus)
+
     def resume_generation(self) -> RunPoolStatus:
         return self._json("POST", self._path("/generation/resume"), RunPoolStatus)

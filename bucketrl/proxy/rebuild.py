@@ -58,7 +58,7 @@ class RunSnapshot:
     checkpoints: dict[int, dirs.Manifest] = field(default_factory=dict)
     max_new_tokens_bound: int = 0  # the largest sampling.max_new_tokens the spec has had (its bucket markers)
     registered_epoch: int = 0  # the largest trainer epoch recorded at registration
-    paused: bool = False  # generation paused (its bucket marker: routes/pool.py)
+    hold: str = "0"  # the pool hold: 1 paused, 2 finished (its bucket marker: routes/pool.py), 0 none
 
     @property
     def max_epoch(self) -> int:
@@ -67,7 +67,8 @@ class RunSnapshot:
 
 
 def paused_marker_key(run: str) -> str:
-    """Present while the run's generation is paused: a rebuild after a Redis wipe keeps it paused."""
+    """Present while the run's generation is paused (empty) or finished (``finished``): a rebuild after a Redis
+    wipe keeps the hold."""
     return f"runs/{run}/generation-paused"
 
 
@@ -89,7 +90,10 @@ def scan_run(store: Any, run: str) -> RunSnapshot | None:
     snap = RunSnapshot(run=run, spec=spec)
     epochs = [key.rsplit("/", 1)[1] for key in store.list_keys(f"runs/{run}/trainer-epochs/")]
     snap.registered_epoch = max((int(e) for e in epochs if e.isdigit()), default=0)
-    snap.paused = store.exists(paused_marker_key(run))
+    try:
+        snap.hold = "2" if store.get_bytes(paused_marker_key(run)) == b"finished" else "1"
+    except errors.NotFound:
+        snap.hold = "0"
     bounds = [key.rsplit("/", 1)[1] for key in store.list_keys(f"runs/{run}/sampling-bounds/")]
     snap.max_new_tokens_bound = max([spec.sampling.max_new_tokens, *(int(b) for b in bounds if b.isdigit())])
     for name in dirs.list_dirs(store, f"runs/{run}/adapters"):
@@ -147,8 +151,8 @@ async def restore(ctx: Any, snap: RunSnapshot) -> None:
         pipe.zadd(k(keys.CHECKPOINTS), {str(step_k): step_k})
     if ctx.settings.rebuild_gc_grace_s > 0:
         pipe.set(k(keys.GC_HOLD), "rebuild", px=int(ctx.settings.rebuild_gc_grace_s * 1000))
-    if snap.paused:
-        pipe.hset(k(keys.POOL), "paused", 1)
+    if snap.hold != "0":
+        pipe.hset(k(keys.POOL), "paused", snap.hold)
     pipe.sadd(keys.RUNS_SET, run)
     await pipe.execute()
     # Versions are indexed only where the record is live (a record Redis already had may say 'gone').

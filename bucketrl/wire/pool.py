@@ -33,7 +33,7 @@ class PoolLease(WireModel):
     passed_over: dict[str, str] = Field(default_factory=dict)
 
 
-PoolHold = Literal["ok", "paused", "budget"]
+PoolHold = Literal["ok", "paused", "budget", "finished"]
 
 
 class RunPoolStatus(WireModel):
@@ -45,7 +45,8 @@ class RunPoolStatus(WireModel):
     groups_accepted: int
     paused: bool
     budget_tokens: int | None
-    # "ok", or why pool leases skip it (and per-run leases answer 429): paused, or its budget spent.
+    # "ok", or why pool leases skip it (and per-run leases answer 429): paused, its budget spent, or finished (its
+    # trainer reached max_steps: its share goes to the other runs at once, until a trainer registers again).
     hold: PoolHold
     prompts_inflight: int = 0
     # Generated tokens of groups accepted over the last ``PoolStatus.recent_window_s`` (not kept across a wipe).

@@ -279,3 +279,28 @@ def test_the_recent_share_counts_the_last_minute_only() -> None:
     assert pool_state.recent_tokens(slots, now) == 1 + 2 + 4
     assert pool_state.recent_tokens(slots, now + 10.0) == 2 + 4  # a slot later: 99995 is out
     assert pool_state.recent_tokens({}, now) == 0
+
+
+def test_a_finished_run_frees_its_share_at_once_until_a_trainer_registers_again(
+    proxy_file: ProxyHarness, redis_server: RedisServer
+) -> None:
+    runs = {"a": Run(proxy_file, "a", 2), "b": Run(proxy_file, "b", 2)}
+    pool = proxy_file.client("a", "generator")
+    assert min(serve(pool, runs, 4).values()) >= 1  # both served
+    done = runs["a"].t.finish_generation()  # a's trainer reached max_steps
+    assert done.hold == "finished" and not done.paused
+    assert serve(pool, runs, 4) == {"a": 0, "b": 4}  # at once, not once a's queue has filled
+    with pytest.raises(errors.Backpressure, match="finished"):
+        runs["a"].g.lease_prompts("gen", 1)
+    # The hold outlives a Redis wipe (its bucket marker says finished, not paused).
+    redis_server.wipe()
+    redis_server.start()
+    assert any(proxy_file.call(rebuild.rebuild_if_wiped) for _ in range(3))
+    assert {s.run: s.hold for s in pool.pool_status().runs} == {"a": "finished", "b": "ok"}
+    # A paused run stays paused when its trainer finishes; a trainer registering lifts finished, not a pause.
+    runs["b"].t.pause_generation()
+    assert runs["b"].t.finish_generation().hold == "paused"
+    runs["a"].t.register_trainer("trainer-a-2")  # a trainer again, to train past the old max_steps
+    runs["b"].t.register_trainer("trainer-b-2")
+    assert {s.run: s.hold for s in pool.pool_status().runs} == {"a": "ok", "b": "paused"}
+    assert serve(pool, runs, 2) == {"a": 2, "b": 0}

@@ -78,6 +78,8 @@ def test_worker_trains_publishes_checkpoints_acks_and_reports(
         assert viewer.latest_checkpoint().step == 4
         # Every trained group acked after its checkpoint: 4 steps x 2 groups.
         assert status.queue.acked_total == 8
+        # Done at max_steps: the run left a shared pool's competition (docs/pool.md), until a trainer registers.
+        assert status.pool is not None and status.pool.hold == "finished"
         metrics = status.metrics["trainer-a"]
         for name in (
             "train/loss",

@@ -188,7 +188,26 @@ async def pool_status(ctx: CtxDep, principal: ViewerRole) -> PoolStatus:
 async def pause(ctx: CtxDep, _: TrainerRole, ref: RunDep) -> RunPoolStatus:
     # The bucket's marker first: a rebuild after a Redis wipe finds the run paused (rebuild.scan_run).
     await asyncio.to_thread(ctx.store.put_bytes, rebuild.paused_marker_key(ref.run), b"")
-    await pool.set_paused(ctx.redis, ref.run, True)
+    await pool.set_hold(ctx.redis, ref.run, "paused")
+    return await pool.run_status(ctx.redis, ref.run, ref.spec)
+
+
+@router.post(
+    "/v1/runs/{run}/generation/finish",
+    response_model=RunPoolStatus,
+    summary="The run's trainer is done: pool leases skip it (hold `finished`) until a trainer registers again.",
+    description=(
+        "Sent by `bucketrl trainer` when it reaches max_steps, so the run's share goes to the other runs at once "
+        "instead of after its queue has filled up. Prompts already leased are still accepted. A pause is not "
+        "overridden; resume lifts either. Idempotent."
+    ),
+    responses=responses(401, 403, 404, 422, 503),
+)
+async def finish(ctx: CtxDep, _: TrainerRole, ref: RunDep) -> RunPoolStatus:
+    status = await pool.run_status(ctx.redis, ref.run, ref.spec)
+    if not status.paused:
+        await asyncio.to_thread(ctx.store.put_bytes, rebuild.paused_marker_key(ref.run), b"finished")
+        await pool.set_hold(ctx.redis, ref.run, "finished")
     return await pool.run_status(ctx.redis, ref.run, ref.spec)
 
 
@@ -200,5 +219,5 @@ async def pause(ctx: CtxDep, _: TrainerRole, ref: RunDep) -> RunPoolStatus:
 )
 async def resume(ctx: CtxDep, _: TrainerRole, ref: RunDep) -> RunPoolStatus:
     await asyncio.to_thread(ctx.store.delete, [rebuild.paused_marker_key(ref.run)])
-    await pool.set_paused(ctx.redis, ref.run, False)
+    await pool.set_hold(ctx.redis, ref.run, "ok")
     return await pool.run_status(ctx.redis, ref.run, ref.spec)

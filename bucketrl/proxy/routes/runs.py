@@ -12,7 +12,7 @@ from bucketrl.proxy import body, rebuild
 from bucketrl.proxy.context import ProxyContext
 from bucketrl.proxy.deps import AnyRole, CtxDep, RunDep, RunId, TrainerRole
 from bucketrl.proxy.errors import responses
-from bucketrl.proxy.state import checkpoints, claim, runs
+from bucketrl.proxy.state import checkpoints, claim, pool, runs
 from bucketrl.storage import dirs
 from bucketrl.wire import RunInfo, RunSpec, TrainerRegistration
 from bucketrl.wire.trainer import TrainerRegisterRequest
@@ -115,6 +115,9 @@ async def register_trainer(
     if new:
         log.info("run %s: trainer %s registered with epoch %d", ref.run, req.worker_id, epoch)
     await claim.on_trainer_registered(ctx.redis, ref.run, epoch, ctx.settings.redelivery_timeout_s)
+    if new and await pool.unfinish(ctx.redis, ref.run):  # a trainer again: it trains past its old max_steps
+        await asyncio.to_thread(ctx.store.delete, [rebuild.paused_marker_key(ref.run)])
+        log.info("run %s: finished no more (trainer %s registered)", ref.run, req.worker_id)
     return TrainerRegistration(
         epoch=epoch,
         latest_version=await runs.latest_version(ctx.redis, ref.run),

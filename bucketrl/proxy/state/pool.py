@@ -24,6 +24,7 @@ from bucketrl.wire import RunSpec
 from bucketrl.wire.pool import RunPoolStatus
 
 _PICK = Lua.load("pool_pick.lua")
+_UNFINISH = Lua.load("pool_unfinish.lua")
 
 RECENT_SLOT_S = 10  # submit_enqueue.lua's slot of the recent tokens
 RECENT_WINDOW_S = 60.0  # what pool status calls recent: the last 6 slots, the current one included
@@ -89,13 +90,22 @@ async def mark_passed_over(r: Any, run: str) -> None:
     await r.hdel(pool_key(run), "last_granted")
 
 
-async def set_paused(r: Any, run: str, paused: bool) -> None:
+HOLDS = {"ok": "0", "paused": "1", "finished": "2"}  # the pool hash's ``paused`` field (and the Lua scripts')
+
+
+async def set_hold(r: Any, run: str, hold: str) -> None:
+    """``ok`` (resume), ``paused`` or ``finished``."""
     # Resume drops last_granted: the run starts again at the pool's current score, not its old lower one.
     pipe = r.pipeline(transaction=True)
-    pipe.hset(pool_key(run), "paused", 1 if paused else 0)
-    if not paused:
+    pipe.hset(pool_key(run), "paused", HOLDS[hold])
+    if hold == "ok":
         pipe.hdel(pool_key(run), "last_granted")
     await pipe.execute()
+
+
+async def unfinish(r: Any, run: str) -> bool:
+    """A finished run's hold lifted (a trainer registered again, to train past its max_steps); a pause stays."""
+    return bool(await _UNFINISH(r, [pool_key(run)], []))
 
 
 async def run_status(r: Any, run: str, spec: RunSpec) -> RunPoolStatus:
@@ -107,7 +117,8 @@ async def run_status(r: Any, run: str, spec: RunSpec) -> RunPoolStatus:
     pipe.hgetall(keys.run_key(run, keys.TOKENS_RECENT))
     pipe.time()
     (tokens, groups), paused_raw, inflight, slots, (sec, usec) = await pipe.execute()
-    tokens_i, paused = int(tokens or 0), _str(paused_raw) == "1"
+    tokens_i, held = int(tokens or 0), _str(paused_raw)
+    paused = held == "1"
     over = spec.budget_tokens is not None and tokens_i >= spec.budget_tokens
     return RunPoolStatus(
         run=run,
@@ -116,7 +127,7 @@ async def run_status(r: Any, run: str, spec: RunSpec) -> RunPoolStatus:
         groups_accepted=int(groups or 0),
         paused=paused,
         budget_tokens=spec.budget_tokens,
-        hold="paused" if paused else "budget" if over else "ok",
+        hold="paused" if paused else "finished" if held == "2" else "budget" if over else "ok",
         prompts_inflight=int(inflight),
         tokens_recent=recent_tokens(slots, int(sec) + int(usec) / 1e6),
     )

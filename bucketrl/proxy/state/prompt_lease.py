@@ -172,6 +172,8 @@ class Held(errors.Backpressure):
     def __init__(self, run: str, why: str, spec: RunSpec) -> None:
         if why == "paused":
             message = f"run {run!r}: generation is paused; POST /v1/runs/{run}/generation/resume to go on"
+        elif why == "finished":
+            message = f"run {run!r}: finished (its trainer reached max_steps); a trainer registering again resumes it"
         else:
             message = (
                 f"run {run!r}: its budget of {spec.budget_tokens} generated tokens is spent; raise budget_tokens "

@@ -2,7 +2,7 @@
 -- KEYS: per run i, 3 keys: counters, pool, prompts inflight
 -- ARGV: active_window_s, then per run i, 3 values: share, budget ('' = none), tokens per group before any
 -- Returns {now, order, holds, scores}: order = candidate indices (1-based) of the runs to try, fewest
--- (tokens generated + credit + tokens of the prompts in flight) per share first; holds[i] = 'ok' | 'paused' |
+-- (tokens generated + credit + tokens of the prompts in flight) per share first; holds[i] = 'ok' | 'paused' | 'finished' |
 -- 'budget'; scores[i] as strings (a Lua number would reach the caller truncated to an integer).
 -- A run that got no lease within the window (new, resumed, or starved by its own admission control) and lags
 -- the least-served active run is credited up to it: it starts at its share of what comes next instead of
@@ -22,6 +22,8 @@ for i = 1, n do
   local hold = 'ok'
   if pool[1] == '1' then
     hold = 'paused'
+  elseif pool[1] == '2' then
+    hold = 'finished'
   elseif budget ~= '' and tok >= tonumber(budget) then
     hold = 'budget'
   end

@@ -1,6 +1,6 @@
 -- KEYS: cursor inflight owner reissue open meta stream counters queue_meta state pace request spec pool
 -- ARGV: ttl_s n spec_digest worker size limit group version groups_per_step max_staleness slack request_id budget
--- A held run (paused, or its budget_tokens generated: state/pool.py) answers {-3, why}: queued, never failed.
+-- A held run (paused, finished, or its budget_tokens generated: state/pool.py) answers {-3, why}: queued, never failed.
 -- spec_digest: the sha1 of the spec the caller's numbers come from ('' = unchecked); another stored spec
 -- (changed, or gone) refuses with -2 before anything is done.
 -- Lease times are Redis TIME: every replica agrees on when a lease expires, whatever its own clock says.
@@ -28,7 +28,9 @@ if ARGV[12] ~= '' then
     return result
   end
 end
-if redis.call('HGET', KEYS[14], 'paused') == '1' then return {-3, 'paused'} end
+local hold = redis.call('HGET', KEYS[14], 'paused')
+if hold == '1' then return {-3, 'paused'} end
+if hold == '2' then return {-3, 'finished'} end
 if ARGV[13] ~= '' and tonumber(redis.call('HGET', KEYS[8], 'tokens_generated_total') or '0') >= tonumber(ARGV[13]) then
   return {-3, 'budget'}
 end

@@ -455,6 +455,11 @@ BAD_VALUES = [
     ({"relay": {"enabled": True}}, "relay.enabled: set proxyUrl to the home proxy's https:// address"),
     ({"relay": {"enabled": True}, "proxyUrl": "http://p:8000"}, "https:// address"),
     ({"relay": {"env": {"BUCKETRL_PORT": "1"}}}, "'BUCKETRL_PORT' does not match"),
+    (
+        {"relay": {"enabled": True, "tls": {"secretName": "relay-tls"}}, "proxyUrl": "https://p"},
+        "relay.tls.secretName: the generators verify the relay's certificate with caSecret",
+    ),
+    ({"relay": {"tls": {"secretName": "Not_A_Name"}}}, "/relay/tls/secretName"),
 ]
 
 
@@ -483,7 +488,8 @@ def test_relay_settings_ports_cache_and_ca_agree(monkeypatch: pytest.MonkeyPatch
     assert args[0] == "relay" and args[args.index("--host") + 1] == "0.0.0.0"
     (port,) = c["ports"]
     assert int(args[args.index("--port") + 1]) == port["containerPort"] == merged["relay"]["port"]
-    assert c["readinessProbe"]["httpGet"] == c["livenessProbe"]["httpGet"] == {"path": "/relay/stats", "port": "http"}
+    probe = {"path": "/relay/stats", "port": "http", "scheme": "HTTP"}
+    assert c["readinessProbe"]["httpGet"] == c["livenessProbe"]["httpGet"] == probe
     env = expand_k8s_env(c, Refs(docs, merged))
     unknown = [k for k in env if k.startswith("BUCKETRL_RELAY_") and k not in env_names(RelaySettings)]
     assert not unknown, unknown
@@ -504,3 +510,42 @@ def test_relay_settings_ports_cache_and_ca_agree(monkeypatch: pytest.MonkeyPatch
     (gc,) = pod_spec(one(docs, "Deployment", "generator"))["containers"]
     assert expand_k8s_env(gc, Refs(docs, merged))["BUCKETRL_CA_FILE"] == env["BUCKETRL_CA_FILE"]
     assert any(m["name"] == "ca" for m in gc["volumeMounts"])
+
+
+def test_relay_tls_serves_https_to_the_generators_and_presigned_reaches_its_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """relay.tls: the relay's own settings serve HTTPS from the mounted Secret, its probes speak HTTPS, and the
+    generators' first URL is https:// (verified with caSecret, as their fallback to the home proxy is)."""
+    from bucketrl.relay.settings import RelaySettings
+
+    values = {**COMBOS["regional-relay"]}
+    values["relay"] = {**values["relay"], "tls": {"secretName": "relay-tls"}, "presigned": True}
+    docs = manifests(render_chart(values))
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBE_VERSIONS[-1], strict=True)
+    merged = merged_values(values)
+    spec = pod_spec(one(docs, "Deployment", "relay"))
+    (c,) = spec["containers"]
+    args = c["args"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    tls_vol = {v["name"]: v for v in spec["volumes"]}["relay-tls"]
+    assert tls_vol["secret"]["secretName"] == "relay-tls"
+    assert args[args.index("--tls-cert-file") + 1] == f"{mounts['relay-tls']}/tls.crt"
+    assert args[args.index("--tls-key-file") + 1] == f"{mounts['relay-tls']}/tls.key"
+    assert {i["path"] for i in tls_vol["secret"]["items"]} == {"tls.crt", "tls.key"}
+    assert c["readinessProbe"]["httpGet"]["scheme"] == c["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    env = expand_k8s_env(c, Refs(docs, merged))
+    settings = build_settings(
+        RelaySettings, {k: v for k, v in env.items() if k.startswith("BUCKETRL_RELAY_")}, monkeypatch
+    )
+    assert settings.presigned is True
+    (gc,) = pod_spec(one(docs, "Deployment", "generator"))["containers"]
+    genv = expand_k8s_env(gc, Refs(docs, merged))
+    relay_url = genv["BUCKETRL_PROXY_URL"].split(",")[0]
+    assert "BUCKETRL_INSECURE_HTTP" not in genv  # every leg is TLS now: nothing to exempt
+    svc = one(docs, "Service", "relay")
+    assert relay_url == f"https://{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}"
+    # Without relay.tls: plain HTTP on the pod network, as before.
+    plain = pod_spec(one(manifests(render_chart(COMBOS["regional-relay"])), "Deployment", "relay"))["containers"][0]
+    assert "--tls-cert-file" not in plain["args"] and plain["readinessProbe"]["httpGet"]["scheme"] == "HTTP"

@@ -96,7 +96,7 @@ app.kubernetes.io/part-of: bucketrl
 
 {{/* This release's regional relay Service (relay.enabled). */}}
 {{- define "bucketrl.relayUrl" -}}
-{{- printf "http://%s-relay:%d" (include "bucketrl.fullname" .) (int .Values.relay.service.port) }}
+{{- printf "%s://%s-relay:%d" (ternary "https" "http" (not (empty .Values.relay.tls.secretName))) (include "bucketrl.fullname" .) (int .Values.relay.service.port) }}
 {{- end }}
 
 {{/* The private CA (caSecret) the relay and the generators verify the home proxy with: env, mount, volume. */}}
@@ -157,12 +157,14 @@ securityContext:
 {{- define "bucketrl.workerEnv" -}}
 {{- if and (eq .role "generator") .ctx.Values.relay.enabled }}
 {{- /* The region's relay first, the home proxy second (the generators' fallback while the relay is down). The
-       relay's Service is reached over the pod network in plain HTTP, on purpose; the home proxy's URL must be
+       relay's Service is reached over the pod network in plain HTTP unless relay.tls is set; the home proxy's URL must be
        https:// (relay.yaml refuses anything else), so no token crosses clouds unencrypted. */}}
 - name: BUCKETRL_PROXY_URL
   value: {{ printf "%s,%s" (include "bucketrl.relayUrl" .ctx) (include "bucketrl.proxyUrl" .ctx) | quote }}
+{{- if not .ctx.Values.relay.tls.secretName }}
 - name: BUCKETRL_INSECURE_HTTP
   value: "1"
+{{- end }}
 {{- else }}
 - name: BUCKETRL_PROXY_URL
   value: {{ include "bucketrl.proxyUrl" .ctx | quote }}

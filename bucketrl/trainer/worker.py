@@ -52,6 +52,7 @@ import numpy as np
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
 from bucketrl.trainer.claims import ClaimLoop, within_staleness
+from bucketrl.trainer.cost_reports import CostReports
 from bucketrl.trainer.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_FENCED, EXIT_OK, ConfigError, RankFailure, Stopped
 from bucketrl.trainer.ledger import DeliveryLedger
 from bucketrl.trainer.reporting import EVAL_REPORTED, EvalReports, RewardWatch, log_step
@@ -121,6 +122,7 @@ class TrainerWorker:
         self.phase = "starting"
         self.rewards = RewardWatch(settings.max_unscorable_fraction, settings.max_failed_episode_fraction)
         self.eval_reports = EvalReports(self.counters)  # shares the checkpointed counters
+        self.cost_reports = CostReports()
         self.claims = ClaimLoop(
             settings=settings,
             client=self.claim_client,
@@ -498,8 +500,9 @@ class TrainerWorker:
                 metrics.update(self._new_eval_metrics())
             push = MetricsPush(worker_id=self.worker_id, step=step, metrics=metrics, phase="training", notes=notes)
             push.gpu_class, push.usd_per_hour = self.settings.declared_gpu_class(), self.settings.usd_per_hour
-            if trackers is not None:
-                trackers.log(metrics, step)  # guarded: a failing tracker is dropped with one warning
+            if trackers is not None:  # guarded: a failing tracker is dropped with one warning
+                final = step >= self.settings.max_steps
+                trackers.log({**metrics, **self.cost_reports.due(self.write_client, final=final)}, step)
             try:
                 self.write_client.push_metrics(push)
             except errors.BucketRLError as exc:  # metrics are best effort: never stop training for them

@@ -210,6 +210,10 @@ def test_tensorboard_wandb_and_trackio_get_the_trainers_metrics_and_resume_conti
     assert_same(want, tb, NAMES)
     for step, metrics in want.items():  # every pushed metric, under the same name
         assert set(metrics) <= set(tb[step]), set(metrics) - set(tb[step])
+    # The run's cost, read from the proxy (each trainer's first and last step here: under COST_EVERY_S apart).
+    spent = [tb[step]["cost/usd_total"] for step in (1, 2, 3, 4)]
+    assert spent == sorted(spent) and spent[-1] > 0, spent
+    assert {"cost/usd_per_step", "cost/waste_fraction", "cost/usd_per_trained_token"} <= set(tb[4])
     tb_config = json.loads(tensorboard_text(tmp_path / "trackers" / "tensorboard" / "r1", "run_spec"))
     assert tb_config["run_spec"]["group_size"] == 4 and tb_config["trainer"]["lr"] == 1e-2, tb_config
 

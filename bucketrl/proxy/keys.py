@@ -46,6 +46,7 @@ GC_HOLD = "gc:hold"  # present (with a TTL) after a rebuild: no GC until generat
 CHECKPOINT_INFO = "ckpt:{step}"  # hash: sha256, bytes, created_at, epoch
 WRITE_LOCK = "lock:{name}"  # owner token of an in-flight bundle write (adapter version or checkpoint step)
 WORKER_METRICS = "wmetrics:{worker}"  # hash metric name -> latest value of one worker
+COST_USAGE = "cost:usage"  # hash {role}|{class}|{field} -> float, trained_tokens (state/cost.py; in the snapshot)
 TOKENS_RECENT = "tokrecent"  # hash: 10 s slot (Redis TIME // 10) -> generated tokens accepted in it (last ~2 min)
 POOL = "pool"  # hash: paused (1/0), credit (fair-share tokens credited on activation), last_granted (Redis TIME)
 POOL_REQUEST = "brl:poolreq:{worker}:{request_id}"  # the run a pool lease's first attempt picked (replays)

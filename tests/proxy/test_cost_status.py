@@ -87,3 +87,29 @@ def test_proxy_refuses_a_bad_price_at_start(tmp_path) -> None:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "h100" in out.stderr and "price" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_cost_so_far_survives_a_redis_wipe(redis_server: RedisServer, tmp_path) -> None:
+    """The cost usage rides in the prompt snapshot with the counters: a rebuild continues the run's cost from it
+    (before, a wipe restarted every dollar and worker-second at 0)."""
+    from bucketrl.proxy import rebuild
+    from tests.proxy.test_pool import Run
+
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
+        run = Run(proxy, "r1", 2)
+        for _ in range(2):
+            run.g.push_metrics(MetricsPush(worker_id="g", phase="generating", gpu_class="h100", usd_per_hour=36.0))
+            time.sleep(1.0)
+        run.submit(run.g.lease_prompts("g", 1).prompts)
+        claimed = run.t.claim("trainer-r1", max_groups=1)
+        assert run.t.ack([d.delivery_id for d in claimed.deliveries]) == 1
+        assert proxy.call(lambda ctx: ctx.cleaner.drain(10.0))  # the ack's snapshot is in the bucket
+        before = proxy.client("r1", "viewer").status().cost
+        assert before is not None and before.usd_total > 0
+        redis_server.wipe()
+        redis_server.start()
+        assert any(proxy.call(rebuild.rebuild_if_wiped) for _ in range(3))
+        after = proxy.client("r1", "viewer").status().cost
+    assert after is not None
+    assert math.isclose(after.usd_total, before.usd_total)
+    assert [(c.gpu_class, c.worker_s) for c in after.classes] == [(c.gpu_class, c.worker_s) for c in before.classes]

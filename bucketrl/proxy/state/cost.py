@@ -16,7 +16,7 @@ from bucketrl.proxy import keys
 from bucketrl.wire import MetricsPush, QueueStatus, WorkerStatus
 from bucketrl.wire.cost import Prices, RunCost
 
-USAGE = "cost:usage"
+USAGE = keys.COST_USAGE
 # A generator in any other phase (waiting for the first version, loading, stopping) is idle.
 BUSY_PHASE = "generating"
 

@@ -58,6 +58,7 @@ class PromptKeys:
     state: str
     pace: str
     channel: str
+    usage: str  # the run's cost usage (state/cost.py): in the snapshot with the counters
 
     @classmethod
     @functools.lru_cache(maxsize=4096)  # frozen, and built on every request: once per run is enough
@@ -77,6 +78,7 @@ class PromptKeys:
             state=k(run, keys.STATE),
             pace=k(run, "queue:pace"),
             channel=k(run, keys.PIPELINE_CHANNEL),
+            usage=k(run, keys.COST_USAGE),
         )
 
 

@@ -212,6 +212,8 @@ def _restore_counters(
     if snap is not None and not restored_counters:
         for name, value in snap.get("counters", {}).items():
             pipe.hincrby(k.counters, name, int(value))
+        for name, usage in snap.get("cost_usage", {}).items():  # added to what was accrued since the wipe
+            pipe.hincrbyfloat(k.p.usage, name, float(usage))
         if redropped := snap.get("redropped"):
             pipe.hset(k.redropped, mapping=dict.fromkeys(redropped, 1))
     pipe.hincrby(k.counters, "accepted_total", done.accepted)

@@ -137,11 +137,13 @@ async def _persist(
         await asyncio.sleep(0.005)
     try:
         snap = await _SNAPSHOT(
-            r, [k.cursor, k.inflight, k.owner, k.open, k.meta, k.queue_meta, k.counters, *_queue_keys(run)], []
+            r,
+            [k.cursor, k.inflight, k.owner, k.open, k.meta, k.queue_meta, k.counters, *_queue_keys(run), k.usage],
+            [],
         )
         if not snap:
             raise errors.Unavailable(f"run {run!r}: prompt state is not in Redis (being restored); retry")
-        cur, seq, reserved, open_ids, leased, owners, counters, remaining, settled, doomed, redropped = snap
+        cur, seq, reserved, open_ids, leased, owners, counters, remaining, settled, doomed, redropped, usage = snap
         cur, seq = int(cur), int(seq)
         new_reserved = max(int(reserved), cur + max(RESERVE_AHEAD, admission_limit(spec)))
         leases = {as_str(leased[i]): [float(leased[i + 1]), as_str(owners[i // 2])] for i in range(0, len(leased), 2)}
@@ -155,7 +157,7 @@ async def _persist(
             "open": sorted((as_str(p) for p in open_ids), key=_position_key(spec.dataset.size)),
             "leases": leases,
             "written_at": time.time(),
-            "queue": _queue_section(counters, remaining, settled, doomed, redropped),
+            "queue": _queue_section(counters, remaining, settled, doomed, redropped, usage),
         }
         body = json.dumps(snapshot, separators=(",", ":")).encode()
         await asyncio.to_thread(store.put_bytes, numbered_snapshot_key(run, seq), body)
@@ -183,7 +185,12 @@ def _queue_keys(run: str) -> tuple[str, str, str, str]:
 
 
 def _queue_section(
-    counters: list[Any], remaining: list[Any], settled: list[Any], doomed: list[Any], redropped: list[Any]
+    counters: list[Any],
+    remaining: list[Any],
+    settled: list[Any],
+    doomed: list[Any],
+    redropped: list[Any],
+    usage: list[Any],
 ) -> dict[str, Any]:
     """The queue's part of a snapshot, read atomically with the prompts: the run's lifetime counters, each live
     batch's unsettled count and settled groups, the finished batches whose objects are not deleted yet, and the
@@ -193,6 +200,8 @@ def _queue_section(
     done = {as_str(settled[i]): as_str(settled[i + 1]) for i in range(0, len(settled), 2)}
     return {
         "counters": {as_str(counters[i]): int(counters[i + 1]) for i in range(0, len(counters), 2)},
+        # The run's cost so far (worker seconds by class, dollars): a rebuild continues it, as the counters.
+        "cost_usage": {as_str(usage[i]): float(usage[i + 1]) for i in range(0, len(usage), 2)},
         "live": {
             b: {"remaining": n, "settled": sorted({int(g) for g in done.get(b, "").split(",") if g})}
             for b, n in sorted(pairs.items())

@@ -69,6 +69,11 @@ COMBOS: dict[str, dict[str, Any]] = {
         "relay": {"enabled": True, "cacheMaxBytes": 2147483648, "service": {"port": 8101}},
         "caSecret": {"name": "home-ca", "key": "ca.pem"},
     },
+    # TRL's AsyncGRPOTrainer outside the chart trains through the gateway (docs/trl.md).
+    "external-trainer": {
+        "trainer": {"enabled": False},
+        "gateway": {"enabled": True, "adapterVolume": {"persistentVolumeClaim": {"claimName": "trl-output"}}},
+    },
     "cpu-statefulset-keys": {
         "trainer": {"kind": "StatefulSet", "gpu": {"enabled": False}, "tolerations": []},
         "generator": {"engine": "transformers", "gpu": {"enabled": False}, "tolerations": []},
@@ -455,6 +460,10 @@ BAD_VALUES = [
     ({"relay": {"enabled": True}}, "relay.enabled: set proxyUrl to the home proxy's https:// address"),
     ({"relay": {"enabled": True}, "proxyUrl": "http://p:8000"}, "https:// address"),
     ({"relay": {"env": {"BUCKETRL_PORT": "1"}}}, "'BUCKETRL_PORT' does not match"),
+    ({"gateway": {"enabled": True}}, "gateway.enabled: the gateway takes the run's trainer role"),
+    ({"gateway": {"enabled": True}, "trainer": {"enabled": False}}, "gateway.adapterVolume: give the volume"),
+    ({"gateway": {"env": {"BUCKETRL_LEASE_TOKEN": "x"}}}, "invalid propertyName 'BUCKETRL_LEASE_TOKEN'"),
+    ({"gateway": {"adapterMountPath": "trl-output"}}, "/gateway/adapterMountPath"),
 ]
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from bucketrl import errors
 from bucketrl.client import ProxyClient
@@ -47,7 +48,7 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.client = ProxyClient(settings.proxy_url, settings.run, settings.token)
-        self.spec: RunSpec = self.client.get_run().spec
+        self.spec: RunSpec = self._run_spec()
         # The gateway is the run's trainer: publishing is epoch-fenced, so it takes the epoch (a bucketrl trainer
         # still running on this run is fenced from here on, and the other way round).
         self.worker_id = f"gateway-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
@@ -62,6 +63,22 @@ class Gateway:
             settings.proxy_url, settings.run, settings.token, max_connections=settings.max_connections
         )
         self._load_lock = asyncio.Lock()
+
+    def _run_spec(self) -> RunSpec:
+        """The run's spec: created or confirmed from BUCKETRL_RUN_SPEC when given (an immutable field changed: the
+        proxy's 409), else read (the run must exist)."""
+        path = self.settings.run_spec
+        if path is None:
+            return self.client.get_run().spec
+        try:
+            spec = RunSpec.model_validate_json(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"BUCKETRL_RUN_SPEC {path}: cannot read it ({exc.strerror})") from None
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "the file"
+            raise ValueError(f"BUCKETRL_RUN_SPEC {path}: {where}: {first['msg']}") from None
+        return self.client.put_run(spec).spec
 
     @property
     def max_model_len(self) -> int:

@@ -16,6 +16,12 @@ class GatewaySettings(BaseSettings):
     run: str = Field("default", description="The run whose versions the gateway publishes (it must exist).")
     host: str = Field("127.0.0.1", description="Bind address: beside the TRL trainer, loopback by default.")
     port: int = Field(8100, ge=0, le=65535, description="Port (0: any free one; the bound URL is printed).")
+    run_spec: Path | None = Field(
+        None,
+        description="A run spec JSON file: the gateway creates the run from it, or confirms it, before serving "
+        "(what bucketrl's trainer does with BUCKETRL_RUN_SPEC; a deployment with an external trainer has no other "
+        "creator). Unset: the run must exist.",
+    )
     lease_token: str = Field(
         "",
         description="A generator-role token of the run: with it the gateway leases every version a loaded name "

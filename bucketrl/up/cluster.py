@@ -9,7 +9,9 @@ Everything lives under the run directory, so running again with the same directo
     <dir>/redis/            Redis's append-only file (coordination state survives a restart)
     <dir>/logs/<service>.log, <dir>/logs/trainer-audit.jsonl
     <dir>/endpoint.json     the proxy's address while it runs (``bucketrl status --dir <dir>``); with
-                            ``--openai-port``, under "openai": gen-0's endpoint for agents (URL, token)
+                            ``--openai-port``, under "openai": gen-0's endpoint for agents (URL, token); with
+                            ``--gateway-port``, under "gateway": the gateway's URL (TRL's vllm_server_base_url)
+    <dir>/gateway-state.json  the gateway's adapter names -> versions (``--external-trainer``, bucketrl.up.external)
     <dir>/services.json     the pid of each service (the last start of each)
 
 Workers talk to the proxy over HTTP exactly as containers would: each gets only ``BUCKETRL_PROXY_URL``, its
@@ -37,6 +39,7 @@ from bucketrl.generator import trust
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.tasks.tiny_model import build_tiny_model
 from bucketrl.trainer.trackers import default_report_to
+from bucketrl.up import external
 from bucketrl.up.config import UpConfig, build_run_spec, max_new_tokens_given, save_options
 from bucketrl.up.processes import (
     Service,
@@ -65,6 +68,8 @@ class LocalCluster:
         self.tokens: dict[str, str] = {}
         self.redis_port = free_port()
         self.proxy_port = cfg.port or free_port()
+        self.gateway_port = cfg.gateway_port  # a port-0 gateway's actual port once it listens (kept on restarts)
+        self.gateway_url: str | None = None
         self.model_dir: Path | None = None
         self.report: Any = None  # what the preflight found
         self._lock: IO[str] | None = None
@@ -95,6 +100,8 @@ class LocalCluster:
 
     def prepare(self) -> None:
         """Lock the run directory, create or reuse tokens, build the tiny model, write the run spec."""
+        if self.cfg.gateway_port:
+            external.check_port_free(self.cfg.gateway_port, "--gateway-port")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         lock = open(self.dir / "up.lock", "w")  # noqa: SIM115 - held for the cluster's lifetime
@@ -326,6 +333,8 @@ class LocalCluster:
             "BUCKETRL_REWARD_WORKERS": "1",
             "BUCKETRL_PROMPT_LEASE_TTL_S": repr(self.cfg.prompt_lease_ttl_s),
             "BUCKETRL_ADAPTER_CACHE_DIR": str(self.dir / "work" / name),
+            # An external trainer's requests (through the gateway) instead of the run's prompts.
+            **({"BUCKETRL_SERVE_COMPLETION_JOBS": "1"} if self.cfg.external_trainer else {}),
             **self.cfg.generator_env,
         }
         if self.cfg.openai_port is not None and index == 0:
@@ -342,21 +351,47 @@ class LocalCluster:
     def endpoint_file(self) -> Path:
         return self.dir / "endpoint.json"
 
+    def start_gateway(self) -> Service:
+        """``bucketrl gateway`` for an external trainer; its URL under "gateway" in endpoint.json once it serves."""
+        assert self.gateway_port is not None
+        url_file = self.dir / external.GATEWAY_URL_FILE
+        url_file.unlink(missing_ok=True)
+        merge_json_file(self.endpoint_file, {}, drop=("gateway",))
+        argv = external.gateway_argv(self.gateway_port, url_file)
+        svc = self._service("gateway", argv, external.gateway_env(self)).start()
+        # The gateway writes "<url>\n" once it has bound its port.
+        wait_until(lambda: url_file.exists() and url_file.read_text().endswith("\n"), 60, "the gateway to listen", svc)
+        url = url_file.read_text().strip()
+        wait_until(lambda: external.gateway_healthy(url), 60, "the gateway to serve", svc, poll_s=0.2)
+        self.gateway_url = url
+        self.gateway_port = int(url.rsplit(":", 1)[1])  # a restart binds the same port: TRL keeps its URL
+        merge_json_file(self.endpoint_file, {"gateway": {"url": url, "run": self.cfg.run, "pid": svc.pid}})
+        return svc
+
     def start_all(self, on_step: Any = None) -> None:
-        """Redis (unless external), proxy, trainer, then the generators; ``on_step(text)`` reports progress."""
+        """Redis (unless external), proxy, trainer, then the generators; ``on_step(text)`` reports progress.
+
+        With an external trainer, ``up`` creates the run in the trainer's place and the gateway starts last."""
         say = on_step or (lambda _text: None)
-        if self.endpoint_file.exists():  # an earlier session's agents' endpoint is gone
-            merge_json_file(self.endpoint_file, {}, drop=("openai",))
+        if self.endpoint_file.exists():  # an earlier session's agents' endpoint and gateway are gone
+            merge_json_file(self.endpoint_file, {}, drop=("openai", "gateway"))
         if not self.cfg.redis_url:
             say(f"redis      {self.redis_url}  (append-only file in {self.dir / 'redis'})")
             self.start_redis()
         say(f"proxy      {self.proxy_url}  bucket {self.bucket_url}")
         self.start_proxy()
-        say("trainer    starting (creates or resumes the run)")
-        self.start_trainer()
+        if self.cfg.external_trainer:
+            say("run        created or confirmed from run_spec.json (no bucketrl trainer: yours trains)")
+            external.create_run(self)
+        else:
+            say("trainer    starting (creates or resumes the run)")
+            self.start_trainer()
         for i in range(self.cfg.generators):
             say(f"gen-{i}      engine {self.cfg.engine_of(i)}")
             self.start_generator(i)
+        if self.gateway_port is not None:
+            say("gateway    vLLM's routes for TRL's AsyncGRPOTrainer")
+            self.start_gateway()
 
     def restart(self, name: str, *, kill: bool = False) -> Service:
         """Stop (SIGTERM, or SIGKILL with ``kill``) and start one service again with the same settings."""
@@ -369,6 +404,8 @@ class LocalCluster:
             return self.start_redis()
         if name == "proxy":
             return self.start_proxy()
+        if name == "gateway":
+            return self.start_gateway()
         return svc.start()
 
     def stop_workers(self, timeout_s: float = 60.0) -> None:

@@ -108,6 +108,16 @@ class UpConfig(BaseModel):
     proxy_env: dict[str, str] = Field(default_factory=dict)
     # Check model, dataset, LoRA targets, context and reward before starting anything (bucketrl.preflight).
     preflight: bool = True
+    # Someone else trains (TRL's AsyncGRPOTrainer through `bucketrl gateway`): no bucketrl trainer is started, the
+    # generators serve completion jobs, and `up` serves until Ctrl-C / SIGTERM.
+    external_trainer: bool = Field(False, description="Start no trainer: generators serve an external trainer.")
+    gateway_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Start `bucketrl gateway` (vLLM's routes for TRL) on this loopback port (0: a free one); its "
+        "URL goes to <dir>/endpoint.json under gateway. Needs external_trainer.",
+    )
 
     @field_validator("generator_engines")
     @classmethod
@@ -133,6 +143,23 @@ class UpConfig(BaseModel):
             raise ValueError(
                 "--trainer-shard-base shards the base across trainer ranks: add --trainer-procs 2 (or more)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _external_trainer_options(self) -> UpConfig:
+        if self.gateway_port is not None and not self.external_trainer:
+            raise ValueError(
+                "--gateway-port serves an external trainer (TRL's AsyncGRPOTrainer) and takes the run's trainer "
+                "role from bucketrl's own: add --external-trainer"
+            )
+        if self.external_trainer:
+            given = [f for f in TRAINER_ONLY if f in self.model_fields_set]
+            if given:
+                option = "--" + given[0].replace("_", "-")
+                raise ValueError(
+                    f"{option} is read by bucketrl's own trainer, which --external-trainer does not start: your "
+                    "trainer sets it (drop the option)"
+                )
         return self
 
     @property
@@ -191,6 +218,27 @@ class UpConfig(BaseModel):
 
         return self.lr or (DEMO_LR if self.is_demo else 1e-5)
 
+
+# Options only bucketrl's trainer (or its dataset and reward) reads: with external_trainer they would do nothing.
+TRAINER_ONLY = (
+    "max_steps",
+    "lr",
+    "sync_every",
+    "checkpoint_every",
+    "seed",
+    "report_to",
+    "trainer_procs",
+    "trainer_shard_base",
+    "eval_every",
+    "dataset",
+    "reward",
+    "reward_kwargs",
+    "prompt_field",
+    "answer_field",
+    "env",
+    "env_kwargs",
+    "openai_port",
+)
 
 SAVED_OPTIONS = "up_options.json"
 

@@ -7,7 +7,9 @@ reason is printed and kept in ``<dir>/stopped.json``) or 3 (fenced trainer) ends
 service is given up on only when it keeps dying quickly (``UpConfig.restart_policy``: 5 deaths within 60 s
 by default), never for the number of restarts over a long run. The
 run ends when the trainer exits 0 (``max_steps`` reached) or on Ctrl-C / SIGTERM: workers get SIGTERM
-first (generators release their prompts, the trainer checkpoints), the proxy and Redis last.
+first (generators release their prompts, the trainer checkpoints), the proxy and Redis last. With
+``--external-trainer`` there is no trainer to finish: ``up`` serves (the gateway supervised like a generator) until
+Ctrl-C / SIGTERM.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
-from bucketrl.preflight import CONFIG_ERROR_PREFIX, EXIT_CONFIG
+from bucketrl.preflight import CONFIG_ERROR_PREFIX, EXIT_CONFIG, ConfigError
 from bucketrl.status_cli import record_last_up
 from bucketrl.up import report
 from bucketrl.up.cluster import LocalCluster
@@ -51,6 +53,7 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
     """Run ``bucketrl up``; returns the process exit code (0 = the trainer finished or Ctrl-C)."""
     console = console or Console()
     live = console.is_terminal if live is None else live
+    live = live and not cfg.external_trainer  # its view is of bucketrl's trainer's steps: lines instead
     cluster = LocalCluster(cfg)
     console.print(f"[bold]bucketrl up[/] run [cyan]{cfg.run}[/] in {cluster.dir}", soft_wrap=True)
     console.print("  checking   model, dataset, LoRA targets, context, reward…")
@@ -77,6 +80,11 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
         cluster.start_all(lambda text: console.print(f"  starting {text}", soft_wrap=True))
         console.print(f"  dashboard  {cluster.dashboard_url}", soft_wrap=True)
         console.print(f"  logs       {cluster.logs}", soft_wrap=True)
+        if cluster.gateway_url is not None:
+            console.print(
+                f"  gateway    {cluster.gateway_url}  (TRL: vllm_server_base_url; also in {cluster.endpoint_file})",
+                soft_wrap=True,
+            )
         if cfg.openai_port is not None:
             console.print(
                 f"  agents     gen-0's OpenAI-compatible endpoint: URL and token in {cluster.endpoint_file} "
@@ -89,6 +97,9 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
         for svc in cluster.services.values():
             svc.kill()
         code = 130
+    except ConfigError as exc:  # found once the proxy answers (an external trainer's run spec): one line
+        console.print(f"[red]bucketrl up:[/] {exc}", soft_wrap=True)
+        code = EXIT_CONFIG
     except Exception as exc:
         console.print(f"[red]bucketrl up failed:[/] {exc}")
         code = 1
@@ -121,7 +132,10 @@ def _final_report(
         if code == EXIT_CONFIG
         else f"resume: bucketrl up --dir {cluster.dir}"
     )
-    if watcher.pushes and not watcher.trainer_series("perf/step_s"):
+    if cfg.external_trainer:
+        latest = watcher.status.latest_version if watcher.status is not None else 0
+        console.print(f"external trainer: the run's latest version is v{latest}; {resume}", soft_wrap=True)
+    elif watcher.pushes and not watcher.trainer_series("perf/step_s"):
         console.print(f"no trainer step was taken (no summary); {resume}", soft_wrap=True)
     elif watcher.pushes:
         sync = measure(cluster.logs, cfg.run)
@@ -155,7 +169,6 @@ def _supervise(
 ) -> int:
 
     cfg = cluster.cfg
-    policy = cfg.restart_policy
     max_steps = cfg.effective_max_steps()
     note = ""
     last_print = last_save = 0.0
@@ -176,37 +189,21 @@ def _supervise(
         # auto_refresh off: no refresh thread in this process (children are forked from it).
         live_ctx = Live(view(), console=console, auto_refresh=False, transient=False)
     with live_ctx as lv:
+        # An external trainer's run ends when `up` is stopped (Ctrl-C / SIGTERM): nothing here knows its end.
         while not stop.requested:
             watcher.poll()
-            trainer = cluster.services["trainer"]
-            if not trainer.alive:
-                rc = trainer.returncode
-                if rc == 0:
-                    note = "trainer finished"
+            if not cfg.external_trainer:
+                code, said = _check_trainer(cluster, console)
+                note = said or note
+                if code == 0:
                     watcher.poll()
                     break
-                if rc == EXIT_CONFIG:
-                    return _config_stop(cluster, "trainer", console)
-                looping = rc not in TRAINER_FATAL and trainer.record_death(policy)
-                if rc in TRAINER_FATAL or looping:
-                    why = (TRAINER_FATAL.get(rc) if rc is not None else None) or f"crash loop: {policy.describe()}"
-                    console.print(f"[red]trainer exited {rc} ({why}):[/]")
-                    console.print(trainer.log_tail(15))
-                    return 1
-                note = f"trainer exited {rc}: restarting (it resumes from its checkpoint)"
-                trainer.start()
-            for name in ("redis", "proxy", *cluster.generator_names):
-                svc = cluster.services.get(name)
-                if svc is None or svc.alive:
-                    continue
-                if svc.returncode == EXIT_CONFIG and name.startswith("gen-"):
-                    return _config_stop(cluster, name, console)
-                if svc.record_death(policy):
-                    raise RuntimeError(
-                        f"{name} keeps exiting ({svc.returncode}; {policy.describe()}); see {svc.log_path}"
-                    )
-                note = f"{name} exited {svc.returncode}: restarting"
-                cluster.restart(name)
+                if code is not None:
+                    return code
+            code, said = _revive(cluster, console)
+            note = said or note
+            if code is not None:
+                return code
             if time.monotonic() - last_save > SAVE_EVERY_S:
                 last_save = time.monotonic()
                 watcher.save(cluster.dir)  # a killed `up` keeps its history for the next one's summary
@@ -214,9 +211,48 @@ def _supervise(
                 lv.update(view(), refresh=True)
             elif time.monotonic() - last_print > 10:
                 last_print = time.monotonic()
-                _print_line(console, watcher, max_steps)
+                _print_line(console, watcher, max_steps, external=cfg.external_trainer)
             _sleep(1.0, stop)
     return 0
+
+
+def _check_trainer(cluster: LocalCluster, console: Console) -> tuple[int | None, str]:
+    """(exit code for `up`, or None to go on; a note for the view): a trainer that exited 0 finished the run, one
+    that failed resumably is started again."""
+    policy = cluster.cfg.restart_policy
+    trainer = cluster.services["trainer"]
+    if trainer.alive:
+        return None, ""
+    rc = trainer.returncode
+    if rc == 0:
+        return 0, "trainer finished"
+    if rc == EXIT_CONFIG:
+        return _config_stop(cluster, "trainer", console), ""
+    looping = rc not in TRAINER_FATAL and trainer.record_death(policy)
+    if rc in TRAINER_FATAL or looping:
+        why = (TRAINER_FATAL.get(rc) if rc is not None else None) or f"crash loop: {policy.describe()}"
+        console.print(f"[red]trainer exited {rc} ({why}):[/]")
+        console.print(trainer.log_tail(15))
+        return 1, ""
+    trainer.start()
+    return None, f"trainer exited {rc}: restarting (it resumes from its checkpoint)"
+
+
+def _revive(cluster: LocalCluster, console: Console) -> tuple[int | None, str]:
+    """Start again every other service found dead (a crash loop raises); a configuration error stops the run."""
+    policy = cluster.cfg.restart_policy
+    note = ""
+    for name in ("redis", "proxy", *cluster.generator_names, "gateway"):
+        svc = cluster.services.get(name)
+        if svc is None or svc.alive:
+            continue
+        if svc.returncode == EXIT_CONFIG and (name.startswith("gen-") or name == "gateway"):
+            return _config_stop(cluster, name, console), ""
+        if svc.record_death(policy):
+            raise RuntimeError(f"{name} keeps exiting ({svc.returncode}; {policy.describe()}); see {svc.log_path}")
+        note = f"{name} exited {svc.returncode}: restarting"
+        cluster.restart(name)
+    return None, note
 
 
 def _adapter_location(cluster: LocalCluster, version: int | None) -> str | None:
@@ -249,12 +285,17 @@ def _config_stop(cluster: LocalCluster, name: str, console: Console) -> int:
     return EXIT_CONFIG
 
 
-def _print_line(console: Console, watcher: RunWatcher, max_steps: int) -> None:
-    """One progress line (--no-live): the step and key figures, or each service's phase while it starts."""
+def _print_line(console: Console, watcher: RunWatcher, max_steps: int, *, external: bool = False) -> None:
+    """One progress line (--no-live): the step and key figures, or each service's phase while it starts; with an
+    external trainer, the versions it published and what each generator holds."""
 
     s = watcher.status
     if s is None:
         console.print(f"starting: {watcher.waiting_for()}", soft_wrap=True)
+        return
+    if external:
+        workers = ", ".join(f"{w.worker_id}:{w.loaded_versions}" for w in s.workers)
+        console.print(f"external trainer  v{s.latest_version}  workers {workers}", soft_wrap=True)
         return
     phases = ", ".join(f"{w.worker_id}: {w.phase}" for w in s.workers if w.phase)
     errors = "; ".join(f"{k}: {m}" for k, m in reward_errors(watcher).items())[:300]

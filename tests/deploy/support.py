@@ -28,6 +28,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "k8s" / "helm" / "bucketrl"
 COMPOSE_FILES = (ROOT / "docker-compose.yml", ROOT / "docker-compose.gpu.yml")
+# The override for an external trainer (TRL through `bucketrl gateway`): docker compose -f docker-compose.yml -f it.
+TRL_COMPOSE = ROOT / "docker-compose.trl.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
 COMPOSE_SCHEMA = Path(__file__).resolve().parent / "schemas" / "compose-spec.json"
 SERVICES = ("proxy", "trainer", "generator")

@@ -69,6 +69,11 @@ COMBOS: dict[str, dict[str, Any]] = {
         "relay": {"enabled": True, "cacheMaxBytes": 2147483648, "service": {"port": 8101}},
         "caSecret": {"name": "home-ca", "key": "ca.pem"},
     },
+    # TRL's AsyncGRPOTrainer outside the chart trains through the gateway (docs/trl.md).
+    "external-trainer": {
+        "trainer": {"enabled": False},
+        "gateway": {"enabled": True, "adapterVolume": {"persistentVolumeClaim": {"claimName": "trl-output"}}},
+    },
     "cpu-statefulset-keys": {
         "trainer": {"kind": "StatefulSet", "gpu": {"enabled": False}, "tolerations": []},
         "generator": {"engine": "transformers", "gpu": {"enabled": False}, "tolerations": []},
@@ -460,6 +465,10 @@ BAD_VALUES = [
         "relay.tls.secretName: the generators verify the relay's certificate with caSecret",
     ),
     ({"relay": {"tls": {"secretName": "Not_A_Name"}}}, "/relay/tls/secretName"),
+    ({"gateway": {"enabled": True}}, "gateway.enabled: the gateway takes the run's trainer role"),
+    ({"gateway": {"enabled": True}, "trainer": {"enabled": False}}, "gateway.adapterVolume: give the volume"),
+    ({"gateway": {"env": {"BUCKETRL_LEASE_TOKEN": "x"}}}, "invalid propertyName 'BUCKETRL_LEASE_TOKEN'"),
+    ({"gateway": {"adapterMountPath": "trl-output"}}, "/gateway/adapterMountPath"),
 ]
 
 

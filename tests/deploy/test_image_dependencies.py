@@ -159,3 +159,8 @@ def test_trainer_image_imports_every_trainer_module() -> None:
 
 def test_generator_cpu_image_imports_every_generator_module() -> None:
     _import_all("generator", ["bucketrl.generator", "bucketrl.rewards", "bucketrl.datasets", "bucketrl.tasks"])
+
+
+def test_proxy_image_imports_every_gateway_module() -> None:
+    """docker-compose.trl.yml and the chart's gateway.enabled run `bucketrl gateway` from the proxy's image."""
+    _import_all("proxy", ["bucketrl.gateway"])

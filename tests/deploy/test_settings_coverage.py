@@ -23,6 +23,7 @@ from tests.deploy.support import (
     ENV_EXAMPLE,
     ROOT,
     SERVICES,
+    TRL_COMPOSE,
     bind_mounts,
     build_settings,
     env_names,
@@ -132,10 +133,13 @@ def test_chart_environments_parse_as_each_services_settings(
 
 
 def test_every_bucketrl_name_in_the_deploy_files_is_a_setting() -> None:
+    from bucketrl.gateway.settings import GatewaySettings
     from bucketrl.relay.settings import RelaySettings
 
-    known = set().union(*(env_names(settings_class(c)) for c in SERVICES), env_names(RelaySettings))
-    files = [*COMPOSE_FILES, ENV_EXAMPLE, *sorted(CHART.rglob("*")), ROOT / "docs" / "deploy.md"]
+    known = set().union(
+        *(env_names(settings_class(c)) for c in SERVICES), env_names(RelaySettings), env_names(GatewaySettings)
+    )
+    files = [*COMPOSE_FILES, TRL_COMPOSE, ENV_EXAMPLE, *sorted(CHART.rglob("*")), ROOT / "docs" / "deploy.md"]
     for path in files:
         if not path.is_file():
             continue

@@ -1,26 +1,36 @@
-"""TRL 1.16's real ``AsyncGRPOTrainer`` trains on CPU through ``bucketrl gateway`` (a real proxy, Redis, bucket
-and generator process): its weight syncs become committed versions that the generator serves, and its rollouts are
-the generator's completions. Only TRL's two CUDA-only calls are replaced (``tests/gateway/trl_cpu.py``)."""
+"""TRL 1.16's real ``AsyncGRPOTrainer`` trains on CPU through ``bucketrl up --external-trainer --gateway-port 0``
+(Redis, the proxy, a ``file://`` bucket, two generator processes and the gateway, as a user starts them): its
+weight syncs become committed versions in the bucket that the generators serve, its rollouts are the generators'
+completions, and a generator SIGKILLed mid-run does not stop it. Only TRL's two CUDA-only calls are replaced
+(``tests/gateway/trl_cpu.py``)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
 import torch
 from safetensors.torch import load_file
+from transformers import TrainerCallback
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
+from bucketrl.client import ProxyClient
 from bucketrl.wire import SamplingSpec
-from tests.gateway.support import running_gateway
 from tests.gateway.trl_cpu import cpu_varlen_attention, patch_trl_for_cpu, trl_trainer
-from tests.generator.helpers import run_spec, teacher_forced_logprobs
-from tests.generator.worker_support import start_generator
-from tests.proxy.harness import ProxyHarness, running
-from tests.support.services import RedisServer
+from tests.generator.helpers import teacher_forced_logprobs
 
-STEPS = 2
+STEPS = 3
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cpu_tree_attention_is_each_samples_causal_attention() -> None:
@@ -44,46 +54,93 @@ def test_cpu_tree_attention_is_each_samples_causal_attention() -> None:
         assert torch.allclose(out[idx], dense, atol=1e-5)
 
 
-@pytest.mark.slow  # ~1.5 min on a loaded 2-core machine: TRL spawns its rollout process, a generator starts
-def test_async_grpo_trainer_through_the_gateway(
-    redis_server: RedisServer, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.slow  # ~2 min on a loaded 2-core machine: up's preflight, two generators, TRL's rollout process
+def test_async_grpo_trainer_through_bucketrl_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     patch_trl_for_cpu(monkeypatch.setattr)
-    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
-        spec = run_spec(tiny_model_dir, max_staleness=2)
-        proxy.client("trl", "trainer").put_run(spec)
-        gen = start_generator(proxy, "trl", tmp_path / "gen.log", serve_completion_jobs=1, worker_id="gen-0", seed=0)
-        try:
-            with running_gateway(proxy, "trl", tmp_path) as url:
-                trainer = trl_trainer(tiny_model_dir, url, tmp_path / "out", steps=STEPS)
-                trainer.train()
-                served_by_the_pool(proxy, url, tiny_model_dir, tmp_path / "out", trainer)
-        finally:
-            gen.terminate()
-            gen.wait(30)
+    run_dir = tmp_path / "run"
+    with bucketrl_up(run_dir) as url:
+        model_dir = run_dir / "model"  # up's built-in tiny model: the run's base_model, so TRL trains the same one
+        trainer = trl_trainer(model_dir, url, tmp_path / "out", steps=STEPS)
+        killer = KillAGenerator(run_dir, after_step=1)
+        trainer.add_callback(killer)
+        trainer.train()
+        assert killer.killed is not None, "no generator was killed mid-run"
+        restarted = json.loads((run_dir / "services.json").read_text())
+        assert restarted[killer.killed[0]] != killer.killed[1]  # up started the killed generator again
+        served_by_the_pool(run_dir, url, model_dir, tmp_path / "out", trainer)
 
 
-def served_by_the_pool(proxy: ProxyHarness, url: str, model_dir: Path, out: Path, trainer: AsyncGRPOTrainer) -> None:
+@contextmanager
+def bucketrl_up(run_dir: Path) -> Iterator[str]:
+    """``bucketrl up --external-trainer --gateway-port 0 --generators 2`` as a subprocess; yields the gateway URL it
+    printed (and wrote to endpoint.json); SIGTERM at the end, which must stop it cleanly."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUCKETRL_")}
+    # A SIGKILLed generator's leased jobs go to the other one after this (60 s by default: too long for CI).
+    env["BUCKETRL_COMPLETION_JOB_TTL_S"] = "15"
+    cmd = [sys.executable, "-m", "bucketrl.cli", "up", "--dir", str(run_dir), "--no-live"]
+    cmd += ["--external-trainer", "--gateway-port", "0", "--generators", "2"]
+    log = run_dir.parent / "up.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while "  gateway    http" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        printed = log.read_text().split("  gateway    ", 1)[1].split()[0]
+        assert printed == json.loads((run_dir / "endpoint.json").read_text())["gateway"]["url"]
+        yield printed
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+class KillAGenerator(TrainerCallback):
+    """SIGKILLs gen-0 (what an OOM kill looks like) once TRL has finished ``after_step``; records (name, pid)."""
+
+    def __init__(self, run_dir: Path, after_step: int) -> None:
+        self.run_dir, self.after_step = run_dir, after_step
+        self.killed: tuple[str, int] | None = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.after_step and self.killed is None:
+            pid = int(json.loads((self.run_dir / "services.json").read_text())["gen-0"])
+            os.kill(pid, signal.SIGKILL)
+            self.killed = ("gen-0", pid)
+
+
+def served_by_the_pool(run_dir: Path, url: str, model_dir: Path, out: Path, trainer: AsyncGRPOTrainer) -> None:
     history = trainer.state.log_history
+    print("HISTORY", [{k: v for k, v in h.items() if "reward" in k or k == "step"} for h in history])
+    assert trainer.state.global_step == STEPS, history  # the kill did not stop TRL
     syncs = [h["perf/weight_sync_s"] for h in history if "perf/weight_sync_s" in h]
     assert len(syncs) >= 1 and all(s > 0 for s in syncs), history
     # TRL trained on the pool's completions: rollouts with tokens and rewards reached the loss.
     assert any(h.get("completions/mean_length", 0) > 0 for h in history), history
     # v1 at train begin, one more after each step: every sync is a committed version in the bucket.
     last = STEPS + 1
-    latest = proxy.client("trl", "generator").wait_for_version(after=0, wait_s=0)
+    tokens = dict(line.split(":", 1) for line in (run_dir / "tokens").read_text().split())
+    proxy_url = json.loads((run_dir / "endpoint.json").read_text())["proxy_url"]
+    with ProxyClient(proxy_url, "demo", tokens["generator"]) as client:
+        latest = client.wait_for_version(after=0, wait_s=0)
     assert latest is not None and latest.version == last
+    adapters = run_dir / "bucket" / "runs" / "demo" / "adapters"
+    assert sorted(p.name for p in adapters.iterdir() if p.name.startswith("v")) == [f"v{i}" for i in range(1, last + 1)]
     adapter = out / ".vllm_lora" / f"trl-policy-v{last}"
     weights = load_file(str(adapter / "adapter_model.safetensors"))
     assert any(t.abs().sum() > 0 for n, t in weights.items() if "lora_B" in n)  # trained away from PEFT's B=0
-    # The generator serves the trained version: its behaviour logprobs are those of TRL's saved adapter.
+    # The pool serves the trained version: its behaviour logprobs are those of TRL's saved adapter.
     payload = {"model": f"trl-policy-v{last}", "prompt": [4, 40, 5, 43], "max_tokens": 6, "temperature": 1.0}
     payload |= {"return_token_ids": True, "logprobs": 0}  # what TRL's rollout worker sends and reads
     choice = requests.post(f"{url}/v1/completions", json=payload, timeout=120).json()["choices"][0]
     ref = teacher_forced_logprobs(model_dir, adapter, [4, 40, 5, 43], choice["token_ids"], SamplingSpec())
     got = choice["logprobs"]["token_logprobs"]
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) < 1e-3
-    base = teacher_forced_logprobs(
-        model_dir, out / ".vllm_lora" / "trl-policy-v1", [4, 40, 5, 43], choice["token_ids"], SamplingSpec()
+    # TRL deleted its v1 directory (past its staleness window); the bucket keeps v1's files.
+    untrained = teacher_forced_logprobs(
+        model_dir, adapters / "v1" / "files", [4, 40, 5, 43], choice["token_ids"], SamplingSpec()
     )
-    assert max(abs(a - b) for a, b in zip(base, got, strict=True)) > 1e-3  # and it is not the untrained policy
+    assert max(abs(a - b) for a, b in zip(untrained, got, strict=True)) > 1e-3  # and it is not the untrained policy

@@ -281,8 +281,9 @@ class GeneratorWorker:
             ledger=self.ledger,
             release_version_lease=self.versions.release,
         )
-        # The drain long-poll hears of a drain at once, not at the next heartbeat (bucketrl/drain_watch.py).
+        # The drain long-poll (as long as the version one) hears of a drain at once, not at the next heartbeat.
         watch = DrainWatch(s.proxy_client(s.outage(self.worker_id)), self.worker_id, self.notice_given, self.stop_event)
+        watch.wait_s = s.version_wait_s
         threads = (
             (self.versions.follow, "adapter-sync"),
             (lambda: self.keeper.keep(self.stop_event, self.push_metrics), "keeper"),

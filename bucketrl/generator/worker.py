@@ -16,9 +16,9 @@ Threads (the engine is only ever touched by the main thread):
 - ``keeper``: renews version and prompt leases, pushes metrics + ``loaded_versions`` (the heartbeat).
 
 Stopping: SIGINT (or ``request_stop``) -> no new leases; the sampled batch finishes; queued batches get
-``shutdown_timeout_s`` to be submitted, then their prompts and every lease are released; exit 0. SIGTERM, or a
-drain in the heartbeat's answer, is a preemption notice (:mod:`bucketrl.generator.notice`): the same, bounded by
-the notice, with never-sampled prompts back at once. A SIGKILLed worker loses nothing: its leases expire.
+``shutdown_timeout_s`` to be submitted, then their prompts and every lease are released; exit 0. SIGTERM or a
+drain (its long-poll or the heartbeat's answer) is a notice (:mod:`bucketrl.generator.notice`): the same, bounded
+by the notice, never-sampled prompts back at once. A SIGKILLed worker loses nothing: its leases expire.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ Each step (until ``max_steps``)
 
 Endings
     ``max_steps`` reached: publish and checkpoint what is not yet, print where the final adapter is, exit 0.
-    SIGTERM/SIGINT: stop claiming, finish the step in progress, checkpoint (then ack) if anything is new, exit 0.
+    SIGTERM/SIGINT, or a drain of this worker (a preemption notice, issue 25: its long-poll or a push's answer):
+    stop claiming, finish the step in progress, checkpoint (then ack) if anything is new, exit 0.
     Fenced (another trainer registered): stop at once, publish nothing, exit 3 with a message saying so.
     Claimed-but-untrained deliveries are never acked: the proxy hands them out again.
 """

@@ -16,9 +16,9 @@ Threads (the engine is only ever touched by the main thread):
 - ``keeper``: renews version and prompt leases, pushes metrics + ``loaded_versions`` (the heartbeat).
 
 Stopping: SIGINT (or ``request_stop``) -> no new leases; the sampled batch finishes; queued batches get
-``shutdown_timeout_s`` to be submitted, then their prompts and every lease are released; exit 0. SIGTERM, or a
-drain in the heartbeat's answer, is a preemption notice (:mod:`bucketrl.generator.notice`): the same, bounded by
-the notice, with never-sampled prompts back at once. A SIGKILLed worker loses nothing: its leases expire.
+``shutdown_timeout_s`` to be submitted, then their prompts and every lease are released; exit 0. SIGTERM or a
+drain (its long-poll or the heartbeat's answer) is a notice (:mod:`bucketrl.generator.notice`): the same, bounded
+by the notice, never-sampled prompts back at once. A SIGKILLed worker loses nothing: its leases expire.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
+from bucketrl.drain_watch import DrainWatch
 from bucketrl.generator import startup, trust
 from bucketrl.generator.adapters import VersionBook, VersionSlot, clear_stale_tmp
 from bucketrl.generator.engines.factory import make_engine
@@ -117,7 +118,7 @@ class GeneratorWorker:
             self.client.outage.stopping(self.notice.left())
         self._version_ready.set()
 
-    def notice_given(self, notice_s: float, why: str) -> None:
+    def notice_given(self, notice_s: float, why: str = "drain") -> None:
         """A notice: take no prompts, hand back those never sampled (on a thread: maybe a signal handler)."""
         if not self.notice.give(notice_s):
             return
@@ -161,17 +162,9 @@ class GeneratorWorker:
             return False
         self._load_model(spec)
         self._start_collaborators(spec)
-        s = self.settings
-        log.info(
-            "generator %s: run %s, engine %s, G=%d, %d prompts/request, dataset %s (%d prompts)",
-            self.worker_id,
-            s.run,
-            s.engine,
-            spec.group_size,
-            s.prompts_per_request,
-            spec.dataset.uri,
-            len(self.examples),
-        )
+        s, n = self.settings, len(self.examples)
+        log.info("generator %s: run %s, engine %s, G=%d, %d prompts/request, dataset %s (%d prompts)", self.worker_id,
+                 s.run, s.engine, spec.group_size, s.prompts_per_request, spec.dataset.uri, n)  # fmt: skip
         return True
 
     def _check_configuration(self, spec: RunSpec) -> bool:
@@ -288,9 +281,13 @@ class GeneratorWorker:
             ledger=self.ledger,
             release_version_lease=self.versions.release,
         )
+        # The drain long-poll (as long as the version one) hears of a drain at once, not at the next heartbeat.
+        watch = DrainWatch(s.proxy_client(s.outage(self.worker_id)), self.worker_id, self.notice_given, self.stop_event)
+        watch.wait_s = s.version_wait_s
         threads = (
             (self.versions.follow, "adapter-sync"),
             (lambda: self.keeper.keep(self.stop_event, self.push_metrics), "keeper"),
+            (watch.run, "drain-watch"),
         )
         for target, name in threads:
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -444,6 +441,9 @@ class GeneratorWorker:
         """A lease's prompts this worker can sample (in flight from now); any beyond the dataset released."""
         assert self.submitter is not None
         self.ledger.add(lease.prompts)
+        if self.notice.given:  # leased while a notice came: nothing will sample them, back at once
+            self.submitter.release_prompts([p.prompt_id for p in lease.prompts])
+            return []
         bad = [p for p in lease.prompts if p.index >= len(self.examples)]
         if bad:
             log.error("prompt indices beyond the dataset's %d examples; releasing them", len(self.examples))

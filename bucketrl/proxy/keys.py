@@ -21,6 +21,7 @@ VERSION_CHANNEL = "versions:channel"  # pub/sub channel announcing new versions
 PIPELINE_CHANNEL = "pipeline:channel"  # pub/sub channel announcing that admission control may grant more
 CJOBS_CHANNEL = "cjobs:channel"  # pub/sub: a completion job was queued (generators long-polling wake)
 CJOBS_DONE_CHANNEL = "cjobsdone:channel"  # pub/sub: a completion job was answered (askers long-polling wake)
+DRAIN_CHANNEL = "drains:channel"  # pub/sub: a worker was told to drain (its drain long-poll wakes)
 CJOB = "cjob:"  # hash "cjob:{request_id}": state, request, version, seq, lease_id, worker, result (ttl_s)
 CJOBS_QUEUED = "cjobs:queued"  # zset request_id -> seq (re-offered ones: seq - 1e15, first in line)
 CJOBS_LEASED = "cjobs:leased"  # zset request_id -> lease expiry

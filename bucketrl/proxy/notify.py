@@ -6,7 +6,8 @@ same atomic step as the change it announces:
 - ``versions``: a publish committed a new adapter version (``GET /adapters/latest?after=N`` waits on it);
 - ``pipeline``: a claim took groups off the queue (or changed the trainer's pace), or prompts were released:
   admission control may now grant a prompt lease that was refused (``POST /prompts/lease`` with ``wait_s``);
-- ``jobs`` / ``jobdone``: a completion job was queued / answered (``state/completion_jobs.py``).
+- ``jobs`` / ``jobdone``: a completion job was queued / answered (``state/completion_jobs.py``);
+- ``drains``: a worker was told to drain (``state/drains.py``; its ``GET .../drain?wait_s`` long-poll wakes).
 
 Each proxy app keeps ONE pattern subscription per topic and wakes the in-process waiters of that run and
 topic, so a thousand waiting generators cost one Redis connection, not a thousand.
@@ -37,6 +38,7 @@ TOPICS = {
     keys.PIPELINE_CHANNEL: "pipeline",
     keys.CJOBS_CHANNEL: "jobs",
     keys.CJOBS_DONE_CHANNEL: "jobdone",
+    keys.DRAIN_CHANNEL: "drains",
 }
 PATTERNS = [keys.run_key("*", channel) for channel in TOPICS]
 _PREFIX = "brl:"

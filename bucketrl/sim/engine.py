@@ -11,12 +11,17 @@ does not).
 Loading an adapter checks the directory the worker unpacked (``adapter_config.json`` present) and takes
 ``load_adapter_s``. ``clock`` and ``sleep`` are injectable so tests can check the timing model exactly.
 
+With ``BUCKETRL_SIM_TOKENS_FILE`` set, the engine keeps in that file the tokens it has decoded so far (a call's
+tokens accrue linearly over its decode time), calls cut off by a kill or a notice included: what a benchmark needs
+to count work lost with a SIGKILLed process, whose own counters die with it (``bench/preemption.py``).
+
 The generator knows it only once :func:`register` ran (the ``bucketrl`` command calls it; so do the tests that
 run a generator on it): production code never imports the simulation.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -36,6 +41,7 @@ if TYPE_CHECKING:
 
 # How often (s) a running call hands control to its while_running hook (as the real engines do).
 POLL_S = 0.05
+TOKENS_FILE_ENV = "BUCKETRL_SIM_TOKENS_FILE"
 
 
 class SimEngine:
@@ -59,6 +65,8 @@ class SimEngine:
         self._rng = np.random.default_rng(seed)
         self._adapters: dict[str, int] = {}
         self.busy_s = 0.0  # simulated GPU time spent (calls and loads)
+        self.tokens_decoded = 0.0  # calls cut off included (their decoded part)
+        self._tokens_file = os.environ.get(TOKENS_FILE_ENV) or None
 
     def load_adapter(self, name: str, version: int, path: str | Path) -> None:
         if name in self._adapters:
@@ -95,17 +103,29 @@ class SimEngine:
             max_new_tokens=sampling.max_new_tokens,
             vocab_size=self.vocab_size,
         )
-        self._wait(call.seconds, while_running)
+        self._wait(call.seconds, while_running, tokens=sum(len(s.token_ids) for g in call.samples for s in g))
         return [[SampledCompletion(s.token_ids, s.logprobs, s.finish_reason) for s in group] for group in call.samples]  # type: ignore[arg-type]
 
-    def _wait(self, seconds: float, hook: Callable[[], None] | None) -> None:
-        """Spend ``seconds`` as the GPU would, calling ``hook`` every POLL_S meanwhile (between 'steps')."""
+    def _wait(self, seconds: float, hook: Callable[[], None] | None, tokens: int = 0) -> None:
+        """Spend ``seconds`` as the GPU would, calling ``hook`` every POLL_S meanwhile (between 'steps'); ``tokens``
+        accrue to ``tokens_decoded`` as the time passes (before each hook call: a notice's abandon keeps them)."""
         self.busy_s += seconds
-        end = self._clock() + seconds
+        start, base = self._clock(), self.tokens_decoded
+        end = start + seconds
         while (left := end - self._clock()) > 0:
             self._sleep(min(POLL_S, left))
+            self._decoded(base + tokens * min(1.0, (self._clock() - start) / seconds))
             if hook is not None and self._clock() < end:
                 hook()
+        self._decoded(base + tokens)
+
+    def _decoded(self, total: float) -> None:
+        self.tokens_decoded = total
+        if self._tokens_file is not None:  # a small atomic rewrite: the reader never sees half a number
+            tmp = f"{self._tokens_file}.tmp"
+            with open(tmp, "w") as fh:
+                fh.write(f"{total:.1f}")
+            os.replace(tmp, self._tokens_file)
 
     def close(self) -> None:
         self._adapters.clear()

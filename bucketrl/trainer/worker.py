@@ -28,7 +28,8 @@ Each step (until ``max_steps``)
 
 Endings
     ``max_steps`` reached: publish and checkpoint what is not yet, print where the final adapter is, exit 0.
-    SIGTERM/SIGINT: stop claiming, finish the step in progress, checkpoint (then ack) if anything is new, exit 0.
+    SIGTERM/SIGINT, or a drain of this worker (a preemption notice, issue 25: its long-poll or a push's answer):
+    stop claiming, finish the step in progress, checkpoint (then ack) if anything is new, exit 0.
     Fenced (another trainer registered): stop at once, publish nothing, exit 3 with a message saying so.
     Claimed-but-untrained deliveries are never acked: the proxy hands them out again.
 """
@@ -51,6 +52,7 @@ import numpy as np
 
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
+from bucketrl.drain_watch import DrainWatch
 from bucketrl.trainer.claims import ClaimLoop, within_staleness
 from bucketrl.trainer.cost_reports import CostReports
 from bucketrl.trainer.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_FENCED, EXIT_OK, ConfigError, RankFailure, Stopped
@@ -99,6 +101,7 @@ class TrainerWorker:
         self.echo = echo
         self.stop_requested = threading.Event()
         self.stop_at: float | None = None  # when SIGTERM (a preemption notice, issue 25) came, monotonic
+        self.notice_s: float | None = None  # a drain's notice (issue 25), once one came
         self.epoch = 0
         self.latest_version = 0  # the newest version on the proxy (ours after every publish)
         self.policy_version = 0  # the version whose weights equal the current ones
@@ -144,6 +147,13 @@ class TrainerWorker:
             log.info("stop requested (a preemption notice): finishing the current step, then checkpointing at once")
         self.stop_requested.set()
         self.outage.stopping()
+
+    def drained(self, notice_s: float) -> None:
+        """A drain (issue 25; its long-poll or a push's answer): stop as SIGTERM does, checkpoint at once."""
+        if self.notice_s is None:
+            log.warning("preemption notice (drain, %.1fs): finishing the step, then checkpointing at once", notice_s)
+            self.notice_s = notice_s
+        self.request_stop()
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
@@ -214,6 +224,10 @@ class TrainerWorker:
         self.latest_version = reg.latest_version
         log.info("registered as %s with epoch %d (latest version %d)", self.worker_id, self.epoch, self.latest_version)
         self.uploader = Uploader()
+        # A spot-notice watcher's drain reaches the trainer in milliseconds (bucketrl/drain_watch.py); each poll as
+        # long as a claim's, so a stopping trainer leaves none open for longer than its claims.
+        wait_s = self.settings.claim_wait_s
+        DrainWatch(self._new_client(), self.worker_id, self.drained, self.stop_requested, wait_s=wait_s).start()
         self._resume()
         self._open_trackers()
         if self.speaker is not None:  # every rank continues from rank 0's (restored) state
@@ -504,7 +518,9 @@ class TrainerWorker:
                 final = step >= self.settings.max_steps
                 trackers.log({**metrics, **self.cost_reports.due(self.write_client, final=final)}, step)
             try:
-                self.write_client.push_metrics(push)
+                got = self.write_client.push_metrics(push)
+                if got is not None and got.drain is not None:  # the fallback to the drain long-poll
+                    self.drained(got.drain.notice_s)
             except errors.BucketRLError as exc:  # metrics are best effort: never stop training for them
                 log.warning("metrics push failed: %s", exc)
 
@@ -543,6 +559,7 @@ class TrainerWorker:
         self._uploader().drain()
         if stopped:
             took = "" if self.stop_at is None else f" {time.monotonic() - self.stop_at:.1f}s after the stop request"
+            took += "" if self.notice_s is None else f", a drain's notice of {self.notice_s:.1f}s"
             self.echo(
                 f"bucketrl trainer: stopped at step {step} (checkpointed{took}); steps lost: 0, a successor resumes "
                 f"at step {step}; resume by starting it again"

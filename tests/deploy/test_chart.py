@@ -398,6 +398,10 @@ def test_generators_gpu_placement_and_autoscaling(combo) -> None:
         assert "nvidia.com/gpu" not in limits
     assert spec.get("nodeSelector", {}) == merged["generator"]["nodeSelector"]
     assert spec.get("tolerations", []) == merged["generator"]["tolerations"]
+    # Issue 25: SIGTERM is a preemption notice exactly as long as the pod's grace period before its SIGKILL.
+    grace = spec["terminationGracePeriodSeconds"]
+    assert grace == merged["generator"]["terminationGracePeriodSeconds"], name
+    assert expand_k8s_env(c, Refs(docs, merged))["BUCKETRL_PREEMPTION_NOTICE_S"] == str(grace), name
     hpas = by_kind(docs, "HorizontalPodAutoscaler", "generator")
     auto = merged["generator"]["autoscaling"]
     if not auto["enabled"]:

@@ -79,6 +79,28 @@ async def drain_worker(
     return await drains.request(ctx.redis, ref.run, worker_id, req.notice_s)
 
 
+@router.get(
+    "/workers/{worker_id}/drain",
+    response_model=DrainNotice,
+    summary="Long-poll: the drain pending for this worker as soon as there is one; 204 after `wait_s`.",
+    description=(
+        "Answers at once when a drain is pending, else waits up to `wait_s` (capped by the proxy's `max_wait_s`), "
+        "woken by Redis pub/sub the moment a drain is requested: a worker learns of its notice in milliseconds, "
+        "not at its next heartbeat."
+    ),
+    responses={204: {"description": "No drain within `wait_s`."}, **responses(401, 403, 404, 422, 503)},
+)
+async def wait_drain(
+    ctx: CtxDep,
+    _: WorkerRole,
+    ref: RunDep,
+    worker_id: str,
+    wait_s: Annotated[float, Query(ge=0.0, le=3600.0, description="How long to wait for a drain.")] = 0.0,
+) -> Response | DrainNotice:
+    got = await drains.wait(ctx.redis, ctx.notifier, ref.run, worker_id, min(wait_s, ctx.settings.max_wait_s))
+    return Response(status_code=204) if got is None else got
+
+
 _JSON = "application/json"
 
 

@@ -2,15 +2,20 @@
 
 Redis per run: ``drain:{worker}`` holds the notice's deadline (Redis TIME, like every lease) and expires with
 the notice, so a drain outlives neither its notice nor the worker. The worker learns of it from the answer to its
-next heartbeat (``POST .../metrics``), which carries the seconds left.
+next heartbeat (``POST .../metrics``), which carries the seconds left, or at once from its drain long-poll
+(``GET .../workers/{id}/drain?wait_s=N``): a drain publishes on the run's ``drains`` channel (``notify.py``), which
+wakes that run's waiting long-polls to re-read their own key.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 from bucketrl import errors
 from bucketrl.proxy import keys
+from bucketrl.proxy.notify import Notifier
 from bucketrl.proxy.state.clock import redis_now
 from bucketrl.wire.metrics import DrainNotice
 
@@ -31,6 +36,8 @@ async def request(r: Any, run: str, worker_id: str, notice_s: float) -> DrainNot
     if prev is not None:
         deadline = min(deadline, float(prev))
     await r.set(key, repr(deadline), px=max(1, int((deadline - now) * 1000)))
+    # After the set: a long-poll registered before its read either reads the key or is woken by this.
+    await r.publish(keys.run_key(run, keys.DRAIN_CHANNEL), worker_id)
     return DrainNotice(worker_id=worker_id, notice_s=max(0.0, deadline - now))
 
 
@@ -41,3 +48,21 @@ async def pending(r: Any, run: str, worker_id: str) -> DrainNotice | None:
         return None
     left = float(raw) - await redis_now(r)
     return DrainNotice(worker_id=worker_id, notice_s=max(0.0, left)) if left > 0 else None
+
+
+async def wait(r: Any, notifier: Notifier | None, run: str, worker_id: str, wait_s: float) -> DrainNotice | None:
+    """The drain pending for this worker, waiting up to ``wait_s`` for one (woken by the ``drains`` channel; the
+    waiter is registered BEFORE each read, so no drain is missed). Without a notifier, a 0.2 s poll instead."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        with notifier.waiter(run, "drains") if notifier is not None else contextlib.nullcontext() as event:
+            got = await pending(r, run, worker_id)
+            left = deadline - loop.time()
+            if got is not None or left <= 0:
+                return got
+            if event is None:
+                await asyncio.sleep(min(0.2, left))
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout=left)

@@ -118,3 +118,12 @@ def _tracker_settings(settings: TrainerSettings) -> dict[str, Any]:
     keep += ("warmup_steps", "lr_schedule", "min_lr_ratio", "max_steps", "sync_every", "checkpoint_every", "seed")
     keep += ("dtype",)
     return {k: getattr(settings, k) for k in keep}
+
+
+def finish_generation(client: ProxyClient) -> None:
+    """Tell a shared pool this run wants no more groups (its share goes to the others at once, not once its
+    queue has filled). Best effort: an older proxy (404) or an outage only leaves the pool to find out."""
+    try:
+        client.finish_generation()
+    except errors.BucketRLError as exc:
+        log.info("could not mark the run finished on the pool (%s): its queue fills and it is passed over", exc)

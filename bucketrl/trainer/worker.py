@@ -59,7 +59,7 @@ from bucketrl.trainer.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_FENCED, EXIT_OK
 from bucketrl.trainer.ledger import DeliveryLedger
 from bucketrl.trainer.reporting import EVAL_REPORTED, EvalReports, RewardWatch, log_step
 from bucketrl.trainer.retry import retrying
-from bucketrl.trainer.run_setup import ensure_run, open_run_trackers
+from bucketrl.trainer.run_setup import ensure_run, finish_generation, open_run_trackers
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.trainer.step_group import StepGroup
 from bucketrl.trainer.uploader import Uploader
@@ -566,7 +566,7 @@ class TrainerWorker:
             )
             return EXIT_OK
         run = self.settings.run
-        self._finish_generation()
+        finish_generation(self.client)
         self.echo(
             f"bucketrl trainer: done, {step} steps. Final adapter: v{self.policy_version} at "
             f"runs/{run}/adapters/v{self.policy_version}/files/ in the proxy's bucket (PeftModel.from_pretrained "
@@ -575,14 +575,6 @@ class TrainerWorker:
         return EXIT_OK
 
     # -- helpers ------------------------------------------------------------------------------------------------
-
-    def _finish_generation(self) -> None:
-        """Tell a shared pool this run wants no more groups (its share goes to the others at once, not once its
-        queue has filled). Best effort: an older proxy (404) or an outage only leaves the pool to find out."""
-        try:
-            self.client.finish_generation()
-        except errors.BucketRLError as exc:
-            log.info("could not mark the run finished on the pool (%s): its queue fills and it is passed over", exc)
 
     def _remember(self, version: int, snap: Any) -> None:
         """Record the current weights as ``version`` (on every rank: the stale-sample mismatch check)."""

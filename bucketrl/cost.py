@@ -50,7 +50,9 @@ class RunTotals:
     # Groups generators finished: accepted ones plus those refused at submit.
     produced_groups: int = 0
     bucket_requests: int = 0
+    bucket_reads: int = 0
     egress_bytes: float = 0.0
+    bucket_egress_bytes: float = 0.0
 
 
 def _per(usd: float, n: float) -> float | None:
@@ -76,9 +78,11 @@ def compute(prices: Prices, classes: list[ClassTotals], run: RunTotals) -> RunCo
     dollars, the share of produced groups that were never trained."""
     usage = [class_usage(prices, c) for c in sorted(classes, key=lambda c: (c.role, c.gpu_class))]
     usd_gpu = sum(u.usd for u in usage)
-    usd_requests = run.bucket_requests / 1000.0 * prices.usd_per_1k_requests
-    egress_gb = run.egress_bytes / 1e9
-    usd_egress = egress_gb * prices.usd_per_gb_egress
+    usd_requests = (
+        run.bucket_requests / 1000.0 * prices.usd_per_1k_requests + run.bucket_reads / 1000.0 * prices.usd_per_1k_reads
+    )
+    egress_gb, bucket_egress_gb = run.egress_bytes / 1e9, run.bucket_egress_bytes / 1e9
+    usd_egress = egress_gb * prices.usd_per_gb_egress + bucket_egress_gb * prices.usd_per_gb_bucket_egress
     total = usd_gpu + usd_requests + usd_egress
     gen = [u for u in usage if u.role == "generator"]
     idle_usd = sum(u.usd * min(u.idle_s / u.worker_s, 1.0) for u in gen if u.worker_s > 0)
@@ -100,7 +104,9 @@ def compute(prices: Prices, classes: list[ClassTotals], run: RunTotals) -> RunCo
         accepted_groups=run.accepted_groups,
         wasted_groups=run.wasted_groups,
         bucket_requests=run.bucket_requests,
+        bucket_reads=run.bucket_reads,
         egress_gb=egress_gb,
+        bucket_egress_gb=bucket_egress_gb,
         classes=usage,
         prices=prices,
     )

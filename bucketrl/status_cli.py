@@ -333,4 +333,15 @@ def cost_tables(status: Any) -> list[Any]:
             "–" if u.tokens_per_s is None else _num(u.tokens_per_s),
             "–" if u.groups_per_s is None else _num(u.groups_per_s),
         )
-    return [head, *([classes] if c.classes else [])]
+    wire = Table(title="bucket and links", title_justify="left")
+    for col in ("writes", "reads", "$ requests", "bucket -> proxy", "proxy -> workers", "$ egress"):
+        wire.add_column(col, justify="right")
+    wire.add_row(
+        str(c.bucket_requests),
+        str(c.bucket_reads),
+        usd(c.usd_requests),
+        f"{c.bucket_egress_gb:.3g} GB",
+        f"{c.egress_gb:.3g} GB",
+        usd(c.usd_egress),
+    )
+    return [head, *([classes] if c.classes else []), wire]

@@ -32,9 +32,10 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 from starlette.responses import Response
 
-from bucketrl.proxy import body, decode_pool, durability, errors, gc, identity, rebuild
+from bucketrl.proxy import body, bucket_meter, decode_pool, durability, errors, gc, identity, rebuild
 from bucketrl.proxy.adapter_cache import AdapterCache
 from bucketrl.proxy.auth import TokenAuth
+from bucketrl.proxy.bucket_meter import BucketMeter, MeteredStore
 from bucketrl.proxy.context import ProxyContext
 from bucketrl.proxy.deps import run_scope
 from bucketrl.proxy.notify import Notifier
@@ -123,7 +124,8 @@ async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Te
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 
-    store = open_store(settings.bucket_url, s3_endpoint_url=settings.s3_endpoint_url)
+    meter = BucketMeter()
+    store = MeteredStore(open_store(settings.bucket_url, s3_endpoint_url=settings.s3_endpoint_url), meter)
     # A blocking pool: past max_connections a request waits (up to redis_timeout_s) for a connection instead of
     # failing at once. redis-py's default pool refuses more than 100 connections per process, which answered
     # 503 on every route at 128+ simulated generators (bench/scale_sim.py).
@@ -148,7 +150,7 @@ async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Te
     # The Lua calls of concurrent requests share one pipelined connection (redis_mux.py; state/lua.py uses it).
     # An attribute of our own on redis-py's client (state/lua.py looks it up with getattr), unknown to its types.
     redis.bucketrl_mux = RedisMux(pool)  # type: ignore[attr-defined]
-    return ProxyContext(settings=settings, redis=redis, store=store, telemetry=telemetry, auth=auth)
+    return ProxyContext(settings=settings, redis=redis, store=store, telemetry=telemetry, auth=auth, meter=meter)
 
 
 def create_app(settings: ProxySettings | None = None, *, serving: bool = False) -> FastAPI:
@@ -199,6 +201,8 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
                 maintenance.cancel()
             # What the cleaner has not finished stays in queue:doomed for the next sweep (any replica).
             await ctx.cleaner.drain(10.0)
+            with contextlib.suppress(Exception):  # the last counts; a Redis already gone loses them
+                await bucket_meter.flush(ctx.redis, ctx.meter)
             await ctx.notifier.stop()
             await ctx.redis.bucketrl_mux.aclose()  # type: ignore[attr-defined]  # set by _build_context() above
             await ctx.redis.aclose()

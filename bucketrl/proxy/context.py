@@ -23,11 +23,12 @@ if TYPE_CHECKING:
 
     from bucketrl.proxy.adapter_cache import AdapterCache
     from bucketrl.proxy.auth import TokenAuth
+    from bucketrl.proxy.bucket_meter import BucketMeter
     from bucketrl.proxy.notify import Notifier
     from bucketrl.proxy.settings import ProxySettings
     from bucketrl.proxy.state.cleanup import BatchCleaner
     from bucketrl.proxy.telemetry import Telemetry
-    from bucketrl.storage.base import BucketStore
+from bucketrl.storage.base import BucketStore
 
 
 @dataclass
@@ -44,6 +45,8 @@ class ProxyContext:
     cleaner: BatchCleaner | None = None
     # Adapter tars recently served (one bucket read per version per replica); None when disabled.
     adapter_cache: AdapterCache | None = None
+    # Bucket requests and bytes per run and link, not yet in Redis (``bucket_meter.py``; the run's cost).
+    meter: BucketMeter | None = None
     # Serialises rebuilds inside this app (several requests may notice a wiped Redis at once).
     rebuild_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Whether the bucket is this deployment's (``identity.py``); set by the lifespan.

@@ -24,7 +24,7 @@ from typing import Any
 from redis import exceptions as redis_exc
 
 from bucketrl import errors
-from bucketrl.proxy import identity, keys, rebuild
+from bucketrl.proxy import bucket_meter, identity, keys, rebuild
 from bucketrl.proxy.state import checkpoints, cleanup, leases, runs
 from bucketrl.proxy.state.versions import GONE, adapter_prefix
 from bucketrl.storage import dirs
@@ -79,6 +79,7 @@ async def maintenance_loop(ctx: Any, stop: asyncio.Event) -> None:
             if ctx.settings.rebuild_on_start:
                 await rebuild.rebuild_if_wiped(ctx)
             await collect_all(ctx)
+            await bucket_meter.flush(ctx.redis, ctx.meter)
         except asyncio.CancelledError:
             raise
         except (redis_exc.RedisError, errors.Unavailable) as exc:

@@ -29,8 +29,9 @@ DEFAULT_GPU_USD_PER_HOUR: dict[str, float] = {
     # (``workers`` by class) rather than inventing a price.
     "unknown": 0.0,
 }
-# S3 Standard PUT/POST/LIST list price per 1,000 requests (GETs are $0.0004: the PUT price is the upper bound).
+# S3 Standard list prices per 1,000 requests: PUT, POST, LIST; and GET, HEAD.
 DEFAULT_USD_PER_1K_REQUESTS = 0.005
+DEFAULT_USD_PER_1K_READS = 0.0004
 # AWS internet egress, first 10 TB per month, per GB.
 DEFAULT_USD_PER_GB_EGRESS = 0.09
 
@@ -44,8 +45,12 @@ class Prices(WireModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     gpu_usd_per_hour: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_GPU_USD_PER_HOUR))
-    usd_per_1k_requests: float = Field(DEFAULT_USD_PER_1K_REQUESTS, ge=0.0)
+    usd_per_1k_requests: float = Field(DEFAULT_USD_PER_1K_REQUESTS, ge=0.0)  # bucket writes and listings
+    usd_per_1k_reads: float = Field(DEFAULT_USD_PER_1K_READS, ge=0.0)
+    # The proxy -> workers link (adapters, checkpoints, datasets served): internet egress when workers are elsewhere.
     usd_per_gb_egress: float = Field(DEFAULT_USD_PER_GB_EGRESS, ge=0.0)
+    # The bucket -> proxy link: free with the proxy in the bucket's region; set it when the bucket is elsewhere.
+    usd_per_gb_bucket_egress: float = Field(0.0, ge=0.0)
     estimate: bool = Field(
         True,
         description="Whether the prices are estimates: true for the defaults; whoever sets real prices says false.",
@@ -95,7 +100,9 @@ class RunCost(WireModel):
     trained_tokens: float = 0.0
     accepted_groups: int = 0
     wasted_groups: int = 0
-    bucket_requests: int = 0
-    egress_gb: float = 0.0
+    bucket_requests: int = 0  # writes and listings
+    bucket_reads: int = 0
+    egress_gb: float = 0.0  # the proxy -> workers link
+    bucket_egress_gb: float = 0.0  # the bucket -> proxy link
     classes: list[ClassUsage] = Field(default_factory=list)
     prices: Prices = Field(default_factory=Prices)

@@ -61,7 +61,7 @@ def test_status_carries_classes_and_a_cost_from_declared_prices(redis_server: Re
     assert math.isclose(h100.usd, h100.worker_s / 3600 * 36.0)
     assert math.isclose(a10g.usd, a10g.worker_s / 3600 * 1.8)
     assert by[("trainer", "cpu")].usd == 0.0
-    assert math.isclose(cost.usd_total, h100.usd + a10g.usd)
+    assert math.isclose(cost.usd_total, h100.usd + a10g.usd + cost.usd_requests + cost.usd_egress)
     assert cost.trainer_steps == 2 and cost.trained_tokens == 2000.0
     assert math.isclose(cost.usd_per_step or 0, cost.usd_total / 2)
     assert math.isclose(cost.usd_per_trained_token or 0, cost.usd_total / 2000)
@@ -74,7 +74,7 @@ def test_status_carries_classes_and_a_cost_from_declared_prices(redis_server: Re
     console = Console(width=200, record=True)
     console.print(*render_status(status))
     text = console.export_text()
-    assert "h100" in text and "a10g" in text and "$ per step" in text
+    assert "h100" in text and "a10g" in text and "$ per step" in text and "proxy -> workers" in text
 
 
 def test_proxy_refuses_a_bad_price_at_start(tmp_path) -> None:
@@ -111,5 +111,37 @@ def test_the_cost_so_far_survives_a_redis_wipe(redis_server: RedisServer, tmp_pa
         assert any(proxy.call(rebuild.rebuild_if_wiped) for _ in range(3))
         after = proxy.client("r1", "viewer").status().cost
     assert after is not None
-    assert math.isclose(after.usd_total, before.usd_total)
+    assert math.isclose(after.usd_gpu, before.usd_gpu)
+    # The bucket counts continue from the snapshot too (those made after it, before the wipe, are lost).
+    assert after.bucket_requests > 0
     assert [(c.gpu_class, c.worker_s) for c in after.classes] == [(c.gpu_class, c.worker_s) for c in before.classes]
+
+
+def test_bucket_requests_and_the_bytes_on_each_link_are_counted_and_priced(redis_server: RedisServer, tmp_path) -> None:
+    """The proxy counts its bucket requests (writes and listings apart from reads) and the bytes on each link:
+    bucket -> proxy, and proxy -> workers (adapters served), per run; a status read adds the counts so far."""
+    from tests.proxy.harness import adapter_tar
+    from tests.proxy.test_pool import Run
+
+    prices = '{"usd_per_gb_egress": 10.0, "usd_per_gb_bucket_egress": 1.0}'
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}", prices=prices) as proxy:
+        run = Run(proxy, "r1", 2)  # put the run, register, publish v1
+        other = Run(proxy, "r2", 2)
+        viewer = proxy.client("r1", "viewer")
+        before = viewer.status().cost
+        assert before is not None and before.bucket_requests > 0 and before.egress_gb == 0.0
+        size = len(adapter_tar(1))
+        for _ in range(3):  # every generator asks after a publish; the proxy's cache reads the bucket once
+            assert len(run.g.download_adapter(1)) == size
+        after = viewer.status().cost
+        untouched = proxy.client("r2", "viewer").status().cost
+        other.g.download_adapter(1)
+    assert after is not None and untouched is not None
+    assert after.egress_gb == 3 * size / 1e9  # exactly what was served to workers
+    assert size / 1e9 <= after.bucket_egress_gb - before.bucket_egress_gb < 3 * size / 1e9
+    assert after.bucket_reads > before.bucket_reads
+    assert untouched.egress_gb == 0.0  # r1's downloads are r1's
+    p = after.prices
+    want = after.bucket_requests / 1000 * p.usd_per_1k_requests + after.bucket_reads / 1000 * p.usd_per_1k_reads
+    assert math.isclose(after.usd_requests, want)
+    assert math.isclose(after.usd_egress, after.egress_gb * 10.0 + after.bucket_egress_gb * 1.0)

@@ -146,6 +146,8 @@ async def download(
         if url is not None:
             return Response(status_code=307, headers={"Location": url, "X-Content-SHA256": rec["sha256"], "ETag": etag})
     headers = {"X-Content-SHA256": rec["sha256"], "Content-Length": rec["bytes"], "ETag": etag}
+    if ctx.meter is not None:
+        ctx.meter.served(ref.run, int(rec["bytes"]))
     cache = ctx.adapter_cache
     if cache is not None and cache.fits(int(rec["bytes"])):
         # Every generator asks at once after a publish: one bucket read per version per replica (adapter_cache.py).

@@ -70,4 +70,6 @@ async def download(ctx: CtxDep, _: TrainerRole, ref: RunDep, step: StepPath) -> 
         raise errors.NotFound(f"run {ref.run!r} has no checkpoint at step {step}", code="unknown_checkpoint")
     chunks = await asyncio.to_thread(dirs.iter_bundle, ctx.store, checkpoints.checkpoint_prefix(ref.run, step))
     headers = {"X-Content-SHA256": info.sha256, "Content-Length": str(info.bytes)}
+    if ctx.meter is not None:
+        ctx.meter.served(ref.run, info.bytes)
     return StreamingResponse(chunks, media_type=TAR, headers=headers)

@@ -186,4 +186,6 @@ async def download(ctx: CtxDep, _: AnyRole, ref: RunDep) -> StreamingResponse:
         )
     chunks = await asyncio.to_thread(ctx.store.iter_chunks, data_key(ref.run))
     headers = {"X-Content-SHA256": info.sha256, "Content-Length": str(info.bytes)}
+    if ctx.meter is not None:
+        ctx.meter.served(ref.run, info.bytes)
     return StreamingResponse(chunks, media_type=JSONL, headers=headers)

@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from bucketrl.cost import ClassTotals, RunTotals, compute
-from bucketrl.proxy import keys
+from bucketrl.proxy import bucket_meter, keys
 from bucketrl.wire import MetricsPush, QueueStatus, WorkerStatus
 from bucketrl.wire.cost import Prices, RunCost
 
@@ -54,18 +54,23 @@ def accrue(
         pipe.hincrbyfloat(key, field + "usd", dt / 3600.0 * float(price))
 
 
-async def _usage(r: Any, run: str) -> tuple[dict[tuple[str, str], dict[str, float]], float]:
+async def _usage(r: Any, run: str) -> tuple[dict[tuple[str, str], dict[str, float]], float, dict[str, float]]:
+    """Usage by (role, class), the trained tokens, and the bucket meter's fields (``bucket_meter.FIELDS``)."""
     raw = await r.hgetall(keys.run_key(run, USAGE))
     by_class: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
     tokens = 0.0
+    metered: dict[str, float] = {}
     for f_b, v in raw.items():
         f = f_b.decode() if isinstance(f_b, bytes) else f_b
         if f == "trained_tokens":
             tokens = float(v)
             continue
+        if f in bucket_meter.FIELDS:
+            metered[f] = float(v)
+            continue
         role, gpu_class, name = f.split("|", 2)
         by_class[(role, gpu_class)][name] = float(v)
-    return by_class, tokens
+    return by_class, tokens, metered
 
 
 async def run_cost(
@@ -78,7 +83,7 @@ async def run_cost(
     live: list[WorkerStatus],
     metrics: dict[str, dict[str, float]],
 ) -> RunCost:
-    by_class, tokens = await _usage(r, run)
+    by_class, tokens, metered = await _usage(r, run)
     live_by: dict[tuple[str, str], list[WorkerStatus]] = defaultdict(list)
     for w in live:
         live_by[(w.role, w.gpu_class or "unknown")].append(w)
@@ -107,5 +112,9 @@ async def run_cost(
         accepted_groups=queue.accepted_total,
         wasted_groups=wasted,
         produced_groups=queue.accepted_total + queue.rejected_stale_total,
+        bucket_requests=round(metered.get(bucket_meter.WRITES, 0.0)),
+        bucket_reads=round(metered.get(bucket_meter.READS, 0.0)),
+        egress_bytes=metered.get(bucket_meter.PROXY_EGRESS, 0.0),
+        bucket_egress_bytes=metered.get(bucket_meter.BUCKET_EGRESS, 0.0),
     )
     return compute(prices, classes, totals)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bucketrl.proxy import keys
+from bucketrl.proxy import bucket_meter, keys
 from bucketrl.proxy.state import accounting, cost, evals, leases, pool, runs, versions, workers
 from bucketrl.wire import RunSpec, RunStatus
 
@@ -43,6 +43,7 @@ async def build(ctx: Any, run: str, spec: RunSpec) -> RunStatus:
         out["eval"] = [x.model_dump() for x in await evals.results(r, ctx.store, run)]
     status = RunStatus.model_validate(out)
     status.pool = await pool.run_status(r, run, spec)
+    await bucket_meter.flush(r, ctx.meter)  # this replica's counts so far: the cost as of now
     status.cost = await cost.run_cost(
         r,
         run,

@@ -147,3 +147,35 @@ def _settled(trainer: ProxyClient, groups: int) -> bool:
         q.accepted_total + q.rejected_stale_total >= groups
         and q.acked_total + q.dropped_stale_total >= q.accepted_total
     )
+
+
+def test_in_a_mixed_run_the_generators_own_groups_wait_for_a_slow_agents_group(
+    proxy: ProxyHarness, tiny_model_dir: Path, adapter_dir: Path, tmp_path: Path
+) -> None:
+    """The issue's case: the run's own environment (toy:tools) keeps the trainer stepping on its quick groups
+    while an agent takes its time; its group still holds its version and is trained with its rewards."""
+    run = {**TOOLS_RUN, "group_size": 2, "groups_per_step": GROUPS_PER_STEP, "max_staleness": MAX_STALENESS}
+    trainer, _ = create_run(proxy, "mixed", tiny_model_dir, adapter_dir, **run)
+    endpoint = tmp_path / "endpoint.json"
+    settings = worker_settings(proxy, "mixed", "gen-m", openai_port=0, endpoint_file=str(endpoint))
+    with SteppingTrainer(trainer, adapter_dir) as stepper, running_worker(settings) as worker:
+        info = wait_until(lambda: endpoint.exists() and json.loads(endpoint.read_text())["openai"], 60, "endpoint")
+        wait_until(lambda: stepper.version >= 3, 60, "the environment's groups to step the trainer")
+        base = info["base_url"].removesuffix("/v1")
+        # Two episodes, one after the other: the two slots of one group, open for ~2 x PAUSE_S.
+        slow = _agent(base, info["token"], "--episodes", "2", "--pause", str(PAUSE_S), "--reward-base", "0.5")
+        out, err = slow.communicate(timeout=240)
+        assert slow.returncode == 0, err[-2000:]
+        records = [json.loads(line) for line in out.splitlines()]
+        prompt = records[0]["prompt_id"]
+        wait_until(lambda: any(g.prompt_id == prompt for _, g in list(stepper.trained)), 60, "the agent's group")
+        status, metrics = trainer.status(), worker.metrics.snapshot()
+    assert status.queue.rejected_stale_total == 0 and status.queue.dropped_stale_total == 0
+    assert metrics["rollout/dropped_stale_total"] == 0
+    assert [r["finish_status"] for r in records] == [200, 200]
+    assert {r["prompt_id"] for r in records} == {prompt}
+    ((train_version, group),) = [(v, g) for v, g in stepper.trained if g.prompt_id == prompt]
+    assert [group.completions[idx[0]].reward for idx in group.episodes()] == [0.5, 0.51]
+    assert train_version - records[0]["version"] <= MAX_STALENESS
+    # The environment's groups went on around it: the trainer stepped while the agent worked, then waited.
+    assert any(v > records[0]["version"] for v, g in stepper.trained if g.prompt_id != prompt)

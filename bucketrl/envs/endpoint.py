@@ -12,7 +12,8 @@ recorded into the episode. Refused: ``stream`` on ``/v1/completions``, ``n`` > 1
 one episode, a model name of another episode or version (that fails the episode), calls past ``episode.max_turns``
 (fails it too) or past the context (``BUCKETRL_MAX_MODEL_LEN``, ``episode.max_episode_tokens``). A finish whose
 group is already too stale to be trained answers 409 ``stale_group`` with the reason (the episode is recorded all
-the same). Auth: ``Authorization: Bearer <token>``.
+the same). ``POST /v1/episodes`` past the generator's admission control answers 429 ``admission`` with
+Retry-After (:mod:`bucketrl.generator.admission`). Auth: ``Authorization: Bearer <token>``.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from bucketrl.envs.loader import make_env
 from bucketrl.envs.protocol import EXTERNAL
 from bucketrl.envs.service import EpisodeService
 from bucketrl.generator.adapters import VersionBook
+from bucketrl.generator.admission import Admission
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
@@ -100,6 +101,8 @@ class EpisodeDriver:
         self.target = s.episode_groups or s.prompts_per_request
         self._lease: tuple[Future[list[PromptLeaseItem]], int] | None = None
         self._stale_warned = -math.inf
+        self._slow_warned = -math.inf
+        self.admission = Admission(s.max_open_episodes)
 
     def start(self) -> None:
         self.svc.start()
@@ -128,6 +131,7 @@ class EpisodeDriver:
         try:
             while not w.stop_event.is_set():
                 w.sync_versions()
+                self._measure()
                 self._start_groups()
                 self.svc.queue.serve(w.engine, wait_s=IDLE_POLL_S, while_running=w.sync_versions)  # type: ignore[arg-type]
                 self._hand_over()
@@ -147,6 +151,34 @@ class EpisodeDriver:
         slot = w.book.current()
         assert w.spec is not None
         return slot is not None and slot.version >= w.book.newest_known - w.spec.max_staleness
+
+    def _measure(self) -> None:
+        """Feed admission control the trainer's pace; warn (rate-limited) when agents outrun the window."""
+        w = self.w
+        assert w.spec is not None
+        self.admission.on_version(w.book.newest_known, w.spec.groups_per_step)
+        for name, value in self.admission.gauges().items():
+            w.metrics.set(name, value)
+        now = time.monotonic()
+        if now - self._slow_warned > STALE_WARN_EVERY_S:
+            slow = self.admission.too_slow(w.spec.max_staleness, w.spec.episode.episode_timeout_s)
+            if slow:
+                self._slow_warned = now
+                log.warning("agents are slower than the staleness window allows: %s", slow)
+
+    def _room(self) -> int:
+        """New groups admission control lets start now (docs/multi-turn.md "Slow agents")."""
+        w = self.w
+        slot = w.book.current()
+        assert w.spec is not None and slot is not None
+        return self.admission.room(
+            [g.version for g in self.svc.book.groups()],
+            slot.version,
+            w.book.newest_known,
+            group_size=w.spec.group_size,
+            groups_per_step=w.spec.groups_per_step,
+            max_staleness=w.spec.max_staleness,
+        )
 
     def _stale_reason(self, group: GroupRun) -> str | None:
         """Why the proxy will refuse ``group`` as stale (what its agent is told at finish), or None."""
@@ -181,6 +213,8 @@ class EpisodeDriver:
         if w.stop_event.is_set() or not self._slot_ok():
             return
         want = self.target - len(self.svc.book)
+        if any(g.external for g in self.svc.book.groups()):  # the agents' groups hold their versions
+            want = min(want, self._room())
         budget = w.budget()
         if budget is not None:
             want = min(want, budget)
@@ -215,6 +249,7 @@ class EpisodeDriver:
         w = self.w
         assert w.submitter is not None
         for group in self.svc.take_finished():
+            self.admission.on_handed(time.monotonic() - group.created if group.external else None)
             w.metrics.generated(sum(len(t.completion_ids) for e in group.episodes for t in e.turns))
             batch = GeneratedBatch(
                 version=group.version,
@@ -243,6 +278,8 @@ class EpisodeDriver:
         budget = w.budget()
         if budget is not None and budget <= 0:
             raise EndpointError(503, "done", "this generator submitted its max_groups", retry_after=60)
+        if self._room() <= 0:
+            raise self._refused()
         try:
             lease = w.client.lease_prompts(
                 w.worker_id,
@@ -267,6 +304,16 @@ class EpisodeDriver:
             raise EndpointError(429, "backpressure", "no prompt available right now; retry", retry_after=1)
         w.metrics.inflight(len(good))
         return self._pin(good[0], external=True)
+
+    def _refused(self) -> EndpointError:
+        w = self.w
+        assert w.spec is not None
+        groups = self.svc.book.groups()
+        now = time.monotonic()
+        limit = self.admission.cap_groups(w.spec.group_size, w.spec.groups_per_step, w.spec.max_staleness)
+        no = self.admission.refusal([now - g.created for g in groups], len(groups) * w.spec.group_size, limit)
+        w.metrics.add("episode/admission_refused_total")
+        return EndpointError(429, "admission", no.reason, retry_after=no.retry_after_s)
 
     # -- stopping --------------------------------------------------------------------------------------
 

@@ -28,7 +28,9 @@ Multi-turn runs (run spec ``env``), per episode closed (bucketrl.envs):
     episode/failed_total and episode/failed_<kind>_total (bucketrl.rollout.episodes.EPISODE_FAILURES and the reward
     kinds), episode/samples_total, episode/split_episodes_total, episode/tokens_trained_total (model tokens),
     episode/tokens_context_total (environment tokens between turns) (cumulative); the first message of each
-    failure kind in ``episode_errors`` (pushed as notes ``episode_error/<kind>``)
+    failure kind in ``episode_errors`` (pushed as notes ``episode_error/<kind>``);
+    episode/admission_refused_total (agents answered 429 admission) and the gauges admission/group_life_s,
+    admission/step_s, admission/own_share, admission/pending_groups (bucketrl.generator.admission)
 """
 
 from __future__ import annotations

@@ -189,6 +189,15 @@ class GeneratorSettings(WorkerSettings):
         description="Multi-turn runs: groups whose episodes run at once (BUCKETRL_EPISODE_GROUPS); default "
         "BUCKETRL_PROMPTS_PER_REQUEST. Their turns are sampled together, in batches.",
     )
+    max_open_episodes: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Exposed endpoints: the most episodes handed out to agents and not finished "
+        "(BUCKETRL_MAX_OPEN_EPISODES, counted in whole groups); default derived per run by Little's law from the "
+        "agents' measured group time and the trainer's step rate, so that a group finishes within max_staleness "
+        '(docs/multi-turn.md "Slow agents"). Past it POST /v1/episodes answers 429 admission with Retry-After.',
+    )
     log_level: str = Field("INFO", description="Python log level (BUCKETRL_LOG_LEVEL).")
     runs: str | None = Field(
         None,

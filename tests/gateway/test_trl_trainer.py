@@ -71,14 +71,14 @@ def test_async_grpo_trainer_through_bucketrl_up(tmp_path: Path, monkeypatch: pyt
 
 
 @contextmanager
-def bucketrl_up(run_dir: Path) -> Iterator[str]:
-    """``bucketrl up --external-trainer --gateway-port 0 --generators 2`` as a subprocess; yields the gateway URL it
-    printed (and wrote to endpoint.json); SIGTERM at the end, which must stop it cleanly."""
+def bucketrl_up(run_dir: Path, generators: int = 2) -> Iterator[str]:
+    """``bucketrl up --external-trainer --gateway-port 0 --generators N`` as a subprocess; yields the gateway URL it
+    printed (and wrote to endpoint.json); SIGTERM at the end, which must stop it cleanly (bench/trl_reward.py too)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BUCKETRL_")}
     # A SIGKILLed generator's leased jobs go to the other one after this (60 s by default: too long for CI).
     env["BUCKETRL_COMPLETION_JOB_TTL_S"] = "15"
     cmd = [sys.executable, "-m", "bucketrl.cli", "up", "--dir", str(run_dir), "--no-live"]
-    cmd += ["--external-trainer", "--gateway-port", "0", "--generators", "2"]
+    cmd += ["--external-trainer", "--gateway-port", "0", "--generators", str(generators)]
     log = run_dir.parent / "up.log"
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)

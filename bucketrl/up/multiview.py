@@ -162,6 +162,9 @@ def final_report(
     for run, w in watchers.items():
         figures = run_figures(cluster, run, w, wall_s)
         runs[run] = {**pool.get(run, {}), **(figures or {"steps": 0})}
+        # The run's group accounting at the end (the workers stopped, so the counters are still): accepted ==
+        # acked + dropped_stale + lost + queued (groups) + pending.
+        runs[run]["queue"] = w.status.queue.model_dump() if w.status is not None else None
     report.write_summary({"wall_s": round(wall_s, 1), "runs": runs}, cluster.dir)
     table = Table(title=f"bucketrl up · {len(runs)} runs on one pool", title_justify="left")
     table.add_column("", style="bold")

@@ -143,3 +143,31 @@ def test_bad_input_is_one_line_exit_2_and_nothing_made(tmp_path: Path, args: lis
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip() == line.format(**paths)
     assert not run_dir.exists()
+
+
+def test_live_view_and_lines_show_every_run_with_its_share_and_tokens(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from bucketrl.up import multiview
+    from bucketrl.wire.pool import RunPoolStatus
+    from tests.up.test_report_and_view import _watcher
+
+    cfg = UpConfig(dir=tmp_path / "run", runs=parse_runs([], 2, "2,1", "demo"), max_steps=50, preflight=False)
+    cluster = LocalCluster(cfg)
+    cluster.tokens = {"viewer": "v"}
+    watchers = {"demo-1": _watcher(40), "demo-2": _watcher(10)}
+    for (run, w), (share, tokens) in zip(watchers.items(), ((2.0, 6000), (1.0, 3000)), strict=True):
+        assert w.status is not None
+        w.run = run
+        w.status.pool = RunPoolStatus(
+            run=run, share=share, tokens_generated=tokens, groups_accepted=tokens // 10, paused=False,
+            budget_tokens=None, hold="ok" if run == "demo-2" else "finished",
+        )  # fmt: skip
+    console = Console(record=True, width=160)
+    panel = multiview.render_runs(cluster, watchers, started=0.0, services={"trainer-demo-1": "exited 0"}, note="")
+    console.print(panel)
+    multiview.print_lines(console, cluster, watchers)
+    text = console.export_text()
+    for needle in ("2 runs on one pool", "40/50", "10/50", "6,000", "67%", "33%", "600", "finished", "exited 0"):
+        assert needle in text, needle
+    assert "demo-2: step 10/50  v11" in text and "share 1  tokens 3,000 (33%)  groups 300" in text

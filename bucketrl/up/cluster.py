@@ -1,4 +1,4 @@
-"""A whole bucketrl deployment on one machine: Redis, proxy, one trainer, N generators, as OS processes.
+"""A whole bucketrl deployment on one machine: Redis, proxy, one trainer per run, N generators, as OS processes.
 
 Everything lives under the run directory, so running again with the same directory resumes::
 
@@ -13,6 +13,9 @@ Everything lives under the run directory, so running again with the same directo
                             ``--gateway-port``, under "gateway": the gateway's URL (TRL's vllm_server_base_url)
     <dir>/gateway-state.json  the gateway's adapter names -> versions (``--external-trainer``, bucketrl.up.external)
     <dir>/services.json     the pid of each service (the last start of each)
+    <dir>/runs/<run>/       with several runs (``--runs N``, ``--run-spec`` repeated; bucketrl.up.runs): each run's
+                            run_spec.json, watcher history, summary and plots; its trainer is ``trainer-<run>``
+                            (logs/trainer-<run>.log, logs/trainer-<run>-audit.jsonl), with a token scoped to its run
 
 Workers talk to the proxy over HTTP exactly as containers would: each gets only ``BUCKETRL_PROXY_URL``, its
 token and the run id. :class:`LocalCluster` is what ``bucketrl up`` and the end-to-end tests drive (they
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+from pydantic import ValidationError
 
 from bucketrl import preflight
 from bucketrl.client import ProxyClient
@@ -50,6 +54,7 @@ from bucketrl.up.processes import (
     trainer_command,
     wait_until,
 )
+from bucketrl.up.runs import check_pool_specs
 from bucketrl.wire import RunSpec
 
 ROLES = ("admin", "trainer", "generator", "viewer")
@@ -62,6 +67,8 @@ class RunDirBusy(RuntimeError):
 class LocalCluster:
     def __init__(self, cfg: UpConfig) -> None:
         self.cfg = cfg
+        # Each run's own options (one run: cfg itself); several runs share the generators (bucketrl.up.runs).
+        self.run_cfgs = {e.run: cfg.for_run(e) for e in cfg.runs} if cfg.runs is not None else {cfg.run: cfg}
         self.dir = cfg.run_dir
         self.logs = self.dir / "logs"
         self.services: dict[str, Service] = {}
@@ -90,11 +97,27 @@ class LocalCluster:
 
     @property
     def dashboard_url(self) -> str:
-        return f"{self.proxy_url}/ui?run={self.cfg.run}#token={self.tokens['viewer']}"
+        return f"{self.proxy_url}/ui?run={self.runs[0]}#token={self.tokens['viewer']}"
 
     @property
     def generator_names(self) -> list[str]:
         return [f"gen-{i}" for i in range(self.cfg.generators)]
+
+    @property
+    def runs(self) -> list[str]:
+        return list(self.run_cfgs)
+
+    def trainer_name(self, run: str | None = None) -> str:
+        """The trainer's service (and log) name: ``trainer``, or ``trainer-<run>`` for one of several runs."""
+        return "trainer" if self.cfg.runs is None else f"trainer-{run or self.runs[0]}"
+
+    def run_home(self, run: str | None = None) -> Path:
+        """Where one run's own files are (spec, watcher history, summary, plots): the directory itself for one run,
+        ``<dir>/runs/<run>`` for one of several."""
+        return self.dir if self.cfg.runs is None else self.dir / "runs" / (run or self.runs[0])
+
+    def spec_path(self, run: str | None = None) -> Path:
+        return self.run_home(run) / "run_spec.json"
 
     # -- preparation -----------------------------------------------------------------------------------
 
@@ -114,12 +137,36 @@ class LocalCluster:
         lock.flush()
         self._lock = lock
         self.tokens = self._load_or_create_tokens()
-        model_dir = self.dir / "model" if self.cfg.builtin_model else None
-        spec = build_run_spec(self.cfg, model_dir)
-        probe = self._probe(spec)
+        specs: dict[Path | None, dict[str, Any]] = {}  # by run-spec file: `--runs N` copies check one spec
+        for run, cfg in self.run_cfgs.items():
+            if cfg.run_spec not in specs:
+                specs[cfg.run_spec] = self._prepare_spec(cfg, named=self.cfg.runs is not None)
+            spec = dict(specs[cfg.run_spec])
+            entry = next((e for e in self.cfg.runs or [] if e.run == run), None)
+            if entry is not None and entry.share is not None:
+                spec["share"] = entry.share
+            self.spec_path(run).parent.mkdir(parents=True, exist_ok=True)
+            self.spec_path(run).write_text(json.dumps(spec, indent=2) + "\n")
+        if self.cfg.runs is not None:
+            check_pool_specs({run: json.loads(self.spec_path(run).read_text()) for run in self.run_cfgs})
+        save_options(self.cfg)
+
+    def _prepare_spec(self, cfg: UpConfig, *, named: bool = False) -> dict[str, Any]:
+        """One run's spec, checked before any process starts (the preflight), with the tiny model built; ``named``:
+        one of several runs, whose spec errors say which run (and file) they are in."""
+        model_dir = self.dir / "model" if cfg.builtin_model else None
+        try:
+            spec = build_run_spec(cfg, model_dir)
+        except ValidationError as exc:
+            if not named:
+                raise
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"run {cfg.run} ({cfg.run_spec}): run spec field {where}: {first['msg']}") from None
+        probe = self._probe(spec, cfg)
         examples: list[Any] | None = None
         reward_value = None
-        if self.cfg.preflight:
+        if cfg.preflight:
             # Dataset and reward first: they need no torch, so their mistakes stop `up` in a few seconds.
 
             # The generators' allow-lists (their environment is this one, plus the cluster's settings): a module
@@ -133,23 +180,23 @@ class LocalCluster:
                 preflight.check_env(probe.env)
         if model_dir is not None:
             self.model_dir = build_tiny_model(model_dir)
-        if self.cfg.preflight:
-            self.report = self._preflight(probe, examples)
-            self.report.reward_value = reward_value
+        if cfg.preflight:
+            report = self._preflight(probe, examples, cfg)
+            report.reward_value = reward_value
+            self.report = self.report or report  # what `up` prints: the first run's
             spec = build_run_spec(
-                self.cfg,
+                cfg,
                 self.model_dir,
-                vocab_size=self.report.vocab_size,
-                max_new_tokens=self.report.max_new_tokens if self.report.chose_max_new_tokens else None,
+                vocab_size=report.vocab_size,
+                max_new_tokens=report.max_new_tokens if report.chose_max_new_tokens else None,
             )
-        (self.dir / "run_spec.json").write_text(json.dumps(spec, indent=2) + "\n")
-        save_options(self.cfg)
+        return spec
 
-    def _probe(self, spec: dict[str, Any]) -> Any:
+    def _probe(self, spec: dict[str, Any], cfg: UpConfig) -> Any:
         """The spec as the preflight checks it: a dataset to upload is checked as the local file it is now."""
 
         probe = json.loads(json.dumps(spec))
-        upload = self.cfg.upload_path
+        upload = cfg.upload_path
         if upload is not None:
             probe["dataset"]["uri"] = str(upload)
         probe["dataset"].setdefault("size", 1)
@@ -183,31 +230,39 @@ class LocalCluster:
             trust.check_env(probe.env.name, modules, probe.env.kwargs)
         trust.check_dataset(dataset_uri, allowed("allowed_dataset_locations"))
 
-    def _preflight(self, probe: Any, examples: list[Any] | None) -> Any:
+    def _preflight(self, probe: Any, examples: list[Any] | None, cfg: UpConfig) -> Any:
         """The model checks every worker repeats at its start, here before any process starts (ConfigError)."""
 
         max_len = self.cfg.generator_env.get("BUCKETRL_MAX_MODEL_LEN") or self.cfg.worker_env.get(
             "BUCKETRL_MAX_MODEL_LEN"
         )
         names = preflight.UP_NAMES
-        if self.cfg.builtin_model:  # "--model has none" would puzzle a user who gave no --model
+        if cfg.builtin_model:  # "--model has none" would puzzle a user who gave no --model
             names = {**names, "model": "the built-in model (--model chooses another)"}
         return preflight.check_run(
             probe,
             names=names,
             max_model_len=int(max_len) if max_len else GeneratorSettings.model_fields["max_model_len"].default,
-            choose_max_new_tokens=not max_new_tokens_given(self.cfg),
+            choose_max_new_tokens=not max_new_tokens_given(cfg),
             examples=examples,
             reward="skip",  # checked above
         )
 
     def _load_or_create_tokens(self) -> dict[str, str]:
         path = self.dir / "tokens"
+        # Several runs: each trainer's token is scoped to its run ("trainer@<run>:...", bucketrl.proxy.auth).
+        wanted = [*ROLES, *(f"trainer@{run}" for run in self.runs if self.cfg.runs is not None)]
+        pairs: dict[str, str] = {}
         if path.exists():
             pairs = dict(line.split(":", 1) for line in path.read_text().split() if ":" in line)
-            if set(ROLES) <= pairs.keys():
+            if set(wanted) <= pairs.keys():
                 return pairs
-        pairs = {role: f"{role[:3]}-{secrets.token_urlsafe(24)}" for role in ROLES}
+            if not set(ROLES) <= pairs.keys():
+                pairs = {}
+        pairs = {
+            role: pairs.get(role) or f"{role[:3]}-{secrets.token_urlsafe(24)}"
+            for role in [*pairs, *(w for w in wanted if w not in pairs)]
+        }
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write("".join(f"{role}:{tok}\n" for role, tok in pairs.items()))
@@ -274,7 +329,7 @@ class LocalCluster:
         svc = self._service("proxy", bucketrl_command("proxy"), self.proxy_env()).start()
         wait_until(self.proxy_ready, 60, "the proxy to be ready", svc, poll_s=0.2)
         # What `bucketrl status --dir <dir>` reads (the token it uses is the viewer's, from <dir>/tokens).
-        endpoint = {"proxy_url": self.proxy_url, "run": self.cfg.run, "pid": svc.pid}
+        endpoint = {"proxy_url": self.proxy_url, "run": self.runs[0], "runs": self.runs, "pid": svc.pid}
         # Merged: gen-0's "openai" entry (agents' endpoint, --openai-port) survives a proxy restart.
         merge_json_file(self.endpoint_file, endpoint)
         return svc
@@ -285,12 +340,14 @@ class LocalCluster:
         except httpx.HTTPError:
             return False
 
-    def _worker_env(self, role: str, worker_id: str) -> dict[str, str]:
+    def _worker_env(self, role: str, worker_id: str, run: str | None = None) -> dict[str, str]:
         threads = str(self.cfg.threads)
+        run = run or self.runs[0]
         return {
             "BUCKETRL_PROXY_URL": self.proxy_url,
-            "BUCKETRL_TOKEN": self.tokens[role],
-            "BUCKETRL_RUN": self.cfg.run,
+            # One of several runs' trainers gets a token scoped to its run (it cannot touch another's).
+            "BUCKETRL_TOKEN": self.tokens.get(f"{role}@{run}") or self.tokens[role],
+            "BUCKETRL_RUN": run,
             "BUCKETRL_WORKER_ID": worker_id,
             # One process per core at most: oversubscribed BLAS threads make every process slower.
             "OMP_NUM_THREADS": threads,
@@ -299,22 +356,24 @@ class LocalCluster:
             **self.cfg.worker_env,
         }
 
-    def start_trainer(self) -> Service:
-        return self._service("trainer", trainer_command(self.cfg.trainer_procs), self.trainer_env()).start()
+    def start_trainer(self, run: str | None = None) -> Service:
+        argv = trainer_command(self.cfg.trainer_procs)
+        return self._service(self.trainer_name(run), argv, self.trainer_env(run)).start()
 
-    def trainer_env(self) -> dict[str, str]:
-        """The trainer's environment (the tokens must have been made)."""
-        cfg = self.cfg
+    def trainer_env(self, run: str | None = None) -> dict[str, str]:
+        """One run's trainer's environment (the tokens must have been made)."""
+        run = run or self.runs[0]
+        cfg, name = self.run_cfgs[run], self.trainer_name(run)
         return {
-            **self._worker_env("trainer", "trainer"),
-            "BUCKETRL_RUN_SPEC": str(self.dir / "run_spec.json"),
+            **self._worker_env("trainer", name, run),
+            "BUCKETRL_RUN_SPEC": str(self.spec_path(run)),
             "BUCKETRL_LR": repr(cfg.effective_lr()),
             "BUCKETRL_MAX_STEPS": str(cfg.effective_max_steps()),
             "BUCKETRL_SYNC_EVERY": str(cfg.sync_every),
             "BUCKETRL_CHECKPOINT_EVERY": str(cfg.checkpoint_every),
             "BUCKETRL_SEED": str(cfg.seed),
-            "BUCKETRL_WORK_DIR": str(self.dir / "work" / "trainer"),
-            "BUCKETRL_AUDIT_LOG": str(self.logs / "trainer-audit.jsonl"),
+            "BUCKETRL_WORK_DIR": str(self.dir / "work" / name),
+            "BUCKETRL_AUDIT_LOG": str(self.logs / f"{name}-audit.jsonl"),
             # --report-to, else the user's own BUCKETRL_REPORT_TO, else TensorBoard event files in
             # <dir>/tensorboard/<run> when tensorboard is installed (`tensorboard --logdir <dir>/tensorboard`).
             "BUCKETRL_REPORT_TO": cfg.report_to or os.environ.get("BUCKETRL_REPORT_TO") or default_report_to(),
@@ -333,6 +392,8 @@ class LocalCluster:
             "BUCKETRL_REWARD_WORKERS": "1",
             "BUCKETRL_PROMPT_LEASE_TTL_S": repr(self.cfg.prompt_lease_ttl_s),
             "BUCKETRL_ADAPTER_CACHE_DIR": str(self.dir / "work" / name),
+            # Several runs: pool mode, one engine serving every run by its share (bucketrl/generator/pool.py).
+            **({"BUCKETRL_RUNS": ",".join(self.runs)} if self.cfg.runs is not None else {}),
             # An external trainer's requests (through the gateway) instead of the run's prompts.
             **({"BUCKETRL_SERVE_COMPLETION_JOBS": "1"} if self.cfg.external_trainer else {}),
             **self.cfg.generator_env,
@@ -384,8 +445,9 @@ class LocalCluster:
             say("run        created or confirmed from run_spec.json (no bucketrl trainer: yours trains)")
             external.create_run(self)
         else:
-            say("trainer    starting (creates or resumes the run)")
-            self.start_trainer()
+            for run in self.runs:
+                say(f"{self.trainer_name(run):<10} creates or resumes the run {run}")
+                self.start_trainer(run)
         for i in range(self.cfg.generators):
             say(f"gen-{i}      engine {self.cfg.engine_of(i)}")
             self.start_generator(i)

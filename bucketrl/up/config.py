@@ -25,6 +25,7 @@ from bucketrl.tasks.toy import (
 )
 from bucketrl.trainer.trackers import check_report_to
 from bucketrl.up.processes import RestartPolicy
+from bucketrl.up.runs import RunEntry
 from bucketrl.wire import RunSpec
 from bucketrl.wire.common import ID_PATTERN
 
@@ -60,6 +61,9 @@ class UpConfig(BaseModel):
     run_spec: Path | None = Field(
         None, description="A run spec JSON file (what the trainer takes in production); options override it."
     )
+    # Several runs on the one machine's generators (bucketrl.up.runs, docs/pool.md): one trainer each, the
+    # generators in pool mode serving them all. None: the one run `run`.
+    runs: list[RunEntry] | None = Field(None, min_length=1)
     prompt_field: str | None = Field(None, min_length=1, description="The dataset's prompt field (default prompt).")
     answer_field: str | None = Field(None, min_length=1, description="The dataset's answer field (default answer).")
     lora_target_modules: list[str] | None = Field(
@@ -161,6 +165,30 @@ class UpConfig(BaseModel):
                     "trainer sets it (drop the option)"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _several_runs(self) -> UpConfig:
+        if self.runs is None:
+            return self
+        names = [r.run for r in self.runs]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"two runs named {twice[0]!r}: each run needs its own name")
+        for field, option in (("run_spec", "--run-spec FILE alone"), ("external_trainer", "--external-trainer")):
+            if getattr(self, field):
+                raise ValueError(f"{option} is a one-run `up`: it does not combine with several runs")
+        if self.openai_port is not None:
+            raise ValueError("--openai-port serves a multi-turn run; several runs on one pool are single-turn")
+        return self
+
+    @property
+    def run_names(self) -> list[str]:
+        """The runs this ``up`` trains: ``runs``' names, else the one ``run``."""
+        return [r.run for r in self.runs] if self.runs is not None else [self.run]
+
+    def for_run(self, entry: RunEntry) -> UpConfig:
+        """The one-run options of one of several runs (its own id and run-spec file; everything else shared)."""
+        return self.model_copy(update={"run": entry.run, "run_spec": entry.spec, "runs": None})
 
     @property
     def run_dir(self) -> Path:
@@ -267,6 +295,9 @@ def save_options(cfg: UpConfig) -> None:
         data["dataset"] = str(cfg.upload_path)
     if cfg.run_spec is not None:
         data["run_spec"] = str(cfg.run_spec.expanduser().resolve())
+    for entry, saved in zip(cfg.runs or [], data.get("runs", []), strict=True):
+        if entry.spec is not None:
+            saved["spec"] = str(entry.spec.expanduser().resolve())
     (cfg.run_dir / SAVED_OPTIONS).write_text(json.dumps(data, indent=2) + "\n")
 
 

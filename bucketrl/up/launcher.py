@@ -26,7 +26,7 @@ from rich.live import Live
 
 from bucketrl.preflight import CONFIG_ERROR_PREFIX, EXIT_CONFIG, ConfigError
 from bucketrl.status_cli import record_last_up
-from bucketrl.up import report
+from bucketrl.up import multiview, report
 from bucketrl.up.cluster import LocalCluster
 from bucketrl.up.config import UpConfig
 from bucketrl.up.live import render, reward_errors
@@ -55,7 +55,9 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
     live = console.is_terminal if live is None else live
     live = live and not cfg.external_trainer  # its view is of bucketrl's trainer's steps: lines instead
     cluster = LocalCluster(cfg)
-    console.print(f"[bold]bucketrl up[/] run [cyan]{cfg.run}[/] in {cluster.dir}", soft_wrap=True)
+    runs = ", ".join(cluster.runs)
+    what = f"run [cyan]{runs}[/]" if cfg.runs is None else f"runs [cyan]{runs}[/] on one generator pool"
+    console.print(f"[bold]bucketrl up[/] {what} in {cluster.dir}", soft_wrap=True)
     console.print("  checking   model, dataset, LoRA targets, context, reward…")
     try:
         cluster.prepare()  # the preflight: a ConfigError here stops before any process starts
@@ -71,8 +73,11 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
     # SIGHUP: the terminal closed. Stop as cleanly as for Ctrl-C (a SIGKILL of `up` itself is covered by the
     # children's parent-death signal, bucketrl.up.processes).
     old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    watcher = RunWatcher(cluster.proxy_url, cfg.run, cluster.tokens["viewer"])
-    watcher.load_history(cluster.dir)
+    # One watcher per run (several runs on one pool: bucketrl.up.multiview shows them side by side).
+    watchers = {run: RunWatcher(cluster.proxy_url, run, cluster.tokens["viewer"]) for run in cluster.runs}
+    for run, w in watchers.items():
+        w.load_history(cluster.run_home(run))
+    watcher = watchers[cluster.runs[0]]
     started = time.monotonic()
     code = 0
     try:
@@ -91,7 +96,7 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
                 "(written once it serves)",
                 soft_wrap=True,
             )
-        code = _supervise(cluster, watcher, stop, console, live, started)
+        code = _supervise(cluster, watchers, stop, console, live, started)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted again: killing the services[/]")
         for svc in cluster.services.values():
@@ -108,16 +113,21 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
             console.print("stopping workers…")
             cluster.stop_workers()
             if cluster.services.get("proxy") and cluster.services["proxy"].alive:
-                watcher.poll()  # the generators' last pushes
+                for w in watchers.values():
+                    w.poll()  # the generators' last pushes
             console.print("stopping proxy and redis…")
             for name in ("proxy", "redis"):
                 if name in cluster.services:
                     cluster.services[name].stop(15)
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        watcher.close()
+        for w in watchers.values():
+            w.close()
         cluster.release()
-    _final_report(cfg, cluster, watcher, console, code, time.monotonic() - started)
+    if cfg.runs is not None:
+        multiview.final_report(cluster, watchers, console, time.monotonic() - started, _resume_hint(cluster, code))
+    else:
+        _final_report(cfg, cluster, watcher, console, code, time.monotonic() - started)
     return code
 
 
@@ -126,12 +136,7 @@ def _final_report(
 ) -> None:
     """The summary table, summary.json, plots and the final adapter's location, with how to resume."""
 
-    # After a configuration error the same command fails the same way: say what a rerun needs.
-    resume = (
-        f"after fixing it: bucketrl up --dir {cluster.dir} <the corrected option> (the other options are kept)"
-        if code == EXIT_CONFIG
-        else f"resume: bucketrl up --dir {cluster.dir}"
-    )
+    resume = _resume_hint(cluster, code)
     if cfg.external_trainer:
         latest = watcher.status.latest_version if watcher.status is not None else 0
         console.print(f"external trainer: the run's latest version is v{latest}; {resume}", soft_wrap=True)
@@ -154,6 +159,13 @@ def _final_report(
             console.print(f"final adapter: {figures['adapter']}", soft_wrap=True)
 
 
+def _resume_hint(cluster: LocalCluster, code: int) -> str:
+    # After a configuration error the same command fails the same way: say what a rerun needs.
+    if code == EXIT_CONFIG:
+        return f"after fixing it: bucketrl up --dir {cluster.dir} <the corrected option> (the other options are kept)"
+    return f"resume: bucketrl up --dir {cluster.dir}"
+
+
 def _states(cluster: LocalCluster) -> dict[str, str]:
     out = {}
     for name, svc in cluster.services.items():
@@ -165,15 +177,18 @@ def _states(cluster: LocalCluster) -> dict[str, str]:
 
 
 def _supervise(
-    cluster: LocalCluster, watcher: RunWatcher, stop: _Stop, console: Console, live: bool, started: float
+    cluster: LocalCluster, watchers: dict[str, RunWatcher], stop: _Stop, console: Console, live: bool, started: float
 ) -> int:
 
     cfg = cluster.cfg
+    watcher = watchers[cluster.runs[0]]
     max_steps = cfg.effective_max_steps()
     note = ""
     last_print = last_save = 0.0
 
     def view() -> Any:
+        if cfg.runs is not None:
+            return multiview.render_runs(cluster, watchers, started=started, services=_states(cluster), note=note)
         return render(
             watcher,
             run=cfg.run,
@@ -191,12 +206,14 @@ def _supervise(
     with live_ctx as lv:
         # An external trainer's run ends when `up` is stopped (Ctrl-C / SIGTERM): nothing here knows its end.
         while not stop.requested:
-            watcher.poll()
+            for w in watchers.values():
+                w.poll()
             if not cfg.external_trainer:
-                code, said = _check_trainer(cluster, console)
+                code, said = _check_trainers(cluster, console)
                 note = said or note
                 if code == 0:
-                    watcher.poll()
+                    for w in watchers.values():
+                        w.poll()
                     break
                 if code is not None:
                     return code
@@ -206,36 +223,55 @@ def _supervise(
                 return code
             if time.monotonic() - last_save > SAVE_EVERY_S:
                 last_save = time.monotonic()
-                watcher.save(cluster.dir)  # a killed `up` keeps its history for the next one's summary
+                for run, w in watchers.items():  # a killed `up` keeps its history for the next one's summary
+                    w.save(cluster.run_home(run))
             if live:
                 lv.update(view(), refresh=True)
             elif time.monotonic() - last_print > 10:
                 last_print = time.monotonic()
-                _print_line(console, watcher, max_steps, external=cfg.external_trainer)
+                if cfg.runs is not None:
+                    multiview.print_lines(console, cluster, watchers)
+                else:
+                    _print_line(console, watcher, max_steps, external=cfg.external_trainer)
             _sleep(1.0, stop)
     return 0
 
 
-def _check_trainer(cluster: LocalCluster, console: Console) -> tuple[int | None, str]:
-    """(exit code for `up`, or None to go on; a note for the view): a trainer that exited 0 finished the run, one
-    that failed resumably is started again."""
+def _check_trainers(cluster: LocalCluster, console: Console) -> tuple[int | None, str]:
+    """(exit code for `up`, or None to go on; a note for the view): 0 once every run's trainer has finished (exited
+    0); each trainer is restarted by its own policy, and any one's fatal exit ends `up`."""
+    note = ""
+    finished = 0
+    for run in cluster.runs:
+        code, said = _check_trainer(cluster, cluster.trainer_name(run), console)
+        note = said or note
+        if code == 0:
+            finished += 1
+        elif code is not None:
+            return code, note
+    return (0 if finished == len(cluster.runs) else None), note
+
+
+def _check_trainer(cluster: LocalCluster, name: str, console: Console) -> tuple[int | None, str]:
+    """(exit code, or None to go on; a note for the view): a trainer that exited 0 finished its run, one that
+    failed resumably is started again."""
     policy = cluster.cfg.restart_policy
-    trainer = cluster.services["trainer"]
+    trainer = cluster.services[name]
     if trainer.alive:
         return None, ""
     rc = trainer.returncode
     if rc == 0:
-        return 0, "trainer finished"
+        return 0, f"{name} finished"
     if rc == EXIT_CONFIG:
-        return _config_stop(cluster, "trainer", console), ""
+        return _config_stop(cluster, name, console), ""
     looping = rc not in TRAINER_FATAL and trainer.record_death(policy)
     if rc in TRAINER_FATAL or looping:
         why = (TRAINER_FATAL.get(rc) if rc is not None else None) or f"crash loop: {policy.describe()}"
-        console.print(f"[red]trainer exited {rc} ({why}):[/]")
+        console.print(f"[red]{name} exited {rc} ({why}):[/]")
         console.print(trainer.log_tail(15))
         return 1, ""
     trainer.start()
-    return None, f"trainer exited {rc}: restarting (it resumes from its checkpoint)"
+    return None, f"{name} exited {rc}: restarting (it resumes from its checkpoint)"
 
 
 def _revive(cluster: LocalCluster, console: Console) -> tuple[int | None, str]:

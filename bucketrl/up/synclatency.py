@@ -58,10 +58,10 @@ class SyncLatency:
         )
 
 
-def measure(logs_dir: Path, run: str, generator_logs: list[str] | None = None) -> SyncLatency:
-    """Parse ``trainer.log`` and the generator logs (default ``gen-*.log``) under ``logs_dir``."""
+def measure(logs_dir: Path, run: str, generator_logs: list[str] | None = None, trainer: str = "trainer") -> SyncLatency:
+    """Parse ``<trainer>.log`` and the generator logs (default ``gen-*.log``) under ``logs_dir``."""
     publish_start: dict[int, float] = {}
-    trainer_log = logs_dir / "trainer.log"
+    trainer_log = logs_dir / f"{trainer}.log"
     if trainer_log.exists():
         for line in trainer_log.read_text(errors="replace").splitlines():
             m = PUBLISHED.match(line)

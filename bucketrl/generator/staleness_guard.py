@@ -45,7 +45,7 @@ HOLD_S = 0.5
 # Version arrivals the interval is averaged over, and the weight of the newest call in the call-time EWMA.
 ARRIVALS = 8
 CALL_EWMA = 0.3
-ABANDONED_FACTOR = 1.5
+ABANDONED_FACTOR = 2.0
 
 
 class StaleCall(Exception):
@@ -168,7 +168,7 @@ class StalenessGuard:
         now = self.clock()
         took = now - t0
         with self._lock:
-            # An abandoned call's time so far is a lower bound of what it would have taken: counted 1.5 times (it
+            # An abandoned call's time so far is a lower bound of what it would have taken: counted twice (it
             # was not done), or a call that only just missed would be tried again at once at the same rate.
             if abandoned:
                 self.call_s = max(self.call_s or 0.0, ABANDONED_FACTOR * took)

@@ -162,7 +162,8 @@ class VersionBook:
         self.run = run
         self._lock = threading.Lock()
         self._slots: dict[int, VersionSlot] = {}
-        self.newest_known = 0  # the newest version the proxy announced
+        self.newest_known = 0  # the newest version fetched (or skipped as unusable)
+        self.announced = 0  # the newest version the proxy announced (its fetch may still run)
         self._loading: int | None = None  # the version pending() handed to the main thread to load
         self._fetching: dict[int, str] = {}  # version -> lease id, while its adapter downloads
         # Versions whose evaluation this worker takes part in and the proxy still has prompts of (worker.py

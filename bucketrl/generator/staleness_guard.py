@@ -4,18 +4,19 @@ starts no call that cannot be submitted in time, and stops sampling one that alr
 A group sampled at version v is accepted only while ``v >= latest - max_staleness``. On a slow GPU class a call
 can span more versions than that: its group is refused stale at submit (the GPU time wasted) and its prompts sat
 leased to the slow worker all along, unavailable to faster ones. The worker knows how long its own calls take (an
-EWMA of their wall time) and sees how fast the run publishes versions (the arrivals of ``newest_known``), so:
+EWMA of their wall time) and sees how fast the run publishes versions (the announcements its version long-poll
+hears), so:
 
 - **before leasing training prompts**: when a call is expected to span more versions than the window holds
-  (``call_s / version_interval_s > max(max_staleness, 0.5)``), the worker leases nothing (the loop evaluates
+  (``call_s / version_interval_s > max(max_staleness, 1)``), the worker leases nothing (the loop evaluates
   instead, if the run asks) and warns once, naming the numbers and what to change. The interval is at least the
   time since the last version, so when the trainer slows (a fleet of slow workers alone: the trainer waits for
   their groups) the worker leases again: it never starves the run.
-- **during a call** (the engine's ``while_running`` hook): once ``newest_known > v + max_staleness`` the call's
-  groups are certain to be refused (the latest version only grows), so the call is abandoned at the engine's next
-  step and its prompts are released at once: the proxy issues them again first in line (its reissue list), to a
-  faster generator, instead of after a submit the proxy would refuse. Releasing is the ordinary release path:
-  the prompts were never submitted, so nothing is lost or trained twice.
+- **during a call** (the engine's ``while_running`` hook): once the newest version heard is past
+  ``v + max_staleness`` the call's groups are certain to be refused (the latest version only grows), so the call is
+  abandoned at the engine's next step and its prompts are released at once: the proxy issues them again first in
+  line (its reissue list), to a faster generator, instead of after a submit the proxy would refuse. Releasing is the
+  ordinary release path: the prompts were never submitted, so nothing is lost or trained twice.
 
 ``BUCKETRL_STALENESS_GUARD=false`` turns both off (the worker then only measures: the metrics below still count).
 Metrics (cumulative): ``rollout/stale_abandoned_total`` (groups whose call was abandoned),
@@ -75,8 +76,8 @@ class StalenessGuard:
     # -- what the worker observes ---------------------------------------------------------------------
 
     def observe(self) -> None:
-        """Record a version arrival (``newest_known`` grew since the last look); cheap, called often."""
-        v, now = self.book.newest_known, self.clock()
+        """Record a version arrival (a newer one heard since the last look); cheap, called often."""
+        v, now = self.heard(), self.clock()
         with self._lock:
             if v <= self._seen:
                 return
@@ -84,6 +85,10 @@ class StalenessGuard:
                 self._arrivals.append((now, v))
             self._closed.append((now, v))
             self._seen = v
+
+    def heard(self) -> int:
+        """The newest version this worker knows exists: announced by the proxy (its download may still run)."""
+        return max(self.book.newest_known, self.book.announced)
 
     def interval_s(self) -> float | None:
         """Seconds per version recently, at least the time since the last one (None: fewer than two seen)."""
@@ -108,7 +113,9 @@ class StalenessGuard:
         if not self.enabled or spec is None or interval is None or call_s is None:
             return True
         spans = call_s / max(interval, 1e-6)
-        declining = spans > max(spec.max_staleness, 0.5)
+        # At least 1: a strictly on-policy run's calls (max_staleness 0) end before the trainer, waiting for their
+        # groups, publishes the next version; they span less than one version, which is fine.
+        declining = spans > max(spec.max_staleness, 1)
         if declining and not self.declining:
             log.warning(
                 "staleness guard: a call here takes %.1fs and the run publishes a version every %.1fs, so a group "
@@ -148,9 +155,9 @@ class StalenessGuard:
         def while_running() -> None:
             hook()
             self.observe()
-            if self.enabled and self.book.newest_known > slot.version + staleness:
+            if self.enabled and (newest := self.heard()) > slot.version + staleness:
                 raise StaleCall(
-                    f"v{slot.version} left the staleness window (newest v{self.book.newest_known}, max_staleness "
+                    f"v{slot.version} left the staleness window (newest v{newest}, max_staleness "
                     f"{staleness}) mid-call: its groups would be refused"
                 )
 

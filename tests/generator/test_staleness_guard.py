@@ -127,3 +127,18 @@ def test_disabled_the_guard_only_measures(tmp_path: Path) -> None:
     snap = metrics.snapshot()
     assert "rollout/stale_abandoned_total" not in snap
     assert snap["rollout/stale_held_prompt_s_total"] == 7.0  # v8 (step 3) to the call's end (step 10)
+
+
+def test_on_policy_calls_that_span_under_a_version_and_announced_versions(tmp_path: Path) -> None:
+    clock, book, metrics, spec = Clock(), VersionBook("r"), GeneratorMetrics(), run_spec(tmp_path, max_staleness=0)
+    guard = StalenessGuard(book, lambda: spec, metrics, clock=clock)
+    publish(book, guard, clock, every_s=1.0, n=3)
+    guard.call_s = 0.8  # strictly on-policy: the trainer waits for these groups, so a call spans < 1 version
+    assert guard.admits()
+    slot = VersionSlot(book.newest_known, "r-v", "lease", tmp_path, 0.0, loaded=True)
+
+    def announced(i: int) -> None:  # heard of by the long-poll, its download still running
+        book.announced = book.newest_known + 1
+
+    with pytest.raises(StaleCall):
+        guard.generate(SteppingEngine(clock, 5, 0.1, announced), slot, [[1]], spec, lambda: None)  # type: ignore[arg-type]

@@ -61,6 +61,7 @@ class Stats:
     steps: int = 0
     trained_tokens: int = 0
     trained_prompts: list[str] = field(default_factory=list)
+    trained_by_worker: dict[str, int] = field(default_factory=dict)  # tokens trained per generator (slow_class.py)
     step_times: list[float] = field(default_factory=list)
 
 
@@ -78,13 +79,14 @@ class Trainer(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            got, ids = [], []
+            got, ids, by = [], [], []
             while len(got) < self.groups_per_step and not self.stop.is_set():
                 want = self.groups_per_step - len(got)
                 claim = self.client.claim("trainer", want, wait_s=0.5, min_version=max(1, self.version - STALENESS))
                 self.idle_since = None if claim.deliveries else (self.idle_since or time.monotonic())
                 for d in claim.deliveries:
                     got += d.groups
+                    by += [d.worker_id] * len(d.groups)
                     ids.append(d.delivery_id)
             if not got:
                 continue
@@ -92,6 +94,9 @@ class Trainer(threading.Thread):
             self.client.ack(ids)
             self.stats.trained_tokens += sum(len(c.token_ids) for g in got for c in g.completions)
             self.stats.trained_prompts += [g.prompt_id for g in got]
+            for wid, g in zip(by, got, strict=True):
+                n = sum(len(c.token_ids) for c in g.completions)
+                self.stats.trained_by_worker[wid] = self.stats.trained_by_worker.get(wid, 0) + n
             self.version += 1
             self.client.publish_adapter(self.version, adapter_tar(self.version))
             self.stats.steps += 1
@@ -103,14 +108,24 @@ class Trainer(threading.Thread):
 class Fleet:
     """The generator processes, each with a unique worker id, and the stale refusals each reported."""
 
-    def __init__(self, proxy: ProxyHarness, model_dir: Path, logs: Path, args: argparse.Namespace) -> None:
+    def __init__(
+        self,
+        proxy: ProxyHarness,
+        model_dir: Path,
+        logs: Path,
+        args: argparse.Namespace,
+        classes: list[tuple[str, float, float]] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.proxy, self.model_dir, self.logs, self.args = proxy, model_dir, logs, args
+        self.classes, self.env = classes or CLASSES, env or {}
+        self.metrics: dict[str, dict[str, float]] = {}  # each generator's latest pushed metrics
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.stale_at_submit: dict[str, float] = {}
         self.serial = 0
 
     def start(self, slot: int) -> None:
-        cls, usd, step_s = CLASSES[slot % len(CLASSES)]
+        cls, usd, step_s = self.classes[slot % len(self.classes)]
         self.serial += 1
         wid = f"{cls}-{slot}-{self.serial}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("BUCKETRL_")}
@@ -131,7 +146,7 @@ class Fleet:
             "BUCKETRL_METRICS_INTERVAL_S": str(self.args.metrics_interval_s),
             "BUCKETRL_PROMPT_LEASE_TTL_S": str(self.args.prompt_lease_ttl_s),
             "PYTHONPATH": str(REPO),
-        }
+        } | self.env
         with (self.logs / f"{wid}.log").open("wb") as log:
             self.procs[wid] = subprocess.Popen(
                 [sys.executable, "-m", "bucketrl.cli", "generator"], env=env, stdout=log, stderr=subprocess.STDOUT
@@ -144,6 +159,7 @@ class Fleet:
             return
         for wid, m in status.metrics.items():
             if isinstance(m, dict) and wid in self.procs:
+                self.metrics[wid] = {k: float(v) for k, v in m.items() if isinstance(v, int | float)}
                 stale = float(m.get("rollout/dropped_stale_total", 0.0))
                 self.stale_at_submit[wid] = max(self.stale_at_submit.get(wid, 0.0), stale)
 

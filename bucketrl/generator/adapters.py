@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
@@ -45,6 +46,17 @@ def clear_stale_tmp(cache_root: Path) -> int:
     if stale:
         log.info("removed %d downloads or unpack directories a crashed fetch left in %s", len(stale), cache_root)
     return len(stale)
+
+
+def make_cache_dir(cache_root: str | None, run: str) -> tuple[Path, bool]:
+    """The run's adapter cache: ``cache_root/run`` (stale downloads cleared), or a temporary directory when no root
+    is set; and whether it is the worker's own (deleted at exit)."""
+    if cache_root:
+        cache_dir = Path(cache_root) / run
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_tmp(cache_dir)
+        return cache_dir, False
+    return Path(tempfile.mkdtemp(prefix=f"bucketrl-{run}-adapters-")), True
 
 
 def gc_cache(cache_root: Path, keep: set[int], newest_known: int) -> list[int]:
@@ -150,7 +162,8 @@ class VersionBook:
         self.run = run
         self._lock = threading.Lock()
         self._slots: dict[int, VersionSlot] = {}
-        self.newest_known = 0  # the newest version the proxy announced
+        self.newest_known = 0  # the newest version fetched (or skipped as unusable)
+        self.announced = 0  # the newest version the proxy announced (its fetch may still run)
         self._loading: int | None = None  # the version pending() handed to the main thread to load
         self._fetching: dict[int, str] = {}  # version -> lease id, while its adapter downloads
         # Versions whose evaluation this worker takes part in and the proxy still has prompts of (worker.py

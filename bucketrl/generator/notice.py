@@ -51,7 +51,7 @@ class Notice:
     def check(self) -> None:
         """The engine hook's check: raise once the time to work is over."""
         if self.deadline is not None and time.monotonic() >= self.deadline:
-            raise NoticeExpired()
+            raise NoticeExpired("preemption notice: the call would not finish in time")
 
     def take(self, prompt_ids: list[str], held: list[str]) -> bool:
         """The engine is about to sample these prompts: False (sample nothing) once a notice was given. ``held``

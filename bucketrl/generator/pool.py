@@ -179,7 +179,9 @@ class PoolGenerator:
             lane.sync_versions()
             slot = lane.book.current()
             spec = lane.spec
-            if slot is not None and spec is not None and slot.version >= lane.book.newest_known - spec.max_staleness:
+            fits = slot is not None and spec is not None and slot.version >= lane.book.newest_known - spec.max_staleness
+            # Nor a lane whose calls outlast its run's window (staleness_guard.py): the lease goes to the other runs.
+            if fits and lane.guard.admits():
                 ready[run] = lane
         return ready
 

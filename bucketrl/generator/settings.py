@@ -96,6 +96,12 @@ class GeneratorSettings(WorkerSettings):
         description="TTL of prompt leases (BUCKETRL_PROMPT_LEASE_TTL_S); a killed generator's prompts are issued "
         "again this long after its last renewal.",
     )
+    staleness_guard: bool = Field(
+        True,
+        description="BUCKETRL_STALENESS_GUARD: when this worker's calls outlast the staleness window (a slow GPU "
+        "class; bucketrl/generator/staleness_guard.py), lease no training prompts and abandon a call whose groups "
+        "can only be refused stale, its prompts back at once for a faster worker; false: sample anyway.",
+    )
     version_wait_s: float = Field(
         20.0, gt=0.0, le=300.0, description="Long-poll duration for new adapter versions (BUCKETRL_VERSION_WAIT_S)."
     )

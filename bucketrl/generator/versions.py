@@ -126,6 +126,7 @@ class AdapterVersions:
             try:
                 info = self.client.wait_for_version(self.book.newest_known, wait_s=self.settings.version_wait_s)
                 if info is not None and not self.stop_event.is_set():
+                    self.book.announced = max(self.book.announced, info.version)
                     self._fetch(info.version, info.sha256)
                 delay = 0.5
             except errors.BucketRLError as exc:

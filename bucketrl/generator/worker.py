@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import shutil
 import signal
-import tempfile
 import threading
 import time
 import uuid
@@ -38,7 +37,7 @@ from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
 from bucketrl.drain_watch import DrainWatch
 from bucketrl.generator import startup, trust
-from bucketrl.generator.adapters import VersionBook, VersionSlot, clear_stale_tmp
+from bucketrl.generator.adapters import VersionBook, VersionSlot, make_cache_dir
 from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.episode_loop import EpisodeDriver
 from bucketrl.generator.evaluation import Evaluator
@@ -48,6 +47,7 @@ from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.notice import Notice, NoticeExpired
 from bucketrl.generator.prompt_tokens import PromptTokens
 from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.generator.staleness_guard import StaleCall, StalenessGuard
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
 from bucketrl.generator.versions import AdapterVersions, release_version_lease
 from bucketrl.rewards import RewardPool
@@ -106,6 +106,7 @@ class GeneratorWorker:
         self.episodes: EpisodeDriver | None = None  # multi-turn runs (run spec env)
         self.phase = "starting"
         self.notice = Notice()  # a preemption notice's deadline, once one is given
+        self.guard = StalenessGuard(self.book, lambda: self.spec, self.metrics, enabled=settings.staleness_guard)
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -206,16 +207,6 @@ class GeneratorWorker:
                 f"no room for a prompt before sampling.max_new_tokens={spec.sampling.max_new_tokens}"
             )
 
-    def _make_cache_dir(self) -> Path:
-        s = self.settings
-        if s.adapter_cache_dir:
-            cache_dir = Path(s.adapter_cache_dir) / s.run
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            clear_stale_tmp(cache_dir)
-            return cache_dir
-        self._own_cache_dir = True
-        return Path(tempfile.mkdtemp(prefix=f"bucketrl-{s.run}-adapters-"))
-
     def _start_collaborators(self, spec: RunSpec) -> None:
         """The reward pool, adapter versions, prompt tokens, submitter, evaluator and threads (in that order)."""
         s = self.settings
@@ -223,7 +214,7 @@ class GeneratorWorker:
         self._pool = RewardPool(
             spec.reward, workers=s.reward_workers, timeout_s=s.reward_timeout_s, on_failure=self.metrics.reward_error
         )
-        self._cache_dir = self._make_cache_dir()
+        self._cache_dir, self._own_cache_dir = make_cache_dir(s.adapter_cache_dir, s.run)
         self.versions = AdapterVersions(
             client=self.client,
             worker_id=self.worker_id,
@@ -385,7 +376,7 @@ class GeneratorWorker:
             version=self.book.newest_known or None,
             request_id=uuid.uuid4().hex,
         )
-        riding = self.submitter.lease_with_next(req)
+        riding = None if self.guard.declining else self.submitter.lease_with_next(req)
         if riding is None:
             return self.leaser.submit(self.lease_prompts, n)
 
@@ -406,6 +397,8 @@ class GeneratorWorker:
     def lease_prompts(self, n: int) -> list[PromptLeaseItem]:
         assert self.submitter is not None
         s = self.settings
+        if self.guard.hold_back(self.stop_event):  # calls here outlast the staleness window (staleness_guard.py)
+            return []
         t0 = time.monotonic()
         try:
             # The newest fetched version: it is loaded before the next batch samples (the loop's first step).
@@ -475,11 +468,9 @@ class GeneratorWorker:
             sampling=spec.sampling,
         )
         try:
-            batch.samples = self.engine.generate(
-                ids, adapter=slot.name, n=spec.group_size, sampling=spec.sampling, while_running=self._while_sampling
-            )
-        except NoticeExpired:
-            self.submitter.release(batch, "preemption notice: the call would not finish in time")
+            batch.samples = self.guard.generate(self.engine, slot, ids, spec, self._while_sampling)
+        except (NoticeExpired, StaleCall) as exc:
+            self.submitter.release(batch, str(exc))
             return
         except Exception:
             log.exception("engine failed on %d prompts; releasing them", len(prompts))

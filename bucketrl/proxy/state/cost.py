@@ -105,13 +105,15 @@ async def run_cost(
                 live_groups=sum(x.get("rollout/groups_submitted_total", 0.0) for x in m),
             )
         )
-    wasted = queue.dropped_stale_total + queue.rejected_stale_total + queue.lost_total
+    # A prompt whose lease expired was worked on by a worker that vanished (SIGKILL, preemption without notice).
+    expired = int(await r.hget(keys.run_key(run, keys.COUNTERS), "prompts_expired_total") or 0)
+    wasted = queue.dropped_stale_total + queue.rejected_stale_total + queue.lost_total + expired
     totals = RunTotals(
         trainer_steps=trainer_step,
         trained_tokens=tokens,
         accepted_groups=queue.accepted_total,
         wasted_groups=wasted,
-        produced_groups=queue.accepted_total + queue.rejected_stale_total,
+        produced_groups=queue.accepted_total + queue.rejected_stale_total + expired,
         bucket_requests=round(metered.get(bucket_meter.WRITES, 0.0)),
         bucket_reads=round(metered.get(bucket_meter.READS, 0.0)),
         egress_bytes=metered.get(bucket_meter.PROXY_EGRESS, 0.0),

@@ -37,11 +37,17 @@ end
 local size, limit, group = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
 -- 1. expired leases go back on the reissue list (unless their group arrived meanwhile)
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. now, 'LIMIT', 0, 10000)
+local lost = 0
 for _, pid in ipairs(expired) do
   redis.call('ZREM', KEYS[2], pid)
   redis.call('HDEL', KEYS[3], pid)
-  if redis.call('SISMEMBER', KEYS[5], pid) == 1 then redis.call('RPUSH', KEYS[4], pid) end
+  if redis.call('SISMEMBER', KEYS[5], pid) == 1 then
+    redis.call('RPUSH', KEYS[4], pid)
+    lost = lost + 1
+  end
 end
+-- work lost in flight (the worker died, or was preempted without a notice): the run's cost counts it as waste
+if lost > 0 then redis.call('HINCRBY', KEYS[8], 'prompts_expired_total', lost) end
 -- 2. admission control: the work limit, then the trainer's pace against the caller's version
 local inflight = redis.call('ZCARD', KEYS[2])
 local queued = queued_groups(KEYS[7], group)

@@ -1,0 +1,105 @@
+"""One URL for agents in front of two generators (``bucketrl agent-router``, its own process, real HTTP): an agent
+(a plain ``openai`` client in another process) opens episodes through it; they land on both generators, a full
+generator's 429 admission answer is retried on the other, each episode's calls (streamed ones included) reach the
+generator that holds it, and a call for an episode nobody holds gets the generator's 404."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bucketrl.up.processes import bucketrl_command
+from bucketrl.wire import EnvSpec
+from tests.envs.test_worker_episodes import TOOLS_RUN
+from tests.generator.worker_support import create_run, running_worker, wait_until, worker_settings
+from tests.proxy.harness import ProxyHarness, running
+from tests.support.services import RedisServer
+
+TOKEN = "agents-token"
+EPISODES = 6  # gen-a holds at most 2 open (one group of 2): the others go to gen-b, one of them after a 429
+
+
+@pytest.fixture()
+def proxy(redis_server: RedisServer, tmp_path: Path) -> Iterator[ProxyHarness]:
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as h:
+        yield h
+
+
+def _endpoint(path: Path) -> dict[str, str]:
+    return wait_until(lambda: path.exists() and json.loads(path.read_text()).get("openai"), 90, str(path))
+
+
+def test_one_url_spreads_episodes_over_generators_and_keeps_each_on_its_own(
+    proxy: ProxyHarness, tiny_model_dir: Path, adapter_dir: Path, tmp_path: Path
+) -> None:
+    run = {**TOOLS_RUN, "group_size": 2, "groups_per_step": 1, "max_staleness": 50, "env": EnvSpec(name="external")}
+    create_run(proxy, "routed", tiny_model_dir, adapter_dir, **run)
+    files = {name: tmp_path / f"{name}.json" for name in ("gen-a", "gen-b", "router")}
+    limits = {"gen-a": 2, "gen-b": 100}
+    with ExitStack() as stack:
+        workers = {
+            name: stack.enter_context(
+                running_worker(
+                    worker_settings(
+                        proxy,
+                        "routed",
+                        name,
+                        openai_port=0,
+                        openai_token=TOKEN,
+                        endpoint_file=str(files[name]),
+                        max_open_episodes=limits[name],
+                    )
+                )
+            )
+            for name in limits
+        }
+        backends = {_endpoint(files[name])["base_url"].removesuffix("/v1"): name for name in limits}
+        argv = bucketrl_command(
+            "agent-router", "--port", "0", "--endpoint-file", str(files["router"]), "--run", "routed"
+        )
+        argv += [a for b in backends for a in ("--backend", b)]
+        env = {**os.environ, "BUCKETRL_OPENAI_TOKEN": TOKEN}
+        router = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            info = _endpoint(files["router"])
+            url = info["base_url"].removesuffix("/v1")
+            assert info["token"] == TOKEN and set(info["generators"]) == set(backends)
+            agent = subprocess.run(
+                [sys.executable, "-m", "tests.envs.router_agent", url, TOKEN, str(EPISODES)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert agent.returncode == 0, agent.stderr[-3000:]
+            health = httpx.get(f"{url}/healthz", timeout=5).json()
+            bad_token = httpx.post(f"{url}/v1/episodes", headers={"Authorization": "Bearer wrong"}, timeout=10)
+        finally:
+            router.terminate()
+            log = router.communicate(timeout=20)[0]
+        metrics = {name: w.metrics.snapshot() for name, w in workers.items()}
+    *records, last = [json.loads(line) for line in agent.stdout.splitlines()]
+    assert len(records) == EPISODES, log[-2000:]
+    # Spread over both generators: gen-a took what its admission control allows, refused one, gen-b the rest.
+    opened = {backends[b]: n for b, n in health["episodes_opened"].items()}
+    assert opened == {"gen-a": 2, "gen-b": 4}
+    assert metrics["gen-a"]["episode/admission_refused_total"] >= 1
+    # Every call reached the generator that holds its episode: each closed its own episodes, two turns each, none
+    # failed (a call of another generator's episode would be a 404 there), and the router never had to look.
+    for name, n in opened.items():
+        m = metrics[name]
+        assert (m["episode/episodes_total"], m["episode/turns_total"], m["episode/failed_total"]) == (n, 2 * n, 0)
+    # Streaming passed through: server-sent chunks, the role first and a finish reason, then the plain turn.
+    for r in records:
+        assert r["chunks"] >= 2 and r["finish_reasons"][0] in ("stop", "length", "tool_calls")
+        assert r["finished"]["episode_id"] == r["episode"]["episode_id"] and r["finished"]["turns"] == 2
+    assert health["looked_up"] == 1  # only the unknown episode was asked of every generator
+    assert last["unknown"]["status"] == 404 and last["unknown"]["body"]["code"] == "model_not_found"
+    assert bad_token.status_code == 401  # the generators check the token the router forwards

@@ -1,7 +1,10 @@
 """The agent router: one OpenAI-compatible URL in front of every generator's exposed endpoint (docs/multi-turn.md
 "Many generators").
 
-- ``POST /v1/episodes`` goes round-robin over the generators; one that refuses (429 ``admission``, 503, or not
+- ``POST /v1/episodes`` goes to a generator whose last handed-out group still has free slots (``slots_left`` in
+  its answer), so that groups fill one by one as with one generator (a group is trained once all G episodes
+  finished: spreading a group's episodes thin would only make every group wait longer), else round-robin over the
+  generators. One that refuses (429 ``admission``, 503, or not
   reachable) is skipped for the next. When all refuse, the agent gets the 429 with the smallest Retry-After (a 503
   when none answered 429), so it waits no longer than the first generator with room needs.
 - Every later call of an episode (its chat and completion calls, which name it in ``model``
@@ -82,6 +85,7 @@ class Router:
         self.client = client or httpx.AsyncClient(timeout=TIMEOUT)
         self.episodes: OrderedDict[str, str] = OrderedDict()
         self._next = itertools.cycle(range(len(self.backends)))
+        self.slots = {b: 0 for b in self.backends}  # free slots of each generator's open group, from its answers
         self.opened = {b: 0 for b in self.backends}  # episodes handed out through each generator (healthz)
         self.looked_up = 0  # calls of an episode the map did not know, asked of each generator in turn
 
@@ -108,10 +112,8 @@ class Router:
 
     async def open_episode(self, request: Request) -> Response:
         body = await request.body()
-        start = next(self._next)
         refusals: list[Refused] = []
-        for i in range(len(self.backends)):
-            backend = self.backends[(start + i) % len(self.backends)]
+        for backend in self._open_order():
             try:
                 resp = await self._send(backend, request, body)
             except httpx.TransportError as exc:
@@ -119,6 +121,7 @@ class Router:
                 refusals.append(Refused(503, b"", None))
                 continue
             if resp.status_code in REFUSED:
+                self.slots[backend] = 0
                 refusals.append(Refused(resp.status_code, await resp.aread(), _retry_after(resp)))
                 await resp.aclose()
                 continue
@@ -126,11 +129,19 @@ class Router:
                 return self._passed(resp)  # 401 and the like: the same at every generator
             data = await resp.aread()
             await resp.aclose()
-            episode_id = json.loads(data)["episode_id"]
-            self.remember(episode_id, backend)
+            opened = json.loads(data)
+            self.remember(opened["episode_id"], backend)
+            self.slots[backend] = int(opened.get("slots_left", 0))
             self.opened[backend] += 1
             return Response(data, status_code=200, media_type="application/json")
         return self._all_refused(refusals)
+
+    def _open_order(self) -> list[str]:
+        """Generators with a group to fill first, then all from the next in the round."""
+        filling = [b for b in self.backends if self.slots[b] > 0]
+        start = next(self._next) if not filling else 0  # the round moves on with each new group only
+        rest = [self.backends[(start + i) % len(self.backends)] for i in range(len(self.backends))]
+        return filling + [b for b in rest if b not in filling]
 
     @staticmethod
     def _all_refused(refusals: list[Refused]) -> Response:

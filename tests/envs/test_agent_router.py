@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -91,6 +92,8 @@ def test_one_url_spreads_episodes_over_generators_and_keeps_each_on_its_own(
     opened = {backends[b]: n for b, n in health["episodes_opened"].items()}
     assert opened == {"gen-a": 2, "gen-b": 4}
     assert metrics["gen-a"]["episode/admission_refused_total"] >= 1
+    # A group fills before the next starts (slots_left): 3 whole groups of 2, not 6 groups of one episode each.
+    assert sorted(Counter(r["episode"]["prompt_id"] for r in records).values()) == [2, 2, 2]
     # Every call reached the generator that holds its episode: each closed its own episodes, two turns each, none
     # failed (a call of another generator's episode would be a 404 there), and the router never had to look.
     for name, n in opened.items():

@@ -23,9 +23,10 @@
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import json
 import logging
+import socket
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -40,6 +41,7 @@ from starlette.routing import Route
 
 log = logging.getLogger(__name__)
 
+DNS_EVERY_S = 5.0  # generators scaled up or replaced are found within this
 MAX_EPISODES = 200_000  # map entries of episodes never finished (timed out, abandoned) are evicted oldest first
 REFUSED = (429, 503)  # a generator with no room now (admission control, stopping): the next one is tried
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"})
@@ -78,16 +80,46 @@ def _episode_of_model(body: bytes) -> str | None:
 
 
 class Router:
-    def __init__(self, backends: list[str], client: httpx.AsyncClient | None = None) -> None:
-        if not backends:
-            raise ValueError("the agent router needs at least one generator endpoint (--backend URL)")
-        self.backends = [b.rstrip("/") for b in backends]
+    def __init__(
+        self, backends: list[str], client: httpx.AsyncClient | None = None, dns: list[str] | None = None
+    ) -> None:
+        if not backends and not dns:
+            raise ValueError("the agent router needs generator endpoints: --backend URL or --backend-dns HOST:PORT")
+        self.static = [b.rstrip("/") for b in backends]
+        self.dns = dns or []  # HOST:PORT names whose addresses are the generators (Compose, a headless Service)
         self.client = client or httpx.AsyncClient(timeout=TIMEOUT)
         self.episodes: OrderedDict[str, str] = OrderedDict()
-        self._next = itertools.cycle(range(len(self.backends)))
-        self.slots = {b: 0 for b in self.backends}  # free slots of each generator's open group, from its answers
-        self.opened = {b: 0 for b in self.backends}  # episodes handed out through each generator (healthz)
+        self._round = 0
+        self.backends: list[str] = []
+        self.slots: dict[str, int] = {}  # free slots of each generator's open group, from its answers
+        self.opened: dict[str, int] = {}  # episodes handed out through each generator (healthz)
         self.looked_up = 0  # calls of an episode the map did not know, asked of each generator in turn
+        self.set_backends(self.static)
+
+    def set_backends(self, backends: list[str]) -> None:
+        """The generators new episodes go to (an episode already handed out stays where it is)."""
+        self.backends = list(dict.fromkeys(backends))
+        for b in self.backends:
+            self.slots.setdefault(b, 0)
+            self.opened.setdefault(b, 0)
+
+    async def resolve(self) -> None:
+        """The static generators and every address the DNS names resolve to now (a name that fails keeps none)."""
+        loop = asyncio.get_running_loop()
+        found: list[str] = []
+        for name in self.dns:
+            host, _, port = name.rpartition(":")
+            try:
+                infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("generators %s: not resolved (%s)", name, exc)
+                continue
+            for family, *_, addr in infos:
+                ip = f"[{addr[0]}]" if family == socket.AF_INET6 else addr[0]
+                found.append(f"http://{ip}:{port}")
+        if set(found) - set(self.backends) or set(self.backends) - set(self.static) - set(found):
+            log.info("generators: %s", ", ".join(self.static + sorted(set(found))) or "none")
+        self.set_backends(self.static + sorted(set(found)))
 
     async def _send(self, backend: str, request: Request, body: bytes) -> httpx.Response:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
@@ -139,7 +171,9 @@ class Router:
     def _open_order(self) -> list[str]:
         """Generators with a group to fill first, then all from the next in the round."""
         filling = [b for b in self.backends if self.slots[b] > 0]
-        start = next(self._next) if not filling else 0  # the round moves on with each new group only
+        start = 0
+        if not filling:  # the round moves on with each new group only
+            start, self._round = self._round % max(1, len(self.backends)), self._round + 1
         rest = [self.backends[(start + i) % len(self.backends)] for i in range(len(self.backends))]
         return filling + [b for b in rest if b not in filling]
 
@@ -222,9 +256,17 @@ class Router:
 
 
 def create_app(router: Router) -> Starlette:
+    async def rediscover() -> None:
+        while True:
+            await router.resolve()
+            await asyncio.sleep(DNS_EVERY_S)
+
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(rediscover()) if router.dns else None
         yield
+        if task is not None:
+            task.cancel()
         await router.aclose()
 
     return Starlette(

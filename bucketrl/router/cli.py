@@ -3,6 +3,7 @@
 
     BUCKETRL_OPENAI_TOKEN=<the generators' token> bucketrl agent-router --port 8200 \\
         --backend http://gen-0:8100 --backend http://gen-1:8100 [--endpoint-file endpoint.json --run myrun]
+    bucketrl agent-router --host 0.0.0.0 --port 8200 --backend-dns generator:8100   # every replica of a service
 
 With ``--endpoint-file`` the router's URL and the token go under "openai" in that JSON file once a generator
 answers through it (``bucketrl up --openai-port`` runs it so). Starlette and uvicorn are imported inside the
@@ -31,8 +32,16 @@ READY_POLL_S = 0.5
 
 def agent_router_command(
     backend: Annotated[
-        list[str], typer.Option(help="A generator's exposed endpoint (its URL, without /v1); once per generator.")
-    ],
+        list[str] | None,
+        typer.Option(help="A generator's exposed endpoint (its URL, without /v1); once per generator."),
+    ] = None,
+    backend_dns: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="HOST:PORT whose addresses are generators' endpoints, re-resolved every 5 s (Compose's service "
+            "name, Kubernetes' headless Service)."
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0: any free one).")] = 8200,
     endpoint_file: Annotated[
@@ -47,7 +56,7 @@ def agent_router_command(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        router = Router(backend)
+        router = Router(backend or [], dns=backend_dns or [])
     except ValueError as exc:
         typer.echo(f"bucketrl agent-router: {exc}", err=True)
         raise typer.Exit(code=2) from exc
@@ -56,10 +65,10 @@ def agent_router_command(
     sock.bind((host, port))
     sock.listen(2048)  # connections from here on wait in the backlog until uvicorn serves them
     url = f"http://{host}:{sock.getsockname()[1]}"
-    typer.echo(f"bucketrl agent-router: {url} -> {', '.join(router.backends)}")
+    typer.echo(f"bucketrl agent-router: {url} -> {', '.join(router.static + router.dns)}")
     if endpoint_file is not None:
         token = os.environ.get("BUCKETRL_OPENAI_TOKEN", "")
-        args = (url, token, router.backends, endpoint_file, run)
+        args = (url, token, router.static + router.dns, endpoint_file, run)
         threading.Thread(target=_announce, args=args, daemon=True, name="announce").start()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config = uvicorn.Config(create_app(router), log_level="warning", access_log=False)

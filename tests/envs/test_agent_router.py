@@ -5,6 +5,7 @@ generator that holds it, and a call for an episode nobody holds gets the generat
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bucketrl.router.app import Router
 from bucketrl.up.processes import bucketrl_command
 from bucketrl.wire import EnvSpec
 from tests.envs.test_worker_episodes import TOOLS_RUN
@@ -106,3 +108,13 @@ def test_one_url_spreads_episodes_over_generators_and_keeps_each_on_its_own(
     assert health["looked_up"] == 1  # only the unknown episode was asked of every generator
     assert last["unknown"]["status"] == 404 and last["unknown"]["body"]["code"] == "model_not_found"
     assert bad_token.status_code == 401  # the generators check the token the router forwards
+
+
+def test_generators_named_by_dns_are_every_address_of_the_name() -> None:
+    """``--backend-dns generator:8100``: each address of the name is a generator (Compose's replicas, the pods
+    of a headless Service), re-resolved as they come and go; a name that does not resolve adds none."""
+    router = Router(["http://10.0.0.9:8100"], dns=["localhost:8100", "no-such-host.invalid:8100"])
+    asyncio.run(router.resolve())
+    assert router.backends[0] == "http://10.0.0.9:8100" and "http://127.0.0.1:8100" in router.backends
+    assert len(router.backends) in (2, 3)  # localhost may resolve to ::1 too
+    asyncio.run(router.aclose())

@@ -103,6 +103,8 @@ class LocalCluster:
         """Lock the run directory, create or reuse tokens, build the tiny model, write the run spec."""
         if self.cfg.gateway_port:
             external.check_port_free(self.cfg.gateway_port, "--gateway-port")
+        if self.cfg.openai_port:  # the agent router binds it
+            external.check_port_free(self.cfg.openai_port, "--openai-port")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         lock = open(self.dir / "up.lock", "w")  # noqa: SIM115 - held for the cluster's lifetime

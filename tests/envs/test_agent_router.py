@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bucketrl.generator.worker import GeneratorWorker
 from bucketrl.router.app import Router
 from bucketrl.up.processes import bucketrl_command
 from bucketrl.wire import EnvSpec
@@ -48,23 +49,22 @@ def test_one_url_spreads_episodes_over_generators_and_keeps_each_on_its_own(
     files = {name: tmp_path / f"{name}.json" for name in ("gen-a", "gen-b", "router")}
     limits = {"gen-a": 2, "gen-b": 100}
     with ExitStack() as stack:
-        workers = {
-            name: stack.enter_context(
-                running_worker(
-                    worker_settings(
-                        proxy,
-                        "routed",
-                        name,
-                        openai_port=0,
-                        openai_token=TOKEN,
-                        endpoint_file=str(files[name]),
-                        max_open_episodes=limits[name],
-                    )
-                )
+        workers: dict[str, GeneratorWorker] = {}
+        backends: dict[str, str] = {}  # endpoint URL -> generator
+        for name, limit in limits.items():
+            # One after the other: two workers starting at once in one process (a test's setup, never a
+            # deployment's) have been seen to stall after loading the model.
+            settings = worker_settings(
+                proxy,
+                "routed",
+                name,
+                openai_port=0,
+                openai_token=TOKEN,
+                endpoint_file=str(files[name]),
+                max_open_episodes=limit,
             )
-            for name in limits
-        }
-        backends = {_endpoint(files[name])["base_url"].removesuffix("/v1"): name for name in limits}
+            workers[name] = stack.enter_context(running_worker(settings))
+            backends[_endpoint(files[name])["base_url"].removesuffix("/v1")] = name
         argv = bucketrl_command(
             "agent-router", "--port", "0", "--endpoint-file", str(files["router"]), "--run", "routed"
         )

@@ -1,8 +1,10 @@
 """An agent in front of the agent router (a plain ``openai`` client in its own process): it opens all its episodes
-first (so that one generator's admission control fills up and the router has to send the rest elsewhere), then
+first (so that one generator's admission control fills up and the router has to send the rest elsewhere, until
+both are full and one more is refused), then
 runs each with a streamed turn and a plain one, finishes it, and makes one call for an episode nobody holds.
 
-    python -m tests.envs.router_agent URL TOKEN EPISODES   -> one JSON line per episode, then {"unknown": status}
+    python -m tests.envs.router_agent URL TOKEN EPISODES
+    -> {"refused": the answer to one more episode}, one JSON line per episode, then {"unknown": the answer}
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ def run(url: str, token: str, episodes: int) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0)
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
     opened = [http.post("/v1/episodes").raise_for_status().json() for _ in range(episodes)]
+    full = http.post("/v1/episodes")  # every generator holds all it admits now
+    refused = {"status": full.status_code, "retry_after": full.headers.get("retry-after"), "body": full.json()}
+    print(json.dumps({"refused": refused}), flush=True)
     for ep in opened:
         messages = [{"role": "user", "content": ep["row"]["prompt"]}]
         stream = client.chat.completions.create(model=ep["model"], messages=messages, stream=True)

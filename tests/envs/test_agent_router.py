@@ -28,7 +28,7 @@ from tests.proxy.harness import ProxyHarness, running
 from tests.support.services import RedisServer
 
 TOKEN = "agents-token"
-EPISODES = 6  # gen-a holds at most 2 open (one group of 2): the others go to gen-b, one of them after a 429
+EPISODES = 6  # gen-a holds at most 2 open, gen-b 4: one of gen-b's after gen-a's 429, then both are full
 
 
 @pytest.fixture()
@@ -47,7 +47,7 @@ def test_one_url_spreads_episodes_over_generators_and_keeps_each_on_its_own(
     run = {**TOOLS_RUN, "group_size": 2, "groups_per_step": 1, "max_staleness": 50, "env": EnvSpec(name="external")}
     create_run(proxy, "routed", tiny_model_dir, adapter_dir, **run)
     files = {name: tmp_path / f"{name}.json" for name in ("gen-a", "gen-b", "router")}
-    limits = {"gen-a": 2, "gen-b": 100}
+    limits = {"gen-a": 2, "gen-b": 4}  # open episodes each admits: groups of 2
     with ExitStack() as stack:
         workers: dict[str, GeneratorWorker] = {}
         backends: dict[str, str] = {}  # endpoint URL -> generator
@@ -88,7 +88,12 @@ def test_one_url_spreads_episodes_over_generators_and_keeps_each_on_its_own(
             router.terminate()
             log = router.communicate(timeout=20)[0]
         metrics = {name: w.metrics.snapshot() for name, w in workers.items()}
-    *records, last = [json.loads(line) for line in agent.stdout.splitlines()]
+    first, *records, last = [json.loads(line) for line in agent.stdout.splitlines()]
+    # Both full: the agent gets a generator's 429 admission answer, with its Retry-After (the smaller of the two).
+    refused = first["refused"]
+    assert refused["status"] == 429 and refused["body"]["error"]["code"] == "admission", refused
+    assert refused["retry_after"] is not None and float(refused["retry_after"]) >= 0
+    assert metrics["gen-b"]["episode/admission_refused_total"] >= 1
     assert len(records) == EPISODES, log[-2000:]
     # Spread over both generators: gen-a took what its admission control allows, refused one, gen-b the rest.
     opened = {backends[b]: n for b, n in health["episodes_opened"].items()}

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from bucketrl.generator.worker import GeneratorWorker
-from bucketrl.router.app import Router
+from bucketrl.router.app import Refused, Router
 from bucketrl.up.processes import bucketrl_command
 from bucketrl.wire import EnvSpec
 from tests.envs.test_worker_episodes import TOOLS_RUN
@@ -123,3 +123,14 @@ def test_generators_named_by_dns_are_every_address_of_the_name() -> None:
     assert router.backends[0] == "http://10.0.0.9:8100" and "http://127.0.0.1:8100" in router.backends
     assert len(router.backends) in (2, 3)  # localhost may resolve to ::1 too
     asyncio.run(router.aclose())
+
+
+def test_when_every_generator_refuses_the_agent_gets_the_soonest_retry() -> None:
+    """A 429 over a 503, the smallest Retry-After of the 429s; none answered at all: the router's own 503."""
+    busy = [Refused(429, b'{"n": 1}', 12.0), Refused(503, b'{"n": 2}', 1.0), Refused(429, b'{"n": 3}', 3.0)]
+    got = Router._all_refused(busy)
+    assert (got.status_code, got.headers["retry-after"], got.body) == (429, "3", b'{"n": 3}')
+    got = Router._all_refused([Refused(503, b"", None), Refused(503, b'{"n": 2}', 5.0)])
+    assert (got.status_code, got.headers["retry-after"], got.body) == (503, "5", b'{"n": 2}')
+    got = Router._all_refused([Refused(503, b"", None)])
+    assert got.status_code == 503 and json.loads(got.body)["error"]["code"] == "unavailable"

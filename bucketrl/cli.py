@@ -8,6 +8,7 @@ from bucketrl.gateway.cli import gateway_command
 from bucketrl.generator.cli import generator_command
 from bucketrl.proxy.cli import proxy_command
 from bucketrl.relay.cli import relay_command
+from bucketrl.router.cli import agent_router_command
 from bucketrl.sim import engine as sim_engine
 from bucketrl.status_cli import status_command
 from bucketrl.trainer.cli import trainer_command
@@ -24,6 +25,7 @@ def _register() -> None:
     app.command("trainer")(trainer_command)
     app.command("generator")(generator_command)
     app.command("gateway")(gateway_command)
+    app.command("agent-router")(agent_router_command)
     app.command("up")(up_command)
     app.command("status")(status_command)
     app.command("export")(export_command)

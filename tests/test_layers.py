@@ -10,7 +10,7 @@ Layers, bottom to top. A module imports modules of its own layer or of a lower o
     3  tasks     bucketrl.tasks (built-in tiny model and toy task), datasets, rewards
     4  envs      bucketrl.envs: multi-turn environments and the generator's OpenAI-compatible endpoint
     5  checks    bucketrl.preflight: what every command checks before it starts
-    6  services  bucketrl.generator | trainer | proxy | relay | gateway: the processes, which never import
+    6  services  bucketrl.generator | trainer | proxy | relay | gateway | router: the processes, which never import
                  one another (they talk over HTTP and the bucket)
     7  commands  bucketrl.up, status_cli, export: commands over the services
     8  sim       bucketrl.sim: the SIMULATION harness (drives the real services through up's process helpers)
@@ -100,13 +100,27 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("bucketrl.tasks", "bucketrl.datasets", "bucketrl.rewards"),
     ("bucketrl.envs",),
     ("bucketrl.preflight",),
-    ("bucketrl.generator", "bucketrl.trainer", "bucketrl.proxy", "bucketrl.relay", "bucketrl.gateway"),
+    (
+        "bucketrl.generator",
+        "bucketrl.trainer",
+        "bucketrl.proxy",
+        "bucketrl.relay",
+        "bucketrl.gateway",
+        "bucketrl.router",
+    ),
     ("bucketrl.up", "bucketrl.status_cli", "bucketrl.export"),
     ("bucketrl.sim",),
     ("bucketrl.cli",),
 )
 # Services of one layer that must not import one another.
-SERVICES = ("bucketrl.generator", "bucketrl.trainer", "bucketrl.proxy", "bucketrl.relay", "bucketrl.gateway")
+SERVICES = (
+    "bucketrl.generator",
+    "bucketrl.trainer",
+    "bucketrl.proxy",
+    "bucketrl.relay",
+    "bucketrl.gateway",
+    "bucketrl.router",
+)
 
 
 @dataclass(frozen=True)

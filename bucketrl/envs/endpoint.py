@@ -228,4 +228,6 @@ def _opened(hub: EpisodeService, ep: Episode) -> om.EpisodeOpen:
         timeout_s=hub.timeout_s,
         prompt_id=ep.group.prompt.prompt_id,
         index_in_group=ep.index,
+        group_size=len(ep.group.episodes),
+        slots_left=sum(1 for e in ep.group.episodes if not e.assigned and not e.closed),
     )

@@ -217,6 +217,10 @@ class EpisodeOpen(BaseModel):
     # The episode's group: the G episodes of one prompt, trained together.
     prompt_id: str
     index_in_group: int
+    group_size: int = 1
+    # Episodes of this group not yet handed out: a router in front of many generators sends the next new episode
+    # where a group has room, so that groups fill (and are trained) one by one instead of all at once.
+    slots_left: int = 0
 
 
 class EpisodeFinish(_Loose):

@@ -71,7 +71,7 @@ def up_command(
     env_kwargs: Annotated[str | None, typer.Option(help="Environment keyword arguments as JSON.")] = None,
     openai_port: Annotated[
         int | None,
-        typer.Option(help="Expose gen-0's OpenAI-compatible endpoint on this loopback port (0: any) for agents."),
+        typer.Option(help="One OpenAI-compatible URL for agents on this loopback port (0: any), over every generator."),
     ] = None,
     lora_target_modules: Annotated[
         str | None, typer.Option(help="Comma-separated module names LoRA wraps (default all linear layers).")

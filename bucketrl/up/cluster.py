@@ -43,7 +43,7 @@ from bucketrl.generator import trust
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.tasks.tiny_model import build_tiny_model
 from bucketrl.trainer.trackers import default_report_to
-from bucketrl.up import external
+from bucketrl.up import agents, external
 from bucketrl.up.config import UpConfig, build_run_spec, max_new_tokens_given, save_options
 from bucketrl.up.processes import (
     Service,
@@ -77,6 +77,7 @@ class LocalCluster:
         self.proxy_port = cfg.port or free_port()
         self.gateway_port = cfg.gateway_port  # a port-0 gateway's actual port once it listens (kept on restarts)
         self.gateway_url: str | None = None
+        self.agents = agents.AgentPorts(cfg.openai_port) if cfg.openai_port is not None else None
         self.model_dir: Path | None = None
         self.report: Any = None  # what the preflight found
         self._lock: IO[str] | None = None
@@ -125,6 +126,8 @@ class LocalCluster:
         """Lock the run directory, create or reuse tokens, build the tiny model, write the run spec."""
         if self.cfg.gateway_port:
             external.check_port_free(self.cfg.gateway_port, "--gateway-port")
+        if self.cfg.openai_port:  # the agent router binds it
+            external.check_port_free(self.cfg.openai_port, "--openai-port")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         lock = open(self.dir / "up.lock", "w")  # noqa: SIM115 - held for the cluster's lifetime
@@ -398,12 +401,8 @@ class LocalCluster:
             **({"BUCKETRL_SERVE_COMPLETION_JOBS": "1"} if self.cfg.external_trainer else {}),
             **self.cfg.generator_env,
         }
-        if self.cfg.openai_port is not None and index == 0:
-            # gen-0 exposes its endpoint for agents (and adds it to endpoint.json once it serves); the entry of an
-            # earlier gen-0 names a dead port.
-            merge_json_file(self.endpoint_file, {}, drop=("openai",))
-            env["BUCKETRL_OPENAI_PORT"] = str(self.cfg.openai_port)
-            env["BUCKETRL_ENDPOINT_FILE"] = str(self.endpoint_file)
+        if self.agents is not None:  # every generator serves agents, behind the agent router
+            env.update(agents.generator_env(self.agents, index))
         if self.model_dir is not None:
             env["BUCKETRL_MODEL_PATH"] = str(self.model_dir)
         return self._service(name, bucketrl_command("generator"), env).start()
@@ -429,6 +428,13 @@ class LocalCluster:
         merge_json_file(self.endpoint_file, {"gateway": {"url": url, "run": self.cfg.run, "pid": svc.pid}})
         return svc
 
+    def start_agent_router(self) -> Service:
+        """``bucketrl agent-router`` on --openai-port; its URL under "openai" in endpoint.json once it serves."""
+        assert self.agents is not None
+        merge_json_file(self.endpoint_file, {}, drop=("openai",))
+        env = {"BUCKETRL_OPENAI_TOKEN": self.agents.token}
+        return self._service(agents.ROUTER, agents.router_argv(self, self.agents), env).start()
+
     def start_all(self, on_step: Any = None) -> None:
         """Redis (unless external), proxy, trainer, then the generators; ``on_step(text)`` reports progress.
 
@@ -451,6 +457,9 @@ class LocalCluster:
         for i in range(self.cfg.generators):
             say(f"gen-{i}      engine {self.cfg.engine_of(i)}")
             self.start_generator(i)
+        if self.agents is not None:
+            say(f"agents     one URL on port {self.agents.router_port} over {self.cfg.generators} generator(s)")
+            self.start_agent_router()
         if self.gateway_port is not None:
             say("gateway    vLLM's routes for TRL's AsyncGRPOTrainer")
             self.start_gateway()

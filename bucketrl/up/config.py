@@ -55,8 +55,8 @@ class UpConfig(BaseModel):
         None,
         ge=0,
         le=65535,
-        description="Expose gen-0's OpenAI-compatible endpoint on this loopback port (0: a free one) for agents; "
-        "its URL and token go to <dir>/endpoint.json.",
+        description="One OpenAI-compatible URL for agents on this loopback port (0: a free one), spreading episodes "
+        "over every generator's endpoint (bucketrl agent-router); its URL and token go to <dir>/endpoint.json.",
     )
     run_spec: Path | None = Field(
         None, description="A run spec JSON file (what the trainer takes in production); options override it."

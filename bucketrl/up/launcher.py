@@ -92,8 +92,8 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
             )
         if cfg.openai_port is not None:
             console.print(
-                f"  agents     gen-0's OpenAI-compatible endpoint: URL and token in {cluster.endpoint_file} "
-                "(written once it serves)",
+                f"  agents     one OpenAI-compatible URL over every generator: URL and token in "
+                f"{cluster.endpoint_file} (written once it serves)",
                 soft_wrap=True,
             )
         code = _supervise(cluster, watchers, stop, console, live, started)
@@ -278,7 +278,7 @@ def _revive(cluster: LocalCluster, console: Console) -> tuple[int | None, str]:
     """Start again every other service found dead (a crash loop raises); a configuration error stops the run."""
     policy = cluster.cfg.restart_policy
     note = ""
-    for name in ("redis", "proxy", *cluster.generator_names, "gateway"):
+    for name in ("redis", "proxy", *cluster.generator_names, "agent-router", "gateway"):
         svc = cluster.services.get(name)
         if svc is None or svc.alive:
             continue

@@ -1,6 +1,7 @@
 """``bucketrl up --dataset toy:tools --openai-port 0`` as processes: generators run the multi-turn toy task's
 episodes, an external agent (a plain ``openai`` client in its own process, reading the run directory's
-endpoint.json) rolls a group out through gen-0's endpoint at the same time, the trainer trains multi-turn groups,
+endpoint.json) rolls a group out through the one agent URL (``bucketrl agent-router`` over both generators) at the
+same time, the trainer trains multi-turn groups,
 and every accepted group is accounted for (docs/design.md invariant 4).
 
     .venv/bin/python -m pytest -q -s tests/e2e/test_up_tools.py
@@ -28,14 +29,15 @@ def test_up_toy_tools_trains_episodes_and_an_agents_group(tmp_path: Path) -> Non
     # window, and a finish past it is answered 409 (issue 26). A window as long as the run keeps this test about
     # the happy path; the refusal has its own test (tests/envs/test_endpoint.py).
     with running_cluster(
-        tmp_path, dataset="toy:tools", openai_port=0, max_steps=STEPS, generators=1, max_staleness=STEPS + 1
+        tmp_path, dataset="toy:tools", openai_port=0, max_steps=STEPS, generators=2, max_staleness=STEPS + 1
     ) as cluster:
         watch = Watch(cluster)
         endpoint = cluster.endpoint_file
         info = wait_for(
-            lambda: endpoint.exists() and json.loads(endpoint.read_text()).get("openai"), 180, "gen-0's endpoint"
+            lambda: endpoint.exists() and json.loads(endpoint.read_text()).get("openai"), 180, "the agents' endpoint"
         )
         assert json.loads(endpoint.read_text())["proxy_url"] == cluster.proxy_url  # up's own entry is kept
+        assert info["worker_id"] == "agent-router" and len(info["generators"]) == 2
         base = info["base_url"].removesuffix("/v1")
         agent = subprocess.run(  # G = 8 episodes: one whole group
             [sys.executable, "-m", "tests.envs.agent_script", base, info["token"], "8"],
@@ -50,7 +52,8 @@ def test_up_toy_tools_trains_episodes_and_an_agents_group(tmp_path: Path) -> Non
         deadline = time.monotonic() + 300
         while trainer.alive and time.monotonic() < deadline:
             watch.poll()
-            assert cluster.services["gen-0"].alive, cluster.services["gen-0"].log_tail()
+            for name in ("gen-0", "gen-1", "agent-router"):
+                assert cluster.services[name].alive, cluster.services[name].log_tail()
             time.sleep(1.0)
         assert trainer.wait(5) == 0, trainer.log_tail()
         cluster.stop_workers()  # gen-0 pushes its last metrics as it stops

@@ -208,6 +208,8 @@ def _supervise(
         while not stop.requested:
             for w in watchers.values():
                 w.poll()
+            if cfg.runs is not None:
+                multiview.pool_figures(watchers)  # every poll: the split while all runs generate (its snapshot)
             if not cfg.external_trainer:
                 code, said = _check_trainers(cluster, console)
                 note = said or note

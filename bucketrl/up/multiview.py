@@ -33,12 +33,20 @@ def pool_figures(watchers: dict[str, RunWatcher]) -> dict[str, dict[str, Any]]:
     all the runs' tokens it got, its hold."""
     pools = {run: w.status.pool for run, w in watchers.items() if w.status is not None and w.status.pool is not None}
     total = sum(p.tokens_generated for p in pools.values())
+    if len(pools) == len(watchers) and all(p.hold == "ok" for p in pools.values()):
+        for run, p in pools.items():
+            watchers[run].tokens_while_all_ran = p.tokens_generated
+    shared = {run: w.tokens_while_all_ran for run, w in watchers.items() if w.tokens_while_all_ran is not None}
+    shared_total = sum(shared.values())
     return {
         run: {
             "share": p.share,
             "tokens_generated": p.tokens_generated,
             "groups_accepted": p.groups_accepted,
             "token_fraction": p.tokens_generated / total if total else None,
+            # Runs that train the same number of steps end with the same tokens whatever their shares: the
+            # fraction while all of them ran is the one the shares set.
+            "token_fraction_while_all_ran": shared[run] / shared_total if shared_total and run in shared else None,
             "hold": p.hold,
         }
         for run, p in pools.items()
@@ -143,6 +151,7 @@ SUMMARY_ROWS = (
     ("share", "share", "g"),
     ("tokens generated (pool)", "tokens_generated", ",d"),
     ("token fraction", "token_fraction", ".1%"),
+    ("token fraction, all running", "token_fraction_while_all_ran", ".1%"),
     ("groups accepted", "groups_accepted", ",d"),
     ("trainer steps", "steps", "d"),
     ("policy versions", "latest_version", "d"),

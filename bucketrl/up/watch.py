@@ -39,6 +39,9 @@ class RunWatcher:
         self.status: RunStatus | None = None
         self.last_error: str | None = None
         self._fetched = False
+        # The run's generated tokens at the last poll while every run of the pool was still generating (a
+        # several-run up): what the shares decided, before a run's end gave the others its share.
+        self.tokens_while_all_ran: int | None = None
 
     def close(self) -> None:
         self._http.close()

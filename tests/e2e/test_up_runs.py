@@ -98,6 +98,8 @@ def test_two_runs_on_one_pool_and_a_killed_trainer_disturbs_only_its_run(tmp_pat
         assert figures["tokens_generated"] > 0 and figures["groups_accepted"] == figures["queue"]["accepted_total"]
         assert (run_dir / "runs" / run / "reward.png").exists()
         _check_accounting(run_dir, run, figures)
+    split = [f["token_fraction_while_all_ran"] for f in summary["runs"].values()]
+    assert None not in split and abs(sum(split) - 1.0) < 1e-9, split
     # A's trainer started again (from its checkpoint); B's ran once, start to end, in the same process.
     starts = {run: [r for r in _audit(run_dir, run) if r["event"] == "start"] for run in ("demo-1", "demo-2")}
     assert len(starts["demo-1"]) == 2 and starts["demo-1"][1]["epoch"] > starts["demo-1"][0]["epoch"], starts

@@ -183,3 +183,30 @@ def test_a_bad_field_in_one_of_the_files_names_its_run_and_starts_nothing(tmp_pa
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip() == f"bucketrl up: run bad ({bad}): run spec field share: Input should be greater than 0"
     assert not (run_dir / "services.json").exists() and not (run_dir / "endpoint.json").exists()
+
+
+def test_the_share_figure_is_the_split_while_every_run_was_generating() -> None:
+    """Runs that train the same steps end with the same tokens whatever their shares; the summary's fraction
+    "while all ran" is taken at the last poll before one of them finished (or was paused)."""
+    from bucketrl.up import multiview
+    from bucketrl.wire.pool import RunPoolStatus
+    from tests.up.test_report_and_view import _watcher
+
+    watchers = {"a": _watcher(10), "b": _watcher(5)}
+
+    def poll(a: tuple[int, str], b: tuple[int, str]) -> dict[str, dict[str, object]]:
+        for (run, w), (tokens, hold) in zip(watchers.items(), (a, b), strict=True):
+            assert w.status is not None
+            w.status.pool = RunPoolStatus(
+                run=run, share=2.0 if run == "a" else 1.0, tokens_generated=tokens, groups_accepted=1, paused=False,
+                budget_tokens=None, hold=hold,  # type: ignore[arg-type]
+            )  # fmt: skip
+        return multiview.pool_figures(watchers)
+
+    poll((2000, "ok"), (1000, "ok"))
+    mid = poll((4000, "ok"), (2000, "ok"))
+    assert mid["a"]["token_fraction_while_all_ran"] == 4000 / 6000
+    end = poll((4100, "finished"), (6000, "ok"))  # a done: b has had the pool since
+    assert end["a"]["token_fraction"] == 4100 / 10100
+    assert end["a"]["token_fraction_while_all_ran"] == 4000 / 6000  # the last split with both running
+    assert end["b"]["token_fraction_while_all_ran"] == 2000 / 6000

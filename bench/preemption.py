@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bucketrl import errors
 from bucketrl.tasks.tiny_model import build_tiny_model
-from bucketrl.wire import DatasetSpec, MetricsPush, RewardSpec, SamplingSpec
+from bucketrl.wire import DatasetSpec, MetricsPush, RewardSpec, RunSpec, SamplingSpec
 from tests.generator.helpers import run_spec
 from tests.proxy.harness import TOKENS, ProxyHarness, adapter_tar, running
 from tests.support.services import RedisServer
@@ -218,18 +218,22 @@ def scenario(mode: str, args: argparse.Namespace, model_dir: Path, tmp: Path) ->
     return _figures(mode, args, fleet, trainer, status, preempted)
 
 
-def _setup(proxy: ProxyHarness, model_dir: Path, logs: Path, args: argparse.Namespace) -> tuple[Trainer, Fleet]:
-    spec = run_spec(
+def sim_run_spec(model_dir: Path, groups_per_step: int) -> RunSpec:
+    """The benches' run on the simulated engine (this one's and bench/slow_class.py's)."""
+    return run_spec(
         model_dir,
         group_size=GROUP,
         max_staleness=STALENESS,
-        groups_per_step=args.groups_per_step,
-        queue_capacity_groups=4 * args.groups_per_step,
+        groups_per_step=groups_per_step,
+        queue_capacity_groups=4 * groups_per_step,
         sampling=SamplingSpec(temperature=1.0, max_new_tokens=MAX_NEW),
         reward=RewardSpec(name="exact"),
         dataset=DatasetSpec(uri="toy:digits", size=20_000),
     )
-    proxy.client(RUN, "trainer").put_run(spec)
+
+
+def _setup(proxy: ProxyHarness, model_dir: Path, logs: Path, args: argparse.Namespace) -> tuple[Trainer, Fleet]:
+    proxy.client(RUN, "trainer").put_run(sim_run_spec(model_dir, args.groups_per_step))
     trainer = Trainer(proxy, args.groups_per_step, args.step_s)
     fleet = Fleet(proxy, model_dir, logs, args)
     for slot in range(args.generators):

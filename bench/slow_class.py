@@ -31,10 +31,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.preemption import GROUP, MAX_NEW, RUN, STALENESS, Fleet, Trainer, _drain_queue, _drive
+from bench.preemption import RUN, Fleet, Trainer, _drain_queue, _drive, sim_run_spec
 from bucketrl.tasks.tiny_model import build_tiny_model
-from bucketrl.wire import DatasetSpec, RewardSpec, SamplingSpec
-from tests.generator.helpers import run_spec
 from tests.proxy.harness import running
 from tests.support.services import RedisServer
 
@@ -59,17 +57,7 @@ def scenario(mode: str, args: argparse.Namespace, model_dir: Path, tmp: Path) ->
     env = {"BUCKETRL_STALENESS_GUARD": "true" if mode == "on" else "false"}
     try:
         with running(server.url, f"file://{tmp}/bucket-{mode}") as proxy:
-            spec = run_spec(
-                model_dir,
-                group_size=GROUP,
-                max_staleness=STALENESS,
-                groups_per_step=args.groups_per_step,
-                queue_capacity_groups=4 * args.groups_per_step,
-                sampling=SamplingSpec(temperature=1.0, max_new_tokens=MAX_NEW),
-                reward=RewardSpec(name="exact"),
-                dataset=DatasetSpec(uri="toy:digits", size=20_000),
-            )
-            proxy.client(RUN, "trainer").put_run(spec)
+            proxy.client(RUN, "trainer").put_run(sim_run_spec(model_dir, args.groups_per_step))
             trainer = Trainer(proxy, args.groups_per_step, args.step_s)
             fleet = Fleet(proxy, model_dir, logs, args, classes=classes(args), env=env)
             for slot in range(args.fast + args.slow):

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from bucketrl.preflight import EXIT_CONFIG, ConfigError
 from bucketrl.up.cluster import RunDirBusy
-from bucketrl.up.config import UpConfig, load_saved_options
+from bucketrl.up.config import TRAINER_ONLY, UpConfig, load_saved_options
 from bucketrl.up.launcher import run_up
 from bucketrl.up.runs import parse_runs
 
@@ -190,7 +190,10 @@ def up_command(
     if lora_target_modules is not None:
         given["lora_target_modules"] = [m.strip() for m in lora_target_modules.split(",") if m.strip()]
     try:
-        options = {**load_saved_options(given.get("run"), given.get("dir")), **given}
+        saved = load_saved_options(given.get("run"), given.get("dir"))
+        if given.get("external_trainer"):  # a directory an own-trainer `up` made: its trainer's options are not ours
+            saved = {k: v for k, v in saved.items() if k not in TRAINER_ONLY}
+        options = {**saved, **given}
         cfg = UpConfig(**options)
     except ValidationError as exc:
         raise fail(_option_error(exc)) from None

@@ -64,6 +64,23 @@ def test_a_gateway_port_in_use_is_one_line_and_starts_nothing(tmp_path: Path) ->
     assert not run_dir.exists()
 
 
+def test_an_own_trainer_runs_saved_options_do_not_block_an_external_trainer(tmp_path: Path) -> None:
+    """A --dir an own-trainer `up` made keeps that trainer's options (up_options.json); with --external-trainer they
+    are not this run's and are dropped, not reported as if the user had typed them (here the busy port is next)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "up_options.json").write_text(json.dumps({"max_steps": 5, "lr": 0.01, "generators": 1}))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = _up(run_dir, "--external-trainer", "--gateway-port", str(port))
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO, env=_env())
+    assert out.returncode == 2, out
+    assert "is read by bucketrl's own trainer" not in out.stderr, out.stderr  # before: "--max-steps is read by ..."
+    assert f"--gateway-port {port}: 127.0.0.1:{port} is in use" in out.stderr, out.stderr
+
+
 def _wait(predicate: object, timeout_s: float, what: str, proc: subprocess.Popen[str]) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

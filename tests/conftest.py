@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.proxy.harness import ProxyHarness, running
 from tests.support.services import MotoServer, RedisServer, apply_env
 
 
@@ -32,6 +33,13 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis").start()
     yield server
     server.kill()
+
+
+@pytest.fixture()
+def proxy(redis_server: RedisServer, tmp_path: Path) -> Iterator[ProxyHarness]:
+    """The real proxy app (uvicorn on a loopback port) over this test's Redis and a ``file://`` bucket."""
+    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as h:
+        yield h
 
 
 @pytest.fixture(params=["file", "s3"])

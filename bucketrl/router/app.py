@@ -45,6 +45,8 @@ DNS_EVERY_S = 5.0  # generators scaled up or replaced are found within this
 MAX_EPISODES = 200_000  # map entries of episodes never finished (timed out, abandoned) are evicted oldest first
 REFUSED = (429, 503)  # a generator with no room now (admission control, stopping): the next one is tried
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"})
+# An answer's headers not passed on: httpx's raw stream is still encoded, and the length is the server's to set.
+ANSWER_DROPPED = HOP_HEADERS | {"content-encoding"}
 # Long reads: a call waits for the generator's engine (a queue of turns) and a stream stays open while it is sent.
 TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0)
 
@@ -131,7 +133,7 @@ class Router:
     @staticmethod
     def _passed(resp: httpx.Response) -> StreamingResponse:
         """The generator's answer, sent on as it arrives (an SSE stream chunk by chunk)."""
-        headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}}
+        headers = {k: v for k, v in resp.headers.items() if k.lower() not in ANSWER_DROPPED}
         return StreamingResponse(
             resp.aiter_raw(), status_code=resp.status_code, headers=headers, background=BackgroundTask(resp.aclose)
         )

@@ -181,11 +181,6 @@ class UpConfig(BaseModel):
             raise ValueError("--openai-port serves a multi-turn run; several runs on one pool are single-turn")
         return self
 
-    @property
-    def run_names(self) -> list[str]:
-        """The runs this ``up`` trains: ``runs``' names, else the one ``run``."""
-        return [r.run for r in self.runs] if self.runs is not None else [self.run]
-
     def for_run(self, entry: RunEntry) -> UpConfig:
         """The one-run options of one of several runs (its own id and run-spec file; everything else shared)."""
         return self.model_copy(update={"run": entry.run, "run_spec": entry.spec, "runs": None})

@@ -145,7 +145,7 @@ def _final_report(
     elif watcher.pushes:
         sync = measure(cluster.logs, cfg.run)
         figures = report.summarize(watcher, wall, sync)
-        figures["adapter"] = _adapter_location(cluster, figures.get("latest_version"))
+        figures["adapter"] = multiview.adapter_location(cluster, cluster.cfg.run, figures.get("latest_version"))
         watcher.save(cluster.dir)
         report.write_summary(figures, cluster.dir)
         console.print(report.summary_table(figures, title=f"bucketrl up · run {cfg.run}"))
@@ -209,7 +209,7 @@ def _supervise(
             for w in watchers.values():
                 w.poll()
             if cfg.runs is not None:
-                multiview.pool_figures(watchers)  # every poll: the split while all runs generate (its snapshot)
+                multiview.snapshot_shares(watchers)  # every poll: the split while all runs generate
             if not cfg.external_trainer:
                 code, said = _check_trainers(cluster, console)
                 note = said or note
@@ -291,16 +291,6 @@ def _revive(cluster: LocalCluster, console: Console) -> tuple[int | None, str]:
         note = f"{name} exited {svc.returncode}: restarting"
         cluster.restart(name)
     return None, note
-
-
-def _adapter_location(cluster: LocalCluster, version: int | None) -> str | None:
-    """Where the run's latest adapter is, and the command that copies it out as a PEFT folder."""
-    if not version:
-        return None
-    where = f"in the bucket {cluster.bucket_url}"
-    if cluster.bucket_url.startswith("file://"):
-        where = f"at {cluster.bucket_url.removeprefix('file://')}/runs/{cluster.cfg.run}/adapters/v{version}/files"
-    return f"v{version} {where}; as a PEFT folder: bucketrl export adapter-v{version} --dir {cluster.dir}"
 
 
 def config_error_reason(svc: Any) -> str:

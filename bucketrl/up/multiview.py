@@ -19,6 +19,7 @@ from rich.text import Text
 from bucketrl.up import report
 from bucketrl.up.synclatency import measure
 from bucketrl.up.watch import RunWatcher
+from bucketrl.wire.pool import RunPoolStatus
 
 if TYPE_CHECKING:
     from bucketrl.up.cluster import LocalCluster
@@ -28,14 +29,23 @@ def _f(v: float | None, fmt: str = ".3f") -> str:
     return "–" if v is None else f"{v:{fmt}}"
 
 
-def pool_figures(watchers: dict[str, RunWatcher]) -> dict[str, dict[str, Any]]:
-    """Each run's place on the pool from its latest status: share, tokens generated, groups accepted, the fraction of
-    all the runs' tokens it got, its hold."""
-    pools = {run: w.status.pool for run, w in watchers.items() if w.status is not None and w.status.pool is not None}
-    total = sum(p.tokens_generated for p in pools.values())
+def _pools(watchers: dict[str, RunWatcher]) -> dict[str, RunPoolStatus]:
+    return {run: w.status.pool for run, w in watchers.items() if w.status is not None and w.status.pool is not None}
+
+
+def snapshot_shares(watchers: dict[str, RunWatcher]) -> None:
+    """Record each run's tokens while every run of the pool is still generating (``tokens_while_all_ran``)."""
+    pools = _pools(watchers)
     if len(pools) == len(watchers) and all(p.hold == "ok" for p in pools.values()):
         for run, p in pools.items():
             watchers[run].tokens_while_all_ran = p.tokens_generated
+
+
+def pool_figures(watchers: dict[str, RunWatcher]) -> dict[str, dict[str, Any]]:
+    """Each run's place on the pool from its latest status: share, tokens generated, groups accepted, the fraction of
+    all the runs' tokens it got, its hold."""
+    pools = _pools(watchers)
+    total = sum(p.tokens_generated for p in pools.values())
     shared = {run: w.tokens_while_all_ran for run, w in watchers.items() if w.tokens_while_all_ran is not None}
     shared_total = sum(shared.values())
     return {

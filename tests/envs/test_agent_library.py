@@ -8,23 +8,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from bucketrl.wire import EnvSpec, EpisodeSpec
 from tests.envs.test_slow_agents import GROUPS_PER_STEP, MAX_STALENESS, SteppingTrainer
 from tests.envs.test_worker_episodes import TOOLS_RUN
 from tests.generator.worker_support import create_run, running_worker, wait_until, worker_settings
-from tests.proxy.harness import ProxyHarness, running
-from tests.support.services import RedisServer
-
-
-@pytest.fixture()
-def proxy(redis_server: RedisServer, tmp_path: Path) -> Iterator[ProxyHarness]:
-    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as h:
-        yield h
+from tests.proxy.harness import ProxyHarness
 
 
 def test_a_smolagents_agent_streams_an_episode_group_that_is_trained_like_any_other(

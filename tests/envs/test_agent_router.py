@@ -11,12 +11,10 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-import pytest
 
 from bucketrl.generator.worker import GeneratorWorker
 from bucketrl.router.app import Refused, Router
@@ -24,17 +22,10 @@ from bucketrl.up.processes import bucketrl_command
 from bucketrl.wire import EnvSpec
 from tests.envs.test_worker_episodes import TOOLS_RUN
 from tests.generator.worker_support import create_run, running_worker, wait_until, worker_settings
-from tests.proxy.harness import ProxyHarness, running
-from tests.support.services import RedisServer
+from tests.proxy.harness import ProxyHarness
 
 TOKEN = "agents-token"
 EPISODES = 6  # gen-a holds at most 2 open, gen-b 4: one of gen-b's after gen-a's 429, then both are full
-
-
-@pytest.fixture()
-def proxy(redis_server: RedisServer, tmp_path: Path) -> Iterator[ProxyHarness]:
-    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as h:
-        yield h
 
 
 def _endpoint(path: Path) -> dict[str, str]:

@@ -11,28 +11,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from bucketrl.client import ProxyClient
 from bucketrl.tarball import pack_dir
 from bucketrl.wire import EnvSpec, RolloutGroup
 from tests.envs.test_worker_episodes import TOOLS_RUN
 from tests.generator.worker_support import create_run, running_worker, wait_until, worker_settings
-from tests.proxy.harness import ProxyHarness, running
-from tests.support.services import RedisServer
+from tests.proxy.harness import ProxyHarness
 
 GROUPS_PER_STEP = 1
 MAX_STALENESS = 2
 PAUSE_S = 10.0
-
-
-@pytest.fixture()
-def proxy(redis_server: RedisServer, tmp_path: Path) -> Iterator[ProxyHarness]:
-    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as h:
-        yield h
 
 
 class SteppingTrainer:

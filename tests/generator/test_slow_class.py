@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from bucketrl.client import ProxyClient
 from tests.generator.helpers import make_adapter
 from tests.generator.test_preemption import held_by
 from tests.generator.worker_support import Consumer, create_run, start_generator, wait_until
-from tests.proxy.harness import ProxyHarness, adapter_tar, running
+from tests.proxy.harness import ProxyHarness, adapter_tar
 from tests.support.services import RedisServer
 
 pytestmark = pytest.mark.slow
@@ -27,12 +26,6 @@ pytestmark = pytest.mark.slow
 RUN, WORKER = "slow", "gen-t4"
 PUBLISH_EVERY_S = 0.4  # the fast fleet's trainer: a version every 0.4 s; max_staleness 2 spans ~1 s
 DECODE_STEP_S = 0.5  # the slow class: 8 decode steps, a 4 s call
-
-
-@pytest.fixture()
-def proxy(redis_server: RedisServer, tmp_path: Path) -> Iterator[ProxyHarness]:
-    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as h:
-        yield h
 
 
 class Publisher(threading.Thread):

@@ -48,14 +48,18 @@ def test_a_bad_combination_is_one_line_and_changes_nothing(tmp_path: Path, args:
     assert not run_dir.exists()
 
 
-def test_a_gateway_port_in_use_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+def _up_on_a_busy_gateway_port(run_dir: Path) -> tuple[int, subprocess.CompletedProcess[str]]:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         cmd = _up(run_dir, "--external-trainer", "--gateway-port", str(port))
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO, env=_env())
+        return port, subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO, env=_env())
+
+
+def test_a_gateway_port_in_use_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    port, out = _up_on_a_busy_gateway_port(run_dir)
     assert out.returncode == 2, out
     assert out.stderr.strip() == (
         f"bucketrl up: --gateway-port {port}: 127.0.0.1:{port} is in use (Address already in use); "
@@ -70,12 +74,7 @@ def test_an_own_trainer_runs_saved_options_do_not_block_an_external_trainer(tmp_
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "up_options.json").write_text(json.dumps({"max_steps": 5, "lr": 0.01, "generators": 1}))
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        cmd = _up(run_dir, "--external-trainer", "--gateway-port", str(port))
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO, env=_env())
+    port, out = _up_on_a_busy_gateway_port(run_dir)
     assert out.returncode == 2, out
     assert "is read by bucketrl's own trainer" not in out.stderr, out.stderr  # before: "--max-steps is read by ..."
     assert f"--gateway-port {port}: 127.0.0.1:{port} is in use" in out.stderr, out.stderr

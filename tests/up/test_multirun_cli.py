@@ -201,6 +201,7 @@ def test_the_share_figure_is_the_split_while_every_run_was_generating() -> None:
                 run=run, share=2.0 if run == "a" else 1.0, tokens_generated=tokens, groups_accepted=1, paused=False,
                 budget_tokens=None, hold=hold,  # type: ignore[arg-type]
             )  # fmt: skip
+        multiview.snapshot_shares(watchers)  # what up's loop does on every poll
         return multiview.pool_figures(watchers)
 
     poll((2000, "ok"), (1000, "ok"))

@@ -131,6 +131,7 @@ async def _try_once(
         return None, {}
     picked = await pool.pick(ctx.redis, candidates)
     passed = {run: hold for run, hold in picked.holds.items() if hold != "ok"}
+    refused: list[str] = []  # by their own admission control or a hold: out of the competition (state/pool.py)
     for run in picked.order:
         lease_req = PromptLeaseRequest(
             worker_id=req.worker_id, n=req.n, ttl_s=req.ttl_s, version=req.versions.get(run), request_id=req.request_id
@@ -139,19 +140,20 @@ async def _try_once(
             got = await lease_cached(ctx, await spec_of(ctx, run), lease_req, count_refusal=False)
         except prompt_lease.Held as exc:
             passed[run] = exc.why
-            await pool.mark_passed_over(ctx.redis, run)
+            refused.append(run)
             continue
         except prompt_lease.PacedOut:
             passed[run] = "admission control"
-            await pool.mark_passed_over(ctx.redis, run)
+            refused.append(run)
             continue
         except (errors.Unavailable, errors.NotFound) as exc:  # restoring, or removed since the pick: the next run
             passed[run] = exc.code
             continue
-        await pool.mark_granted(ctx.redis, run, picked.now)
+        await pool.record_pass(ctx.redis, run, picked.now, refused)
         if req.request_id is not None:
             await ctx.redis.set(_request_key(req), run, ex=REQUEST_TTL_S)
         return PoolLease(run=run, prompts=got.prompts, expires_at=got.expires_at, passed_over=passed), passed
+    await pool.record_pass(ctx.redis, None, picked.now, refused)
     return None, passed
 
 
@@ -204,10 +206,9 @@ async def pause(ctx: CtxDep, _: TrainerRole, ref: RunDep) -> RunPoolStatus:
     responses=responses(401, 403, 404, 422, 503),
 )
 async def finish(ctx: CtxDep, _: TrainerRole, ref: RunDep) -> RunPoolStatus:
-    status = await pool.run_status(ctx.redis, ref.run, ref.spec)
-    if not status.paused:
+    if await pool.finish(ctx.redis, ref.run):
+        # After Redis, unlike a pause: a wipe in between only leaves the run competing until its queue fills.
         await asyncio.to_thread(ctx.store.put_bytes, rebuild.paused_marker_key(ref.run), b"finished")
-        await pool.set_hold(ctx.redis, ref.run, "finished")
     return await pool.run_status(ctx.redis, ref.run, ref.spec)
 
 

@@ -24,7 +24,7 @@ from bucketrl.wire import RunSpec
 from bucketrl.wire.pool import RunPoolStatus
 
 _PICK = Lua.load("pool_pick.lua")
-_UNFINISH = Lua.load("pool_unfinish.lua")
+_HOLD_CHANGE = Lua.load("pool_hold_change.lua")
 
 RECENT_SLOT_S = 10  # submit_enqueue.lua's slot of the recent tokens
 RECENT_WINDOW_S = 60.0  # what pool status calls recent: the last 6 slots, the current one included
@@ -78,16 +78,20 @@ async def pick(r: Any, candidates: list[tuple[str, RunSpec]], window_s: float = 
     )
 
 
-async def mark_granted(r: Any, run: str, now: float) -> None:
-    await r.hset(pool_key(run), "last_granted", repr(now))
-
-
-async def mark_passed_over(r: Any, run: str) -> None:
-    """A run that could not take a lease (its own admission control, or held) is out of the pool's competition
-    from now: when it has room again, the pick credits it up to the least-served active run, so a run whose
-    trainer stalled does not take the whole pool on its return to catch up (bench/pool_isolation.py measured
-    the other run at 44 % of its rate for seconds after such a return, within the 10 s window)."""
-    await r.hdel(pool_key(run), "last_granted")
+async def record_pass(r: Any, granted: str | None, now: float, passed_over: list[str]) -> None:
+    """One pool lease's outcome, in one round trip: the run granted is active as of ``now``; a run that could not
+    take a lease (its own admission control, or held) is out of the competition from now. When it has room again,
+    the pick credits it up to the least-served active run, so a run whose trainer stalled does not take the whole
+    pool on its return to catch up (bench/pool_isolation.py measured the other run at 44 % of its rate for seconds
+    after such a return, within the 10 s window)."""
+    if granted is None and not passed_over:
+        return
+    pipe = r.pipeline(transaction=False)
+    for run in passed_over:
+        pipe.hdel(pool_key(run), "last_granted")
+    if granted is not None:
+        pipe.hset(pool_key(granted), "last_granted", repr(now))
+    await pipe.execute()
 
 
 HOLDS = {"ok": "0", "paused": "1", "finished": "2"}  # the pool hash's ``paused`` field (and the Lua scripts')
@@ -105,7 +109,12 @@ async def set_hold(r: Any, run: str, hold: str) -> None:
 
 async def unfinish(r: Any, run: str) -> bool:
     """A finished run's hold lifted (a trainer registered again, to train past its max_steps); a pause stays."""
-    return bool(await _UNFINISH(r, [pool_key(run)], []))
+    return bool(await _HOLD_CHANGE(r, [pool_key(run)], [HOLDS["ok"], "if", HOLDS["finished"]]))
+
+
+async def finish(r: Any, run: str) -> bool:
+    """Hold ``finished`` (the run's trainer reached max_steps) unless the run is paused: True when it changed."""
+    return bool(await _HOLD_CHANGE(r, [pool_key(run)], [HOLDS["finished"], "unless", HOLDS["paused"]]))
 
 
 async def run_status(r: Any, run: str, spec: RunSpec) -> RunPoolStatus:

@@ -40,9 +40,10 @@ redis.call('HINCRBY', KEYS[4], 'tokens_generated_total', tonumber(ARGV[11]))
 -- The same tokens by 10 s slot: the share a run got recently (pool status), not only since it began.
 local slot = math.floor(tonumber(redis.call('TIME')[1]) / 10)
 redis.call('HINCRBY', KEYS[14], slot, tonumber(ARGV[11]))
+-- Pruned down to the last 7 slots once 13 have built up: once a minute, not on every submit (status reads 6).
 if redis.call('HLEN', KEYS[14]) > 12 then
   for _, f in ipairs(redis.call('HKEYS', KEYS[14])) do
-    if tonumber(f) < slot - 12 then redis.call('HDEL', KEYS[14], f) end
+    if tonumber(f) < slot - 6 then redis.call('HDEL', KEYS[14], f) end
   end
 end
 redis.call('EXPIRE', KEYS[14], 300)

@@ -33,6 +33,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from bucketrl.generator.admission import Ewma
+
 if TYPE_CHECKING:
     from bucketrl.generator.adapters import VersionBook, VersionSlot
     from bucketrl.generator.metrics import GeneratorMetrics
@@ -67,11 +69,20 @@ class StalenessGuard:
     ) -> None:
         self.book, self.spec, self.metrics, self.enabled, self.clock = book, spec, metrics, enabled, clock
         self._lock = threading.Lock()
-        self.call_s: float | None = None
+        self._call = Ewma(CALL_EWMA)  # seconds per engine call
         self._arrivals: deque[tuple[float, int]] = deque(maxlen=ARRIVALS)  # (when seen, version), after the first
         self._seen = 0
         self._closed: deque[tuple[float, int]] = deque(maxlen=64)  # the same, kept longer: when windows closed
         self.declining = False
+
+    @property
+    def call_s(self) -> float | None:
+        """The worker's seconds per engine call (EWMA; None before its first call)."""
+        return self._call.value
+
+    @call_s.setter
+    def call_s(self, value: float | None) -> None:
+        self._call.value = value
 
     # -- what the worker observes ---------------------------------------------------------------------
 
@@ -178,9 +189,9 @@ class StalenessGuard:
             # An abandoned call's time so far is a lower bound of what it would have taken: counted twice (it
             # was not done), or a call that only just missed would be tried again at once at the same rate.
             if abandoned:
-                self.call_s = max(self.call_s or 0.0, ABANDONED_FACTOR * took)
+                self._call.value = max(self._call.value or 0.0, ABANDONED_FACTOR * took)
             else:
-                self.call_s = took if self.call_s is None else (1 - CALL_EWMA) * self.call_s + CALL_EWMA * took
+                self._call.add(took)
         closed = self._window_closed_at(version, staleness)
         if closed is not None:
             self.metrics.add("rollout/stale_held_prompt_s_total", n * max(0.0, now - max(closed, t0)))

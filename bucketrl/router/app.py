@@ -87,6 +87,14 @@ class Router:
     ) -> None:
         if not backends and not dns:
             raise ValueError("the agent router needs generator endpoints: --backend URL or --backend-dns HOST:PORT")
+        for b in backends:
+            url = httpx.URL(b)
+            if url.scheme not in ("http", "https") or not url.host:
+                raise ValueError(f"--backend {b!r}: a generator endpoint's URL, e.g. http://gen-0:8100")
+        for d in dns or []:
+            host, _, port = d.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--backend-dns {d!r}: HOST:PORT, e.g. generator:8100")
         self.static = [b.rstrip("/") for b in backends]
         self.dns = dns or []  # HOST:PORT names whose addresses are the generators (Compose, a headless Service)
         self.client = client or httpx.AsyncClient(timeout=TIMEOUT)

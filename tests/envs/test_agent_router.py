@@ -125,3 +125,19 @@ def test_when_every_generator_refuses_the_agent_gets_the_soonest_retry() -> None
     assert (got.status_code, got.headers["retry-after"], got.body) == (503, "5", b'{"n": 2}')
     got = Router._all_refused([Refused(503, b"", None)])
     assert got.status_code == 503 and json.loads(got.body)["error"]["code"] == "unavailable"
+
+
+def test_a_mistyped_backend_is_one_line_exit_2_before_anything_listens() -> None:
+    for args, says in (
+        (["--backend", "gen-0:8100"], "--backend 'gen-0:8100': a generator endpoint's URL, e.g. http://gen-0:8100"),
+        (["--backend-dns", "generator"], "--backend-dns 'generator': HOST:PORT, e.g. generator:8100"),
+        ([], "the agent router needs generator endpoints: --backend URL or --backend-dns HOST:PORT"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "bucketrl.cli", "agent-router", "--port", "0", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 2, out
+        assert out.stderr.strip() == f"bucketrl agent-router: {says}" and not out.stdout, out

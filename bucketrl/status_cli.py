@@ -27,7 +27,7 @@ from rich.table import Table
 from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.settings import WorkerSettings
-from bucketrl.wire.pool import PoolStatus
+from bucketrl.wire.pool import PoolStatus, RunPoolStatus
 
 KEY_METRICS = (
     "reward",
@@ -186,23 +186,38 @@ def _pool_or_none(client: ProxyClient) -> PoolStatus | None:
 
 
 def pool_tables(pool: PoolStatus | None) -> list[Any]:
-    """The runs sharing the generator pool: share, the fraction of the tokens they got, hold, budget."""
+    """The runs sharing the generator pool: share, the fraction of the tokens they got, queue, live versions and
+    LoRA slots, budget, hold."""
     if pool is None or len(pool.runs) < 2:
         return []
     table = Table(title="runs on the generator pool", title_justify="left")
     recent = f"last {pool.recent_window_s:.0f} s"
-    for col in ("run", "share", "tokens generated", "token fraction", recent, "groups accepted", "in flight", "hold"):
+    cols = ("run", "share", "tokens generated", "token fraction", recent, "groups accepted", "queue", "in flight")
+    for col in (*cols, "live versions", "adapters / slots", "budget", "hold"):
         table.add_column(col, justify="right")
-    table.add_column("budget", justify="right")
     for r in pool.runs:
-        budget = "–" if r.budget_tokens is None else str(r.budget_tokens)
         frac = f"{100 * pool.token_fraction.get(r.run, 0.0):.1f} %"
         now = f"{100 * pool.recent_fraction.get(r.run, 0.0):.1f} %"
+        queue = str(r.queue_groups) if r.queue_capacity is None else f"{r.queue_groups} / {r.queue_capacity}"
         table.add_row(
-            r.run, _num(r.share), str(r.tokens_generated), frac, now, str(r.groups_accepted), str(r.prompts_inflight),
-            r.hold, budget,
+            r.run, _num(r.share), str(r.tokens_generated), frac, now, str(r.groups_accepted), queue,
+            str(r.prompts_inflight), ", ".join(f"v{v}" for v in r.live_versions) or "–", _slots(r), _budget(r), r.hold,
         )  # fmt: skip
     return [table]
+
+
+def _slots(r: RunPoolStatus) -> str:
+    """The run's adapters loaded on its generators, out of the slots those generators give it."""
+    if r.slots_per_generator is None:
+        return "–"
+    return f"{r.adapters_loaded} / {r.generators * r.slots_per_generator} ({r.generators} gen)"
+
+
+def _budget(r: RunPoolStatus) -> str:
+    if r.budget_tokens is None:
+        return "–"
+    used = r.budget_used if r.budget_used is not None else r.tokens_generated / r.budget_tokens
+    return f"{r.tokens_generated} of {r.budget_tokens} ({100 * used:.0f} %)"
 
 
 def _age(seconds: float) -> str:

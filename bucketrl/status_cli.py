@@ -63,14 +63,14 @@ KEY_METRICS = (
 )
 
 
-def _from_run_dir(run_dir: Path) -> tuple[str, str, str]:
-    """(proxy_url, run, viewer token) of a `bucketrl up` run directory."""
+def _from_run_dir(run_dir: Path, role: str = "viewer") -> tuple[str, str, str]:
+    """(proxy_url, run, ``role``'s token) of a `bucketrl up` run directory."""
     endpoint = run_dir / "endpoint.json"
     if not endpoint.exists():
         raise ValueError(f"{run_dir} has no endpoint.json: is it a `bucketrl up` run directory?")
     info = json.loads(endpoint.read_text())
     tokens = dict(line.split(":", 1) for line in (run_dir / "tokens").read_text().split() if ":" in line)
-    return info["proxy_url"], info["run"], tokens.get("viewer", "")
+    return info["proxy_url"], info["run"], tokens.get(role, "")
 
 
 LAST_UP_FILE = "last-up.json"
@@ -127,6 +127,14 @@ def status_command(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
     all_metrics: Annotated[bool, typer.Option("--all-metrics", help="Show every metric, not the key ones.")] = False,
+    hold: Annotated[
+        str | None,
+        typer.Option(
+            "--generation",
+            help="pause or resume the run's generation first (pool and per-run leases skip a paused run; "
+            "a trainer token of the run or admin; with --dir the directory's admin token).",
+        ),
+    ] = None,
 ) -> None:
     """Show a run's versions, leases, queue, workers and last metrics."""
 
@@ -142,7 +150,7 @@ def status_command(
     stopped = _stopped_reason(dir)
     try:
         if dir is not None:
-            url, dir_run, dir_token = _from_run_dir(dir)
+            url, dir_run, dir_token = _from_run_dir(dir, "viewer" if hold is None else "admin")
             proxy, run, token = proxy or url, run or dir_run, token or dir_token
         overrides = {k: v for k, v in {"proxy_url": proxy, "run": run, "token": token}.items() if v is not None}
         settings = WorkerSettings(**overrides)  # type: ignore[arg-type]
@@ -151,6 +159,7 @@ def status_command(
         raise typer.Exit(code=2) from exc
     client = ProxyClient(settings.proxy_url, settings.run, settings.token, retries=1, timeout_s=10.0)
     try:
+        _change_hold(client, hold)
         status = client.status()
         pool = _pool_or_none(client)
     except errors.Unauthorized as exc:
@@ -175,6 +184,17 @@ def status_command(
         return
 
     Console().print(*render_status(status, all_metrics=all_metrics), *pool_tables(pool))
+
+
+def _change_hold(client: ProxyClient, hold: str | None) -> None:
+    """``--generation pause|resume``: the run's generation held or released before its status is read."""
+    if hold is None:
+        return
+    if hold not in ("pause", "resume"):
+        typer.echo(f"bucketrl status: --generation is pause or resume, not {hold!r}", err=True)
+        raise typer.Exit(code=2)
+    done = client.pause_generation() if hold == "pause" else client.resume_generation()
+    typer.echo(f"bucketrl status: {done.run}: generation {hold}d (hold {done.hold})", err=True)
 
 
 def _pool_or_none(client: ProxyClient) -> PoolStatus | None:

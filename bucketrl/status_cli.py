@@ -27,7 +27,7 @@ from rich.table import Table
 from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.settings import WorkerSettings
-from bucketrl.wire.pool import PoolStatus
+from bucketrl.wire.pool import PoolStatus, RunPoolStatus
 
 KEY_METRICS = (
     "reward",
@@ -63,14 +63,14 @@ KEY_METRICS = (
 )
 
 
-def _from_run_dir(run_dir: Path) -> tuple[str, str, str]:
-    """(proxy_url, run, viewer token) of a `bucketrl up` run directory."""
+def _from_run_dir(run_dir: Path, role: str = "viewer") -> tuple[str, str, str]:
+    """(proxy_url, run, ``role``'s token) of a `bucketrl up` run directory."""
     endpoint = run_dir / "endpoint.json"
     if not endpoint.exists():
         raise ValueError(f"{run_dir} has no endpoint.json: is it a `bucketrl up` run directory?")
     info = json.loads(endpoint.read_text())
     tokens = dict(line.split(":", 1) for line in (run_dir / "tokens").read_text().split() if ":" in line)
-    return info["proxy_url"], info["run"], tokens.get("viewer", "")
+    return info["proxy_url"], info["run"], tokens.get(role, "")
 
 
 LAST_UP_FILE = "last-up.json"
@@ -127,6 +127,14 @@ def status_command(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
     all_metrics: Annotated[bool, typer.Option("--all-metrics", help="Show every metric, not the key ones.")] = False,
+    hold: Annotated[
+        str | None,
+        typer.Option(
+            "--generation",
+            help="pause or resume the run's generation first (pool and per-run leases skip a paused run; "
+            "a trainer token of the run or admin; with --dir the directory's admin token).",
+        ),
+    ] = None,
 ) -> None:
     """Show a run's versions, leases, queue, workers and last metrics."""
 
@@ -142,7 +150,7 @@ def status_command(
     stopped = _stopped_reason(dir)
     try:
         if dir is not None:
-            url, dir_run, dir_token = _from_run_dir(dir)
+            url, dir_run, dir_token = _from_run_dir(dir, "viewer" if hold is None else "admin")
             proxy, run, token = proxy or url, run or dir_run, token or dir_token
         overrides = {k: v for k, v in {"proxy_url": proxy, "run": run, "token": token}.items() if v is not None}
         settings = WorkerSettings(**overrides)  # type: ignore[arg-type]
@@ -151,6 +159,7 @@ def status_command(
         raise typer.Exit(code=2) from exc
     client = ProxyClient(settings.proxy_url, settings.run, settings.token, retries=1, timeout_s=10.0)
     try:
+        _change_hold(client, hold)
         status = client.status()
         pool = _pool_or_none(client)
     except errors.Unauthorized as exc:
@@ -177,6 +186,17 @@ def status_command(
     Console().print(*render_status(status, all_metrics=all_metrics), *pool_tables(pool))
 
 
+def _change_hold(client: ProxyClient, hold: str | None) -> None:
+    """``--generation pause|resume``: the run's generation held or released before its status is read."""
+    if hold is None:
+        return
+    if hold not in ("pause", "resume"):
+        typer.echo(f"bucketrl status: --generation is pause or resume, not {hold!r}", err=True)
+        raise typer.Exit(code=2)
+    done = client.pause_generation() if hold == "pause" else client.resume_generation()
+    typer.echo(f"bucketrl status: {done.run}: generation {hold}d (hold {done.hold})", err=True)
+
+
 def _pool_or_none(client: ProxyClient) -> PoolStatus | None:
     """The proxy's runs with their shares (None from a proxy older than the pool: its 404)."""
     try:
@@ -186,23 +206,38 @@ def _pool_or_none(client: ProxyClient) -> PoolStatus | None:
 
 
 def pool_tables(pool: PoolStatus | None) -> list[Any]:
-    """The runs sharing the generator pool: share, the fraction of the tokens they got, hold, budget."""
+    """The runs sharing the generator pool: share, the fraction of the tokens they got, queue, live versions and
+    LoRA slots, budget, hold."""
     if pool is None or len(pool.runs) < 2:
         return []
     table = Table(title="runs on the generator pool", title_justify="left")
     recent = f"last {pool.recent_window_s:.0f} s"
-    for col in ("run", "share", "tokens generated", "token fraction", recent, "groups accepted", "in flight", "hold"):
+    cols = ("run", "share", "tokens generated", "token fraction", recent, "groups accepted", "queue", "in flight")
+    for col in (*cols, "live versions", "adapters / slots", "budget", "hold"):
         table.add_column(col, justify="right")
-    table.add_column("budget", justify="right")
     for r in pool.runs:
-        budget = "–" if r.budget_tokens is None else str(r.budget_tokens)
         frac = f"{100 * pool.token_fraction.get(r.run, 0.0):.1f} %"
         now = f"{100 * pool.recent_fraction.get(r.run, 0.0):.1f} %"
+        queue = str(r.queue_groups) if r.queue_capacity is None else f"{r.queue_groups} / {r.queue_capacity}"
         table.add_row(
-            r.run, _num(r.share), str(r.tokens_generated), frac, now, str(r.groups_accepted), str(r.prompts_inflight),
-            r.hold, budget,
+            r.run, _num(r.share), str(r.tokens_generated), frac, now, str(r.groups_accepted), queue,
+            str(r.prompts_inflight), ", ".join(f"v{v}" for v in r.live_versions) or "–", _slots(r), _budget(r), r.hold,
         )  # fmt: skip
     return [table]
+
+
+def _slots(r: RunPoolStatus) -> str:
+    """The run's adapters loaded on its generators, out of the slots those generators give it."""
+    if r.slots_per_generator is None:
+        return "–"
+    return f"{r.adapters_loaded} / {r.generators * r.slots_per_generator} ({r.generators} gen)"
+
+
+def _budget(r: RunPoolStatus) -> str:
+    if r.budget_tokens is None:
+        return "–"
+    used = r.budget_used if r.budget_used is not None else r.tokens_generated / r.budget_tokens
+    return f"{r.tokens_generated} of {r.budget_tokens} ({100 * used:.0f} %)"
 
 
 def _age(seconds: float) -> str:

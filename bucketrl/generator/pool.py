@@ -31,14 +31,14 @@ from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.worker import PROMPT_WAIT_S, GeneratorWorker
 from bucketrl.rollout.engine import Engine, SampledCompletion
 from bucketrl.wire import PromptLease, RunSpec
-from bucketrl.wire.pool import PoolLease, PoolLeaseRequest
+from bucketrl.wire.pool import PoolLease, PoolLeaseRequest, lora_slots_needed
 
 log = logging.getLogger(__name__)
 
 
 def slots_needed(spec: RunSpec) -> int:
     """A run's LoRA slots: its staleness window plus one to load the next version (the one-run default)."""
-    return spec.max_staleness + 2
+    return lora_slots_needed(spec.max_staleness)
 
 
 def plan_slots(specs: dict[str, RunSpec], capacity: int | None) -> tuple[dict[str, int], list[str]]:

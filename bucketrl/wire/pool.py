@@ -36,6 +36,11 @@ class PoolLease(WireModel):
 PoolHold = Literal["ok", "paused", "budget", "finished"]
 
 
+def lora_slots_needed(max_staleness: int) -> int:
+    """The LoRA slots a pool generator gives one run: its staleness window plus one to load the next version."""
+    return max_staleness + 2
+
+
 class RunPoolStatus(WireModel):
     """One run's place in the pool: its weight, what it got, and whether it is held."""
 
@@ -51,6 +56,18 @@ class RunPoolStatus(WireModel):
     prompts_inflight: int = 0
     # Generated tokens of groups accepted over the last ``PoolStatus.recent_window_s`` (not kept across a wipe).
     tokens_recent: int = 0
+    # Of ``budget_tokens``, the fraction generated so far (None: no budget). 1.0 or more: hold ``budget``.
+    budget_used: float | None = None
+    # Its queue: groups accepted and not yet claimed by its trainer, out of its ``queue_capacity_groups``.
+    queue_groups: int = 0
+    queue_capacity: int | None = None
+    # Its live versions (those a lease still holds, oldest first) and the LoRA slots they take on the engines:
+    # ``generators`` heard from lately, ``adapters_loaded`` the run's adapters they hold, ``slots_per_generator``
+    # what one pool generator gives the run (max_staleness + 2, docs/pool.md). Empty/0 from an older proxy.
+    live_versions: list[int] = Field(default_factory=list)
+    generators: int = 0
+    adapters_loaded: int = 0
+    slots_per_generator: int | None = None
 
 
 class PoolStatus(WireModel):

@@ -1,6 +1,7 @@
 """`bucketrl up --runs 2 --shares 2,1`: two runs' trainers on the one machine's generators (pool mode), and the
 issue's two-run chaos in small: run A's trainer is SIGKILLed mid-run, `up` restarts it, and run B's accounting is
-untouched (its trainer never restarted, every group it accepted accounted exactly).
+untouched (its trainer never restarted, every group it accepted accounted exactly); for both runs, exactly-once
+accounting and the staleness bound hold.
 
     .venv/bin/python -m pytest -q -s tests/e2e/test_up_runs.py
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from bucketrl.wire import RunSpec
 from tests.e2e.helpers import effective_history
 
 pytestmark = pytest.mark.slow
@@ -53,6 +55,12 @@ def _check_accounting(run_dir: Path, run: str, figures: dict[str, Any]) -> None:
     assert trained and len(trained) == len(set(trained)), f"{run}: a delivery was trained twice"
     acked = {d for r in records if r["event"] in ("checkpoint", "resume") for d in r.get("acked") or []}
     assert acked <= set(trained), f"{run}: {len(acked - set(trained))} acked deliveries were never trained"
+    # The staleness bound, per run: no trainer push of either epoch reports a trained group staler than the run's
+    # max_staleness (up's watcher keeps every push of the run in its metrics.jsonl).
+    pushes = [json.loads(line) for line in (run_dir / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    stale = [p["metrics"]["sample/staleness_max"] for p in pushes if "sample/staleness_max" in p["metrics"]]
+    bound = RunSpec.model_fields["max_staleness"].default
+    assert stale and max(stale) <= bound, (run, max(stale or [0]), bound)
 
 
 def _wait_for_runs(proc: subprocess.Popen[str], run_dir: Path, a_step: int) -> dict[str, Any]:

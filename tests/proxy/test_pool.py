@@ -19,7 +19,7 @@ from bucketrl.cli import app
 from bucketrl.client import ProxyClient
 from bucketrl.proxy import rebuild
 from bucketrl.proxy.state import pool as pool_state
-from bucketrl.wire import PromptLeaseItem, RolloutBatch, RunSpec
+from bucketrl.wire import EvalResult, EvalSample, PromptLeaseItem, RolloutBatch, RunSpec
 from bucketrl.wire.pool import PoolLease, PoolLeaseRequest
 from tests.proxy.harness import TOKENS, TOKENS_ENV, ProxyHarness, adapter_tar, make_spec, running
 from tests.support.services import RedisServer
@@ -151,6 +151,33 @@ def test_budget_and_pause_skip_a_run_and_a_removed_run_frees_its_share(
     assert serve(pool, {"b": runs["b"]}, 3) == {"b": 3}
     after = _run_state(redis_server, "b")
     assert int(after["accepted_total"]) == int(before_b["accepted_total"]) + 3
+
+
+def _run_keys(redis_server: RedisServer, run: str) -> dict[bytes, bytes | None]:
+    """Every Redis key of ``run`` with its serialized value: any write to the run shows."""
+    with redis.Redis.from_url(redis_server.url) as r:
+        return {k: r.dump(k) for k in sorted(r.keys(f"brl:{run}:*"))}
+
+
+def test_one_runs_pause_eval_and_resume_change_nothing_of_anothers(
+    proxy_file: ProxyHarness, redis_server: RedisServer
+) -> None:
+    runs = {"a": Run(proxy_file, "a", 2, eval={"every": 1, "size": 2}), "b": Run(proxy_file, "b", 2)}
+    pool = proxy_file.client("a", "generator")
+    got = serve(pool, runs, 6)
+    assert got["a"] > 0 and got["b"] > 0, got
+    before = _run_keys(redis_server, "b")
+    assert b"brl:b:counters" in before
+    runs["a"].t.pause_generation()
+    assert _run_keys(redis_server, "b") == before
+    items = runs["a"].g.lease_eval("gen", [1], n=8).items
+    assert len(items) == 2
+    results = [EvalResult(version=1, index=i.index, samples=[EvalSample(reward=1.0, length=3)]) for i in items]
+    assert runs["a"].g.submit_eval("gen", results).accepted == 2
+    assert [e.version for e in runs["a"].t.eval_results()] == [1]
+    runs["a"].t.resume_generation()
+    assert _run_keys(redis_server, "b") == before  # a's pause, eval and resume wrote nothing of b's
+    assert runs["b"].t.status().queue.accepted_total == got["b"]
 
 
 def _run_state(redis_server: RedisServer, run: str) -> dict[str, str]:
@@ -304,3 +331,23 @@ def test_a_finished_run_frees_its_share_at_once_until_a_trainer_registers_again(
     runs["b"].t.register_trainer("trainer-b-2")
     assert {s.run: s.hold for s in pool.pool_status().runs} == {"a": "ok", "b": "paused"}
     assert serve(pool, runs, 2) == {"a": 2, "b": 0}
+
+
+def test_status_pauses_and_resumes_a_runs_generation(proxy_file: ProxyHarness) -> None:
+    runs = {"a": Run(proxy_file, "a", 2), "b": Run(proxy_file, "b", 2)}
+    pool = proxy_file.client("a", "generator")
+    base = ["status", "--proxy", proxy_file.url, "--run", "a", "--json"]
+    cli = lambda *extra: CliRunner().invoke(app, [*base, *extra])  # noqa: E731
+    refused = cli("--token", TOKENS["viewer"], "--generation", "pause")  # a viewer may only look
+    assert refused.exit_code == 1 and "forbidden" in refused.output.lower(), refused.output
+    assert {s.run: s.hold for s in pool.pool_status().runs} == {"a": "ok", "b": "ok"}
+    paused = cli("--token", TOKENS["trainer"], "--generation", "pause")
+    assert paused.exit_code == 0, paused.output
+    assert "generation paused (hold paused)" in paused.stderr
+    assert json.loads(paused.stdout)["pool"]["hold"] == "paused"
+    assert serve(pool, runs, 4) == {"a": 0, "b": 4}
+    resumed = cli("--token", TOKENS["trainer"], "--generation", "resume")
+    assert resumed.exit_code == 0 and json.loads(resumed.stdout)["pool"]["hold"] == "ok", resumed.output
+    assert serve(pool, runs, 4) == {"a": 2, "b": 2}
+    bad = cli("--token", TOKENS["trainer"], "--generation", "stop")
+    assert bad.exit_code == 2 and "pause or resume" in bad.stderr

@@ -168,7 +168,7 @@ async def pool_status(ctx: CtxDep, principal: ViewerRole) -> PoolStatus:
     for run in await runs.list_runs(ctx.redis):
         spec = await runs.get_spec(ctx.redis, run) if principal.may_run(run) else None
         if spec is not None:
-            listed.append(await pool.run_status(ctx.redis, run, spec))
+            listed.append(await pool.full_status(ctx.redis, run, spec, ctx.settings.worker_ttl_s))
     total = sum(s.tokens_generated for s in listed)
     fraction = {s.run: (s.tokens_generated / total if total else 0.0) for s in listed}
     recent = sum(s.tokens_recent for s in listed)

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from bucketrl.proxy import keys
+from bucketrl.proxy.state import accounting, leases, workers
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.proxy.state.prompts import PromptKeys
-from bucketrl.wire import RunSpec
-from bucketrl.wire.pool import RunPoolStatus
+from bucketrl.wire import QueueStatus, RunSpec, WorkerStatus
+from bucketrl.wire.pool import RunPoolStatus, lora_slots_needed
 
 _PICK = Lua.load("pool_pick.lua")
 _HOLD_CHANGE = Lua.load("pool_hold_change.lua")
@@ -139,7 +140,33 @@ async def run_status(r: Any, run: str, spec: RunSpec) -> RunPoolStatus:
         hold="paused" if paused else "finished" if held == "2" else "budget" if over else "ok",
         prompts_inflight=int(inflight),
         tokens_recent=recent_tokens(slots, int(sec) + int(usec) / 1e6),
+        budget_used=None if spec.budget_tokens is None else tokens_i / max(1, spec.budget_tokens),
     )
+
+
+def with_occupancy(
+    s: RunPoolStatus, spec: RunSpec, live: dict[int, int], seen: list[WorkerStatus], queue: QueueStatus
+) -> RunPoolStatus:
+    """``s`` with the run's queue, its leased versions and the LoRA slots its generators hold for it."""
+    gens = [w for w in seen if w.role == "generator"]
+    return s.model_copy(
+        update={
+            "queue_groups": queue.groups,
+            "queue_capacity": queue.capacity,
+            "live_versions": sorted(v for v, n in live.items() if n > 0),
+            "generators": len(gens),
+            "adapters_loaded": sum(len(w.loaded_versions) for w in gens),
+            "slots_per_generator": lora_slots_needed(spec.max_staleness),
+        }
+    )
+
+
+async def full_status(r: Any, run: str, spec: RunSpec, worker_ttl_s: float) -> RunPoolStatus:
+    """:func:`run_status` with its occupancy (``GET /v1/pool``; the run status fills it from what it read)."""
+    s = await run_status(r, run, spec)
+    live = await leases.live_counts(r, run)
+    seen, _ = await workers.live_workers(r, run, worker_ttl_s)
+    return with_occupancy(s, spec, live, seen, await accounting.queue_status(r, run, spec))
 
 
 def _str(v: Any) -> str:

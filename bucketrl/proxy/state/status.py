@@ -42,7 +42,7 @@ async def build(ctx: Any, run: str, spec: RunSpec) -> RunStatus:
     if spec.eval is not None:
         out["eval"] = [x.model_dump() for x in await evals.results(r, ctx.store, run)]
     status = RunStatus.model_validate(out)
-    status.pool = await pool.run_status(r, run, spec)
+    status.pool = pool.with_occupancy(await pool.run_status(r, run, spec), spec, counts, worker_list, status.queue)
     await bucket_meter.flush(r, ctx.meter)  # this replica's counts so far: the cost as of now
     status.cost = await cost.run_cost(
         r,

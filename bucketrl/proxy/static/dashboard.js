@@ -1,7 +1,8 @@
 // bucketrl dashboard: polls the proxy's viewer routes and draws line charts on plain <canvas>.
 //
 // Data: GET /v1/runs/{run}/metrics/recent (every metrics push of every worker, oldest first) and
-// GET /v1/runs/{run}/status (queue, versions, workers). Queue depth is not a pushed metric, so its chart
+// GET /v1/runs/{run}/status (queue, versions, workers), GET /v1/pool (every run sharing the generator pool: its
+// share, the fraction of the tokens it got, queue, live versions and slots, budget, hold). Queue depth is not a pushed metric, so its chart
 // is the history of status polls since the page opened. No libraries, no CDN: the proxy serves this file.
 // window.bucketrlDashboard exposes what was drawn (points per chart and per series, polls, last error) for tests.
 "use strict";
@@ -220,11 +221,15 @@
       }
       const base = "/v1/runs/" + encodeURIComponent(state.run);
       const count = state.fetchedOnce ? NEXT_FETCH : FIRST_FETCH;
-      const [pushes, status] = await Promise.all([api(base + "/metrics/recent?count=" + count), api(base + "/status")]);
+      // The pool answer is optional (a proxy older than the pool answers 404): the run's own view still draws.
+      const [pushes, status, pool] = await Promise.all([
+        api(base + "/metrics/recent?count=" + count), api(base + "/status"), api("/v1/pool").catch(() => null),
+      ]);
       state.fetchedOnce = true;
       mergePushes(pushes);
       recordStatus(status);
       render(status);
+      renderPool(pool, status.pool);
       exposed.polls += 1;
       exposed.lastError = null;
       setConn(true, "live · " + new Date().toLocaleTimeString());
@@ -493,6 +498,45 @@
 
   function fixed(v, digits) {
     return v === null || v === undefined ? "–" : Number(v).toFixed(digits);
+  }
+
+  function pct(v) {
+    return v === null || v === undefined ? "–" : (100 * v).toFixed(1) + " %";
+  }
+
+  function budgetText(r) {
+    if (!r || r.budget_tokens === null || r.budget_tokens === undefined) return "none";
+    const used = r.budget_used ?? r.tokens_generated / r.budget_tokens;
+    return r.tokens_generated + " of " + r.budget_tokens + " (" + (100 * used).toFixed(0) + " %)";
+  }
+
+  function slotsText(r) {
+    if (r.slots_per_generator === null || r.slots_per_generator === undefined) return "–";
+    return r.adapters_loaded + " / " + r.generators * r.slots_per_generator + " (" + r.generators + " gen)";
+  }
+
+  // The run's fraction and budget cards, and the table of every run on the pool (shown when two or more share it).
+  function renderPool(pool, own) {
+    const run = state.run;
+    const fracs = pool ? [pool.recent_fraction[run], pool.token_fraction[run]] : [undefined, undefined];
+    text("c-fraction", fracs[1] === undefined ? undefined : pct(fracs[0]) + " · " + pct(fracs[1]));
+    text("c-budget", own ? budgetText(own) : undefined);
+    const runs = pool ? pool.runs : [];
+    const body = $("pool").querySelector("tbody");
+    body.innerHTML = "";
+    for (const r of runs) {
+      const row = body.insertRow();
+      const queue = r.queue_capacity === null || r.queue_capacity === undefined
+        ? r.queue_groups ?? "–" : r.queue_groups + " / " + r.queue_capacity;
+      const versions = (r.live_versions || []).map((v) => "v" + v).join(", ") || "–";
+      const cells = [r.run, "×" + r.share, pct(pool.recent_fraction[r.run]), pct(pool.token_fraction[r.run]),
+        r.tokens_generated, queue, r.prompts_inflight, versions, slotsText(r), budgetText(r), r.hold];
+      for (const c of cells) row.insertCell().textContent = c;
+      if (r.run === run) row.classList.add("current");
+      if (r.hold !== "ok") row.classList.add("held");
+    }
+    $("pool-section").hidden = runs.length < 2;
+    exposed.poolRows = runs.length;
   }
 
   function renderEval(evals) {

@@ -1,7 +1,7 @@
 """`bucketrl up --runs 2 --shares 2,1`: two runs' trainers on the one machine's generators (pool mode), and the
-issue's two-run chaos in small: run A's trainer is SIGKILLed mid-run, `up` restarts it, and run B's accounting is
-untouched (its trainer never restarted, every group it accepted accounted exactly); for both runs, exactly-once
-accounting and the staleness bound hold.
+issue's two-run chaos in small: run A's trainer and one pool generator (serving both runs) are SIGKILLed mid-run,
+`up` restarts them, and run B's accounting is untouched (its trainer never restarted, every group it accepted
+accounted exactly); for both runs, exactly-once accounting and the staleness bound hold.
 
     .venv/bin/python -m pytest -q -s tests/e2e/test_up_runs.py
 """
@@ -92,6 +92,8 @@ def test_two_runs_on_one_pool_and_a_killed_trainer_disturbs_only_its_run(tmp_pat
         assert {"trainer-demo-1", "trainer-demo-2", "gen-0", "gen-1"} <= set(pids)
         b_pid = pids["trainer-demo-2"]
         os.kill(pids["trainer-demo-1"], signal.SIGKILL)  # a crash of run A's trainer: up restarts it
+        # and of a generator holding both runs' prompt leases: they go back to the pool, not lost nor trained twice
+        os.kill(pids["gen-0"], signal.SIGKILL)
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -112,4 +114,6 @@ def test_two_runs_on_one_pool_and_a_killed_trainer_disturbs_only_its_run(tmp_pat
     starts = {run: [r for r in _audit(run_dir, run) if r["event"] == "start"] for run in ("demo-1", "demo-2")}
     assert len(starts["demo-1"]) == 2 and starts["demo-1"][1]["epoch"] > starts["demo-1"][0]["epoch"], starts
     assert len(starts["demo-2"]) == 1 and not [r for r in _audit(run_dir, "demo-2") if r["event"] == "resume"]
-    assert json.loads((run_dir / "services.json").read_text())["trainer-demo-2"] == b_pid
+    final = json.loads((run_dir / "services.json").read_text())
+    assert final["trainer-demo-2"] == b_pid
+    assert final["gen-0"] != pids["gen-0"]  # up started the killed generator again

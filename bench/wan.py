@@ -222,6 +222,7 @@ FIELDS = (
     "sync_p50_s",
     "sync_p99_s",
     "sync_versions",
+    "sync_after_commit_p50_s",
     "load_p50_s",
     "wakeup_p50_ms",
     "steps_per_s",
@@ -325,6 +326,8 @@ def point(
         if region_relays:
             out["relay_stats"] = relay_stats({x: urls[x] for x in region_relays}, backends)
         out.update(link_figures(cfg, workdir, wiring, wiring.link_bytes()))
+        # One tar over one link at the set rate: no sync through that link can beat it.
+        out["link_floor_s"] = round(out["adapter_bytes"] * 8 / (args.mbit * 1e6), 3)
         out.update(trainer_figures(workdir, cfg.warmup_steps))
         trained = (r.get("groups") or {}).get("trained") or 0
         out["requests_per_trained_group"] = round(r["requests"] / trained, 2) if trained else None
@@ -352,7 +355,8 @@ def row(p: dict[str, Any]) -> str:
     return (
         f"{p.get('mode', 'direct'):>6} {p['rtt_ms']:>6g} {f('sync_p50_s', '.2f'):>7} {f('sync_p99_s', '.2f'):>7} "
         f"{f('wakeup_p50_ms', '.0f'):>7} "
-        f"{f('publish_p50_s', '.2f'):>6} {f('step_wait_p50_s', '.2f'):>6} "
+        f"{f('publish_p50_s', '.2f'):>6} {f('sync_after_commit_p50_s', '.2f'):>8} {f('link_floor_s', '.2f'):>6} "
+        f"{f('step_wait_p50_s', '.2f'):>6} "
         f"{f('steps_per_s', '.3f'):>7} {f('steps_per_s_vs_ideal', '.0%'):>6} {f('steps_per_s_vs_loopback', '.0%'):>6} "
         f"{f('wan_bytes_per_version', '.1f', 1e-6):>8} {f('adapter_bytes_x_loads_per_version', '.1f', 1e-6):>8} "
         f"{f('requests_per_trained_group', '.2f'):>7} {f('stale_drop_rate', '.1%'):>6} "
@@ -361,8 +365,8 @@ def row(p: dict[str, Any]) -> str:
 
 
 HEADER = (
-    "  mode rtt_ms  sync50  sync99  wake50  pub50 wait50 steps/s  ideal  loopb  MB/vers  adMBxN  req/grp  stale "
-    "trained lost    ok"
+    "  mode rtt_ms  sync50  sync99  wake50  pub50 commit50  floor wait50 steps/s  ideal  loopb  MB/vers  adMBxN  "
+    "req/grp  stale trained lost    ok"
 )
 
 

@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from bucketrl.relay.cache import CHUNK, AdapterCache, Entry, Mismatch
+from bucketrl.relay.cache import CHUNK, AdapterCache, Entry, Follower, Mismatch
 from bucketrl.relay.forward import HOP, Gate, Refused, forward, relayed, send, unavailable
 from bucketrl.relay.settings import RelaySettings
 from bucketrl.tls import TransportSecurity
@@ -100,12 +100,17 @@ class Relay:
         # A worker whose download did not hash right asks again with no-cache: the cached file is hashed first.
         fresh = "no-cache" in request.headers.get("cache-control", "").lower()
         try:
-            held = await self.cache.acquire(run, version, sha, fetch, fresh=fresh)
+            held = await self.cache.open(run, version, sha, fetch, fresh=fresh)
         except UpstreamStatus as exc:
             return Response(exc.body, status_code=exc.status, headers=exc.headers)
         except (httpx.TransportError, Mismatch, BucketFailed) as exc:
             return unavailable(f"fetching {run}/v{version} from the home proxy failed: {exc!r}")
-        return HeldFile(self.cache, held, {"X-Content-SHA256": sha, "ETag": f'"{sha}"'})
+        headers = {"X-Content-SHA256": sha, "ETag": f'"{sha}"'}
+        if isinstance(held, Follower):
+            # Chunked, no Content-Length: a fetch that fails under it ends the body without its last chunk, which
+            # the caller's HTTP library reports as a truncated answer (and the sha256 header catches the rest).
+            return StreamingResponse(held.chunks(), media_type=TAR, headers=headers)
+        return HeldFile(self.cache, held, headers)
 
     async def _from_bucket(self, url: str) -> AsyncIterator[bytes]:
         """A presigned URL's bytes: no token goes there (the URL is the credential), and the bucket's certificate

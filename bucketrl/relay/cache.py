@@ -3,7 +3,11 @@ served evicted first.
 
 A cache, nothing more: a relay that restarts finds its files again and one that loses them fetches them again.
 Concurrent misses of one version share a single upstream fetch (single flight), so a publish that every
-generator of a region asks for at once crosses the slow link once.
+generator of a region asks for at once crosses the slow link once. Its callers do not wait for the whole tar:
+each is sent the bytes as they arrive (cut-through, :class:`Follower`), so the region's fan-out overlaps the
+slow link's transfer instead of following it. Those bytes are not verified yet when they leave; the caller
+checks them against the sha256 header, and a fetch that fails or hashes wrong aborts every follower's answer
+mid-body (the caller sees a truncated response and asks again).
 
 Integrity without re-hashing every hit: a file is hashed once as it is written (it only appears under its final
 name when it hashed right) and once more on its first use after a restart; each hit then checks that the file is
@@ -27,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 log = logging.getLogger("bucketrl.relay.cache")
 
@@ -48,6 +53,12 @@ def sha_of(path: Path) -> str:
     return h.hexdigest()
 
 
+def _write_all(out: BinaryIO, chunk: bytes) -> None:
+    view = memoryview(chunk)
+    while view:
+        view = view[out.write(view) or 0 :]
+
+
 def stamp_of(path: Path) -> Stamp | None:
     try:
         st = path.stat()
@@ -63,6 +74,7 @@ class Stats:
     upstream_bytes: int = 0
     hits: int = 0  # served from a cached file
     shared: int = 0  # served by another caller's fetch (single flight)
+    streamed: int = 0  # of the callers of a fetch, those sent its bytes while it was still under way
     verified: int = 0  # cached files hashed again (first use after a restart, a changed stamp, no-cache)
     corrupt: int = 0
     evictions: int = 0
@@ -79,13 +91,78 @@ class Entry:
     readers: int = 0
 
 
+class Truncated(Exception):
+    """The fetch a follower was streaming failed: its answer must end short, never look complete."""
+
+
+@dataclass
+class Flight:
+    """One upstream fetch under way. Its bytes go to ``tmp`` and, as they land, to its followers: each reads
+    them with ``pread`` on one descriptor opened with the file, which stays valid when the file is renamed into
+    place or unlinked after a failure, so a follower never races the rename."""
+
+    tmp: Path
+    task: asyncio.Task[None] | None = None
+    rfd: int | None = None
+    written: int = 0
+    streaming: asyncio.Event = field(default_factory=asyncio.Event)  # the first bytes are on disk
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # replaced on every write
+    refs: int = 1  # the fetch itself, plus one per follower: the descriptor closes with the last
+
+    def wrote(self, n: int) -> None:
+        self.written += n
+        self.streaming.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        old, self.progress = self.progress, asyncio.Event()
+        old.set()
+
+    def unref(self) -> None:
+        self.refs -= 1
+        if self.refs == 0 and self.rfd is not None:
+            os.close(self.rfd)
+            self.rfd = None
+
+    def ended(self) -> None:
+        self._wake()
+        self.unref()
+
+
+@dataclass
+class Follower:
+    """A caller streaming a fetch under way (cut-through)."""
+
+    flight: Flight
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        flight, offset = self.flight, 0
+        try:
+            while True:
+                woken = flight.progress
+                if offset < flight.written:
+                    assert flight.rfd is not None  # held open by this follower's ref
+                    data = os.pread(flight.rfd, min(CHUNK, flight.written - offset), offset)
+                    offset += len(data)
+                    yield data
+                    continue
+                task = flight.task
+                if task is not None and task.done():
+                    if task.cancelled() or task.exception() is not None:
+                        raise Truncated(f"the fetch of {flight.tmp.name} failed after {offset} bytes")
+                    return
+                await woken.wait()
+        finally:
+            flight.unref()
+
+
 @dataclass
 class AdapterCache:
     root: Path
     max_bytes: int = 0  # 0: no cap
     stats: Stats = field(default_factory=Stats)
     _entries: OrderedDict[Path, Entry] = field(default_factory=OrderedDict)  # least recently served first
-    _flights: dict[Path, asyncio.Task[None]] = field(default_factory=dict)
+    _flights: dict[Path, Flight] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Files a previous run left are cached again (oldest first, to be hashed on first use); partial ones go."""
@@ -107,6 +184,15 @@ class AdapterCache:
     async def acquire(self, run: str, version: int, sha: str, fetch: Fetch, fresh: bool = False) -> Entry:
         """The verified file of this version, held for serving until :meth:`release`; fetched (once, whoever else
         asks meanwhile) if absent or corrupt. ``fresh``: hash the cached file before trusting it."""
+        got = await self.open(run, version, sha, fetch, fresh=fresh, follow=False)
+        assert isinstance(got, Entry)
+        return got
+
+    async def open(
+        self, run: str, version: int, sha: str, fetch: Fetch, fresh: bool = False, follow: bool = True
+    ) -> Entry | Follower:
+        """As :meth:`acquire`, but while a fetch of the version is under way (``follow``) the caller gets a
+        :class:`Follower` of it as soon as its first bytes are on disk, instead of waiting for the last."""
         path = self.path(run, version, sha)
         while True:
             e = self._entries.get(path)
@@ -117,14 +203,31 @@ class AdapterCache:
             if flight is not None:
                 self.stats.shared += 1
             else:
-                flight = asyncio.create_task(self._settle(path, sha, fetch, check=e is not None))
-                self._flights[path] = flight
-                flight.add_done_callback(lambda _: self._flights.pop(path, None))
-            await asyncio.shield(flight)  # a caller that goes away does not cancel the others' fetch
+                flight = self._start(path, sha, fetch, check=e is not None)
+            task = flight.task
+            assert task is not None
+            if follow:
+                streaming = asyncio.ensure_future(flight.streaming.wait())
+                try:  # asyncio.wait never cancels what it waits on: a caller going away leaves the fetch be
+                    await asyncio.wait([task, streaming], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    streaming.cancel()
+                if flight.streaming.is_set() and not task.done():
+                    self.stats.streamed += 1
+                    flight.refs += 1
+                    return Follower(flight)
+            await asyncio.shield(task)
             e = self._entries.get(path)
             if e is not None:  # else evicted before this caller resumed (a tiny cap): once more
                 return self._hold(path, e)
             fresh = False
+
+    def _start(self, path: Path, sha: str, fetch: Fetch, check: bool) -> Flight:
+        flight = Flight(path.with_name(f".{path.name}.{uuid.uuid4().hex}.part"))
+        flight.task = asyncio.create_task(self._settle(path, sha, fetch, check, flight))
+        self._flights[path] = flight
+        flight.task.add_done_callback(lambda _: self._flights.pop(path, None))
+        return flight
 
     def release(self, e: Entry) -> None:
         e.readers = max(0, e.readers - 1)
@@ -135,7 +238,7 @@ class AdapterCache:
         self._entries.move_to_end(path)
         return e
 
-    async def _settle(self, path: Path, sha: str, fetch: Fetch, check: bool) -> None:
+    async def _settle(self, path: Path, sha: str, fetch: Fetch, check: bool, flight: Flight) -> None:
         """Hash the cached file (``check``) and keep it if it is right; else fetch it."""
         if check:
             stamp = stamp_of(path)
@@ -149,19 +252,25 @@ class AdapterCache:
             self.stats.corrupt += got is not None
             log.warning("relay cache: %s hashes to %s, not %s; fetching it again", path, got, sha)
             self._drop(path)
-        await self._fetch(path, sha, fetch)
+        try:
+            await self._fetch(path, sha, fetch, flight)
+        finally:
+            flight.ended()
 
-    async def _fetch(self, path: Path, sha: str, fetch: Fetch) -> None:
+    async def _fetch(self, path: Path, sha: str, fetch: Fetch, flight: Flight) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.part")
+        tmp = flight.tmp
         h, n = hashlib.sha256(), 0
         self.stats.upstream_fetches += 1
         try:
-            with tmp.open("wb") as out:
+            # Unbuffered: a follower reads what ``written`` counts through its own descriptor.
+            with tmp.open("wb", buffering=0) as out:
+                flight.rfd = os.open(tmp, os.O_RDONLY)
                 async for chunk in fetch():
-                    out.write(chunk)
+                    _write_all(out, chunk)
                     h.update(chunk)
                     n += len(chunk)
+                    flight.wrote(len(chunk))
             self.stats.upstream_bytes += n
             if h.hexdigest() != sha:
                 raise Mismatch(f"{path.name}: upstream sent {n} bytes hashing to {h.hexdigest()}")

@@ -339,7 +339,7 @@ def summarize(
     # weight sync: versions published after the warm-up step, before the last step
     t0 = steps.get(k0, math.inf)
     t1 = steps.get(k1, -math.inf)
-    sync, each, wake, by_gen = _sync_latencies(loads, wakes, publishes, t0, t1)
+    sync, committed, each, wake, by_gen = _sync_latencies(loads, wakes, publishes, t0, t1)
 
     out: dict[str, Any] = {"config": asdict(cfg)}
     if first is not None:
@@ -368,6 +368,8 @@ def summarize(
         sync_p50_s=_r(statistics.median(sync) if sync else None),
         sync_p99_s=_r(pct(sync, 0.99)),
         sync_versions=len(sync),
+        # the same, from the publish's answer (the version committed) rather than its call: the fan-out alone
+        sync_after_commit_p50_s=_r(statistics.median(committed) if committed else None),
         load_p50_s=_r(statistics.median(each) if each else None),
         # the fewest distinct versions any generator loaded (every one of them followed the trainer if >= 2)
         min_versions_loaded=min((len({v for v, _ in vs}) for vs in by_gen.values()), default=0),
@@ -441,17 +443,19 @@ def _sync_latencies(
     publishes: dict[int, tuple[float, float]],
     t0: float,
     t1: float,
-) -> tuple[list[float], list[float], list[float], dict[str, list[tuple[int, float]]]]:
-    """Weight sync over the versions published in [t0, t1]: publish -> every serving generator loaded it, publish
-    -> each one loaded it, the long-polls' wake-up after the publish (ms), and each generator's loads."""
+) -> tuple[list[float], list[float], list[float], list[float], dict[str, list[tuple[int, float]]]]:
+    """Weight sync over the versions published in [t0, t1]: publish -> every serving generator loaded it, the
+    same from the publish's answer, publish -> each one loaded it, the long-polls' wake-up after the publish
+    (ms), and each generator's loads."""
     first_load: dict[str, float] = {}
     by_gen: dict[str, list[tuple[int, float]]] = {}
     for gen, version, t in loads:
         first_load[gen] = min(first_load.get(gen, math.inf), t)
         by_gen.setdefault(gen, []).append((version, t))
     sync: list[float] = []
+    committed: list[float] = []
     each: list[float] = []  # publish -> one generator loaded, over (generator, version)
-    for version, (called, _answered) in sorted(publishes.items()):
+    for version, (called, answered) in sorted(publishes.items()):
         if not (t0 <= called <= t1):
             continue
         serving = [g for g, t in first_load.items() if t < called]
@@ -459,12 +463,13 @@ def _sync_latencies(
         each += [d - called for d in done if math.isfinite(d)]
         if serving and all(math.isfinite(d) for d in done):
             sync.append(max(done) - called)
+            committed.append(max(done) - answered)
     wake = [
         (answered - publishes[v][1]) * 1000
         for _g, v, asked, answered in wakes
         if v in publishes and asked < publishes[v][0] and t0 <= publishes[v][0] <= t1
     ]
-    return sync, each, wake, by_gen
+    return sync, committed, each, wake, by_gen
 
 
 def _r(v: float | None, digits: int = 3) -> float | None:

@@ -85,3 +85,69 @@ def test_partial_files_of_a_killed_relay_are_removed_at_start(tmp_path: Path) ->
     part.write_bytes(b"half")
     assert AdapterCache(tmp_path).stats.files == 0 and not part.exists()
     assert os.listdir(tmp_path / "r1") == []
+
+
+def _slow_fetch(parts: list[bytes], gate: asyncio.Event, fail: bool = False):
+    """The first part at once, the rest once ``gate`` opens (or a link failure instead, ``fail``)."""
+
+    async def fetch() -> AsyncIterator[bytes]:
+        yield parts[0]
+        await gate.wait()
+        if fail:
+            raise ConnectionResetError("the slow link went down mid-body")
+        for p in parts[1:]:
+            yield p
+
+    return fetch
+
+
+def test_callers_of_a_fetch_under_way_get_its_bytes_as_they_arrive(tmp_path: Path) -> None:
+    """Cut-through: two callers of a version being fetched each get the first part while the rest has not come
+    yet, then the whole tar; the file is cached for the next caller, and the descriptor they read is closed."""
+    parts = [os.urandom(3000), os.urandom(5000)]
+    sha = hashlib.sha256(b"".join(parts)).hexdigest()
+    cache = AdapterCache(tmp_path)
+
+    async def main() -> None:
+        gate = asyncio.Event()
+        fetch = _slow_fetch(parts, gate)
+        followers = [await asyncio.wait_for(cache.open("r1", 1, sha, fetch), 5) for _ in range(2)]  # not the whole
+        assert all(isinstance(f, cache_module.Follower) for f in followers)
+        streams = [f.chunks() for f in followers]  # type: ignore[union-attr]
+        firsts = [await anext(s) for s in streams]
+        assert firsts == [parts[0]] * 2  # before the rest exists anywhere
+        gate.set()
+        rests = [b"".join([c async for c in s]) for s in streams]
+        assert rests == [parts[1]] * 2
+        flight = followers[0].flight  # type: ignore[union-attr]
+        assert flight.rfd is None  # closed with the last reader
+        e = await cache.open("r1", 1, sha, fetch)
+        assert isinstance(e, Entry) and e.path.read_bytes() == b"".join(parts)
+
+    asyncio.run(main())
+    assert (cache.stats.upstream_fetches, cache.stats.streamed, cache.stats.hits) == (1, 2, 1)
+
+
+@pytest.mark.parametrize("how", ["link dropped", "wrong sha256"])
+def test_a_fetch_that_fails_under_its_followers_cuts_their_answers_short(tmp_path: Path, how: str) -> None:
+    """A follower never gets what looks like a whole tar from a fetch that failed (the link dropped mid-body, or
+    the bytes hash wrong at the end): its stream raises, and nothing is cached."""
+    parts = [os.urandom(3000), os.urandom(5000)]
+    sha = hashlib.sha256(b"".join(parts) + (b"x" if how == "wrong sha256" else b"")).hexdigest()
+    cache = AdapterCache(tmp_path)
+
+    async def main() -> None:
+        gate = asyncio.Event()
+        follower = await asyncio.wait_for(
+            cache.open("r1", 1, sha, _slow_fetch(parts, gate, fail=how == "link dropped")), 5
+        )
+        assert isinstance(follower, cache_module.Follower)
+        got: list[bytes] = []
+        gate.set()
+        with pytest.raises(cache_module.Truncated):
+            async for chunk in follower.chunks():
+                got.append(chunk)
+        assert b"".join(got) in (parts[0], b"".join(parts))  # what it had, never more, never announced complete
+
+    asyncio.run(main())
+    assert cache.stats.files == 0 and not list(tmp_path.glob("r1/*"))

@@ -5,9 +5,11 @@ client with the home proxy as its fallback URL riding out the relay's death."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -237,3 +239,95 @@ def test_relay_command_without_an_upstream_says_what_is_missing(tmp_path: Path) 
     out = subprocess.run([*cmd, "--upstream", "proxy:8000"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 2 and "must start with http:// or https://" in out.stderr
     assert not (tmp_path / "c").exists()
+
+
+class HalfwayUpstream:
+    """A home proxy that sends an adapter's tar in two halves, the second only once ``go`` is set, or that drops
+    the connection there instead (``drop``): the middle of a slow link, which a real proxy on loopback cannot
+    be held at. It answers the relay's conditional probe (304 + sha256) like the real one."""
+
+    def __init__(self, tar: bytes) -> None:
+        self.tar, self.sha = tar, hashlib.sha256(tar).hexdigest()
+        self.go, self.drop, self.sent_rest = threading.Event(), False, False
+        self.server = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.server.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            data = b""
+            while True:
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                head, data = data.split(b"\r\n\r\n", 1)
+                sha = f"X-Content-SHA256: {self.sha}\r\n".encode()
+                if b"if-none-match" in head.lower():
+                    conn.sendall(b"HTTP/1.1 304 Not Modified\r\n" + sha + b"\r\n")
+                    continue
+                half = len(self.tar) // 2
+                conn.sendall(b"HTTP/1.1 200 OK\r\n" + sha + f"Content-Length: {len(self.tar)}\r\n\r\n".encode())
+                conn.sendall(self.tar[:half])
+                self.go.wait(30)
+                if self.drop:
+                    return
+                conn.sendall(self.tar[half:])
+                self.sent_rest = True
+
+    def close(self) -> None:
+        self.go.set()
+        self.server.close()
+
+
+def test_a_caller_gets_the_bytes_while_the_relay_still_fetches_them_and_a_failed_fetch_cuts_it_short(
+    tmp_path: Path,
+) -> None:
+    """Cut-through over real HTTP: the caller has the first half of the tar while the second has not left the
+    home proxy, then all of it, matching the sha256 header; a fetch whose link drops mid-body ends the caller's
+    answer short (its HTTP library says so), and nothing is cached."""
+    tar = os.urandom(4 << 20)
+    upstream = HalfwayUpstream(tar)
+    relay = RelayProc(upstream.url, tmp_path / "c", free_port()).start()
+    gen = {"Authorization": f"Bearer {TOKENS['generator']}"}
+    try:
+        with httpx.Client(base_url=relay.url, timeout=30, headers=gen) as h:
+            with h.stream("GET", "/v1/runs/r1/adapters/1") as r:
+                assert r.status_code == 200 and r.headers["X-Content-SHA256"] == upstream.sha
+                got = b""
+                chunks = r.iter_raw()
+                while len(got) < len(tar) // 2:
+                    got += next(chunks)
+                assert not upstream.sent_rest  # the caller has half the tar, the relay not all of it yet
+                upstream.go.set()
+                got += b"".join(chunks)
+            assert got == tar
+            assert relay.stats()["streamed"] == 1
+            (cached,) = (tmp_path / "c").glob("r1/v1.*.tar")
+            assert cached.read_bytes() == tar
+
+            upstream.go.clear()
+            upstream.drop = True
+            with pytest.raises(httpx.RemoteProtocolError), h.stream("GET", "/v1/runs/r1/adapters/2") as r:
+                assert r.status_code == 200
+                chunks, got = r.iter_raw(), b""
+                while len(got) < len(tar) // 2:
+                    got += next(chunks)
+                upstream.go.set()
+                for _ in chunks:
+                    pass
+        assert not list((tmp_path / "c").glob("r1/v2.*"))
+        assert relay.stats()["upstream_fetches"] == 2
+    finally:
+        relay.kill()
+        upstream.close()

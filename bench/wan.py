@@ -144,12 +144,14 @@ def link_figures(cfg: SimScale, workdir: Path, w: Wiring, after: dict[str, dict[
     adapter = published_bytes(workdir, cfg.adapter_bytes)
     loads: list[tuple[str, int, float]] = []
     retries = 0  # the fleet's requests that failed in transport (a dropped link's) and were sent again
+    outages = 0  # its calls answered unavailable (the relay's 503 for a dead link...): retried or left to expire
     for i in range(cfg.processes):
         path = workdir / f"fleet-{i}.json"
         if path.exists():
             rep = json.loads(path.read_text())
             loads += [tuple(x) for x in rep["loads"]]
             retries += int(rep.get("transport_retries", 0))
+            outages += len(rep.get("outages", []))
     versions = {v for _g, v, _t in loads}
     recovery = after_drop(w, loads, workdir, cfg.processes)
     delta = {r: {d: after[r][d] - w.link_bytes_before.get(r, {}).get(d, 0) for d in ("down", "up")} for r in after}
@@ -159,6 +161,7 @@ def link_figures(cfg: SimScale, workdir: Path, w: Wiring, after: dict[str, dict[
     return {
         "link_bytes": delta,
         "fleet_transport_retries": retries,
+        "fleet_calls_unavailable": outages,
         "versions_crossed": len(versions),
         "loads_per_version": round(loads_per_version, 2),
         "wan_bytes_per_version": round(total / n) if versions else None,

@@ -86,6 +86,9 @@ class FleetStats:
     loads: list[tuple[str, int, float]] = field(default_factory=list)  # (worker, version, wall time loaded)
     wakes: list[tuple[str, int, float, float]] = field(default_factory=list)  # (worker, version, asked, answered)
     errors: list[str] = field(default_factory=list)
+    # Calls that met a proxy (or link) that could not answer and were retried or left to expire: what an outage
+    # costs, not a failure (``errors`` holds those).
+    outages: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -95,6 +98,11 @@ class FleetStats:
     def error(self, text: str) -> None:
         if len(self.errors) < MAX_ERRORS_KEPT:
             self.errors.append(text)
+
+    def failed(self, text: str, exc: Exception) -> None:
+        kept = self.outages if isinstance(exc, errors.Unavailable) else self.errors
+        if len(kept) < MAX_ERRORS_KEPT:
+            kept.append(text)
 
 
 class Api:
@@ -209,7 +217,7 @@ class SimGenerator:
                 await self._fetch(int(info["version"]), str(info["sha256"]))
                 delay = 0.5
             except errors.BucketRLError as exc:
-                self.stats.error(f"{self.worker_id} adapter sync: {exc.code}: {exc.message[:200]}")
+                self.stats.failed(f"{self.worker_id} adapter sync: {exc.code}: {exc.message[:200]}", exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
@@ -272,7 +280,7 @@ class SimGenerator:
             await asyncio.sleep(min(max(1.0 if exc.retry_after is None else exc.retry_after, 0.05), 30.0))
             return []
         except errors.BucketRLError as exc:
-            self.stats.error(f"{self.worker_id} prompt lease: {exc.code}: {exc.message[:200]}")
+            self.stats.failed(f"{self.worker_id} prompt lease: {exc.code}: {exc.message[:200]}", exc)
             await asyncio.sleep(1.0)
             return []
         prompts = resp.json()["prompts"]
@@ -364,7 +372,7 @@ class SimGenerator:
                 await asyncio.sleep(min(max(exc.retry_after or 1.0, 0.05), 30.0))
                 continue
             except errors.Unavailable as exc:
-                self.stats.error(f"{self.worker_id} submit (retrying, same key): {exc.message[:200]}")
+                self.stats.failed(f"{self.worker_id} submit (retrying, same key): {exc.message[:200]}", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
                 continue
@@ -396,7 +404,7 @@ class SimGenerator:
             )
             self.stats.groups_released += len(ids)
         except errors.BucketRLError as exc:  # they expire and are issued again
-            self.stats.error(f"{self.worker_id} prompt release: {exc.code}: {exc.message[:200]}")
+            self.stats.failed(f"{self.worker_id} prompt release: {exc.code}: {exc.message[:200]}", exc)
 
     # -- keeper --------------------------------------------------------------------------------------------
 
@@ -429,7 +437,7 @@ class SimGenerator:
                 }
                 await self.api.call("POST", "metrics", "/metrics", json=push)
             except errors.BucketRLError as exc:
-                self.stats.error(f"{self.worker_id} keeper: {exc.code}: {exc.message[:200]}")
+                self.stats.failed(f"{self.worker_id} keeper: {exc.code}: {exc.message[:200]}", exc)
 
     # -- the whole worker ----------------------------------------------------------------------------------
 

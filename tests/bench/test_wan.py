@@ -44,19 +44,20 @@ def test_arguments(wan: ModuleType) -> None:
         wan.parse_args(["--mode", "relays"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_direct_and_relay_over_tls_through_a_dropped_link(tmp_path: Path) -> None:
     """Two regions behind 100 ms links, HTTPS everywhere (a lab CA; relays serve and verify TLS too), region
-    a's link black-holed for 3 s in each point: training goes on, region a is fed again once its link is back,
-    nothing is lost or trained twice; with relays, a version crosses each region's link once."""
+    a's link black-holed for 30 s in each point (the issue's outage): training goes on, region a is fed again
+    once its link is back, nothing is lost or trained twice; with relays, a version crosses each region's link
+    once."""
     out = tmp_path / "wan.json"
     argv = [sys.executable, str(ROOT / "bench" / "wan.py"), "--rtt-ms", f"{RTT_MS:g}", "--generators", "4"]
-    argv += ["--duration-s", "14", "--step-s", "1.5", "--groups-per-step", "2", "--adapter-mb", "1"]
-    argv += ["--mode", "direct,relay", "--tls", "--drop-s", "3", "--drop-at-s", "3", "--json", str(out)]
+    argv += ["--duration-s", "42", "--step-s", "1.5", "--groups-per-step", "2", "--adapter-mb", "1"]
+    argv += ["--mode", "direct,relay", "--tls", "--drop-s", "30", "--drop-at-s", "3", "--json", str(out)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        stdout, stderr = proc.communicate(timeout=290)
+        stdout, stderr = proc.communicate(timeout=470)
     finally:
         proc.kill()  # no-op once it exited; on a timeout its SIGKILLed lab is swept by the next lab's start
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
@@ -64,7 +65,7 @@ def test_direct_and_relay_over_tls_through_a_dropped_link(tmp_path: Path) -> Non
     assert not [n for n in cleanup.lab_namespaces() if n.pid == proc.pid]
     points = json.loads(out.read_text())["by_rtt_ms"]
     for key, p in points.items():
-        assert p["errors"] == [], (key, p)
+        assert p["errors"] == [], (key, p["errors"])  # the outage's retried calls are the fleet's "outages"
         assert p["accounting_ok"], (key, p["groups"])  # nothing lost, nothing trained twice
         assert p["groups"]["lost"] == 0 and p["groups"]["trained"] > 0, (key, p["groups"])
         assert p["drop"]["region"] == "a", (key, p)

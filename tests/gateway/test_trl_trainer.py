@@ -32,8 +32,8 @@ from tests.generator.helpers import teacher_forced_logprobs
 STEPS = 24
 # 4 groups of 8 completions of 8 tokens a step (two steps' worth in flight): 256 tokens, so one step's mean reward
 # (the even-id share) has a standard deviation of about 0.036 when nothing learns (measured with learning_rate=0
-# over 16 steps; a coin flip per token gives 0.5 / 16 = 0.031). Learning lifts it from about 0.48 to about 0.6
-# within 3 to 10 steps (the cap for this model is about 0.67: trl_cpu.even_ids_reward). bench/trl_reward.py runs
+# over 16 steps; a coin flip per token gives 0.5 / 16 = 0.031). Learning lifts it from about 0.47 to about 0.63
+# over the last 8 steps (the cap for this model is about 0.67: trl_cpu.even_ids_reward). bench/trl_reward.py runs
 # the same settings.
 LEARNS = {"group": 8, "prompts_per_step": 4, "completion_tokens": 8, "learning_rate": 5e-2, "max_inflight": 64}
 # The mean reward of the last 8 steps beats that of the first 4 by MARGIN: 2.7 standard deviations of that
@@ -65,7 +65,7 @@ def test_cpu_tree_attention_is_each_samples_causal_attention() -> None:
         assert torch.allclose(out[idx], dense, atol=1e-5)
 
 
-@pytest.mark.slow  # ~3 min on a loaded 2-core machine: up's preflight, two generators, TRL's 24 steps
+@pytest.mark.slow  # 134-170 s on a shared 2-core machine: up's preflight, two generators, TRL's 24 steps
 def test_async_grpo_trainer_through_bucketrl_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     patch_trl_for_cpu(monkeypatch.setattr)
     # TRL's process shares two cores with two generators, the proxy, Redis and the gateway: with torch's default

@@ -1,8 +1,8 @@
 """TRL 1.16's real ``AsyncGRPOTrainer`` trains on CPU through ``bucketrl up --external-trainer --gateway-port 0``
 (Redis, the proxy, a ``file://`` bucket, two generator processes and the gateway, as a user starts them): its
 weight syncs become committed versions in the bucket that the generators serve, its rollouts are the generators'
-completions, and a generator SIGKILLed mid-run does not stop it. Only TRL's two CUDA-only calls are replaced
-(``tests/gateway/trl_cpu.py``)."""
+completions, a generator SIGKILLed mid-run does not stop it, and the toy reward rises clear of its noise within
+24 steps. Only TRL's two CUDA-only calls are replaced (``tests/gateway/trl_cpu.py``)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,18 @@ from bucketrl.wire import SamplingSpec
 from tests.gateway.trl_cpu import cpu_varlen_attention, patch_trl_for_cpu, trl_trainer
 from tests.generator.helpers import teacher_forced_logprobs
 
-STEPS = 3
+STEPS = 24
+# 4 groups of 8 completions of 8 tokens a step (two steps' worth in flight): 256 tokens, so one step's mean reward
+# (the even-id share) has a standard deviation of about 0.038 when nothing learns (0.036 to 0.040 in three runs with
+# learning_rate=0; a coin flip per token gives 0.5 / 16 = 0.031). Learning lifts it from about 0.47 to about 0.63
+# over the last 8 steps (the cap for this model is about 0.67: trl_cpu.even_ids_reward). bench/trl_reward.py runs
+# the same settings.
+LEARNS = {"group": 8, "prompts_per_step": 4, "completion_tokens": 8, "learning_rate": 5e-2, "max_inflight": 64}
+# The mean reward of the last 8 steps beats that of the first 4 by MARGIN: 2.6 standard deviations of that
+# difference when nothing learns (0.038 * sqrt(1/4 + 1/8) = 0.023), about a 0.5% chance to pass by luck. With
+# learning_rate=0 the test fails there (docs/trl.md).
+FIRST, LAST, MARGIN = 4, 8, 0.06
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -54,16 +65,28 @@ def test_cpu_tree_attention_is_each_samples_causal_attention() -> None:
         assert torch.allclose(out[idx], dense, atol=1e-5)
 
 
-@pytest.mark.slow  # ~2 min on a loaded 2-core machine: up's preflight, two generators, TRL's rollout process
+@pytest.mark.slow  # 134-170 s on a shared 2-core machine: up's preflight, two generators, TRL's 24 steps
 def test_async_grpo_trainer_through_bucketrl_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     patch_trl_for_cpu(monkeypatch.setattr)
+    # TRL's process shares two cores with two generators, the proxy, Redis and the gateway: with torch's default
+    # threads its forward and backward over ~300 tokens took 3 to 14 s a step (oversubscribed), with one 0.25 to 0.6 s.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_through_up(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_through_up(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     with bucketrl_up(run_dir) as url:
         model_dir = run_dir / "model"  # up's built-in tiny model: the run's base_model, so TRL trains the same one
-        trainer = trl_trainer(model_dir, url, tmp_path / "out", steps=STEPS)
+        trainer = trl_trainer(model_dir, url, tmp_path / "out", steps=STEPS, **LEARNS)
         killer = KillAGenerator(run_dir, after_step=1)
         trainer.add_callback(killer)
         trainer.train()
+        reward_rose(trainer.state.log_history)
         assert killer.killed is not None, "no generator was killed mid-run"
         restarted = json.loads((run_dir / "services.json").read_text())
         assert restarted[killer.killed[0]] != killer.killed[1]  # up started the killed generator again
@@ -112,6 +135,14 @@ class KillAGenerator(TrainerCallback):
             self.killed = ("gen-0", pid)
 
 
+def reward_rose(history: list[dict[str, Any]]) -> None:
+    rewards = [h["reward"] for h in history if "reward" in h]
+    print("REWARDS", [round(r, 3) for r in rewards])
+    assert len(rewards) == STEPS, history
+    first, last = sum(rewards[:FIRST]) / FIRST, sum(rewards[-LAST:]) / LAST
+    assert last - first > MARGIN, (first, last, rewards)
+
+
 def served_by_the_pool(run_dir: Path, url: str, model_dir: Path, out: Path, trainer: AsyncGRPOTrainer) -> None:
     history = trainer.state.log_history
     print("HISTORY", [{k: v for k, v in h.items() if "reward" in k or k == "step"} for h in history])
@@ -127,8 +158,10 @@ def served_by_the_pool(run_dir: Path, url: str, model_dir: Path, out: Path, trai
     with ProxyClient(proxy_url, "demo", tokens["generator"]) as client:
         latest = client.wait_for_version(after=0, wait_s=0)
     assert latest is not None and latest.version == last
+    # The garbage collector keeps the versions inside the staleness window and those the gateway leases for TRL.
     adapters = run_dir / "bucket" / "runs" / "demo" / "adapters"
-    assert sorted(p.name for p in adapters.iterdir() if p.name.startswith("v")) == [f"v{i}" for i in range(1, last + 1)]
+    kept = sorted(int(p.name[1:]) for p in adapters.iterdir() if p.name.startswith("v"))
+    assert kept[-1] == last and last - 1 in kept, kept
     adapter = out / ".vllm_lora" / f"trl-policy-v{last}"
     weights = load_file(str(adapter / "adapter_model.safetensors"))
     assert any(t.abs().sum() > 0 for n, t in weights.items() if "lora_B" in n)  # trained away from PEFT's B=0
@@ -139,8 +172,18 @@ def served_by_the_pool(run_dir: Path, url: str, model_dir: Path, out: Path, trai
     ref = teacher_forced_logprobs(model_dir, adapter, [4, 40, 5, 43], choice["token_ids"], SamplingSpec())
     got = choice["logprobs"]["token_logprobs"]
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) < 1e-3
-    # TRL deleted its v1 directory (past its staleness window); the bucket keeps v1's files.
-    untrained = teacher_forced_logprobs(
-        model_dir, adapters / "v1" / "files", [4, 40, 5, 43], choice["token_ids"], SamplingSpec()
-    )
-    assert max(abs(a - b) for a, b in zip(untrained, got, strict=True)) > 1e-3  # and it is not the untrained policy
+    # And it is not the untrained policy (PEFT's B=0 adapter: the base model).
+    untrained = untrained_adapter(model_dir, out / "untrained")
+    base = teacher_forced_logprobs(model_dir, untrained, [4, 40, 5, 43], choice["token_ids"], SamplingSpec())
+    assert max(abs(a - b) for a, b in zip(base, got, strict=True)) > 1e-3
+
+
+def untrained_adapter(model_dir: Path, out: Path) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.generator.helpers import RANK
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear")).save_pretrained(out)
+    return out

@@ -81,14 +81,31 @@ def tiny_tokenizer(model_dir: str) -> Any:
     return tok
 
 
-def low_ids_reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
-    """A toy reward (module-level: TRL pickles it into its rollout process): low token ids score high. It is
-    continuous, so a group of the random tiny model's samples never ties and every step moves the adapter."""
-    return [1.0 - sum(ids) / (64.0 * max(len(ids), 1)) for ids in completion_ids]
+def even_ids_reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
+    """The toy reward (module-level: TRL pickles it into its rollout process): the share of the completion's tokens
+    whose id is even, about 0.48 for the untrained tiny model (near-uniform over its 64 ids). Each token is a coin
+    flip, so a group of 8 samples of 8 tokens almost never ties (a tie is a zero advantage) and every step moves the
+    adapter. LoRA cannot raise it far: the logits are the tied embeddings times a final hidden state of fixed norm
+    (RMSNorm, which LoRA leaves alone), which caps the even share at about 0.67 for the tiny model, and "low token
+    ids score high" (the earlier toy) at 0.60 from 0.51; parity leaves the wider gap."""
+    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
-def trl_trainer(model_dir: Path, url: str, out: Path, *, steps: int, group: int = 4) -> Any:
-    """TRL's ``AsyncGRPOTrainer`` on the tiny model, as a user's script builds it: LoRA, a sync every step."""
+def trl_trainer(
+    model_dir: Path,
+    url: str,
+    out: Path,
+    *,
+    steps: int,
+    group: int = 4,
+    prompts_per_step: int = 2,
+    completion_tokens: int = 6,
+    learning_rate: float = 5e-2,
+    max_inflight: int | None = None,
+) -> Any:
+    """TRL's ``AsyncGRPOTrainer`` on the tiny model, as a user's script builds it: LoRA, a sync every step,
+    ``prompts_per_step`` groups of ``group`` completions a step, ``max_inflight`` requests in flight (default: one
+    step's completions)."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -104,11 +121,11 @@ def trl_trainer(model_dir: Path, url: str, out: Path, *, steps: int, group: int 
         weight_sync_steps=1,
         max_staleness=1,
         num_generations=group,
-        per_device_train_batch_size=2 * group,
-        max_completion_length=6,
-        max_inflight_tasks=2 * group,
+        per_device_train_batch_size=prompts_per_step * group,
+        max_completion_length=completion_tokens,
+        max_inflight_tasks=max_inflight or prompts_per_step * group,
         token_budget=0,  # a fixed count per micro-batch: one step is per_device_train_batch_size samples
-        learning_rate=5e-2,
+        learning_rate=learning_rate,
         dtype="float32",
         use_cpu=True,
         report_to="none",
@@ -119,7 +136,7 @@ def trl_trainer(model_dir: Path, url: str, out: Path, *, steps: int, group: int 
     )
     return AsyncGRPOTrainer(
         model=str(model_dir),
-        reward_funcs=low_ids_reward,
+        reward_funcs=even_ids_reward,
         args=config,
         train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts]}),
         processing_class=tiny_tokenizer(str(model_dir)),

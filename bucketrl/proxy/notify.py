@@ -7,7 +7,8 @@ same atomic step as the change it announces:
 - ``pipeline``: a claim took groups off the queue (or changed the trainer's pace), or prompts were released:
   admission control may now grant a prompt lease that was refused (``POST /prompts/lease`` with ``wait_s``);
 - ``jobs`` / ``jobdone``: a completion job was queued / answered (``state/completion_jobs.py``);
-- ``drains``: a worker was told to drain (``state/drains.py``; its ``GET .../drain?wait_s`` long-poll wakes).
+- ``drains``: a worker was told to drain (``state/drains.py``). The message is the worker's id, and only that
+  worker's ``GET .../drain?wait_s`` long-polls wake (topic ``drains:{worker}``), not every drain poll of the run.
 
 Each proxy app keeps ONE pattern subscription per topic and wakes the in-process waiters of that run and
 topic, so a thousand waiting generators cost one Redis connection, not a thousand.
@@ -42,6 +43,17 @@ TOPICS = {
 }
 PATTERNS = [keys.run_key("*", channel) for channel in TOPICS]
 _PREFIX = "brl:"
+
+
+def drain_topic(worker_id: str) -> str:
+    """The topic one worker's drain long-polls wait on."""
+    return f"drains:{worker_id}"
+
+
+def _topic(topic: str, data: Any) -> str:
+    if topic == "drains" and data:  # keyed by the worker the drain names
+        return drain_topic(data.decode() if isinstance(data, bytes) else str(data))
+    return topic
 
 
 class Notifier:
@@ -119,7 +131,7 @@ class Notifier:
                     channel = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]
                     run, _, name = channel.removeprefix(_PREFIX).partition(":")  # run ids hold no ':'
                     if name in TOPICS:
-                        self.wake(run, TOPICS[name])
+                        self.wake(run, _topic(TOPICS[name], msg.get("data")))
             except asyncio.CancelledError:
                 raise
             except (redis_exc.RedisError, OSError) as exc:

@@ -10,7 +10,11 @@ import threading
 import time
 
 import httpx
+import redis.asyncio as aioredis
 
+from bucketrl.proxy import keys
+from bucketrl.proxy.notify import Notifier, drain_topic
+from bucketrl.proxy.state import drains
 from tests.proxy.harness import TOKENS, ProxyHarness, adapter_tar, make_spec
 from tests.support.services import RedisServer
 
@@ -107,3 +111,29 @@ def test_subscription_recovers_after_redis_restart(proxy_file: ProxyHarness, red
     t.publish_adapter(2, adapter_tar(2))
     th.join(10)
     assert got["info"].version == 2 and time.monotonic() - t0 < 3  # type: ignore[union-attr]
+
+
+def test_a_drain_wakes_only_the_drained_workers_long_poll(redis_server: RedisServer) -> None:
+    """A drain announcement names its worker: that worker's drain long-poll wakes (and finds its notice), another
+    worker's of the same run stays asleep instead of re-reading Redis for nothing."""
+
+    async def main() -> None:
+        r = aioredis.Redis.from_url(redis_server.url)
+        notifier = Notifier.from_url(redis_server.url, 5.0)
+        notifier.start()
+        try:
+            await asyncio.wait_for(notifier.subscribed.wait(), 10)
+            await r.hset(keys.run_key("r1", keys.WORKERS), mapping={"g1": "{}", "g2": "{}"})
+            with notifier.waiter("r1", drain_topic("g2")) as other:
+                polled = asyncio.create_task(drains.wait(r, notifier, "r1", "g1", 10.0))
+                await asyncio.sleep(0.2)  # g1's long-poll is waiting
+                await drains.request(r, "r1", "g1", 30.0)
+                got = await asyncio.wait_for(polled, 5)
+                assert got is not None and got.worker_id == "g1" and 0 < got.notice_s <= 30
+                await asyncio.sleep(0.3)
+                assert not other.is_set()
+        finally:
+            await notifier.stop()
+            await r.aclose()
+
+    asyncio.run(main())

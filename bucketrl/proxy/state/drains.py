@@ -3,8 +3,8 @@
 Redis per run: ``drain:{worker}`` holds the notice's deadline (Redis TIME, like every lease) and expires with
 the notice, so a drain outlives neither its notice nor the worker. The worker learns of it from the answer to its
 next heartbeat (``POST .../metrics``), which carries the seconds left, or at once from its drain long-poll
-(``GET .../workers/{id}/drain?wait_s=N``): a drain publishes on the run's ``drains`` channel (``notify.py``), which
-wakes that run's waiting long-polls to re-read their own key.
+(``GET .../workers/{id}/drain?wait_s=N``): a drain publishes the worker's id on the run's ``drains`` channel
+(``notify.py``), which wakes that worker's waiting long-polls to re-read their key.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from bucketrl import errors
 from bucketrl.proxy import keys
-from bucketrl.proxy.notify import Notifier
+from bucketrl.proxy.notify import Notifier, drain_topic
 from bucketrl.proxy.state.clock import redis_now
 from bucketrl.wire.metrics import DrainNotice
 
@@ -56,7 +56,8 @@ async def wait(r: Any, notifier: Notifier | None, run: str, worker_id: str, wait
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while True:
-        with notifier.waiter(run, "drains") if notifier is not None else contextlib.nullcontext() as event:
+        waiting = notifier.waiter(run, drain_topic(worker_id)) if notifier is not None else contextlib.nullcontext()
+        with waiting as event:
             got = await pending(r, run, worker_id)
             left = deadline - loop.time()
             if got is not None or left <= 0:

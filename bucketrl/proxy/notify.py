@@ -24,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 from redis import exceptions as redis_exc
 
@@ -43,6 +44,7 @@ TOPICS = {
 }
 PATTERNS = [keys.run_key("*", channel) for channel in TOPICS]
 _PREFIX = "brl:"
+T = TypeVar("T")
 
 
 def drain_topic(worker_id: str) -> str:
@@ -142,3 +144,30 @@ class Notifier:
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
+
+
+async def poll_until(
+    notifier: Notifier | None,
+    run: str,
+    topics: tuple[str, ...],
+    wait_s: float,
+    read: Callable[[], Awaitable[T]],
+    ready: Callable[[T], bool],
+    recheck_s: float | None = None,
+) -> T:
+    """A long-poll's loop: ``read()`` until ``ready`` or ``wait_s`` passed, woken by ``run``'s announcements on
+    ``topics``. The waiter is registered BEFORE each read (no lost wake-up, see the module docstring);
+    ``recheck_s`` reads again that often with no announcement (what expires silently, a lease). Without a
+    notifier (tests of the state alone), a 0.2 s sleep instead."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with notifier.waiter(run, *topics) if notifier is not None else contextlib.nullcontext() as event:
+            got = await read()
+            left = deadline - time.monotonic()
+            if ready(got) or left <= 0:
+                return got
+            if event is None:
+                await asyncio.sleep(min(0.2, left))
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout=left if recheck_s is None else min(left, recheck_s))

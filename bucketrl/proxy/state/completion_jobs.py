@@ -16,15 +16,11 @@ reads 404 and submits again); nothing of them is in the bucket.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from bucketrl import errors
 from bucketrl.proxy import keys
-from bucketrl.proxy.notify import Notifier
+from bucketrl.proxy.notify import Notifier, poll_until
 from bucketrl.proxy.state import versions
 from bucketrl.proxy.state.lua import Lua
 from bucketrl.proxy.state.runs import latest_version
@@ -37,8 +33,6 @@ from bucketrl.wire.completion_jobs import (
     CompletionJobResult,
     LeasedCompletionJob,
 )
-
-T = TypeVar("T")
 
 _SUBMIT = Lua.load("cjob_submit.lua")
 _LEASE = Lua.load("cjob_lease.lua")
@@ -108,36 +102,18 @@ async def state_of(r: Any, run: str, request_id: str) -> tuple[str, CompletionJo
     return _text(state), done
 
 
-async def _poll(
-    notifier: Notifier | None,
-    run: str,
-    topics: tuple[str, ...],
-    wait_s: float,
-    read: Callable[[], Awaitable[T]],
-    ready: Callable[[T], bool],
-) -> T:
-    """``read()`` until ``ready`` or ``wait_s`` passed; the waiter is registered BEFORE each read (no lost
-    wake-up, see ``notify.py``). Without a notifier (tests of the state alone), a short sleep instead."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        with notifier.waiter(run, *topics) if notifier is not None else contextlib.nullcontext() as event:
-            got = await read()
-            left = deadline - time.monotonic()
-            if ready(got) or left <= 0:
-                return got
-            if event is None:
-                await asyncio.sleep(min(0.2, left))
-                continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout=min(left, LEASE_SLICE_S))
-
-
 async def wait_result(
     r: Any, notifier: Notifier | None, run: str, request_id: str, wait_s: float
 ) -> tuple[str, CompletionJobResult | None]:
     """The job's state and result, waiting up to ``wait_s`` for the result."""
-    return await _poll(
-        notifier, run, ("jobdone",), wait_s, lambda: state_of(r, run, request_id), lambda x: x[1] is not None
+    return await poll_until(
+        notifier,
+        run,
+        ("jobdone",),
+        wait_s,
+        lambda: state_of(r, run, request_id),
+        lambda x: x[1] is not None,
+        recheck_s=LEASE_SLICE_S,
     )
 
 
@@ -172,8 +148,14 @@ async def lease(
 ) -> CompletionJobLease:
     """Up to ``req.max_jobs`` jobs; with ``wait_s``, waits for a job to be queued, a version to be published
     or a lease to expire (no announcement: re-checked every :data:`LEASE_SLICE_S`)."""
-    return await _poll(
-        notifier, run, ("jobs", "versions"), wait_s, lambda: _lease_once(r, run, req), lambda x: bool(x.jobs)
+    return await poll_until(
+        notifier,
+        run,
+        ("jobs", "versions"),
+        wait_s,
+        lambda: _lease_once(r, run, req),
+        lambda x: bool(x.jobs),
+        recheck_s=LEASE_SLICE_S,
     )
 
 

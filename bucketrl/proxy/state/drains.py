@@ -9,13 +9,11 @@ next heartbeat (``POST .../metrics``), which carries the seconds left, or at onc
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from typing import Any
 
 from bucketrl import errors
 from bucketrl.proxy import keys
-from bucketrl.proxy.notify import Notifier, drain_topic
+from bucketrl.proxy.notify import Notifier, drain_topic, poll_until
 from bucketrl.proxy.state.clock import redis_now
 from bucketrl.wire.metrics import DrainNotice
 
@@ -51,19 +49,7 @@ async def pending(r: Any, run: str, worker_id: str) -> DrainNotice | None:
 
 
 async def wait(r: Any, notifier: Notifier | None, run: str, worker_id: str, wait_s: float) -> DrainNotice | None:
-    """The drain pending for this worker, waiting up to ``wait_s`` for one (woken by the ``drains`` channel; the
-    waiter is registered BEFORE each read, so no drain is missed). Without a notifier, a 0.2 s poll instead."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_s
-    while True:
-        waiting = notifier.waiter(run, drain_topic(worker_id)) if notifier is not None else contextlib.nullcontext()
-        with waiting as event:
-            got = await pending(r, run, worker_id)
-            left = deadline - loop.time()
-            if got is not None or left <= 0:
-                return got
-            if event is None:
-                await asyncio.sleep(min(0.2, left))
-                continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout=left)
+    """The drain pending for this worker, waiting up to ``wait_s`` for one (woken by its ``drains`` topic)."""
+    return await poll_until(
+        notifier, run, (drain_topic(worker_id),), wait_s, lambda: pending(r, run, worker_id), lambda x: x is not None
+    )

@@ -287,7 +287,7 @@ class ProxyClient(WorkerOpsClient):
             body = resp.json()
         except ValueError:
             body = resp.text
-        return None, errors.from_wire(resp.status_code, body, _retry_after(resp))
+        return None, errors.from_wire(resp.status_code, body, retry_after_of(resp))
 
     def _stream(self, method: str, url: str, kw: dict[str, Any], sink: Sink) -> httpx.Response:
         with self._http.stream(method, url, **kw) as resp:
@@ -591,7 +591,8 @@ class ProxyClient(WorkerOpsClient):
                 yield info
 
 
-def _retry_after(resp: httpx.Response) -> float | None:
+def retry_after_of(resp: httpx.Response) -> float | None:
+    """An answer's ``Retry-After`` in seconds (>= 0), None when absent or not a number."""
     raw = resp.headers.get("Retry-After")
     try:
         return max(0.0, float(raw)) if raw else None

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from bucketrl.envs.service import EpisodeService
 
 
-def _error(status: int, code: str, message: str, retry_after: float | None = None) -> JSONResponse:
+def openai_error(status: int, code: str, message: str, retry_after: float | None = None) -> JSONResponse:
+    """An error in OpenAI's shape (the agent router answers in it too), with ``Retry-After`` when given."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = om.OpenAIError(error=om.OpenAIErrorDetail(message=message, type=kind, code=code))
     headers = {"Retry-After": f"{max(0.0, retry_after):.0f}"} if retry_after is not None else None
@@ -51,18 +52,18 @@ def make_app(hub: EpisodeService) -> FastAPI:
     async def _auth(request: Request, call_next: Any) -> Any:
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {hub.token}".encode()):
-            return _error(401, "invalid_api_key", "missing or wrong bearer token (see endpoint.json)")
+            return openai_error(401, "invalid_api_key", "missing or wrong bearer token (see endpoint.json)")
         return await call_next(request)
 
     @app.exception_handler(EndpointError)
     async def _refused(_: Request, exc: EndpointError) -> JSONResponse:
-        return _error(exc.status, exc.code, exc.message, exc.retry_after)
+        return openai_error(exc.status, exc.code, exc.message, exc.retry_after)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
         where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return _error(400, "invalid_request", f"{where}: {first['msg']}")
+        return openai_error(400, "invalid_request", f"{where}: {first['msg']}")
 
     @app.get("/v1/models", response_model=om.ModelList)
     async def models() -> om.ModelList:

@@ -39,6 +39,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from bucketrl.client import retry_after_of
+from bucketrl.envs.endpoint import openai_error
+
 log = logging.getLogger(__name__)
 
 DNS_EVERY_S = 5.0  # generators scaled up or replaced are found within this
@@ -56,20 +59,6 @@ class Refused:
     status: int
     body: bytes
     retry_after: float | None
-
-
-def _error(status: int, code: str, message: str, retry_after: float | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    headers = {"Retry-After": f"{max(0.0, retry_after):.0f}"} if retry_after is not None else None
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _retry_after(resp: httpx.Response) -> float | None:
-    try:
-        return float(resp.headers["retry-after"])
-    except (KeyError, ValueError):
-        return None
 
 
 def _episode_of_model(body: bytes) -> str | None:
@@ -164,7 +153,7 @@ class Router:
                 continue
             if resp.status_code in REFUSED:
                 self.slots[backend] = 0
-                refusals.append(Refused(resp.status_code, await resp.aread(), _retry_after(resp)))
+                refusals.append(Refused(resp.status_code, await resp.aread(), retry_after_of(resp)))
                 await resp.aclose()
                 continue
             if resp.status_code != 200:
@@ -192,7 +181,7 @@ class Router:
         """The refusal that lets the agent back soonest: a 429 over a 503, the smallest Retry-After first."""
         answered = [r for r in refusals if r.status == 429] or [r for r in refusals if r.body]
         if not answered:
-            return _error(503, "unavailable", "no generator endpoint is reachable now: try again", retry_after=5)
+            return openai_error(503, "unavailable", "no generator endpoint is reachable now: try again", retry_after=5)
         best = min(answered, key=lambda r: r.retry_after if r.retry_after is not None else float("inf"))
         headers = {"Retry-After": f"{best.retry_after:.0f}"} if best.retry_after is not None else None
         return Response(best.body, status_code=best.status, headers=headers, media_type="application/json")
@@ -211,7 +200,9 @@ class Router:
                 resp = await self._send(backend, request, body)
             except httpx.TransportError as exc:
                 if backend == known:  # its generator is gone, and with it the episode
-                    return _error(503, "generator_unavailable", f"the generator of episode {episode_id} is gone: {exc}")
+                    return openai_error(
+                        503, "generator_unavailable", f"the generator of episode {episode_id} is gone: {exc}"
+                    )
                 continue
             if resp.status_code != 404 or backend == order[-1]:
                 if last is not None:
@@ -222,7 +213,7 @@ class Router:
             last = resp
         if last is not None:
             return self._passed(last)
-        return _error(404, "episode_not_found", f"no generator holds episode {episode_id!r}")
+        return openai_error(404, "episode_not_found", f"no generator holds episode {episode_id!r}")
 
     def _settled(self, episode_id: str | None, backend: str, request: Request, resp: httpx.Response) -> Response:
         if episode_id:
@@ -248,7 +239,7 @@ class Router:
             data += json.loads(got).get("data", [])
             answered += 1
         if not answered:
-            return _error(503, "unavailable", "no generator endpoint is reachable now: try again", retry_after=5)
+            return openai_error(503, "unavailable", "no generator endpoint is reachable now: try again", retry_after=5)
         return JSONResponse({"object": "list", "data": data})
 
     async def healthz(self, _: Request) -> Response:

@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -98,16 +99,15 @@ class Truncated(Exception):
 @dataclass
 class Flight:
     """One upstream fetch under way. Its bytes go to ``tmp`` and, as they land, to its followers: each reads
-    them with ``pread`` on one descriptor opened with the file, which stays valid when the file is renamed into
-    place or unlinked after a failure, so a follower never races the rename."""
+    them with ``pread`` on its own duplicate of the descriptor opened with the file, which stays valid when the
+    file is renamed into place or unlinked after a failure, so a follower never races the rename."""
 
     tmp: Path
     task: asyncio.Task[None] | None = None
-    rfd: int | None = None
+    rfd: int | None = None  # the fetch's own; closed when it ends (followers hold duplicates)
     written: int = 0
     streaming: asyncio.Event = field(default_factory=asyncio.Event)  # the first bytes are on disk
     progress: asyncio.Event = field(default_factory=asyncio.Event)  # replaced on every write
-    refs: int = 1  # the fetch itself, plus one per follower: the descriptor closes with the last
 
     def wrote(self, n: int) -> None:
         self.written += n
@@ -118,22 +118,21 @@ class Flight:
         old, self.progress = self.progress, asyncio.Event()
         old.set()
 
-    def unref(self) -> None:
-        self.refs -= 1
-        if self.refs == 0 and self.rfd is not None:
+    def ended(self) -> None:
+        self._wake()
+        if self.rfd is not None:
             os.close(self.rfd)
             self.rfd = None
 
-    def ended(self) -> None:
-        self._wake()
-        self.unref()
 
-
-@dataclass
 class Follower:
-    """A caller streaming a fetch under way (cut-through)."""
+    """A caller streaming a fetch under way (cut-through). Its descriptor is closed when its stream ends, or when
+    the follower is collected: an answer whose stream never started (the caller gone first) leaks nothing."""
 
-    flight: Flight
+    def __init__(self, flight: Flight) -> None:
+        assert flight.rfd is not None  # the fetch has written bytes and has not ended
+        self.flight, self.fd = flight, os.dup(flight.rfd)
+        self.close = weakref.finalize(self, os.close, self.fd)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         flight, offset = self.flight, 0
@@ -141,8 +140,7 @@ class Follower:
             while True:
                 woken = flight.progress
                 if offset < flight.written:
-                    assert flight.rfd is not None  # held open by this follower's ref
-                    data = os.pread(flight.rfd, min(CHUNK, flight.written - offset), offset)
+                    data = os.pread(self.fd, min(CHUNK, flight.written - offset), offset)
                     offset += len(data)
                     yield data
                     continue
@@ -153,7 +151,7 @@ class Follower:
                     return
                 await woken.wait()
         finally:
-            flight.unref()
+            self.close()
 
 
 @dataclass
@@ -214,7 +212,6 @@ class AdapterCache:
                     streaming.cancel()
                 if flight.streaming.is_set() and not task.done():
                     self.stats.streamed += 1
-                    flight.refs += 1
                     return Follower(flight)
             await asyncio.shield(task)
             e = self._entries.get(path)

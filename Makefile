@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast lint typecheck docs format bench clean
+.PHONY: setup demo test test-fast test-order mutation-check lock lint typecheck docs format bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -10,15 +10,36 @@ setup:
 demo: setup
 	$(VENV)/bin/bucketrl up
 
-test: setup
-	$(PY) -m pytest -q
+# The suite on two workers: most tests wait on sockets, subprocesses and long-polls, so two share the two cores well;
+# tests marked `alone` get the machine to themselves (docs/testing.md). PYTEST_WORKERS=0 runs it in one process.
+# Every run prints its 40 slowest tests and writes each test's time to build/test-times.json.
+PYTEST_WORKERS ?= 2
+PYTEST = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=40 --durations-min=1
+FAST = not slow and not vllm and not browser and not containers
+ORDER_SEED ?= $(shell date +%s)
 
+test: setup
+	$(PYTEST)
+
+# The inner loop (under 5 minutes): every test not marked slow, vllm, browser or containers.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not vllm and not browser"
+	$(PYTEST) -m "$(FAST)"
+
+# The suite in a random order (ORDER_SEED=N repeats one): shared fixtures must not make tests depend on their order.
+test-order: setup
+	$(PYTEST) -p random_order --random-order-bucket=global --random-order-seed=$(ORDER_SEED)
+
+# Each patch under tests/mutations/ breaks a behaviour; its test must then fail (scripts/mutation_check.py).
+mutation-check: setup
+	$(PY) scripts/mutation_check.py
+
+# Re-resolve locks/dev.txt, the images' locks and the GPU wheels' versions from pyproject.toml (scripts/lock.py).
+lock: setup
+	$(PY) scripts/lock.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check bucketrl tests bench
+	$(VENV)/bin/ruff format --check bucketrl tests bench scripts
 
 # The type checker over bucketrl/ (settings: [tool.mypy] in pyproject.toml).
 typecheck: setup
@@ -29,7 +50,7 @@ docs: setup
 	$(VENV)/bin/mkdocs build --strict -d build/site
 
 format: setup
-	$(VENV)/bin/ruff format bucketrl tests bench
+	$(VENV)/bin/ruff format bucketrl tests bench scripts
 	$(VENV)/bin/ruff check --fix .
 
 bench: setup

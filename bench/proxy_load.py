@@ -87,6 +87,7 @@ import httpx
 import msgpack
 
 from bucketrl.sim.backends import cpu_seconds
+from bucketrl.up.ports import free_port
 from bucketrl.wire.packed import pack_array
 
 RUN = "bench"
@@ -102,12 +103,6 @@ GROUPS_PER_STEP = 64  # the bench run's; the deployed mix's trainer claims a ste
 
 
 # -- processes ---------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

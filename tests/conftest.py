@@ -11,6 +11,9 @@ import pytest
 from tests.proxy.harness import ProxyHarness, running
 from tests.support.services import MotoServer, RedisServer, apply_env
 
+# Per-test times to build/test-times.json; the `alone` marker across xdist workers.
+pytest_plugins = ["tests.support.timings", "tests.support.alone"]
+
 
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[MotoServer]:

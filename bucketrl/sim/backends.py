@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from bucketrl.up.processes import Service, free_port, port_open, redis_server_binary, wait_until
+from bucketrl.up.ports import free_port
+from bucketrl.up.processes import Service, port_open, redis_server_binary, wait_until
 
 if TYPE_CHECKING:
     from bucketrl.sim.pki import Pki

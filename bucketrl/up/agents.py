@@ -14,7 +14,8 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING
 
-from bucketrl.up.processes import bucketrl_command, free_port
+from bucketrl.up.ports import free_port
+from bucketrl.up.processes import bucketrl_command
 
 if TYPE_CHECKING:
     from bucketrl.up.cluster import LocalCluster

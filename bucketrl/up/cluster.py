@@ -45,10 +45,10 @@ from bucketrl.tasks.tiny_model import build_tiny_model
 from bucketrl.trainer.trackers import default_report_to
 from bucketrl.up import agents, external
 from bucketrl.up.config import UpConfig, build_run_spec, max_new_tokens_given, save_options
+from bucketrl.up.ports import free_port
 from bucketrl.up.processes import (
     Service,
     bucketrl_command,
-    free_port,
     port_open,
     redis_server_binary,
     trainer_command,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import zipfile
@@ -30,6 +29,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests.bench.device_image import device_python, image_packages, version_skew
+from tests.containers.podman import parse_pins
 
 pytestmark = pytest.mark.slow
 
@@ -134,11 +134,10 @@ def test_gpu_wheels_are_complete_small_and_leave_torch_to_the_image(tmp_path: Pa
             if needed and canonicalize_name(req.name) not in wheels and canonicalize_name(req.name) not in image:
                 unmet.append(f"{name} needs {spec}")
     assert not unmet, unmet
-    # Pinned to what this repository is tested with (bench/gpu_wheels.sh's pins vs this venv's versions).
-    pins = dict(re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s\\]*)", (ROOT / "bench" / "gpu_wheels.sh").read_text()))
-    from importlib.metadata import version
-
-    assert {n: v for n, v in pins.items() if version(n) != v} == {}, "bench/gpu_wheels.sh's pins differ from .venv"
+    # At the versions this repository is tested with: the dev lock's (tests/test_locks.py holds .venv to that lock).
+    lock = parse_pins((ROOT / "locks" / "dev.txt").read_text())
+    got = {canonicalize_name(w.name.split("-")[0]): w.name.split("-")[1] for w in wheels.values()}
+    assert {n: v for n, v in got.items() if lock.get(n) != v} == {}, "GPU wheels differ from locks/dev.txt"
     wheel_bytes = sum(w.stat().st_size for w in wheels.values())
     tree = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True

@@ -14,7 +14,7 @@ wheel), which never end up in a layer. Podman's own image store is the cache: a 
 machine rebuilds nothing that did not change.
 
 ``python -m tests.containers.podman build`` builds everything (what the test fixtures call);
-``python -m tests.containers.podman lock`` rewrites the images' locks (``services/locks/``) from pyproject.toml.
+``make lock`` (scripts/lock.py) rewrites the images' locks (``services/locks/``) under the dev lock.
 """
 
 from __future__ import annotations
@@ -344,9 +344,10 @@ def parse_pins(text: str) -> dict[str, str]:
 
 
 def resolve_lock(image: ServiceImage, context: Path) -> str:
-    """The image's lock: every version pip resolves for what its Dockerfile installs, resolved inside the Python
-    base image itself (``pip install --dry-run --report``), so markers such as ``python_full_version`` are the
-    image's. Only metadata is downloaded; nothing is built."""
+    """The image's lock: every version pip resolves for what its Dockerfile installs, under the dev lock
+    (``locks/dev.txt``: an image never runs a version the suite did not), resolved inside the Python base image
+    itself (``pip install --dry-run --report``), so markers such as ``python_full_version`` are the image's (bookworm's
+    3.11.2 still needs ``async-timeout`` beside redis, a newer 3.11 does not). Only metadata is downloaded."""
     import json
 
     out = STATE / "lock-report"
@@ -356,7 +357,7 @@ def resolve_lock(image: ServiceImage, context: Path) -> str:
     reqs = " ".join(f"'{r}'" for r in image.requirements)
     script = (
         "python -m venv /tmp/venv && /tmp/venv/bin/pip install -q --dry-run --ignore-installed "
-        f"--report /out/{report.name} {reqs}"
+        f"-c locks/dev.txt --report /out/{report.name} {reqs}"
     )
     proc = podman(
         "run", "--rm", "--network", "host", *pip_mounts(), "-v", f"{context}:/src", "-v", f"{out}:/out", "-w", "/src",
@@ -372,8 +373,8 @@ def resolve_lock(image: ServiceImage, context: Path) -> str:
     )
     header = (
         f"# Lock of the {image.name} image ({image.dockerfile}): the exact version of every package it installs,\n"
-        "# passed to pip as constraints, so a rebuild installs the same set. Regenerate after changing pyproject.toml\n"
-        "# or a version build argument:  python -m tests.containers.podman lock\n"
+        "# passed to pip as constraints, so a rebuild installs the same set. Resolved under locks/dev.txt.\n"
+        "# Generated; do not edit by hand. Refresh after changing pyproject.toml:  make lock\n"
     )
     return header + "".join(f"{name}=={version}\n" for name, version in pins)
 
@@ -400,11 +401,8 @@ def image_size_mb(tag: str) -> float:
 
 
 def main() -> None:
-    if sys.argv[1:] == ["lock"]:
-        write_locks()
-        return
     if sys.argv[1:] != ["build"]:
-        sys.exit("usage: python -m tests.containers.podman build|lock")
+        sys.exit("usage: python -m tests.containers.podman build   (the locks: make lock)")
     for name, seconds in build_all().items():
         print(f"{name}: built in {seconds:.0f} s")
     for image in SERVICE_IMAGES:

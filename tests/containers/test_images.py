@@ -50,7 +50,7 @@ def test_image_installs_exactly_its_lock(built_images: dict[str, float], image: 
     absent = sorted(set(lock) - set(installed))
     assert not extra and not absent, (
         f"{image.tag} differs from services/locks/{image.lock}: installed but not locked {extra}, locked but not "
-        f"installed {absent}. Relock with `python -m tests.containers.podman lock`."
+        f"installed {absent}. Relock with `make lock`."
     )
 
 

@@ -24,9 +24,7 @@ def test_lock_pins_every_dependency_pyproject_names_for_the_image(image: podman.
         if podman.canonical(Requirement(req).name) not in podman.UNLOCKED
         and podman.canonical(Requirement(req).name) not in lock
     ]
-    assert not missing, (
-        f"services/locks/{image.lock} does not pin {missing}: run `python -m tests.containers.podman lock`"
-    )
+    assert not missing, f"services/locks/{image.lock} does not pin {missing}: run `make lock`"
     for name, version in lock.items():
         spec = next((Requirement(r) for r in wanted if podman.canonical(Requirement(r).name) == name), None)
         assert spec is None or spec.specifier.contains(version, prereleases=True), (

@@ -20,7 +20,8 @@ from tests.generator.worker_support import Consumer, create_run, start_generator
 from tests.proxy.harness import ProxyHarness, running
 from tests.support.services import RedisServer
 
-pytestmark = pytest.mark.slow
+# alone: the drain must finish inside its notice and hand back within a second.
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 NOTICE_S = 10.0
 

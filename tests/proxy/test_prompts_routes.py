@@ -75,6 +75,7 @@ def test_dataset_upload_download(proxy: ProxyHarness) -> None:
     assert proxy.client("r1", "viewer").download_dataset() == data
 
 
+@pytest.mark.alone  # the wait is checked to a tenth of a second
 def test_prompt_lease_long_poll_over_http(proxy_file: ProxyHarness) -> None:
     """``wait_s`` holds a refused lease until prompts are released (the pipeline announcement over Redis
     pub/sub), then grants it; a long-poll that times out answers 429 with Retry-After 0."""

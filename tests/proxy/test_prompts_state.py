@@ -308,6 +308,7 @@ def test_strict_on_policy_grants_only_the_version_the_next_step_trains_with(
     run(redis_server, body)
 
 
+@pytest.mark.alone  # the wait is checked to a tenth of a second
 def test_long_polled_lease_is_granted_when_the_trainer_claims(redis_server: RedisServer, tmp_path: Any) -> None:
     """wait_s: a refused lease waits for the run's pipeline announcement (a claim) instead of a 429; a paced-out
     caller with a newer version published is answered at once (Retry-After 0) to ask again with it."""

@@ -27,7 +27,8 @@ from bucketrl.sim.netlab import Lab, LinkSpec, Relay, cleanup
 from bucketrl.sim.netlab.delay import DelayRelay
 from bucketrl.sim.netlab.drop import DropMode
 
-pytestmark = pytest.mark.timeout(120)
+# alone: the lab measures RTT, rates and stall times.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
 PROBE = [sys.executable, "-m", "bucketrl.sim.netlab.probe"]

@@ -24,6 +24,7 @@ GENERATORS = 64
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # 64 generator processes on two cores: paced by the machine
 def test_64_simulated_generators_every_group_accounted_for(tmp_path: Path) -> None:
     cfg = SimScale(
         generators=GENERATORS,

@@ -15,11 +15,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Ports no other process (another test worker, a `bucketrl up`, the kernel's ephemeral choice) can be handed too.
+from bucketrl.up.ports import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["MotoServer", "RedisServer", "apply_env", "free_port", "redis_server_binary", "wait_port"]
 
 
 def wait_port(port: int, timeout_s: float = 20.0, proc: subprocess.Popen | None = None) -> None:

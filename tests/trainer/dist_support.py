@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 import traceback
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,6 @@ def cfg(**overrides: Any) -> TrainerSettings:
     (well within the 1e-6 the gradients are compared to) would shift the defaults' update (lr 1e-2, eps 1e-8)
     by far more than 1e-6: a property of AdamW's conditioning, not of the ranks."""
     return settings(**{"lr": 1e-3, "adam_eps": 1e-6, **overrides})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def specs(model_dir: Path) -> dict[str, RunSpec]:

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from bucketrl.trainer.checkpoint import restore_checkpoint
 from bucketrl.trainer.learner import Learner, StepGroup
 from bucketrl.trainer.ranks import group_tokens, shard_groups
+from bucketrl.up.ports import free_port
 from tests.trainer import dist_support
 from tests.trainer.helpers import random_group
 
@@ -45,7 +46,7 @@ def single(tiny_model_dir: Path) -> dict[str, dict]:
 def ranked(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     """The scenario on 3 ranks and on 2, then the timeout checks on 2, as real processes joined over gloo."""
     out = tmp_path_factory.mktemp("ranks")
-    port = dist_support.free_port()
+    port = free_port()
     mp.start_processes(
         dist_support.run_rank, args=(port, str(tiny_model_dir), str(out)), nprocs=3, start_method="spawn"
     )

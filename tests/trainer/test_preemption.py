@@ -16,7 +16,8 @@ from tests.support.services import RedisServer
 from tests.trainer.fake_generator import FakeGenerator, wait_until
 from tests.trainer.test_worker_processes import audit, lineage, max_step, start_trainer
 
-pytestmark = pytest.mark.slow
+# alone: the checkpoint must land inside the notice.
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 NOTICE_S = 10.0
 

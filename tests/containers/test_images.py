@@ -39,7 +39,13 @@ def test_images_report_sizes_and_only_workers_carry_torch(built_images: dict[str
     for worker in ("trainer", "generator"):
         proc = podman.run(IMAGES[worker], "-c", find_torch, entrypoint="python")
         assert proc.returncode == 0, f"{worker} image has no torch:\n{podman.tail(proc)}"
-    assert sizes["proxy"] < sizes["trainer"] / 3, sizes
+    # What each image adds to the Python base they share: the proxy's stack (FastAPI, Redis, boto3) is a small part
+    # of the trainer's (torch, transformers). Measured over the base, not as whole images: the whole-image ratio
+    # moved with each botocore release (proxy 492 -> 494 MB against a trainer of 1480 -> 1470 MB).
+    base = podman.image_size_mb(podman.PYTHON)
+    added = {name: size - base for name, size in sizes.items()}
+    print("added to the base (MB):", {k: round(v) for k, v in added.items()})
+    assert 0 < added["proxy"] < added["trainer"] / 5, (base, sizes)
 
 
 @pytest.mark.parametrize("image", podman.SERVICE_IMAGES, ids=lambda i: i.name)

@@ -18,6 +18,7 @@ import pytest
 from bucketrl import errors
 from bucketrl.client import ProxyClient
 from bucketrl.proxy import rebuild
+from bucketrl.proxy.state import submit as submit_state
 from bucketrl.wire import RolloutBatch, RunSpec
 from tests.proxy.harness import TOKENS, ProxyHarness, adapter_tar, make_spec
 from tests.proxy.test_queue_state import make_batch
@@ -228,8 +229,12 @@ def test_claim_min_version_drops_older_groups_and_counts_them(proxy_file: ProxyH
 
 
 def test_redis_killed_mid_submit_is_503_and_nothing_is_lost(
-    proxy_file: ProxyHarness, redis_server: RedisServer
+    proxy_file: ProxyHarness, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A batch whose write Redis lost mid-way keeps its write lock (persisted) until the lock's TTL: 120 s, longer than
+    # any object PUT to a real bucket. Its retries wait that out; on a loaded machine the kill often lands mid-write,
+    # and the test then took 120 s of waiting. Here the bucket is a local directory (PUTs take milliseconds): 3 s.
+    monkeypatch.setattr(submit_state, "SUBMIT_LOCK_TTL_MS", 3000)
     s = Setup(proxy_file, dataset={"uri": "toy:digits", "size": 200}, groups_per_step=64, queue_capacity_groups=256)
     batches = [s.batch(2) for _ in range(24)]
     keys = [uuid.uuid4().hex for _ in batches]
@@ -256,7 +261,7 @@ def test_redis_killed_mid_submit_is_503_and_nothing_is_lost(
     redis_server.start()
     # Retries with the same keys (what a generator does): every batch exactly once, none lost.
     g = proxy_file.client(s.run, "generator", retries=5)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 20  # past the lock's TTL, and past the wait for an earlier attempt (20 s)
     for i, b in enumerate(batches):
         while True:
             try:

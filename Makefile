@@ -14,7 +14,7 @@ demo: setup
 # tests marked `alone` get the machine to themselves (docs/testing.md). PYTEST_WORKERS=0 runs it in one process.
 # Every run prints its 40 slowest tests and writes each test's time to build/test-times.json.
 PYTEST_WORKERS ?= 2
-PYTEST = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=40 --durations-min=1
+PYTEST = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=40 --durations-min=1
 FAST = not slow and not vllm and not browser and not containers
 ORDER_SEED ?= $(shell date +%s)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.proxy.harness import ProxyHarness, running
+from tests.support import alone
 from tests.support.services import MotoServer, RedisServer, apply_env
 
 # Per-test times to build/test-times.json; the `alone` marker across xdist workers.
@@ -64,8 +65,5 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` a module's tests stay on one worker (its module-scoped set-up is built once), unless
-    a test names its own ``xdist_group``: tests of several files that share one expensive set-up name the same one."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    """The ``alone`` tests come first (tests/support/alone.py)."""
+    alone.order(items)

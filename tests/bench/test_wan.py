@@ -46,6 +46,7 @@ def test_arguments(wan: ModuleType) -> None:
 
 @pytest.mark.timeout(480)
 @pytest.mark.alone  # its outage and sync figures are timed on the emulated links
+@pytest.mark.slow  # two minutes of emulated WAN: make test, not make test-fast
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_direct_and_relay_over_tls_through_a_dropped_link(tmp_path: Path) -> None:
     """Two regions behind 100 ms links, HTTPS everywhere (a lab CA; relays serve and verify TLS too), region

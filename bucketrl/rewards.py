@@ -10,7 +10,8 @@ that is not a finite number (a string such as ``"1.0"``, NaN) is an error, count
 run spec may use (``reward.name``):
 
     math             final answer from the last \\boxed{...} (else the last number) vs the reference:
-                     exact rational comparison, then math_verify for symbolic forms. kwargs: rel_tol
+                     exact rational comparison, then math_verify for symbolic forms. Both read Arabic-script
+                     numbers (٤٢, ۴۲, ٤٫٥, ١٬٠٠٠, −٣, bidi marks: bucketrl.numerals). kwargs: rel_tol
     exact            completion == answer. kwargs: strip=True, case_sensitive=True
     regex            kwargs pattern=...: 1 if it matches (and, when it has a group and an answer is
                      given, group 1 == answer); without pattern the answer is the pattern (fullmatch).
@@ -49,6 +50,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from bucketrl import errors
+from bucketrl.numerals import normalise_numerals
 from bucketrl.rollout.reward_kinds import Scored, classify_reward
 from bucketrl.tasks.toy import toy_reward
 from bucketrl.wire import RewardSpec
@@ -60,6 +62,9 @@ RewardFn = Callable[..., Any]
 # -- built-in rewards -------------------------------------------------------------------------------
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+# Longer final answers are not handed to math_verify (see math_reward).
+MAX_SYMBOLIC_CHARS = 1000
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -85,7 +90,11 @@ def extract_final_answer(text: str) -> str | None:
 
 
 def _to_fraction(s: str) -> Fraction | None:
-    s = s.strip().strip("$").strip().rstrip(".").replace(",", "").replace(" ", "")
+    s = _strip_answer(s).replace(" ", "")
+    # A comma is a thousands separator only between groups of three digits: "3,4" (a list, or a European
+    # decimal) is no number here, where it used to read as 34.
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
     s = re.sub(r"^\\(?:text|mathrm)\{(.*)\}$", r"\1", s)
     m = re.fullmatch(r"\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", s)
     if m:
@@ -98,8 +107,13 @@ def _to_fraction(s: str) -> Fraction | None:
         return None
 
 
+def _strip_answer(s: str) -> str:
+    """Without the math delimiters around it and the sentence's end after it (``.``, ``?``, ``,``)."""
+    return s.strip().strip("$").strip().rstrip(".?,;").rstrip()
+
+
 def _normalise(s: str) -> str:
-    s = s.strip().strip("$").strip().rstrip(".")
+    s = _strip_answer(s)
     return re.sub(r"\s+|\\!|\\,|\\left|\\right", "", s)
 
 
@@ -111,10 +125,11 @@ def math_reward(completion: str, answer: str | None, *, prompt: str = "", rel_to
     """1.0 when the completion's final answer equals the reference, else 0.0; None without a reference."""
     if answer is None or not str(answer).strip():
         return None
-    pred = extract_final_answer(completion)
+    # Both sides: a reference written in Arabic numerals is compared like a completion written in them.
+    pred = extract_final_answer(normalise_numerals(completion))
     if pred is None:
         return 0.0
-    ref = str(answer)
+    ref = normalise_numerals(str(answer))
     ref_boxed = extract_boxed(ref)
     ref = ref_boxed if ref_boxed is not None else ref
     a, b = _to_fraction(pred), _to_fraction(ref)
@@ -122,6 +137,9 @@ def math_reward(completion: str, answer: str | None, *, prompt: str = "", rel_to
         return 1.0 if abs(a - b) <= rel_tol * max(Fraction(1), abs(b)) else 0.0
     if _normalise(pred) == _normalise(ref):
         return 1.0
+    if len(pred) > MAX_SYMBOLIC_CHARS or len(ref) > MAX_SYMBOLIC_CHARS:
+        # math_verify spent its whole 5 s parsing a 20,000-digit box: no real answer is that long.
+        return 0.0
     try:
         from math_verify import parse, verify
     except ImportError:

@@ -7,7 +7,7 @@ Layers, bottom to top. A module imports modules of its own layer or of a lower o
     1  rollout   bucketrl.rollout: what generators, environments, rewards and the trainer share (samples,
                  examples, episodes, the engine seam, reward classification)
     2  storage   bucketrl.storage: the bucket backends
-    3  tasks     bucketrl.tasks (built-in tiny model and toy task), datasets, rewards
+    3  tasks     bucketrl.tasks (built-in tiny model and toy task), datasets, rewards, numerals (what rewards read)
     4  envs      bucketrl.envs: multi-turn environments and the generator's OpenAI-compatible endpoint
     5  checks    bucketrl.preflight: what every command checks before it starts
     6  services  bucketrl.generator | trainer | proxy | relay | gateway | router: the processes, which never import
@@ -97,7 +97,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("bucketrl.rollout",),
     ("bucketrl.storage",),
-    ("bucketrl.tasks", "bucketrl.datasets", "bucketrl.rewards"),
+    ("bucketrl.tasks", "bucketrl.datasets", "bucketrl.rewards", "bucketrl.numerals"),
     ("bucketrl.envs",),
     ("bucketrl.preflight",),
     (

@@ -14,7 +14,12 @@ The checks, in the order a user meets them:
 5. the reward: it imports, accepts ``reward.kwargs``, and one call on the first dataset row (with the row's
    answer as the completion) returns a number or None within the reward timeout;
 6. a multi-turn run's environment (``env.name``): it imports, is a class with ``rollout``, and is built from
-   ``env.kwargs`` (:func:`check_env`; ``bucketrl up`` checks it with the reward, before the model).
+   ``env.kwargs`` (:func:`check_env`; ``bucketrl up`` checks it with the reward, before the model);
+7. the tokenizer reads the dataset back (:func:`check_tokenizer_coverage`): prompts and answers encoded and
+   decoded again lose no more than 1 % of their characters (dropped, or read as the unknown or padding token).
+   The built-in character-level tokenizer, which knows no Arabic, dropped every Arabic letter, and a run on
+   Arabic data trained on the digits without a word (``dataset.allow_lossy_tokenizer``,
+   ``--allow-lossy-tokenizer``: the user knows, train anyway).
 
 ``names`` maps each check to what the user changes: ``bucketrl up`` passes its flags (``--reward``), the
 workers the run spec's fields (``reward.name``).
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import importlib.util
 import inspect
 import threading
@@ -54,6 +60,7 @@ UP_NAMES = {
     "lora": "--lora-target-modules",
     "max_new_tokens": "--max-new-tokens",
     "context": "--max-new-tokens",
+    "allow_lossy_tokenizer": "--allow-lossy-tokenizer",
 }
 SPEC_NAMES = {
     "model": "base_model (run spec) or BUCKETRL_MODEL_PATH",
@@ -67,6 +74,7 @@ SPEC_NAMES = {
     "lora": "lora.target_modules (run spec)",
     "max_new_tokens": "sampling.max_new_tokens (run spec)",
     "context": "sampling.max_new_tokens (run spec) or BUCKETRL_MAX_MODEL_LEN",
+    "allow_lossy_tokenizer": "dataset.allow_lossy_tokenizer: true (run spec)",
 }
 # A model without a known context: what the longest prompt plus max_new_tokens may use.
 FALLBACK_CONTEXT = 2048
@@ -74,6 +82,11 @@ DEFAULT_MAX_NEW_TOKENS = 512
 REWARD_CALL_TIMEOUT_S = 10.0
 # Prompts (the longest by characters) tokenized to find the longest in tokens.
 LONGEST_CANDIDATES = 256
+# Rows (spread over the dataset) whose text the tokenizer check reads: a big dataset stays a second's work.
+COVERAGE_ROWS = 2000
+# The share of the dataset's characters the tokenizer may read as its unknown or padding token: a stray emoji
+# or control character is no reason to stop a run, a script the tokenizer does not know is.
+MAX_UNKNOWN_SHARE = 0.01
 
 
 class ConfigError(ValueError):
@@ -249,6 +262,60 @@ def longest_prompt(tokenizer: Any, examples: list[Any], names: dict[str, str] = 
     return best, row
 
 
+def _texts(example: Any) -> list[str]:
+    """What the policy reads and writes of one row: its prompt (every message of a chat row) and its answer."""
+    texts = [c for _, c in example.messages] if example.messages is not None else [example.prompt]
+    return texts + ([example.answer] if example.answer else [])
+
+
+def _read_back(tokenizer: Any, text: str) -> tuple[int, str]:
+    """(characters of ``text`` the tokenizer loses, what it reads back): the text encoded and decoded again, both
+    compared after the tokenizer's own normalisation (its normalizer, e.g. NFC or lower case) with whitespace runs
+    as one space. A lost character is one the decoding does not have: dropped (a BPE without an unknown token
+    drops what its vocabulary lacks) or replaced (by the unknown or padding token)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decoded = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+
+    def norm(s: str) -> str:
+        # Sentencepiece-style normalizers write spaces as U+2581: whitespace is compared after them, not before.
+        s = normalizer.normalize_str(s) if normalizer is not None else s
+        return " ".join(s.replace("\u2581", " ").split())
+
+    want, got = norm(text), norm(decoded)
+    if want == got:
+        return 0, decoded
+    kept = sum(block.size for block in difflib.SequenceMatcher(None, want, got, autojunk=False).get_matching_blocks())
+    return max(1, len(want) - kept), decoded
+
+
+def check_tokenizer_coverage(tokenizer: Any, examples: list[Any], names: dict[str, str] = UP_NAMES) -> None:
+    """ConfigError when the tokenizer loses more than :data:`MAX_UNKNOWN_SHARE` of the dataset's characters
+    (:func:`_read_back`: a prompt or answer encoded and decoded again is not the text it was). Reads up to
+    :data:`COVERAGE_ROWS` rows spread over the dataset."""
+    step = max(1, len(examples) // COVERAGE_ROWS)
+    total = lost = 0
+    first: tuple[Any, str, str] | None = None
+    for e in examples[::step][:COVERAGE_ROWS]:
+        for text in _texts(e):
+            n, decoded = _read_back(tokenizer, text)
+            total, lost = total + len(text), lost + n
+            if n and first is None:
+                first = (e, text, decoded)
+    if first is not None and lost > MAX_UNKNOWN_SHARE * total:
+        e, text, decoded = first
+        raise ConfigError(
+            f"{names['dataset']}: the tokenizer of {names['model']} loses {100 * lost / total:.0f}% of the dataset's "
+            f"characters, dropped or read as its unknown or padding token (row {e.index + 1}: {_clip(text)!r} reads "
+            f"back as {_clip(decoded)!r}); use a model whose tokenizer covers them (a byte-level BPE such as "
+            f"Qwen2.5's), or pass {names['allow_lossy_tokenizer']} to train on what it keeps"
+        )
+
+
+def _clip(text: str, n: int = 40) -> str:
+    return text if len(text) <= n else text[: n - 1] + "\u2026"
+
+
 def default_max_new_tokens(context: int | None, longest: int) -> int:
     """``DEFAULT_MAX_NEW_TOKENS``, lowered so the longest prompt still fits (at least 1)."""
     room = (context or FALLBACK_CONTEXT) - longest
@@ -366,6 +433,8 @@ def check_run(
     if reward != "skip" and getattr(spec, "env", None) is not None:
         check_env(spec.env, names)
     config, tokenizer = load_config_and_tokenizer(model, names)
+    if not getattr(spec.dataset, "allow_lossy_tokenizer", False):
+        check_tokenizer_coverage(tokenizer, examples, names)
     report.lora_targets = lora_targets(config, spec.lora.target_modules, names)
     report.longest_prompt_tokens, report.longest_prompt_row = longest_prompt(tokenizer, examples, names)
     context = model_context(config)

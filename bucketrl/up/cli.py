@@ -58,6 +58,14 @@ def up_command(
     ] = None,
     prompt_field: Annotated[str | None, typer.Option(help="Dataset field with the prompt (default prompt).")] = None,
     answer_field: Annotated[str | None, typer.Option(help="Dataset field with the answer (default answer).")] = None,
+    allow_lossy_tokenizer: Annotated[
+        bool | None,
+        typer.Option(
+            "--allow-lossy-tokenizer",
+            help="Train even though the model's tokenizer reads some of the dataset as unknown or padding tokens "
+            "(the preflight refuses that otherwise; run spec dataset.allow_lossy_tokenizer).",
+        ),
+    ] = None,
     reward: Annotated[
         str | None, typer.Option(help="Reward: toy, math, exact, regex or module:function (default per dataset).")
     ] = None,
@@ -142,6 +150,7 @@ def up_command(
             "dataset": dataset,
             "prompt_field": prompt_field,
             "answer_field": answer_field,
+            "allow_lossy_tokenizer": allow_lossy_tokenizer,
             "reward": reward,
             "env": env,
             "openai_port": openai_port,

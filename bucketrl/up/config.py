@@ -66,6 +66,9 @@ class UpConfig(BaseModel):
     runs: list[RunEntry] | None = Field(None, min_length=1)
     prompt_field: str | None = Field(None, min_length=1, description="The dataset's prompt field (default prompt).")
     answer_field: str | None = Field(None, min_length=1, description="The dataset's answer field (default answer).")
+    allow_lossy_tokenizer: bool | None = Field(
+        None, description="Train even though the model's tokenizer reads some of the dataset as unknown tokens."
+    )
     lora_target_modules: list[str] | None = Field(
         None, description="Module-name suffixes LoRA wraps (default all-linear)."
     )
@@ -348,6 +351,8 @@ def build_run_spec(
         dataset["prompt_field"] = cfg.prompt_field
     if cfg.answer_field is not None:
         dataset["answer_field"] = cfg.answer_field
+    if cfg.allow_lossy_tokenizer is not None:
+        dataset["allow_lossy_tokenizer"] = cfg.allow_lossy_tokenizer
     spec["dataset"] = dataset
     if "vocab_size" not in given or cfg.model is not None:
         spec["vocab_size"] = VOCAB_SIZE if base_model == str(model_dir) else vocab_size or spec["vocab_size"]

@@ -50,6 +50,9 @@ class DatasetSpec(StrictWireModel):
     # Number of prompts in one pass; the proxy's prompt cursor wraps passes with it.
     size: int = Field(..., ge=1, le=MAX_WIRE_INT)
     split: ShortStr = "train"
+    # True: the user knows the model's tokenizer reads some of this text as its unknown (or padding) token, and
+    # trains anyway; the preflight refuses such a run otherwise (bucketrl.preflight.check_tokenizer_coverage).
+    allow_lossy_tokenizer: bool = False
 
 
 # TRL's ``loss_type`` names and the aggregation each means, for the message refusing them (TRL's ``bnpo``

@@ -182,7 +182,8 @@ def test_max_new_tokens_default_fits_the_model(tmp_path: Path, tiny_model_dir: P
     from bucketrl.up.config import UpConfig
 
     data = tmp_path / "arith.jsonl"
-    data.write_text("".join(json.dumps({"prompt": "x " * 40, "answer": "1"}) + "\n" for _ in range(3)))
+    # Digits and "+": one token each in the built-in tokenizer (which drops spaces: the preflight refuses "x x").
+    data.write_text("".join(json.dumps({"prompt": "1+" * 20, "answer": "1"}) + "\n" for _ in range(3)))
     cfg = UpConfig(dir=tmp_path / "run", dataset=str(data), reward="exact", max_new_tokens=100 if given else None)
     cluster = LocalCluster(cfg)
     try:

@@ -3,21 +3,33 @@
 Real architecture, real tokenizer files: transformers, peft and vLLM all load the directory like any
 hub checkout. head_dim is 64 because vLLM's CPU attention kernels do not support 16.
 
+``tokenizer="bpe"`` (opt-in, issue 34) builds it with :mod:`bucketrl.tasks.tiny_tokenizer`'s byte-level BPE
+instead (320 tokens, Qwen2's pipeline, a ChatML chat template): any text round-trips, Arabic included. It is not
+the default yet: with it the toy tasks' random-policy reward falls to about a quarter (docs/arabic.md).
+
     python -m bucketrl.tasks.tiny_model /tmp/tiny-qwen2
+    python -m bucketrl.tasks.tiny_model /tmp/tiny-qwen2-bpe --tokenizer bpe
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import string
-import sys
 from pathlib import Path
+from typing import Literal, get_args
+
+from bucketrl.tasks import tiny_tokenizer
 
 PAD, EOS, BOS = "<pad>", "<|endoftext|>", "<|im_start|>"
 SPECIALS = [PAD, EOS, BOS]
 # Characters the toy tasks use; one token each.
 CHARS = list(string.digits + string.ascii_lowercase + " +-*=?:.,()[]<>|#\n!/_;'\"%")
 VOCAB_SIZE = 64  # >= len(SPECIALS) + len(CHARS); the rest are unused rows
+TokenizerKind = Literal["chars", "bpe"]
+TOKENIZERS: tuple[TokenizerKind, ...] = get_args(TokenizerKind)
+# What build_tiny_model wrote into the directory (seed, vocab_size, tokenizer), read back by its idempotency check.
+RECORD = "bucketrl_tiny.json"
 
 
 def vocab(size: int = VOCAB_SIZE) -> dict[str, int]:
@@ -28,6 +40,14 @@ def vocab(size: int = VOCAB_SIZE) -> dict[str, int]:
     assert len(tokens) == VOCAB_SIZE and size >= VOCAB_SIZE, (len(tokens), size)
     tokens += [f"<x{i}>" for i in range(size - VOCAB_SIZE)]
     return {tok: i for i, tok in enumerate(tokens)}
+
+
+def bpe_vocab(size: int = tiny_tokenizer.VOCAB_SIZE) -> dict[str, int]:
+    """Token -> id of the BPE tokenizer (``tokenizer="bpe"``), padded to ``size`` as :func:`vocab` pads."""
+    base = tiny_tokenizer.VOCAB_SIZE
+    tokens = tiny_tokenizer.load().get_vocab()
+    assert len(tokens) == base and size >= base, (len(tokens), size)
+    return {**tokens, **{f"<x{i}>": base + i for i in range(size - base)}}
 
 
 def build_tokenizer(out_dir: Path, size: int = VOCAB_SIZE) -> None:
@@ -42,6 +62,29 @@ def build_tokenizer(out_dir: Path, size: int = VOCAB_SIZE) -> None:
     fast.save_pretrained(out_dir)
 
 
+def build_bpe_tokenizer(out_dir: Path, size: int = tiny_tokenizer.VOCAB_SIZE) -> None:
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    tok = tiny_tokenizer.load()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tiny_tokenizer.SPECIALS])
+    if size > tiny_tokenizer.VOCAB_SIZE:
+        tok.add_tokens([f"<x{i}>" for i in range(size - tiny_tokenizer.VOCAB_SIZE)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, chat_template=tiny_tokenizer.CHAT_TEMPLATE
+    )
+    fast.save_pretrained(out_dir)
+
+
+def built_tokenizer(out: Path) -> TokenizerKind:
+    """The tokenizer kind of a directory build_tiny_model wrote (one written before the kind was recorded: chars)."""
+    record = out / RECORD
+    kind = json.loads(record.read_text()).get("tokenizer", "chars") if record.exists() else "chars"
+    if kind not in TOKENIZERS:
+        raise ValueError(f"{record}: unknown tokenizer {kind!r}")
+    return kind
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -50,19 +93,31 @@ def build_tiny_model(
     layers: int = 2,
     intermediate_size: int = 256,
     kv_heads: int | None = None,
-    vocab_size: int = VOCAB_SIZE,
+    vocab_size: int | None = None,
     dtype: str = "float32",
+    tokenizer: TokenizerKind = "chars",
 ) -> Path:
     """Write a randomly initialised Qwen2 + tokenizer to ``out_dir`` (idempotent) and return it: tiny by default,
-    any shape on request (``bench/gpu_check.py`` builds Qwen2-0.5B's)."""
+    any shape on request (``bench/gpu_check.py`` builds Qwen2-0.5B's). ``tokenizer``: ``"chars"`` (the default,
+    :data:`VOCAB_SIZE` tokens) or ``"bpe"`` (:mod:`bucketrl.tasks.tiny_tokenizer`, opt-in); ``vocab_size``
+    defaults to the tokenizer's own size. A directory already built with the other tokenizer is refused."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        if (built := built_tokenizer(out)) != tokenizer:
+            raise ValueError(
+                f"{out} holds the tiny model built with tokenizer={built!r}, not {tokenizer!r}: "
+                "build into another directory (or delete this one)"
+            )
         return out
     out.mkdir(parents=True, exist_ok=True)
-    ids = vocab(vocab_size)
+    bpe = tokenizer == "bpe"
+    vocab_size = vocab_size or (tiny_tokenizer.VOCAB_SIZE if bpe else VOCAB_SIZE)
+    ids = bpe_vocab(vocab_size) if bpe else vocab(vocab_size)
     # head_dim is no declared field of transformers' dataclass-typed Qwen2Config: passed as an extra, as it accepts.
     config = Qwen2Config(  # type: ignore[call-arg]
         vocab_size=vocab_size,
@@ -81,7 +136,8 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
-    model.generation_config.eos_token_id = ids[EOS]
+    # With the BPE's ChatML template, end-of-turn also ends a completion (as it does for Qwen2.5).
+    model.generation_config.eos_token_id = [ids[EOS], ids[tiny_tokenizer.IM_END]] if bpe else ids[EOS]
     model.generation_config.pad_token_id = ids[PAD]
     from transformers.utils import logging as hf_logging
 
@@ -93,10 +149,22 @@ def build_tiny_model(
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
-    build_tokenizer(out, vocab_size)
-    (out / "bucketrl_tiny.json").write_text(json.dumps({"seed": seed, "vocab_size": vocab_size}))
+    (build_bpe_tokenizer if bpe else build_tokenizer)(out, vocab_size)
+    (out / RECORD).write_text(json.dumps({"seed": seed, "vocab_size": vocab_size, "tokenizer": tokenizer}))
     return out
 
 
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bucketrl.tasks.tiny_model", description="Write the built-in tiny Qwen2 model."
+    )
+    parser.add_argument("out_dir", nargs="?", default="tiny-qwen2", help="where to write it (default: tiny-qwen2)")
+    parser.add_argument(
+        "--tokenizer", choices=TOKENIZERS, default="chars", help="chars (default) or bpe (opt-in, byte-level BPE)"
+    )
+    args = parser.parse_args(argv)
+    print(build_tiny_model(args.out_dir, tokenizer=args.tokenizer))
+
+
 if __name__ == "__main__":
-    print(build_tiny_model(sys.argv[1] if len(sys.argv) > 1 else "tiny-qwen2"))
+    main()

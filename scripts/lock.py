@@ -35,17 +35,6 @@ def canonical(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
-def parse_pins(text: str) -> dict[str, str]:
-    """``{canonical name: version}`` of a lock's ``name==version`` lines."""
-    pins: dict[str, str] = {}
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        if "==" in line and " @ " not in line:
-            name, version = line.split("==", 1)
-            pins[canonical(name)] = version.strip()
-    return pins
-
-
 def extras() -> list[str]:
     return list(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MUTATIONS = ROOT / "tests" / "mutations"
+sys.path.insert(0, str(ROOT))
+from tests.support.tree import tree_files  # noqa: E402  (the repository root, put on the path above)
 
 
 def tests_of(patch: Path) -> list[str]:
@@ -33,18 +35,10 @@ def tests_of(patch: Path) -> list[str]:
 
 
 def copy_tree(dest: Path) -> None:
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
-    for raw in filter(None, listed):
-        src = ROOT / raw.decode()
-        if src.is_file():
-            target = dest / raw.decode()
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, target)
+    for rel in tree_files(ROOT):
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, target)
     (dest / ".venv").symlink_to(ROOT / ".venv")
 
 

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.support.tree import tree_files
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 STANDINS = HERE / "standins"
@@ -276,22 +278,13 @@ def build_context() -> Path:
     A copy, so the canaries never touch the developer's checkout; its content is what `docker build .` at the
     repository root would see (minus ignored files, which .dockerignore keeps out anyway).
     """
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
     context = STATE / "context"
     if context.exists():
         shutil.rmtree(context)
-    for raw in filter(None, listed):
-        rel = raw.decode()
-        src = ROOT / rel
-        if src.is_file():
-            dst = context / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst)
+    for rel in tree_files(ROOT):
+        dst = context / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dst)
     for rel in CANARY_FILES:
         path = context / rel
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,8 @@ import logging
 import os
 import socket
 import sys
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -18,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from bucketrl import errors
 from bucketrl.client import Outage, ProxyClient
 from bucketrl.cost import detect_gpu_class
+from bucketrl.spot_notice import DEFAULT_DMI_DIR, OnNotice, SpotWatch, start_watch
 from bucketrl.tls import TransportSecurity
 from bucketrl.wire import MetricsPush
 from bucketrl.wire.common import ID_PATTERN
@@ -84,6 +86,49 @@ class WorkerSettings(BaseSettings):
         description="BUCKETRL_PRESIGNED_ADAPTERS: ask for adapter downloads straight from an S3 bucket (a presigned "
         "URL the proxy hands out when BUCKETRL_PRESIGN_ADAPTERS_S is set; no bucket keys on the worker).",
     )
+
+    spot_notice: Literal["auto", "aws", "gcp", "azure", "off"] = Field(
+        "auto",
+        description="BUCKETRL_SPOT_NOTICE: watch this cloud's preemption notice and drain with the time it gives "
+        "(AWS IMDSv2 spot/instance-action, GCP instance/preempted, Azure Scheduled Events Preempt; "
+        "bucketrl/spot_notice.py); 'auto' recognises the cloud from the DMI files (no request sent) and watches "
+        "nothing where none is recognised; 'off' watches nothing.",
+    )
+    spot_metadata_url: str = Field(
+        "",
+        description="BUCKETRL_SPOT_METADATA_URL: base URL of the cloud's metadata service; empty = the cloud's own "
+        "(http://169.254.169.254 on AWS and Azure, http://metadata.google.internal on GCP).",
+    )
+    spot_poll_s: float = Field(
+        2.0,
+        gt=0.0,
+        le=60.0,
+        description="BUCKETRL_SPOT_POLL_S: seconds between two looks at an AWS or Azure notice (GCP's request "
+        "waits for the change itself).",
+    )
+    dmi_dir: str = Field(
+        DEFAULT_DMI_DIR,
+        description="BUCKETRL_DMI_DIR: where BUCKETRL_SPOT_NOTICE=auto reads the machine's identity (sys_vendor, "
+        "product_name, bios_vendor, bios_version, chassis_asset_tag).",
+    )
+
+    def spot_watch(self, on_notice: OnNotice, stop: threading.Event) -> SpotWatch | None:
+        """Start this worker's spot-notice watcher (None: no cloud to watch, nothing sent)."""
+        return start_watch(
+            self.spot_notice,
+            on_notice,
+            stop,
+            base_url=self.spot_metadata_url,
+            dmi_dir=self.dmi_dir,
+            poll_s=self.spot_poll_s,
+        )
+
+    @field_validator("spot_metadata_url")
+    @classmethod
+    def _metadata_url(cls, v: str) -> str:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError(f"BUCKETRL_SPOT_METADATA_URL must start with http:// or https://, got {v!r}")
+        return v.rstrip("/")
 
     @property
     def security(self) -> TransportSecurity:

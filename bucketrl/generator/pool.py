@@ -114,11 +114,14 @@ class PoolGenerator:
         signal.signal(signal.SIGINT, self.request_stop)
 
     def run(self) -> int:
+        spot = self.settings.spot_watch(self.notice_given, self.stop_event)  # the cloud's own notice (issue 33)
         try:
             if self._setup():
                 self._loop()
         finally:
             self._shutdown()
+            if spot is not None:
+                spot.done()
         return 0
 
     def _setup(self) -> bool:

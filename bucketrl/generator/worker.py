@@ -145,12 +145,16 @@ class GeneratorWorker:
         signal.signal(signal.SIGINT, self.request_stop)
 
     def run(self) -> int:
+        # The cloud's own notice (bucketrl/spot_notice.py), heard from the start: a reclaim can come mid-load too.
+        spot = self.settings.spot_watch(self.notice_given, self.stop_event)
         try:
             if not self._setup():
                 return 0
             self._loop()
         finally:
             self._shutdown()
+            if spot is not None:
+                spot.done()  # Azure: the drain is over, the VM may go now (not before: the whole notice is ours)
         return 0
 
     def _setup(self) -> bool:

@@ -148,10 +148,11 @@ class TrainerWorker:
         self.stop_requested.set()
         self.outage.stopping()
 
-    def drained(self, notice_s: float) -> None:
-        """A drain (issue 25; its long-poll or a push's answer): stop as SIGTERM does, checkpoint at once."""
+    def drained(self, notice_s: float, why: str = "drain") -> None:
+        """A drain (issue 25; its long-poll or a push's answer) or the cloud's spot notice (issue 33): stop as
+        SIGTERM does, checkpoint at once."""
         if self.notice_s is None:
-            log.warning("preemption notice (drain, %.1fs): finishing the step, then checkpointing at once", notice_s)
+            log.warning("preemption notice (%s, %.1fs): finishing the step, then checkpointing at once", why, notice_s)
             self.notice_s = notice_s
         self.request_stop()
 
@@ -161,10 +162,13 @@ class TrainerWorker:
 
     def run(self) -> int:
         code = EXIT_ERROR
+        spot = self.settings.spot_watch(self.drained, self.stop_requested)  # the cloud's own notice (issue 33)
         try:
             code = self._run_reporting()
             return code
         finally:
+            if spot is not None:
+                spot.done()  # Azure: acknowledged once the checkpoint is written, not before
             if self.speaker is not None:  # the other ranks exit with rank 0's code
                 self.speaker.stop(code)
 

@@ -123,6 +123,13 @@ class WorkerSettings(BaseSettings):
             poll_s=self.spot_poll_s,
         )
 
+    @field_validator("spot_notice", mode="before")
+    @classmethod
+    def _spot_notice(cls, v: object) -> object:
+        if v not in ("auto", "aws", "gcp", "azure", "off"):
+            raise ValueError(f"BUCKETRL_SPOT_NOTICE must be auto, aws, gcp, azure or off, got {v!r}")
+        return v
+
     @field_validator("spot_metadata_url")
     @classmethod
     def _metadata_url(cls, v: str) -> str:

@@ -147,12 +147,18 @@ def test_azure_hears_only_a_preempt_of_this_vm_and_acknowledges_only_when_done()
 
 def test_a_bad_spot_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BUCKETRL_SPOT_NOTICE", "gce")
-    with pytest.raises(ValidationError, match="spot_notice"):
+    with pytest.raises(ValidationError, match="BUCKETRL_SPOT_NOTICE"):
         GeneratorSettings()
     monkeypatch.setenv("BUCKETRL_SPOT_NOTICE", "aws")
     monkeypatch.setenv("BUCKETRL_SPOT_METADATA_URL", "169.254.169.254")
     with pytest.raises(ValidationError, match="BUCKETRL_SPOT_METADATA_URL"):
         GeneratorSettings()
+    # As an operator meets it: one line naming the setting, exit 2, before anything is contacted.
+    env = {**os.environ, "BUCKETRL_PROXY_URL": "http://127.0.0.1:9", "BUCKETRL_SPOT_NOTICE": "gce"}
+    out = subprocess.run([sys.executable, "-m", "bucketrl.cli", "generator"], env=env, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "BUCKETRL_SPOT_NOTICE" in lines[0], out.stderr
 
 
 # Run in a fresh interpreter: an audit hook (PEP 578) sees every socket the process creates, connects or resolves a

@@ -125,7 +125,8 @@ async def _build_context(settings: ProxySettings, auth: TokenAuth, telemetry: Te
     from redis.backoff import ExponentialBackoff
 
     meter = BucketMeter()
-    store = MeteredStore(open_store(settings.bucket_url, s3_endpoint_url=settings.s3_endpoint_url), meter)
+    s3 = {"s3_addressing_style": settings.s3_addressing_style, "s3_region": settings.s3_region or None}
+    store = MeteredStore(open_store(settings.bucket_url, s3_endpoint_url=settings.s3_endpoint_url, **s3), meter)
     # A blocking pool: past max_connections a request waits (up to redis_timeout_s) for a connection instead of
     # failing at once. redis-py's default pool refuses more than 100 connections per process, which answered
     # 503 on every route at 128+ simulated generators (bench/scale_sim.py).

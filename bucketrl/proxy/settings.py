@@ -1,6 +1,7 @@
 """Proxy settings (``BUCKETRL_*`` environment variables). Built in ``create_app``, never at import."""
 
 import os
+from typing import Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -14,7 +15,19 @@ class ProxySettings(BaseSettings):
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for coordination state.")
     bucket_url: str = Field("file:///tmp/bucketrl-bucket", description="file:///abs/dir or s3://bucket/prefix.")
-    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, R2, Ceph...).")
+    s3_endpoint_url: str | None = Field(
+        None,
+        description="S3-compatible endpoint (MinIO, R2, Ceph, a Hugging Face Storage Bucket's "
+        "https://s3.hf.co/<namespace>...).",
+    )
+    s3_addressing_style: Literal["auto", "path", "virtual"] = Field(
+        "auto",
+        description="BUCKETRL_S3_ADDRESSING_STYLE: 'path' (http://host/bucket/key), 'virtual' (http://bucket.host/key) "
+        "or 'auto' (path with an endpoint, botocore's own choice on AWS).",
+    )
+    s3_region: str = Field(
+        "", description="BUCKETRL_S3_REGION: the region S3 requests are signed for; empty = boto3's (AWS_REGION...)."
+    )
     tokens: str = Field("", description="Comma-separated role:token pairs (admin, trainer, generator, viewer).")
     tokens_file: str | None = Field(None, description="File with one role:token pair a line.")
     host: str = Field("127.0.0.1", description="Bind address of `bucketrl proxy`.")
@@ -109,6 +122,20 @@ class ProxySettings(BaseSettings):
     rebuild_forced: bool = Field(
         False, description="Rebuild every run from the bucket at start (what `bucketrl proxy --rebuild` sets)."
     )
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _s3_endpoint(cls, v: str | None) -> str | None:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError(f"BUCKETRL_S3_ENDPOINT_URL must start with http:// or https://, got {v!r}")
+        return v
+
+    @field_validator("s3_addressing_style", mode="before")
+    @classmethod
+    def _s3_style(cls, v: object) -> object:
+        if v not in ("auto", "path", "virtual"):
+            raise ValueError(f"BUCKETRL_S3_ADDRESSING_STYLE must be auto, path or virtual, got {v!r}")
+        return v
 
     @field_validator("prices")
     @classmethod

@@ -26,10 +26,17 @@ _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
 _EXAMPLES = "file:///absolute/dir or s3://bucket/optional/prefix"
 
 
-def open_store(url: str, *, s3_endpoint_url: str | None = None) -> BucketStore:
+def open_store(
+    url: str,
+    *,
+    s3_endpoint_url: str | None = None,
+    s3_addressing_style: str | None = None,
+    s3_region: str | None = None,
+) -> BucketStore:
     """The store for ``url`` (the value of BUCKETRL_BUCKET_URL). Raises :class:`errors.Invalid` on a bad URL.
 
-    ``s3_endpoint_url`` overrides BUCKETRL_S3_ENDPOINT_URL for ``s3://`` URLs.
+    For ``s3://`` URLs, ``s3_endpoint_url``, ``s3_addressing_style`` and ``s3_region`` override
+    BUCKETRL_S3_ENDPOINT_URL, BUCKETRL_S3_ADDRESSING_STYLE and BUCKETRL_S3_REGION.
     """
     if not isinstance(url, str) or not url.strip():
         raise errors.Invalid(f"BUCKETRL_BUCKET_URL is empty; expected {_EXAMPLES}")
@@ -39,7 +46,7 @@ def open_store(url: str, *, s3_endpoint_url: str | None = None) -> BucketStore:
     if parts.scheme == "file":
         return _open_file(url, parts.netloc, unquote(parts.path))
     if parts.scheme == "s3":
-        return _open_s3(url, parts.netloc, parts.path, s3_endpoint_url)
+        return _open_s3(url, parts.netloc, parts.path, s3_endpoint_url, s3_addressing_style, s3_region)
     hint = f" (did you mean file://{url}?)" if url.startswith("/") else ""
     raise errors.Invalid(
         f"BUCKETRL_BUCKET_URL {url!r} has an unsupported scheme {parts.scheme!r}{hint}; expected {_EXAMPLES}"
@@ -60,7 +67,9 @@ def _open_file(url: str, host: str, path: str) -> BucketStore:
     return FileStore(path.rstrip("/"))
 
 
-def _open_s3(url: str, bucket: str, path: str, endpoint_url: str | None) -> BucketStore:
+def _open_s3(
+    url: str, bucket: str, path: str, endpoint_url: str | None, addressing_style: str | None, region: str | None
+) -> BucketStore:
     if "@" in bucket or ":" in bucket:
         raise errors.Invalid(
             f"BUCKETRL_BUCKET_URL {url!r}: put credentials in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
@@ -75,4 +84,4 @@ def _open_s3(url: str, bucket: str, path: str, endpoint_url: str | None) -> Buck
         raise errors.Invalid(f"BUCKETRL_BUCKET_URL {url!r} has an invalid prefix: {exc.message}") from exc
     from bucketrl.storage.s3 import S3Store
 
-    return S3Store(bucket, prefix, endpoint_url=endpoint_url)
+    return S3Store(bucket, prefix, endpoint_url=endpoint_url, addressing_style=addressing_style, region=region)

@@ -2,18 +2,28 @@
 
 Configuration, all standard:
     BUCKETRL_S3_ENDPOINT_URL   endpoint of an S3-compatible store (or pass ``endpoint_url``); unset = AWS.
-                               boto3 also honours AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL on its own.
+                               boto3 also honours AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL on its own. It may carry
+                               a path: a Hugging Face Storage Bucket's is ``https://s3.hf.co/<namespace>``.
+    BUCKETRL_S3_ADDRESSING_STYLE  ``path`` (``http://host/bucket/key``), ``virtual`` (``http://bucket.host/key``)
+                               or ``auto`` (the default: path with an endpoint, botocore's own choice on AWS).
+    BUCKETRL_S3_REGION         the region requests are signed for; unset = boto3's chain (AWS_REGION, ...).
     AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, AWS_DEFAULT_REGION / AWS_REGION
                                credentials and region, read by boto3's usual chain (env, config files, IAM role).
+
+A Hugging Face Storage Bucket through its S3-compatible gateway, as its docs give the settings:
+``BUCKETRL_BUCKET_URL=s3://<bucket>/<prefix>``, ``BUCKETRL_S3_ENDPOINT_URL=https://s3.hf.co/<namespace>``,
+``BUCKETRL_S3_ADDRESSING_STYLE=path``, ``BUCKETRL_S3_REGION=us-east-1`` and the ``HFAK...`` key pair in
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``.
 
 Atomicity comes from S3 itself: an object written by one PUT, or by a multipart upload, is invisible
 until the PUT returns / the upload is completed. Objects up to ``multipart_threshold`` go up in a single
 PUT; bigger ones use boto3's managed multipart upload (parts in parallel, aborted on failure), streaming
 from the file object so a large checkpoint is never held whole in memory.
 
-With a custom endpoint the client uses path-style addressing (``http://host/bucket/key``: MinIO and
-moto need it, every S3-compatible store accepts it) and only sends the checksums a request requires
-(several S3-compatible stores reject the newer default CRC headers).
+With a custom endpoint the client uses path-style addressing unless told otherwise (``http://host/bucket/key``:
+MinIO, moto and Hugging Face's gateway need it; a store that serves only virtual-hosted names, such as CoreWeave's,
+takes ``virtual``) and only sends the checksums a request requires (several S3-compatible stores, Hugging Face's
+gateway among them, reject the newer default CRC headers).
 
 botocore errors are translated here and nowhere else: a missing key -> :class:`errors.NotFound`; an
 unreachable endpoint, missing bucket, bad credentials, throttling or a 5xx -> :class:`errors.Unavailable`
@@ -39,6 +49,7 @@ from bucketrl.storage.paths import normalize_prefix, validate_key
 DEFAULT_MULTIPART_THRESHOLD = 16 * 1024 * 1024
 DEFAULT_MULTIPART_CHUNKSIZE = 16 * 1024 * 1024  # S3's minimum part size is 5 MiB; s3transfer raises smaller ones
 DELETE_BATCH = 1000  # the DeleteObjects limit
+ADDRESSING_STYLES = ("auto", "path", "virtual")
 _NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
 _CREDENTIAL_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "403"}
 
@@ -55,6 +66,8 @@ class S3Store:
         prefix: str = "",
         *,
         endpoint_url: str | None = None,
+        addressing_style: str | None = None,
+        region: str | None = None,
         multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
         multipart_chunksize: int = DEFAULT_MULTIPART_CHUNKSIZE,
         max_concurrency: int = 4,
@@ -65,6 +78,9 @@ class S3Store:
         self.bucket = bucket
         self.prefix = normalize_prefix(prefix)  # "" or "some/prefix/"
         self.endpoint_url = endpoint_url or os.environ.get("BUCKETRL_S3_ENDPOINT_URL") or None
+        self.addressing_style = addressing_style or os.environ.get("BUCKETRL_S3_ADDRESSING_STYLE") or "auto"
+        self.region = region or os.environ.get("BUCKETRL_S3_REGION") or None
+        self._check_options()
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
         self.multipart_threshold = multipart_threshold
         self.transfer_config = boto3.s3.transfer.TransferConfig(
@@ -76,6 +92,18 @@ class S3Store:
         # The readiness probe must answer fast when the endpoint is down: one attempt, short timeouts.
         self._probe_client = self._make_client(2.0, 5.0, attempts=1)
 
+    def _check_options(self) -> None:
+        """Refused at once, naming the setting: nothing would reach the store otherwise."""
+        if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
+            raise errors.Invalid(
+                f"BUCKETRL_S3_ENDPOINT_URL must start with http:// or https://, got {self.endpoint_url!r}"
+            )
+        if self.addressing_style not in ADDRESSING_STYLES:
+            raise errors.Invalid(
+                f"BUCKETRL_S3_ADDRESSING_STYLE must be one of {', '.join(ADDRESSING_STYLES)}, "
+                f"got {self.addressing_style!r}"
+            )
+
     def _make_client(self, connect_timeout_s: float, read_timeout_s: float, attempts: int) -> Any:
         options: dict[str, Any] = {
             "connect_timeout": connect_timeout_s,
@@ -83,13 +111,18 @@ class S3Store:
             "retries": {"max_attempts": attempts, "mode": "standard"},
             "max_pool_connections": 32,  # the proxy calls the store from a thread pool
         }
+        style = self.addressing_style
+        if style == "auto" and self.endpoint_url:
+            style = "path"
+        if style != "auto":
+            options["s3"] = {"addressing_style": style}
         if self.endpoint_url:
-            options["s3"] = {"addressing_style": "path"}
             options["request_checksum_calculation"] = "when_required"
             options["response_checksum_validation"] = "when_required"
         # A session per store: boto3's default session is shared global state and not thread-safe to create.
         session = boto3.session.Session()
-        return session.client("s3", endpoint_url=self.endpoint_url, config=botocore.config.Config(**options))
+        config = botocore.config.Config(**options)
+        return session.client("s3", endpoint_url=self.endpoint_url, region_name=self.region, config=config)
 
     def _full(self, key: str) -> str:
         return self.prefix + validate_key(key)
@@ -116,7 +149,8 @@ class S3Store:
             raise errors.Unavailable(f"S3 error {code or '?'} while trying to {what} on {where}: {exc}") from exc
         except (botocore.exceptions.BotoCoreError, boto3.exceptions.Boto3Error) as exc:
             raise errors.Unavailable(
-                f"cannot {what} on {where}: {exc}; check BUCKETRL_S3_ENDPOINT_URL and the AWS_* credentials"
+                f"cannot {what} on {where}: {exc}; check BUCKETRL_S3_ENDPOINT_URL, BUCKETRL_S3_ADDRESSING_STYLE "
+                "and the AWS_* credentials"
             ) from exc
 
     # -- writes --------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ itself with the time the cloud gave it, through the same path as SIGTERM or a pr
 
 ``BUCKETRL_SPOT_NOTICE`` picks the cloud (``aws``, ``gcp``, ``azure``), ``off``, or ``auto`` (the default), which
 recognises the cloud from the machine's own identity, the DMI files under ``BUCKETRL_DMI_DIR``, never by sending a
-request: a laptop, a CI runner or any machine no cloud identifies watches nothing and contacts no metadata address.
+request: a laptop, an on-premises server or any machine no cloud identifies watches nothing and contacts no
+metadata address (a test suite run on a cloud VM sets ``off``).
 
 What each cloud documents, and what the watcher does with it:
 

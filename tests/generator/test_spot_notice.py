@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.generator.helpers import make_adapter
 from tests.generator.worker_support import Consumer, create_run, start_generator, wait_until
-from tests.proxy.harness import ProxyHarness, running
+from tests.proxy.harness import ProxyHarness, adapter_files, running
 from tests.support.cloud_metadata import CloudMetadata
 from tests.support.services import RedisServer
 
@@ -47,7 +46,11 @@ def heard_line(log: Path, cloud: str) -> str | None:
 def test_a_generator_on_each_cloud_hears_its_notice_and_drains_losing_nothing(
     proxy: ProxyHarness, redis_server: RedisServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    adapter = make_adapter(tiny_model_dir, tmp_path / "v1", seed=13)
+    # The simulated engine reads no weights: a valid adapter directory is enough (no peft model to build).
+    adapter = tmp_path / "v1"
+    adapter.mkdir()
+    for name, data in adapter_files("spot-v1").items():
+        (adapter / name).write_bytes(data)
     # Room in the pipeline for all four to sample at once (admission control: groups_per_step x max_staleness).
     trainer, _ = create_run(
         proxy, "spot", tiny_model_dir, adapter, groups_per_step=8, max_staleness=2, queue_capacity_groups=32

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from bucketrl.envs.endpoint import make_app
 from bucketrl.envs.engine_queue import EngineQueue, TurnRequest
 from bucketrl.envs.protocol import EpisodeContext, Row, is_async
 from bucketrl.envs.templates import tool_syntax
@@ -122,6 +121,8 @@ class EpisodeService:
 
     async def _startup(self) -> None:
         import uvicorn
+
+        from bucketrl.envs.endpoint import make_app  # FastAPI: the generator imports it only for multi-turn runs
 
         self._open_lock = asyncio.Lock()
         # Keep-alive longer than the clients' (httpx expires idle connections after 5 s): a server that closes an

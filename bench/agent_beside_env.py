@@ -35,14 +35,17 @@ GROUPS = 3
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
 
 
-def open_episode(http: httpx.Client) -> tuple[dict[str, Any], int]:
-    """An episode after as many 429s as it takes (each waited out as Retry-After says); and the 429s."""
-    refusals = 0
+def open_episode(http: httpx.Client) -> tuple[dict[str, Any], float, int]:
+    """An episode after as many 429s as it takes (each waited out as Retry-After says); the seconds from the first
+    ask to the episode and the 429s. A 503 (no policy loaded yet, at the start) is waited out, not counted."""
+    refusals, asked = 0, None
     while True:
         r = http.post("/v1/episodes", json={"agent": "bench"})
-        if r.status_code != 429:
-            return r.raise_for_status().json(), refusals
-        refusals += 1
+        if r.status_code not in (429, 503):
+            return r.raise_for_status().json(), 0.0 if asked is None else time.monotonic() - asked, refusals
+        if r.status_code == 429:
+            refusals += 1
+            asked = asked or time.monotonic()
         time.sleep(float(r.headers.get("retry-after") or 1))
 
 
@@ -64,8 +67,7 @@ def agent_groups(url: str, token: str, group_size: int, pause_s: float) -> list[
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
     rows = []
     for _ in range(GROUPS):
-        asked = time.monotonic()
-        first, refusals = open_episode(http)
+        first, waited, refusals = open_episode(http)
         admitted = time.monotonic()
         eps = [first] + [open_episode(http)[0] for _ in range(group_size - 1)]
         statuses: list[int] = []
@@ -79,7 +81,7 @@ def agent_groups(url: str, token: str, group_size: int, pause_s: float) -> list[
                 "prompt_id": first["prompt_id"],
                 "prompts": sorted({e["prompt_id"] for e in eps}),
                 "version": first["version"],
-                "wait_s": admitted - asked,
+                "wait_s": waited,
                 "refusals": refusals,
                 "life_s": time.monotonic() - admitted,
                 "finish_statuses": statuses,

@@ -13,7 +13,10 @@ the window close before the others are trained. Steps that other generators feed
 admits fewer; with ``r_other`` the trainer's step rate times the share of the run's trained groups that were not
 this generator's (counted by the proxy, answered with each submit) and ``D`` an agent group's measured life,
 Little's law leaves ``C = groups_per_step * (max_staleness - r_other * D)`` (``BUCKETRL_MAX_OPEN_EPISODES``
-overrides it).
+overrides it). Groups handed over are counted off as the trainer steps (this generator's share of
+``groups_per_step`` a version, oldest first: the proxy's queue is FIFO), and a group past its window is trained or
+dropped by then. (The proxy's count of trained groups is not used for that: the trainer acks a group only with the
+checkpoint that holds it, so the count lags the training by up to a checkpoint interval.)
 
 **Fair share.** ``C`` is divided max-min fair among the sources that ask (:func:`fair_shares`): a source that wants
 less than an equal part gets what it wants, the rest is split evenly, a tie goes to the source that has waited
@@ -132,7 +135,8 @@ class Admission:
         self.step_s = Ewma()  # seconds per trainer step (policy versions as this generator learns of them)
         self.own_share: float | None = None  # this generator's share of the run's trained groups (proxy's count)
         self._counts: deque[tuple[int, int]] = deque()  # (run's trained, this generator's trained), oldest first
-        self._pending: deque[str] = deque()  # sources of groups handed over and not yet trained, oldest first
+        # (source, version) of the groups handed over and not yet trained, oldest first (the proxy's queue is FIFO)
+        self._pending: deque[tuple[str, int]] = deque()
         self._trained_credit = 0.0
         self._agent_staleness: deque[int] = deque(maxlen=8)
         self._newest: int | None = None
@@ -153,7 +157,10 @@ class Admission:
     def pending(self) -> int:
         return len(self._pending)
 
-    def on_version(self, newest: int, groups_per_step: int) -> None:
+    def pending_sources(self) -> list[str]:
+        return [s for s, _ in self._pending]
+
+    def on_version(self, newest: int, groups_per_step: int, max_staleness: int) -> None:
         now = self.clock()
         if self._newest is None or newest <= self._newest:
             if self._newest is None:
@@ -161,18 +168,20 @@ class Admission:
             return
         steps = newest - self._newest
         self.step_s.add((now - self._since) / steps)
-        # The trainer took this generator's share of each step's groups, oldest first (the proxy's queue is FIFO).
         self._trained_credit += groups_per_step * steps * (1.0 if self.own_share is None else self.own_share)
         while self._pending and self._trained_credit >= 1.0:
             self._pending.popleft()
             self._trained_credit -= 1.0
         if not self._pending:
             self._trained_credit = 0.0
+        # Past its window a group is trained or dropped by now, whatever the counts say (they restart with Redis).
+        while self._pending and self._pending[0][1] < newest - max_staleness:
+            self._pending.popleft()
         self._newest, self._since = newest, now
 
-    def on_handed(self, source: str, life_s: float, staleness: int) -> None:
-        """A group of ``source`` went to the submitter after ``life_s`` seconds, ``staleness`` versions old."""
-        self._pending.append(source)
+    def on_handed(self, source: str, version: int, life_s: float, staleness: int) -> None:
+        """A group of ``source`` at ``version`` went to the submitter after ``life_s`` s, ``staleness`` versions old."""
+        self._pending.append((source, version))
         src = self.source(source)
         src.life.add(life_s)
         src.seen = self.clock()
@@ -218,7 +227,9 @@ class Admission:
 
     def asking(self, open_groups: list[OpenGroup], has_env: bool) -> list[str]:
         """The sources asking now: agents, those waiting longest first, then the environment (if the run has one)."""
-        busy = {g.source for g in open_groups} | set(self._pending) | {n for n in self.sources if self.waiting(n)}
+        busy = (
+            {g.source for g in open_groups} | set(self.pending_sources()) | {n for n in self.sources if self.waiting(n)}
+        )
         since = {n: s.waiting_since or math.inf for n, s in self.sources.items()}
         agents = sorted(busy - {ENV}, key=lambda n: (since.get(n, math.inf), n))
         return [*agents, *([ENV] if has_env else [])]
@@ -226,7 +237,7 @@ class Admission:
     def usage(self, open_groups: list[OpenGroup]) -> dict[str, int]:
         """Each source's groups open or handed over and not yet trained."""
         used: dict[str, int] = {}
-        for s in [g.source for g in open_groups] + list(self._pending):
+        for s in [g.source for g in open_groups] + self.pending_sources():
             used[s] = used.get(s, 0) + 1
         return used
 
@@ -239,7 +250,7 @@ class Admission:
         used = self.usage(open_groups)
         demands = {s: used.get(s, 0) + int(s == asker or self.waiting(s)) for s in order}
         if has_env:
-            demands[ENV] = max(demands[ENV], self._pending.count(ENV) + limits.target)
+            demands[ENV] = max(demands[ENV], self.pending_sources().count(ENV) + limits.target)
         return fair_shares(self.capacity(limits), demands, order)
 
     def held(self, open_groups: list[OpenGroup], new_version: int, newest: int, limits: Limits) -> int:
@@ -263,7 +274,10 @@ class Admission:
             fair = min(fair, env_room)
         # The hold's room that agents waiting for a slot of their share are owed is not this source's to take.
         owed = sum(1 for s in share if s not in (source, ENV) and self.waiting(s) and share[s] > used.get(s, 0))
-        return min(fair, held - owed)
+        room = min(fair, held - owed)
+        # Nothing open and nobody else waiting: one group starts whatever the books say, so that a count that is off
+        # (a group counted as not yet trained that was) never leaves the trainer without work.
+        return max(room, 1) if not open_groups and not owed else room
 
     # -- an agent's ask ------------------------------------------------------------------------------
 

@@ -158,7 +158,7 @@ class EpisodeDriver:
         w = self.w
         assert w.spec is not None and w.submitter is not None
         with self._admission_lock:
-            self.admission.on_version(w.book.newest_known, w.spec.groups_per_step)
+            self.admission.on_version(w.book.newest_known, w.spec.groups_per_step, w.spec.max_staleness)
             if (counts := w.submitter.trained_counts) is not None:
                 self.admission.on_trained(*counts)
             gauges = self.admission.gauges()
@@ -268,7 +268,7 @@ class EpisodeDriver:
         for group in self.svc.take_finished():
             with self._admission_lock:
                 staleness = w.book.newest_known - group.version
-                self.admission.on_handed(group.source, time.monotonic() - group.created, staleness)
+                self.admission.on_handed(group.source, group.version, time.monotonic() - group.created, staleness)
             w.metrics.generated(sum(len(t.completion_ids) for e in group.episodes for t in e.turns))
             batch = GeneratedBatch(
                 version=group.version,

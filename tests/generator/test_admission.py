@@ -39,18 +39,18 @@ def test_fair_shares_are_max_min() -> None:
 def test_a_waiting_agent_gets_the_next_free_slot_and_its_wait_is_counted() -> None:
     clock = Clock()
     a = Admission(clock=clock)
-    a.on_version(6, 2)
+    a.on_version(6, 2, 4)
     env8 = groups(*[(ENV, 6, 1.0)] * 8)
     assert room(a, ENV, env8[:7], newest=6) == 1  # no agent asks: the environment runs its target
-    a.on_handed(ENV, 3.0, 0)  # its groups live about 3 s
-    a.on_version(6, 2)
+    a.on_handed(ENV, 6, 3.0, 0)  # its groups live about 3 s
+    a.on_version(6, 2, 4)
     no = a.refuse(A, env8, 6, 6, LIMITS, has_env=True)  # all 8 slots are the environment's: the agent waits
     assert no.retry_after_s == pytest.approx(2.0)  # 2 must end (8 open, 1 not trained): each ~3 s, 1 s old
     assert "env 9" in no.reason and "capacity 8" in no.reason and "(agent 1, env 7)" in no.reason  # the shares
     # Environment groups end and are trained (the trainer stepped): their slots are kept for the agent; with
     # the open ones a version older, the window holds 2 x 3 groups, so 3 must end before the agent's starts.
     clock.t += 2.0
-    a.on_version(7, 2)
+    a.on_version(7, 2, 4)
     assert a.pending == 0
     assert room(a, ENV, env8[:7], newest=7) <= 0 and room(a, A, env8[:7], newest=7) <= 0
     assert room(a, ENV, env8[:5], newest=7) == 0  # the environment does not take the slot back
@@ -91,7 +91,7 @@ def test_an_old_open_agent_group_stops_new_groups_until_it_is_done() -> None:
     assert room(a, ENV, groups((ENV, 5, 1.0), (ENV, 6, 1.0)), newest=6, limits=limits) == 0
     assert room(a, ENV, groups((ENV, 6, 1.0)), newest=6, limits=limits) == 3  # 2 x 2 - 1
     # Groups handed over and not yet trained count as work ahead of it too.
-    a.on_handed(ENV, 1.0, 0)
+    a.on_handed(ENV, 6, 1.0, 0)
     assert room(a, A, groups((A, 5, 1.0)), newest=6, limits=limits) == 0
     # Nothing open: one group always starts (strict on-policy too: never none, or the run would stall).
     strict = Limits(group_size=4, groups_per_step=2, max_staleness=0, target=8)
@@ -105,11 +105,11 @@ def test_the_own_share_is_the_proxys_count_of_trained_groups() -> None:
     a.on_trained(10, 10)
     a.on_trained(30, 30)  # alone: every group the run trained was this generator's
     assert a.gauges()["admission/own_share"] == 1.0
-    a.on_version(1, 2)
-    a.on_handed(A, 20.0, 0)  # an agent's group lives 20 s
+    a.on_version(1, 2, 4)
+    a.on_handed(A, 1, 20.0, 0)  # an agent's group lives 20 s
     for v in range(2, 12):  # the trainer steps once a second
         clock.t += 1.0
-        a.on_version(v, 2)
+        a.on_version(v, 2, 4)
     assert a.other_steps_per_group(20.0) == 0.0 and a.capacity(LIMITS) == 8
     # Another generator joins and feeds half of the run's groups: a 20 s group sees 10 steps it cannot hold back.
     for run, mine in ((50, 40), (70, 50), (90, 60), (110, 70)):
@@ -122,6 +122,34 @@ def test_the_own_share_is_the_proxys_count_of_trained_groups() -> None:
     assert a.own_share == 1.0
 
 
+def test_groups_not_yet_trained_are_counted_off_by_steps_or_by_their_window() -> None:
+    a = Admission(clock=Clock())
+    a.on_version(5, 2, 4)
+    for source in (ENV, A, ENV):
+        a.on_handed(source, 5, 1.0, 0)
+    a.on_version(6, 2, 4)  # a step trains groups_per_step of them, the oldest first
+    assert a.pending_sources() == [ENV]
+    b = Admission(clock=Clock())
+    b.on_trained(10, 5)
+    b.on_trained(30, 15)  # half of the run's groups are this generator's: a step trains one of them
+    b.on_version(5, 2, 4)
+    for source in (ENV, A, ENV):
+        b.on_handed(source, 5, 1.0, 0)
+    b.on_version(6, 2, 4)
+    assert b.pending_sources() == [A, ENV]
+    b.on_version(10, 2, 4)  # past its window: trained or dropped by now, whatever the count says
+    assert b.pending == 0
+
+
+def test_nothing_open_always_admits_one_group_unless_an_agent_waits_for_it() -> None:
+    a = Admission(clock=Clock())
+    for _ in range(8):  # eight groups counted as not yet trained (e.g. the trainer publishes every few steps)
+        a.on_handed(A, 5, 1.0, 0)
+    assert room(a, ENV, []) == 1 and room(a, A, []) == 1
+    a.refuse(B, [], 5, 5, LIMITS, has_env=True)
+    assert room(a, ENV, []) == 0 and room(a, B, []) == 1
+
+
 def test_the_explicit_limit_counts_whole_groups() -> None:
     a = Admission(max_open_episodes=9)
     assert a.capacity(LIMITS) == 2
@@ -131,10 +159,10 @@ def test_the_explicit_limit_counts_whole_groups() -> None:
 
 def test_retry_after_is_the_soonest_expected_end_and_stays_in_bounds() -> None:
     a = Admission(clock=Clock())
-    a.on_handed(A, 12.0, 0)
+    a.on_handed(A, 5, 12.0, 0)
     assert a.expected_wait(groups((A, 5, 5.0), (A, 5, 1.0))) == pytest.approx(7.0)
     assert a.expected_wait(groups((A, 5, 50.0))) == 1.0  # overdue: ask again soon
-    a.on_handed(ENV, 100.0, 0)
+    a.on_handed(ENV, 5, 100.0, 0)
     assert a.expected_wait(groups((ENV, 5, 0.0))) == 30.0
     assert Admission().expected_wait([]) == 1.0
 

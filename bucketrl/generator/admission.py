@@ -31,8 +31,9 @@ trained) stay below ``groups_per_step * (v_g + max_staleness - newest)``, one gr
 holds its version for its whole life: once it is old, no new group starts, the trainer runs out of work and waits
 for it. The room a waiting agent's share is owed is not another source's to take.
 
-A refused agent is told (429, Retry-After) when the slot it waits for should free: the expected end of the soonest
-group holding it, from each source's measured group life.
+A refused agent is told (429, Retry-After) when the slot it waits for should free: the expected end of the groups
+that must end first, from each source's measured group life, plus a trainer step. With nothing open and no agent
+waiting, one group always starts, so that the trainer is never left without work by books that are off.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from bucketrl.wire.runs import versions_left
 
 ALPHA = 0.3  # EWMA weight of the newest sample: a few groups move it, one outlier does not
 SLACK_GROUPS = 1  # the trainer's claims and the generator's view of newest are not in lockstep
@@ -175,7 +178,7 @@ class Admission:
         if not self._pending:
             self._trained_credit = 0.0
         # Past its window a group is trained or dropped by now, whatever the counts say (they restart with Redis).
-        while self._pending and self._pending[0][1] < newest - max_staleness:
+        while self._pending and versions_left(self._pending[0][1], newest, max_staleness) < 0:
             self._pending.popleft()
         self._newest, self._since = newest, now
 
@@ -255,7 +258,8 @@ class Admission:
 
     def held(self, open_groups: list[OpenGroup], new_version: int, newest: int, limits: Limits) -> int:
         """The version hold: new groups at ``new_version`` that leave every open group inside the window."""
-        headroom = min(v + limits.max_staleness - newest for v in [*(g.version for g in open_groups), new_version])
+        versions = [*(g.version for g in open_groups), new_version]
+        headroom = min(versions_left(v, newest, limits.max_staleness) for v in versions)
         room = limits.groups_per_step * headroom - SLACK_GROUPS + 1 - self.pending - len(open_groups)
         # Nothing open: one group always starts (a trainer short of a step's groups would otherwise wait forever).
         return max(room, 1) if not open_groups else room

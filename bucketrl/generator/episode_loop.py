@@ -39,6 +39,7 @@ from bucketrl.rollout.engine import Engine
 from bucketrl.rollout.episodes import EndpointError, GroupRun
 from bucketrl.rollout.example import Example
 from bucketrl.wire import PromptLeaseItem, RunSpec
+from bucketrl.wire.runs import versions_left
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class EpisodeDriver:
         w = self.w
         slot = w.book.current()
         assert w.spec is not None
-        return slot is not None and slot.version >= w.book.newest_known - w.spec.max_staleness
+        return slot is not None and versions_left(slot.version, w.book.newest_known, w.spec.max_staleness) >= 0
 
     def _measure(self) -> None:
         """Feed admission control the trainer's pace and the proxy's counts; publish its gauges."""
@@ -189,7 +190,7 @@ class EpisodeDriver:
         w = self.w
         assert w.spec is not None
         newest, limit = w.book.newest_known, w.spec.max_staleness
-        if group.version >= newest - limit:
+        if versions_left(group.version, newest, limit) >= 0:
             return None
         age = time.monotonic() - group.created
         why = (

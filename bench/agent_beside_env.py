@@ -6,7 +6,7 @@ Prints per group the wait from its first ask to its admission, the 429s, its lif
 trained it (the trainer's audit log, with the batch objects the bucket held), then the run's stale drops, the
 generator's staleness warnings, its `admission/*` metrics and how the run ended.
 
-    .venv/bin/python bench/agent_beside_env.py                # ~20 s groups (pause 18 s), 40 steps
+    .venv/bin/python bench/agent_beside_env.py                # ~20 s groups (pause 18 s), 60 steps
     .venv/bin/python bench/agent_beside_env.py --pause 4 --max-steps 24 --json out.json   # a quicker run
 
 Target (issue 36): all three groups trained, each admitted within one group's life of its first ask, 0 groups
@@ -181,7 +181,7 @@ def watch_admission(run_dir: Path, into: dict[str, float], stop: threading.Event
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pause", type=float, default=18.0, help="seconds between an episode's two model calls")
-    p.add_argument("--max-steps", type=int, default=40)
+    p.add_argument("--max-steps", type=int, default=60, help="long enough to train the third group after it ends")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--groups-per-step", type=int, default=2)
     p.add_argument("--json", type=Path, help="also write the figures here")

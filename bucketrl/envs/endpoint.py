@@ -12,8 +12,9 @@ recorded into the episode. Refused: ``stream`` on ``/v1/completions``, ``n`` > 1
 one episode, a model name of another episode or version (that fails the episode), calls past ``episode.max_turns``
 (fails it too) or past the context (``BUCKETRL_MAX_MODEL_LEN``, ``episode.max_episode_tokens``). A finish whose
 group is already too stale to be trained answers 409 ``stale_group`` with the reason (the episode is recorded all
-the same). ``POST /v1/episodes`` past the generator's admission control answers 429 ``admission`` with
-Retry-After (:mod:`bucketrl.generator.admission`). Auth: ``Authorization: Bearer <token>``.
+the same). ``POST /v1/episodes`` (an optional body ``{"agent": name}`` names the caller for fair admission) past the
+generator's admission control answers 429 ``admission`` with Retry-After (:mod:`bucketrl.generator.admission`).
+Auth: ``Authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,11 +31,35 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from bucketrl.envs import openai_models as om
 from bucketrl.envs.parsers import parse
 from bucketrl.envs.streaming import stream_response
-from bucketrl.envs.templates import render
-from bucketrl.rollout.episodes import EndpointError, Episode
+from bucketrl.envs.templates import ToolSyntax, render
+from bucketrl.rollout.engine import SampledCompletion
+from bucketrl.rollout.episodes import EndpointError, Episode, EpisodeBook
 
-if TYPE_CHECKING:
-    from bucketrl.envs.service import EpisodeService
+
+class EpisodeHub(Protocol):
+    """What the routes use of the episodes' side of a generator (:class:`bucketrl.envs.service.EpisodeService`)."""
+
+    token: str
+    book: EpisodeBook
+    tokenizer: Any
+    syntax: ToolSyntax
+    vocab_size: int
+
+    @property
+    def max_turns(self) -> int: ...
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def live_models(self) -> list[str]: ...
+
+    async def sample(self, ep: Episode, prompt_ids: list[int], max_tokens: int | None) -> SampledCompletion: ...
+
+    async def open_external(self, agent: str | None) -> Episode: ...
+
+    def finish_external(self, ep: Episode, reward: Any, error: str | None) -> None: ...
 
 
 def openai_error(status: int, code: str, message: str, retry_after: float | None = None) -> JSONResponse:
@@ -45,7 +70,7 @@ def openai_error(status: int, code: str, message: str, retry_after: float | None
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def make_app(hub: EpisodeService) -> FastAPI:
+def make_app(hub: EpisodeHub) -> FastAPI:
     app = FastAPI(title="bucketrl generator endpoint (OpenAI-compatible)", docs_url=None, redoc_url=None)
 
     @app.middleware("http")
@@ -81,8 +106,8 @@ def make_app(hub: EpisodeService) -> FastAPI:
         return await _text_completion(hub, req)
 
     @app.post("/v1/episodes", response_model=om.EpisodeOpen)
-    async def open_episode() -> om.EpisodeOpen:
-        ep = await hub.open_external()
+    async def open_episode(ask: om.EpisodeAsk | None = None) -> om.EpisodeOpen:
+        ep = await hub.open_external(ask.agent if ask is not None else None)
         return _opened(hub, ep)
 
     @app.post("/v1/episodes/{episode_id}/finish", response_model=om.EpisodeFinished)
@@ -96,7 +121,7 @@ def make_app(hub: EpisodeService) -> FastAPI:
     return app
 
 
-async def _chat_completion(hub: EpisodeService, req: om.ChatRequest) -> om.ChatCompletion:
+async def _chat_completion(hub: EpisodeHub, req: om.ChatRequest) -> om.ChatCompletion:
     """One model turn of the episode ``req.model`` names, from chat messages (tool calls parsed out)."""
     _plain(req.n, False)
     ep = hub.book.episode_for(req.model)
@@ -134,7 +159,7 @@ async def _chat_completion(hub: EpisodeService, req: om.ChatRequest) -> om.ChatC
     )
 
 
-async def _text_completion(hub: EpisodeService, req: om.CompletionRequest) -> om.TextCompletion:
+async def _text_completion(hub: EpisodeHub, req: om.CompletionRequest) -> om.TextCompletion:
     """One model turn of the episode ``req.model`` names, from a text or token-id prompt."""
     _plain(req.n, req.stream)
     if req.echo:
@@ -159,7 +184,7 @@ async def _text_completion(hub: EpisodeService, req: om.CompletionRequest) -> om
     )
 
 
-def _completion_prompt_ids(hub: EpisodeService, req: om.CompletionRequest) -> list[int]:
+def _completion_prompt_ids(hub: EpisodeHub, req: om.CompletionRequest) -> list[int]:
     """A completion request's prompt as token ids (a text prompt tokenized without special tokens)."""
     if isinstance(req.prompt, str):
         prompt_ids = [int(t) for t in hub.tokenizer.encode(req.prompt, add_special_tokens=False)]
@@ -173,7 +198,7 @@ def _completion_prompt_ids(hub: EpisodeService, req: om.CompletionRequest) -> li
     return prompt_ids
 
 
-def _text_logprobs(hub: EpisodeService, token_ids: list[int], logprobs: list[float]) -> om.CompletionLogprobs:
+def _text_logprobs(hub: EpisodeHub, token_ids: list[int], logprobs: list[float]) -> om.CompletionLogprobs:
     pieces = [hub.decode([t]) for t in token_ids]
     offsets, at = [], 0
     for p in pieces:
@@ -210,7 +235,7 @@ def _usage(prompt_ids: list[int], completion_ids: list[int]) -> om.Usage:
     )
 
 
-def _chat_logprobs(hub: EpisodeService, ids: list[int], logprobs: list[float]) -> om.ChoiceLogprobs:
+def _chat_logprobs(hub: EpisodeHub, ids: list[int], logprobs: list[float]) -> om.ChoiceLogprobs:
     out = []
     for t, lp in zip(ids, logprobs, strict=True):
         piece = hub.decode([t])
@@ -218,7 +243,7 @@ def _chat_logprobs(hub: EpisodeService, ids: list[int], logprobs: list[float]) -
     return om.ChoiceLogprobs(content=out)
 
 
-def _opened(hub: EpisodeService, ep: Episode) -> om.EpisodeOpen:
+def _opened(hub: EpisodeHub, ep: Episode) -> om.EpisodeOpen:
     ex = ep.group.example
     return om.EpisodeOpen(
         episode_id=ep.id,

@@ -206,6 +206,14 @@ class EpisodeRow(BaseModel):
     messages: list[dict[str, str]] | None = None
 
 
+class EpisodeAsk(_Loose):
+    """``POST /v1/episodes``'s optional body. ``agent``: the caller's name, so that agents sharing the endpoint's
+    token are told apart by the generator's fair admission (docs/multi-turn.md "Slow agents"); without it every
+    caller of the token is one agent."""
+
+    agent: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,32}$")
+
+
 class EpisodeOpen(BaseModel):
     episode_id: str
     # The name to send as ``model`` on every call of this episode: it pins the policy version.

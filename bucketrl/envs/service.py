@@ -56,7 +56,7 @@ class EpisodeService:
         token: str,
         host: str = "127.0.0.1",
         port: int = 0,
-        new_external_group: Callable[[], GroupRun] | None = None,
+        new_external_group: Callable[[str | None], GroupRun] | None = None,
         on_episode_closed: Callable[[Episode], None] | None = None,
         stale_reason: Callable[[GroupRun], str | None] | None = None,
         env_threads: int = 64,
@@ -122,7 +122,7 @@ class EpisodeService:
     async def _startup(self) -> None:
         import uvicorn
 
-        from bucketrl.envs.endpoint import make_app
+        from bucketrl.envs.endpoint import make_app  # FastAPI: the generator imports it only for multi-turn runs
 
         self._open_lock = asyncio.Lock()
         # Keep-alive longer than the clients' (httpx expires idle connections after 5 s): a server that closes an
@@ -329,7 +329,9 @@ class EpisodeService:
 
     # -- external agents ------------------------------------------------------------------------------
 
-    async def open_external(self) -> Episode:
+    async def open_external(self, agent: str | None = None) -> Episode:
+        """An episode for an agent (``agent``: the name it sent): a free slot of an open agents' group, else the
+        first of a new group, when admission control lets one start (else 429 ``admission``)."""
         if self.stopping or self._new_external_group is None:
             raise EndpointError(503, "unavailable", "this generator is not handing out episodes", retry_after=5)
         assert self._open_lock is not None
@@ -337,7 +339,7 @@ class EpisodeService:
             for g in self.book.groups():
                 if g.external and (ep := g.unassigned()) is not None:
                     return self._assign(ep)
-            group = await self.loop.run_in_executor(self._leaser, self._new_external_group)
+            group = await self.loop.run_in_executor(self._leaser, self._new_external_group, agent)
             self.book.add(group)
             ep = group.unassigned()
             assert ep is not None

@@ -31,7 +31,7 @@ from bucketrl.envs.loader import make_env
 from bucketrl.envs.protocol import EXTERNAL
 from bucketrl.envs.service import EpisodeService
 from bucketrl.generator.adapters import VersionBook
-from bucketrl.generator.admission import Admission
+from bucketrl.generator.admission import ENV, Admission, Limits, OpenGroup, agent_source
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
@@ -39,6 +39,7 @@ from bucketrl.rollout.engine import Engine
 from bucketrl.rollout.episodes import EndpointError, GroupRun
 from bucketrl.rollout.example import Example
 from bucketrl.wire import PromptLeaseItem, RunSpec
+from bucketrl.wire.runs import versions_left
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,9 @@ class EpisodeDriver:
         self.target = s.episode_groups or s.prompts_per_request
         self._lease: tuple[Future[list[PromptLeaseItem]], int] | None = None
         self._stale_warned = -math.inf
-        self._slow_warned = -math.inf
         self.admission = Admission(s.max_open_episodes)
+        # The main loop (the environment's groups, hand-overs) and the agent-lease thread (agents' asks) share it.
+        self._admission_lock = threading.Lock()
 
     def start(self) -> None:
         self.svc.start()
@@ -150,34 +152,37 @@ class EpisodeDriver:
         w = self.w
         slot = w.book.current()
         assert w.spec is not None
-        return slot is not None and slot.version >= w.book.newest_known - w.spec.max_staleness
+        return slot is not None and versions_left(slot.version, w.book.newest_known, w.spec.max_staleness) >= 0
 
     def _measure(self) -> None:
-        """Feed admission control the trainer's pace; warn (rate-limited) when agents outrun the window."""
+        """Feed admission control the trainer's pace and the proxy's counts; publish its gauges."""
         w = self.w
-        assert w.spec is not None
-        self.admission.on_version(w.book.newest_known, w.spec.groups_per_step)
-        for name, value in self.admission.gauges().items():
+        assert w.spec is not None and w.submitter is not None
+        with self._admission_lock:
+            self.admission.on_version(w.book.newest_known, w.spec.groups_per_step, w.spec.max_staleness)
+            if (counts := w.submitter.trained_counts) is not None:
+                self.admission.on_trained(*counts)
+            gauges = self.admission.gauges()
+        for name, value in gauges.items():
             w.metrics.set(name, value)
-        now = time.monotonic()
-        if now - self._slow_warned > STALE_WARN_EVERY_S:
-            slow = self.admission.too_slow(w.spec.max_staleness, w.spec.episode.episode_timeout_s)
-            if slow:
-                self._slow_warned = now
-                log.warning("agents are slower than the staleness window allows: %s", slow)
 
-    def _room(self) -> int:
-        """New groups admission control lets start now (docs/multi-turn.md "Slow agents")."""
+    def _limits(self) -> Limits:
+        spec = self.w.spec
+        assert spec is not None
+        return Limits(spec.group_size, spec.groups_per_step, spec.max_staleness, self.target)
+
+    def _open_groups(self) -> list[OpenGroup]:
+        now = time.monotonic()
+        return [OpenGroup(g.source, g.version, now - g.created) for g in self.svc.book.groups()]
+
+    def _room(self, source: str) -> int:
+        """New groups of ``source`` admission control lets start now (docs/multi-turn.md "Slow agents")."""
         w = self.w
         slot = w.book.current()
-        assert w.spec is not None and slot is not None
+        assert slot is not None
+        has_env = self.svc.env is not None
         return self.admission.room(
-            [g.version for g in self.svc.book.groups()],
-            slot.version,
-            w.book.newest_known,
-            group_size=w.spec.group_size,
-            groups_per_step=w.spec.groups_per_step,
-            max_staleness=w.spec.max_staleness,
+            source, self._open_groups(), slot.version, w.book.newest_known, self._limits(), has_env=has_env
         )
 
     def _stale_reason(self, group: GroupRun) -> str | None:
@@ -185,7 +190,7 @@ class EpisodeDriver:
         w = self.w
         assert w.spec is not None
         newest, limit = w.book.newest_known, w.spec.max_staleness
-        if group.version >= newest - limit:
+        if versions_left(group.version, newest, limit) >= 0:
             return None
         age = time.monotonic() - group.created
         why = (
@@ -196,7 +201,16 @@ class EpisodeDriver:
         now = time.monotonic()
         if now - self._stale_warned > STALE_WARN_EVERY_S:  # the operator's view of it, not once per episode
             self._stale_warned = now
-            log.warning("agents are slower than the staleness window allows: %s", why)
+            with self._admission_lock:
+                seen = self.admission.handed_staleness()
+            log.warning(
+                "an agent's group finished too stale to be trained: %s. Agents' groups handed over recently were "
+                "%s versions old (max_staleness %d); a max_staleness of at least %d would have kept this one",
+                why,
+                ", ".join(map(str, seen)) or "none",
+                limit,
+                newest - group.version,
+            )
         return why
 
     def _start_groups(self) -> None:
@@ -212,16 +226,17 @@ class EpisodeDriver:
                 self._start(p)
         if w.stop_event.is_set() or not self._slot_ok():
             return
-        want = self.target - len(self.svc.book)
-        if any(g.external for g in self.svc.book.groups()):  # the agents' groups hold their versions
-            want = min(want, self._room())
+        with self._admission_lock:
+            want = self._room(ENV)  # its fair share beside the agents that ask, inside their groups' window
+            if want <= 0 and sum(g.source == ENV for g in self.svc.book.groups()) < self.target:
+                self.admission.deferred(ENV)
         budget = w.budget()
         if budget is not None:
             want = min(want, budget)
         if want > 0:
             self._lease = (w.leaser.submit(w.lease_prompts, want), want)
 
-    def _pin(self, prompt: PromptLeaseItem, *, external: bool) -> GroupRun:
+    def _pin(self, prompt: PromptLeaseItem, *, source: str) -> GroupRun:
         w = self.w
         slot = w.book.current()
         assert slot is not None and w.spec is not None
@@ -234,7 +249,8 @@ class EpisodeDriver:
             lease_id=slot.lease_id,
             sampling=w.spec.sampling,
             group_size=w.spec.group_size,
-            external=external,
+            external=source != ENV,
+            source=source,
         )
 
     def _start(self, prompt: PromptLeaseItem) -> None:
@@ -243,13 +259,17 @@ class EpisodeDriver:
             self.w.submitter.release_prompts([prompt.prompt_id])
             self.w.metrics.inflight(-1)
             return
-        self.svc.start_group(self._pin(prompt, external=False))
+        with self._admission_lock:
+            self.admission.admitted(ENV)
+        self.svc.start_group(self._pin(prompt, source=ENV))
 
     def _hand_over(self) -> None:
         w = self.w
         assert w.submitter is not None
         for group in self.svc.take_finished():
-            self.admission.on_handed(time.monotonic() - group.created if group.external else None)
+            with self._admission_lock:
+                staleness = w.book.newest_known - group.version
+                self.admission.on_handed(group.source, group.version, time.monotonic() - group.created, staleness)
             w.metrics.generated(sum(len(t.completion_ids) for e in group.episodes for t in e.turns))
             batch = GeneratedBatch(
                 version=group.version,
@@ -269,8 +289,9 @@ class EpisodeDriver:
 
     # -- external agents (the agent-lease thread) ------------------------------------------------------
 
-    def _external_group(self) -> GroupRun:
+    def _external_group(self, agent: str | None) -> GroupRun:
         w = self.w
+        source = agent_source(agent)
         if w.stop_event.is_set():
             raise EndpointError(503, "stopping", "this generator is stopping", retry_after=5)
         if not self._slot_ok():
@@ -278,8 +299,9 @@ class EpisodeDriver:
         budget = w.budget()
         if budget is not None and budget <= 0:
             raise EndpointError(503, "done", "this generator submitted its max_groups", retry_after=60)
-        if self._room() <= 0:
-            raise self._refused()
+        with self._admission_lock:
+            if self._room(source) <= 0:
+                raise self._refused(source)
         try:
             lease = w.client.lease_prompts(
                 w.worker_id,
@@ -303,16 +325,19 @@ class EpisodeDriver:
         if not good:
             raise EndpointError(429, "backpressure", "no prompt available right now; retry", retry_after=1)
         w.metrics.inflight(len(good))
-        return self._pin(good[0], external=True)
+        with self._admission_lock:
+            self.admission.admitted(source)
+        return self._pin(good[0], source=source)
 
-    def _refused(self) -> EndpointError:
+    def _refused(self, source: str) -> EndpointError:
         w = self.w
-        assert w.spec is not None
-        groups = self.svc.book.groups()
-        now = time.monotonic()
-        limit = self.admission.cap_groups(w.spec.group_size, w.spec.groups_per_step, w.spec.max_staleness)
-        no = self.admission.refusal([now - g.created for g in groups], len(groups) * w.spec.group_size, limit)
-        w.metrics.add("episode/admission_refused_total")
+        slot = w.book.current()
+        assert slot is not None
+        has_env = self.svc.env is not None
+        no = self.admission.refuse(
+            source, self._open_groups(), slot.version, w.book.newest_known, self._limits(), has_env=has_env
+        )
+        self.w.metrics.add("episode/admission_refused_total")
         return EndpointError(429, "admission", no.reason, retry_after=no.retry_after_s)
 
     # -- stopping --------------------------------------------------------------------------------------

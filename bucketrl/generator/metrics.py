@@ -31,8 +31,10 @@ Multi-turn runs (run spec ``env``), per episode closed (bucketrl.envs):
     kinds), episode/samples_total, episode/split_episodes_total, episode/tokens_trained_total (model tokens),
     episode/tokens_context_total (environment tokens between turns) (cumulative); the first message of each
     failure kind in ``episode_errors`` (pushed as notes ``episode_error/<kind>``);
-    episode/admission_refused_total (agents answered 429 admission) and the gauges admission/group_life_s,
-    admission/step_s, admission/own_share, admission/pending_groups (bucketrl.generator.admission)
+    episode/admission_refused_total (agents answered 429 admission) and the gauges admission/step_s,
+    admission/own_share (from the proxy's counts; absent until measured), admission/pending_groups, and per source
+    (env, agent, agent:<name>) admission/<source>/admitted_total, refused_total, wait_s_mean, wait_s_max,
+    group_life_s (bucketrl.generator.admission)
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from bucketrl.generator.admission import Ewma
+from bucketrl.wire.runs import versions_left
 
 if TYPE_CHECKING:
     from bucketrl.generator.adapters import VersionBook, VersionSlot
@@ -113,7 +114,7 @@ class StalenessGuard:
     def _window_closed_at(self, version: int, staleness: int) -> float | None:
         """When this worker first saw a version that put ``version`` out of the window (None: not yet)."""
         with self._lock:
-            return next((t for t, v in self._closed if v > version + staleness), None)
+            return next((t for t, v in self._closed if versions_left(version, v, staleness) < 0), None)
 
     # -- before leasing ---------------------------------------------------------------------------------
 
@@ -166,7 +167,7 @@ class StalenessGuard:
         def while_running() -> None:
             hook()
             self.observe()
-            if self.enabled and (newest := self.heard()) > slot.version + staleness:
+            if self.enabled and versions_left(slot.version, newest := self.heard(), staleness) < 0:
                 raise StaleCall(
                     f"v{slot.version} left the staleness window (newest v{newest}, max_staleness "
                     f"{staleness}) mid-call: its groups would be refused"

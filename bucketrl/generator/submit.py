@@ -128,6 +128,8 @@ class Submitter:
         self.abandon = threading.Event()
         self.groups_submitted = 0
         self.last_accepted_at: float | None = None  # perf_counter() of the latest 202 (benchmarks)
+        # The proxy's counts with the latest 202: the run's trained groups and this worker's (admission control).
+        self.trained_counts: tuple[int, int] | None = None
         self._unscorable_seen = 0
         # The engine thread's next lease, waiting for a submit to carry it (lease_with_next), and how many
         # batches are queued or in hand: a lease is only parked while one of them will still be submitted.
@@ -374,6 +376,8 @@ class Submitter:
         while True:
             try:
                 answer = self.client.submit_rollouts(batch, key, use_msgpack=self.use_msgpack)
+                if answer.trained_total is not None and answer.worker_trained_total is not None:
+                    self.trained_counts = (answer.trained_total, answer.worker_trained_total)
                 return "accepted", answer.prompts
             except errors.Backpressure as exc:
                 wait = min(max(exc.retry_after or 1.0, 0.05), 30.0)

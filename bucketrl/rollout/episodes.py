@@ -135,6 +135,7 @@ class GroupRun:
         sampling: SamplingSpec,
         group_size: int,
         external: bool,
+        source: str = "",
     ) -> None:
         self.prompt = prompt
         self.example = example
@@ -143,6 +144,7 @@ class GroupRun:
         self.lease_id = lease_id
         self.sampling = sampling
         self.external = external
+        self.source = source  # whose group it is, for the generator's admission control (env, an agent)
         self.created = time.monotonic()
         self.handed = False  # given to the worker (finished) or taken back (aborted): exactly once
         self.episodes = [Episode(self, i) for i in range(group_size)]

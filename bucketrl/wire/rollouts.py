@@ -358,6 +358,12 @@ class SubmitResponse(WireModel):
     # The lease the batch's ``next_prompts`` asked for (None: not asked, or not leased: see RolloutBatch).
     prompts: PromptLease | None = None
     prompts_retry_after: float | None = None
+    # The run's groups trained so far and those of them this worker submitted (its share of the training, which
+    # a generator's admission control reads); null from an older proxy and on a duplicate's answer.
+    trained_total: int | None = Field(None, description="The run's groups trained (acked) so far.")
+    worker_trained_total: int | None = Field(
+        None, description="Of those, the groups the submitting worker submitted (since the proxy's Redis began)."
+    )
 
 
 class ClaimRequest(WireModel):

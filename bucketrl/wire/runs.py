@@ -241,3 +241,10 @@ class RunInfo(WireModel):
     run: str
     spec: RunSpec
     state: RunState
+
+
+def versions_left(version: int, latest: int, max_staleness: int) -> int:
+    """How many more versions may be published before a group sampled at ``version`` is refused as stale (the
+    proxy accepts it while ``version >= latest - max_staleness``); negative: it is stale now. The one definition the
+    generator's admission control, staleness guard and warnings use."""
+    return version + max_staleness - latest

@@ -3,20 +3,23 @@ model calls (a tool, a web request, a sandbox), obeys ``429`` + ``Retry-After`` 
 reports a reward of its own per episode.
 
     python -m tests.envs.slow_agent URL TOKEN --episodes N [--pause S] [--reward-base R] [--max-wait S]
-                                                  [--stop-file PATH] [--reward-step S]
+                                                  [--stop-file PATH] [--reward-step S] [--give-up S]
 
 One JSON line per episode on stdout: the episode's id, version, prompt and index, the reward sent, the finish's
 status code (409 ``stale_group`` when the group was too stale to be trained), the seconds spent waiting for
 admission before it got the episode and how many 429s it took. ``--stop-file``: stop early once that file exists
 and the group of the episode just finished is complete (so no group is left with a slot nobody takes).
 ``--reward-step``: the agent's k-th episode (from 0) adds ``k x S`` to its reward, so that every episode's reward
-is its own (tests/e2e/test_up_agent_rewards.py finds each episode in the trained books by it).
+is its own (tests/e2e/test_up_agent_rewards.py finds each episode in the trained books by it). ``--give-up``: an
+agent refused for that long on one episode prints ``{"starved": ...}`` with the last refusal and exits 3.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 import time
 from pathlib import Path
 
@@ -26,7 +29,11 @@ import openai
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
 
 
-def open_episode(http: httpx.Client, max_wait_s: float) -> tuple[dict, float, int]:
+class Starved(Exception):
+    pass
+
+
+def open_episode(http: httpx.Client, max_wait_s: float, give_up_s: float = math.inf) -> tuple[dict, float, int]:
     """An episode, after as many 429s as admission control answers (each waited out as its Retry-After says)."""
     t0, refusals = time.monotonic(), 0
     while True:
@@ -34,6 +41,10 @@ def open_episode(http: httpx.Client, max_wait_s: float) -> tuple[dict, float, in
         if r.status_code != 429:
             return r.raise_for_status().json(), time.monotonic() - t0, refusals
         refusals += 1
+        if time.monotonic() - t0 > give_up_s:
+            raise Starved(
+                json.dumps({"starved": round(time.monotonic() - t0, 1), "refusals": refusals, "last": r.text})
+            )
         time.sleep(min(max_wait_s, float(r.headers.get("retry-after") or 1)))
 
 
@@ -60,6 +71,7 @@ def run(
     max_wait_s: float,
     stop: Path | None,
     reward_step: float = 0.0,
+    give_up_s: float = math.inf,
 ) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0, timeout=120)
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
@@ -67,7 +79,7 @@ def run(
     for k in range(episodes):
         if stop is not None and stop.exists() and complete:
             return
-        ep, waited, refusals = open_episode(http, max_wait_s)
+        ep, waited, refusals = open_episode(http, max_wait_s, give_up_s)
         t0 = time.monotonic()
         episode(client, ep, pause_s)
         reward = round(reward_base + 0.01 * ep["index_in_group"] + reward_step * k, 4)
@@ -99,8 +111,13 @@ def main() -> None:
     p.add_argument("--max-wait", type=float, default=5.0, help="cap on one Retry-After wait")
     p.add_argument("--stop-file", type=Path, default=None)
     p.add_argument("--reward-step", type=float, default=0.0, help="added to the reward per episode of this agent")
+    p.add_argument("--give-up", type=float, default=math.inf, help="exit 3 after this long refused for one episode")
     a = p.parse_args()
-    run(a.url, a.token, a.episodes, a.pause, a.reward_base, a.max_wait, a.stop_file, a.reward_step)
+    try:
+        run(a.url, a.token, a.episodes, a.pause, a.reward_base, a.max_wait, a.stop_file, a.reward_step, a.give_up)
+    except Starved as exc:
+        print(exc, flush=True)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

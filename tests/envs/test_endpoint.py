@@ -26,7 +26,8 @@ EXAMPLE = Example(index=3, prompt="q?", answer="odd")
 def h(tiny_model_dir: Path, adapter_dir: Path) -> Iterator[Harness]:
     holder: list[Harness] = []
 
-    def new_group() -> GroupRun:
+    def new_group(agent: str | None) -> GroupRun:
+        ASKED.append(agent)
         return holder[0].group(EXAMPLE, external=True)
 
     def stale(_group: GroupRun) -> str | None:
@@ -41,6 +42,7 @@ def h(tiny_model_dir: Path, adapter_dir: Path) -> Iterator[Harness]:
 
 
 STALE: list[str] = []  # what the generator says about staleness (set by a test: the group is now too old)
+ASKED: list[str | None] = []  # the agent names new groups were asked for
 
 
 def _http(h: Harness) -> httpx.Client:
@@ -155,6 +157,17 @@ def test_turn_limit_unsupported_options_auth_and_finish(h: Harness) -> None:
     assert r.status_code == 200 and record.closed and record.reward is None
     r = http.post(f"/v1/episodes/{ep['episode_id']}/finish", json={"reward": 1.0})
     assert r.status_code == 410 and "finished already" in r.json()["error"]["message"]
+
+
+def test_an_agent_may_name_itself_for_fair_admission_and_a_bad_name_changes_nothing(h: Harness) -> None:
+    http = _http(h)
+    ASKED.clear()
+    bad = http.post("/v1/episodes", json={"agent": "two words"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request" and "agent" in bad.text
+    assert ASKED == [] and len(h.svc.book) == 0  # refused before a group was asked for
+    for _ in range(5):  # a group of 4, then a new one
+        http.post("/v1/episodes", json={"agent": "crawler-1"} if not ASKED else None).raise_for_status()
+    assert ASKED == ["crawler-1", None]  # the group's other slots were its own: no new group asked for
 
 
 def test_a_non_numeric_reward_from_an_agent_is_refused_and_changes_nothing(h: Harness) -> None:

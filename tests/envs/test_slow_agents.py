@@ -7,14 +7,18 @@ stale; every episode is trained once with the reward its agent sent."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from bucketrl.client import ProxyClient
 from bucketrl.tarball import pack_dir
+from bucketrl.tasks.toy import default_run_spec
 from bucketrl.wire import EnvSpec, RolloutGroup
 from tests.envs.test_worker_episodes import TOOLS_RUN
 from tests.generator.worker_support import create_run, running_worker, wait_until, worker_settings
@@ -29,8 +33,15 @@ class SteppingTrainer:
     """A trainer stand-in that steps: it claims as a trainer does (its pace and floor on every claim), publishes
     the next version once it holds ``groups_per_step`` groups, and acks them; ``trained`` keeps each step's."""
 
-    def __init__(self, trainer: ProxyClient, adapter: Path) -> None:
+    def __init__(
+        self,
+        trainer: ProxyClient,
+        adapter: Path,
+        groups_per_step: int = GROUPS_PER_STEP,
+        max_staleness: int = MAX_STALENESS,
+    ) -> None:
         self.trainer, self.tar = trainer, pack_dir(adapter)
+        self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
         self.version = 1
         self.trained: list[tuple[int, RolloutGroup]] = []
         self.stop = threading.Event()
@@ -41,13 +52,13 @@ class SteppingTrainer:
         while not self.stop.is_set():
             got = self.trainer.claim(
                 "trainer-test",
-                max_groups=GROUPS_PER_STEP - sum(len(g) for _, g in held),
+                max_groups=self.groups_per_step - sum(len(g) for _, g in held),
                 wait_s=0.3,
-                min_version=max(0, self.version - MAX_STALENESS),
+                min_version=max(0, self.version - self.max_staleness),
                 train_version=self.version,
             )
             held += [(d.delivery_id, d.groups) for d in got.deliveries]
-            if sum(len(g) for _, g in held) >= GROUPS_PER_STEP:
+            if sum(len(g) for _, g in held) >= self.groups_per_step:
                 self.trained += [(self.version, g) for _, gs in held for g in gs]
                 self.version += 1
                 self.trainer.publish_adapter(self.version, self.tar)
@@ -64,7 +75,8 @@ class SteppingTrainer:
 
 
 def _agent(base: str, token: str, *args: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "tests.envs.slow_agent", base, token, *args]
+    # "--": a token may begin with "-" (token_urlsafe), which argparse would read as an option.
+    cmd = [sys.executable, "-m", "tests.envs.slow_agent", *args, "--", base, token]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -169,3 +181,61 @@ def test_in_a_mixed_run_the_generators_own_groups_wait_for_a_slow_agents_group(
     assert train_version - records[0]["version"] <= MAX_STALENESS
     # The environment's groups went on around it: the trainer stepped while the agent worked, then waited.
     assert any(v > records[0]["version"] for v, g in stepper.trained if g.prompt_id != prompt)
+
+
+@pytest.mark.slow
+def test_beside_the_environment_a_slow_agent_gets_each_of_its_groups_trained(
+    proxy: ProxyHarness, tiny_model_dir: Path, adapter_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 36: the run's own toy:tools environment and a slow agent asking for three groups one after the other,
+    with the toy task's max_staleness and episode limits. The agent is one source and the environment another: each
+    of the agent's groups is admitted at the next free slot (the agent gives up, exit 3, after an episode timeout
+    of refusals: that was the starvation), all three are trained with its rewards, nothing is dropped as stale,
+    the generator's share of the trained groups reads 1 and no staleness warning is logged."""
+    toy = default_run_spec(tiny_model_dir, task="tools")
+    run = {
+        **TOOLS_RUN,
+        "group_size": 2,
+        "groups_per_step": 2,
+        "max_staleness": toy.max_staleness,
+        "episode": toy.episode,
+        "queue_capacity_groups": toy.queue_capacity_groups,
+    }
+    trainer, spec = create_run(proxy, "fair", tiny_model_dir, adapter_dir, **run)
+    endpoint = tmp_path / "endpoint.json"
+    # The generator's own default of groups at once (worker_settings' is 2, for quick tests).
+    settings = worker_settings(
+        proxy, "fair", "gen-f", openai_port=0, endpoint_file=str(endpoint), prompts_per_request=8
+    )
+    caplog.set_level(logging.WARNING, logger="bucketrl.generator")
+    with (
+        SteppingTrainer(trainer, adapter_dir, spec.groups_per_step, spec.max_staleness) as stepper,
+        running_worker(settings) as worker,
+    ):
+        info = wait_until(lambda: endpoint.exists() and json.loads(endpoint.read_text())["openai"], 60, "endpoint")
+        wait_until(lambda: stepper.version >= 3, 60, "the environment's groups to step the trainer")
+        base = info["base_url"].removesuffix("/v1")
+        give_up = str(spec.episode.episode_timeout_s)
+        agent = _agent(base, info["token"], "--episodes", "6", "--pause", "4", "--give-up", give_up, "--max-wait", "30")
+        out, err = agent.communicate(timeout=300)
+        assert agent.returncode == 0, (out[-2000:], err[-2000:])
+        records = [json.loads(line) for line in out.splitlines()]
+        prompts = list(dict.fromkeys(r["prompt_id"] for r in records))
+        wait_until(lambda: {g.prompt_id for _, g in list(stepper.trained)} >= set(prompts), 60, "the agent's groups")
+        status, metrics = trainer.status(), worker.metrics.snapshot()
+    assert len(prompts) == 3 and [r["finish_status"] for r in records] == [200] * 6
+    assert status.queue.rejected_stale_total == 0 and status.queue.dropped_stale_total == 0
+    assert metrics["rollout/dropped_stale_total"] == 0
+    for prompt in prompts:  # each trained once, with the rewards the agent sent, within max_staleness
+        ((train_version, group),) = [(v, g) for v, g in stepper.trained if g.prompt_id == prompt]
+        sent = [r for r in records if r["prompt_id"] == prompt]
+        assert [group.completions[idx[0]].reward for idx in group.episodes()] == [r["reward"] for r in sent]
+        assert train_version - sent[0]["version"] <= spec.max_staleness
+    # The environment was not starved either: it fed the trainer between the agent's groups.
+    first = next(i for i, (_, g) in enumerate(stepper.trained) if g.prompt_id == prompts[0])
+    last = max(i for i, (_, g) in enumerate(stepper.trained) if g.prompt_id == prompts[-1])
+    assert sum(g.prompt_id not in prompts for _, g in stepper.trained[first:last]) >= 2
+    # What the sources got, from the generator's books: 3 agent groups admitted, the environment's many.
+    assert metrics["admission/agent/admitted_total"] == 3 and metrics["admission/env/admitted_total"] >= 4
+    assert metrics["admission/own_share"] == pytest.approx(1.0)
+    assert not [r.getMessage() for r in caplog.records if "staleness" in r.getMessage()]

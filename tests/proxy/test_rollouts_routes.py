@@ -72,6 +72,25 @@ def test_submit_json_and_msgpack_claim_ack_status_metrics(proxy: ProxyHarness) -
     assert 'bucketrl_queue_depth_groups{run="r1"} 0.0' in metrics
 
 
+def test_a_submit_answers_the_runs_trained_groups_and_the_workers_share(proxy: ProxyHarness) -> None:
+    """What a generator's admission control reads its share of the training from (issue 36): counted at ack, by
+    the worker whose batch held the group; a claim's ack counts like POST ack, a second ack not again."""
+    s = Setup(proxy, queue_capacity_groups=32, groups_per_step=8)
+    first = s.g.submit_rollouts(s.batch(2, worker="gen-0"), "k0")
+    assert (first.trained_total, first.worker_trained_total) == (0, 0)
+    s.g.submit_rollouts(s.batch(1, worker="gen-1"), "k1")
+    got = s.t.claim("trainer-0", max_groups=8)
+    ids = [d.delivery_id for d in got.deliveries]
+    assert s.t.ack(ids[:2]) == 2 and s.t.ack(ids[:2]) == 0  # gen-0's two
+    s.t.claim("trainer-0", max_groups=8, ack=ids[2:])  # gen-1's, acked with the next claim
+    mine = s.g.submit_rollouts(s.batch(1, worker="gen-0"), "k2")
+    theirs = s.g.submit_rollouts(s.batch(1, worker="gen-1"), "k3")
+    assert (mine.trained_total, mine.worker_trained_total) == (3, 2)
+    assert (theirs.trained_total, theirs.worker_trained_total) == (3, 1)
+    replay = s.g.submit_rollouts(s.batch(1, worker="gen-0"), "k2")  # a duplicate's answer is the first's
+    assert replay.duplicate and replay.trained_total is None
+
+
 def _err(resp: httpx.Response) -> dict[str, Any]:
     return resp.json()["error"]
 

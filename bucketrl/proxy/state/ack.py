@@ -59,7 +59,7 @@ async def settle(
             r,
             [
                 *(k.stream, k.state, k.counters, k.entry, k.remaining, k.attempts, k.settled),
-                *(k.p.meta, k.meta, k.bseq, k.doomed, k.owner, k.redropped, k.rebuilt),
+                *(k.p.meta, k.meta, k.bseq, k.doomed, k.owner, k.redropped, k.rebuilt, k.trained_by),
             ],
             [GROUP, epoch, counter, *ids],
         )

@@ -116,6 +116,7 @@ class QueueKeys:
     owner: str
     redropped: str
     rebuilt: str
+    trained_by: str  # groups acked per worker id (the generators' share of the run's training; not persisted)
     p: prompts.PromptKeys = field(repr=False)
 
     @classmethod
@@ -136,6 +137,7 @@ class QueueKeys:
             owner=k(run, "queue:owner"),
             redropped=prompts.redropped_key(run),
             rebuilt=k(run, "queue:rebuilt"),
+            trained_by=k(run, "queue:trained_by"),
             p=prompts.PromptKeys.of(run),
         )
 

@@ -285,6 +285,7 @@ async def _write_and_enqueue(
             [
                 *(a.idem_key, k.state, k.stream, k.counters, k.entry, k.remaining, k.p.open, k.p.inflight),
                 *(k.p.owner, k.p.meta, k.meta, k.bseq, a.lock_key, keys.run_key(a.run, keys.TOKENS_RECENT)),
+                k.trained_by,
             ],
             [
                 *(a.batch_id, GROUP, batch.version, spec.max_staleness, spec.queue_capacity_groups, batch.worker_id),
@@ -295,7 +296,7 @@ async def _write_and_enqueue(
         status = as_str(res[0])
         released = status in ("ok", "duplicate")
         if status == "ok":
-            return answer
+            return answer.model_copy(update={"trained_total": int(res[3]), "worker_trained_total": int(res[4])})
         if status == "duplicate":  # a concurrent retry with the same key won
             first = SubmitResponse.model_validate_json(res[1])
             if first.batch_id != a.batch_id:  # same key, other content: ours is an orphan (and stays refused)

@@ -1,5 +1,5 @@
 -- KEYS: stream state counters entry remaining attempts settled p_meta queue_meta bseq doomed owner redropped
---       rebuilt
+--       rebuilt trained_by
 -- ARGV: group epoch counter delivery_id...   (epoch 0 = unfenced internal use)
 if redis.call('HEXISTS', KEYS[9], 'ready') == 0 then return {'notready'} end
 local stream, group, epoch = KEYS[1], ARGV[1], tonumber(ARGV[2])
@@ -12,6 +12,15 @@ for i = 4, #ARGV do
   local d = ARGV[i]
   local id = redis.call('HGET', KEYS[4], d)
   if id then
+    if ARGV[3] == 'acked_total' then
+      -- trained: counted for the worker that submitted it (its entry's 'w'), the generators' share of the run
+      local e = redis.call('XRANGE', stream, id, id)[1]
+      if e then
+        for j = 1, #e[2], 2 do
+          if e[2][j] == 'w' then redis.call('HINCRBY', KEYS[15], e[2][j + 1], 1) end
+        end
+      end
+    end
     redis.call('XACK', stream, group, id)
     redis.call('XDEL', stream, id)
     redis.call('HDEL', KEYS[4], d)

@@ -1,5 +1,5 @@
 -- KEYS: idem state stream counters entry remaining p_open p_inflight p_owner p_meta queue_meta bseq write_lock
---       tokens_recent
+--       tokens_recent trained_by
 -- ARGV: batch_id group version max_staleness capacity worker idem_ttl idem_value n_groups lock_token tokens pid...
 -- (tokens: the batch's generated tokens, counted with accepted_total: exactly once, what pool fair share reads)
 -- (the batch's write lock is released here when the object stays: enqueued, or a duplicate's)
@@ -63,4 +63,6 @@ redis.call('HINCRBY', KEYS[4], 'prompts_completed_total', completed)
 if repeated > 0 then redis.call('HINCRBY', KEYS[4], 'prompts_repeated_total', repeated) end
 redis.call('SET', KEYS[1], ARGV[8], 'EX', ARGV[7])
 unlock()
-return {'ok', completed, repeated}
+-- the run's trained groups and this worker's: its share of the training (generator admission control)
+local acked = tonumber(redis.call('HGET', KEYS[4], 'acked_total') or '0')
+return {'ok', completed, repeated, acked, tonumber(redis.call('HGET', KEYS[15], worker) or '0')}

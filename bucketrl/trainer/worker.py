@@ -435,15 +435,16 @@ class TrainerWorker:
     def _publish(self) -> None:
         t0 = time.perf_counter()
         snap = self.learner.policy.adapter_snapshot()
+        dtype = self.learner.policy.adapter_dtype
         version = self.latest_version + 1
         step = self.learner.step
         self._remember(version, snap)
 
         def job() -> None:
-            tar = snap.tar(self.scratch)
+            tar = snap.tar(self.scratch, dtype)  # the master weights stay float32; only what ships is cast
             self._retrying(lambda: self.write_client.publish_adapter(version, tar))
             self.last_sync_s = time.perf_counter() - t0
-            log.info("published v%d (step %d, %d bytes) in %.3fs", version, step, len(tar), self.last_sync_s)
+            log.info("published v%d (step %d, %d bytes, %s) in %.3fs", version, step, len(tar), dtype, self.last_sync_s)
 
         self._uploader().submit(f"publish v{version}", job)
         # The uploader runs jobs in order and stops at the first failure, so everything submitted after this

@@ -444,7 +444,10 @@ class TrainerWorker:
             tar = snap.tar(self.scratch, dtype)  # the master weights stay float32; only what ships is cast
             self._retrying(lambda: self.write_client.publish_adapter(version, tar))
             self.last_sync_s = time.perf_counter() - t0
-            log.info("published v%d (step %d, %d bytes, %s) in %.3fs", version, step, len(tar), dtype, self.last_sync_s)
+            # up's sync latency and the benches parse this line: its shape stays, the dtype goes last.
+            log.info(
+                "published v%d (step %d, %d bytes) in %.3fs (%s)", version, step, len(tar), self.last_sync_s, dtype
+            )
 
         self._uploader().submit(f"publish v{version}", job)
         # The uploader runs jobs in order and stops at the first failure, so everything submitted after this

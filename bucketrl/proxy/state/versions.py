@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import IO, Any
 
@@ -134,7 +135,8 @@ async def publish(
         bundles.check_dtype(dtype, adapter_dtype, f"adapter v{version}", "the run spec's adapter_dtype")
         found.append(dtype)
 
-    spooled = await spool_verified(chunks, s.max_adapter_bytes, expected_sha256, check)
+    timings: dict[str, float] = {}
+    spooled = await spool_verified(chunks, s.max_adapter_bytes, expected_sha256, check, timings)
     dtype = found[0]
     with spooled:
         lock = WriteLock(ctx.redis, run, f"v{version}", epoch, ttl_s=s.publish_lock_s, expected_next=version)
@@ -154,7 +156,10 @@ async def publish(
         keep_files = False
         try:
             meta = {"run": run, "version": version, "epoch": epoch, "dtype": dtype}
-            await asyncio.to_thread(_write_bundle, ctx.store, prefix, spooled, expected_sha256, meta)
+            t_write = time.perf_counter()
+            await asyncio.to_thread(_write_bundle, ctx.store, prefix, spooled, expected_sha256, meta, timings)
+            t_commit = time.perf_counter()
+            timings["bucket_s"] = t_commit - t_write
             keep_files = True
             status, detail = await _COMMIT(
                 ctx.redis,
@@ -171,6 +176,16 @@ async def publish(
             keep_files = status != "fenced"
             if status == "ok":
                 ctx.telemetry.published_versions.labels(run=run).inc()
+                timings["commit_s"] = time.perf_counter() - t_commit
+                # Where a publish's time goes (docs/scale.md; bench/wan.py reads this line).
+                log.info(
+                    "published %s v%d (%d bytes, %s): %s",
+                    run,
+                    version,
+                    spooled.size,
+                    dtype,
+                    " ".join(f"{k}={v:.3f}" for k, v in timings.items()),
+                )
                 return AdapterVersionInfo(
                     version=version,
                     sha256=spooled.sha256,
@@ -202,9 +217,16 @@ async def publish(
             await lock.release()
 
 
-def _write_bundle(store: Any, prefix: str, spooled: dirs.Spooled, sha256: str, meta: dict[str, Any]) -> None:
+def _write_bundle(
+    store: Any,
+    prefix: str,
+    spooled: dirs.Spooled,
+    sha256: str,
+    meta: dict[str, Any],
+    timings: dict[str, float] | None = None,
+) -> None:
     if dirs.read_manifest(store, prefix) is not None:
         # A crashed or fenced attempt committed files Redis never recorded; we hold the lock and N > latest.
         log.warning("clearing unrecorded leftovers at %s before publishing", prefix)
         dirs.delete_dir(store, prefix)
-    dirs.commit_tar(store, prefix, spooled, sha256, meta)
+    dirs.commit_tar(store, prefix, spooled, sha256, meta, timings)

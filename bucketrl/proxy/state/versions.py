@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import IO, Any
 
 from bucketrl import bundles, errors
@@ -129,13 +129,8 @@ async def publish(
     the run spec's (``auto``: whatever one dtype the trainer chose)."""
     s = ctx.settings
     found: list[str] = []
-
-    def check(fh: IO[bytes]) -> None:
-        dtype = bundles.check_adapter_tar(fh)
-        bundles.check_dtype(dtype, adapter_dtype, f"adapter v{version}", "the run spec's adapter_dtype")
-        found.append(dtype)
-
     timings: dict[str, float] = {}
+    check = _dtype_check(adapter_dtype, version, found)
     spooled = await spool_verified(chunks, s.max_adapter_bytes, expected_sha256, check, timings)
     dtype = found[0]
     with spooled:
@@ -177,15 +172,7 @@ async def publish(
             if status == "ok":
                 ctx.telemetry.published_versions.labels(run=run).inc()
                 timings["commit_s"] = time.perf_counter() - t_commit
-                # Where a publish's time goes (docs/scale.md; bench/wan.py reads this line).
-                log.info(
-                    "published %s v%d (%d bytes, %s): %s",
-                    run,
-                    version,
-                    spooled.size,
-                    dtype,
-                    " ".join(f"{k}={v:.3f}" for k, v in timings.items()),
-                )
+                _log_published(run, version, spooled.size, dtype, timings)
                 return AdapterVersionInfo(
                     version=version,
                     sha256=spooled.sha256,
@@ -215,6 +202,24 @@ async def publish(
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(dirs.delete_dir, ctx.store, prefix)
             await lock.release()
+
+
+def _dtype_check(want: str, version: int, found: list[str]) -> Callable[[IO[bytes]], None]:
+    """The publish's tar check: a PEFT adapter whose weights are in ``want`` (the run spec's adapter_dtype); the
+    dtype found is appended to ``found``."""
+
+    def check(fh: IO[bytes]) -> None:
+        dtype = bundles.check_adapter_tar(fh)
+        bundles.check_dtype(dtype, want, f"adapter v{version}", "the run spec's adapter_dtype")
+        found.append(dtype)
+
+    return check
+
+
+def _log_published(run: str, version: int, size: int, dtype: str, timings: dict[str, float]) -> None:
+    """Where a publish's time went (docs/scale.md; bench/publish_path.py reads this line)."""
+    phases = " ".join(f"{k}={v:.3f}" for k, v in timings.items())
+    log.info("published %s v%d (%d bytes, %s): %s", run, version, size, dtype, phases)
 
 
 def _write_bundle(

@@ -182,7 +182,7 @@ def run_async(coro: Any) -> Any:
 
 # -- payloads ------------------------------------------------------------------------------------------------
 def random_safetensors(nbytes: int) -> bytes:
-    header = json.dumps({"lora": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}}).encode()
+    header = json.dumps({"lora": {"dtype": "BF16", "shape": [nbytes // 2], "data_offsets": [0, nbytes]}}).encode()
     return struct.pack("<Q", len(header)) + header + os.urandom(nbytes)
 
 

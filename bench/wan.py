@@ -21,6 +21,12 @@ regions) per adapter version that crossed, next to ``adapter bytes x loads per v
 per trained group. ``--drop-s N`` black-holes ``--drop-region``'s link for N s, ``--drop-at-s`` after the fleet
 starts, in every point: the groups line then says what the outage cost.
 
+The adapter is ``--adapter-mb`` of float32 master weights, published through the trainer's real cast to
+``--adapter-dtype`` (default bfloat16: half those bytes cross the links). For each version it reports where the sync
+time went, from the start of the trainer's upload: the publish (upload + commit), the first and last byte at each
+region's relay, the first and last generator loaded, the link floor for the bytes shipped; and the fleet processes'
+CPU per loaded adapter and share of the machine (``versions``, ``breakdown_p50_s``, ``fleet_cpu_*``).
+
 ``--mode relay`` starts one ``bucketrl relay`` per region, inside the region's namespace on its address, whose
 upstream is the home proxy through that region's link; the region's generators talk to it instead (adapters
 cross the link once per version per region, the rest is forwarded). ``by_mode`` in the JSON holds each mode's
@@ -203,6 +209,70 @@ def after_drop(w: Wiring, loads: list[tuple[str, int, float]], workdir: Path, pr
 _STEP = re.compile(r"step (\d+)/\d+ .* wait ([0-9.]+)s step")
 
 
+def _fleet_reports(workdir: Path, processes: int) -> list[dict[str, Any]]:
+    out = []
+    for i in range(processes):
+        path = workdir / f"fleet-{i}.json"
+        if path.exists():
+            out.append(json.loads(path.read_text()))
+    return out
+
+
+def _p50(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def version_breakdown(
+    workdir: Path, processes: int, relays: dict[str, Any] | None, mbit: float, cpu: dict[str, float] | None
+) -> dict[str, Any]:
+    """Where each version's sync time went, from the first byte of the trainer's upload (its publish call): the
+    publish (upload + commit, until the proxy answered), the first and last byte at each region's relay, the
+    first and last generator that loaded it; the link floor for the bytes shipped; and the CPU the fleet
+    processes spent (per loaded adapter, and as a share of the machine) so the links' share of the sync time can
+    be told from the emulation's cores."""
+    publishes = _publishes(workdir / "logs" / "trainer.log")
+    reports = _fleet_reports(workdir, processes)
+    loads = [tuple(x) for rep in reports for x in rep["loads"]]
+    fetches = [tuple(x) for rep in reports for x in rep.get("fetches", [])]
+    sha_of = {int(v): str(sha) for _w, v, sha, _n, _a, _b in fetches}
+    size_of = {int(v): int(n) for _w, v, _sha, n, _a, _b in fetches}
+    per: dict[str, dict[str, Any]] = {}
+    for v, (called, answered) in sorted(publishes.items()):
+        mine = [t for _g, lv, t in loads if lv == v]
+        if not mine:
+            continue
+        row: dict[str, Any] = {
+            "bytes": size_of.get(v),
+            "publish_s": round(answered - called, 3),
+            "first_loaded_s": round(min(mine) - called, 3),
+            "last_loaded_s": round(max(mine) - called, 3),
+            "loads": len(mine),
+        }
+        for region, stats in (relays or {}).items():
+            for f in stats.get("recent_fetches", []):
+                if f.get("sha256") == sha_of.get(v):
+                    row[f"relay_{region}_first_byte_s"] = round(float(f["first_byte"]) - called, 3)
+                    row[f"relay_{region}_last_byte_s"] = round(float(f["last_byte"]) - called, 3)
+        if row["bytes"]:
+            row["link_floor_s"] = round(row["bytes"] * 8 / (mbit * 1e6), 3)
+        per[str(v)] = row
+    keys = sorted({k for row in per.values() for k in row if k.endswith("_s")})
+    out: dict[str, Any] = {
+        "versions": per,
+        "breakdown_p50_s": {k: _p50([row[k] for row in per.values() if k in row]) for k in keys},
+    }
+    fleet_cpu, wall = (cpu or {}).get("fleet"), (cpu or {}).get("wall_s")
+    if fleet_cpu is not None and loads:
+        # Upper bound: the fleet process also simulates sampling and submits, but its work is mostly the adapter
+        # downloads (TLS, hashing, the tar check); per process = the same ratio, each process loading its share.
+        out["fleet_cpu_s_per_loaded_adapter"] = round(fleet_cpu / len(loads), 3)
+        out["fleet_cpu_s_per_process"] = round(fleet_cpu / max(len(reports), 1), 2)
+    if fleet_cpu is not None and wall:
+        out["fleet_cpu_share"] = round(fleet_cpu / (wall * (os.cpu_count() or 1)), 3)
+        out["machine_cores"] = os.cpu_count()
+    return out
+
+
 def trainer_figures(workdir: Path, warmup_steps: int) -> dict[str, Any]:
     """From the trainer's log: how long its publish calls took (an upload across the link when the trainer is
     in a region) and how long each step waited for its claim to fill (``wait``; after the warm-up)."""
@@ -313,6 +383,7 @@ def point(
             prompts_per_request=args.prompts_per_request,
             adapter_bytes=int(args.adapter_mb * 1024 * 1024),
             fleet_processes=len(regions),
+            adapter_dtype=args.adapter_dtype,
             gpu=dict(GPU),
             timeout_s=args.duration_s + 180,
             max_train_s=args.duration_s,
@@ -325,12 +396,18 @@ def point(
                 t.cancel()
             for region in lab.links:
                 lab.restore(region)
-        out: dict[str, Any] = {"mode": mode, "rtt_ms": rtt_ms, **{k: r.get(k) for k in FIELDS}}
+        out: dict[str, Any] = {
+            "mode": mode,
+            "rtt_ms": rtt_ms,
+            "adapter_dtype": args.adapter_dtype,
+            **{k: r.get(k) for k in FIELDS},
+        }
         if region_relays:
             out["relay_stats"] = relay_stats({x: urls[x] for x in region_relays}, backends)
         out.update(link_figures(cfg, workdir, wiring, wiring.link_bytes()))
-        # One tar over one link at the set rate: no sync through that link can beat it.
+        # One tar as shipped (in adapter_dtype) over one link at the set rate: no sync through it can beat that.
         out["link_floor_s"] = round(out["adapter_bytes"] * 8 / (args.mbit * 1e6), 3)
+        out.update(version_breakdown(workdir, cfg.processes, out.get("relay_stats"), args.mbit, r.get("cpu_s")))
         out.update(trainer_figures(workdir, cfg.warmup_steps))
         trained = (r.get("groups") or {}).get("trained") or 0
         out["requests_per_trained_group"] = round(r["requests"] / trained, 2) if trained else None
@@ -391,7 +468,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-s", type=float, default=4.0, help="seconds of one simulated trainer step")
     p.add_argument("--prompts-per-request", type=int, default=1)
     p.add_argument("--groups-per-step", type=int, default=0, help="default: one call of every generator")
-    p.add_argument("--adapter-mb", type=float, default=4.0, help="the published adapter's size (MiB)")
+    p.add_argument(
+        "--adapter-mb", type=float, default=4.0, help="the adapter's float32 master weights (MiB), before the cast"
+    )
+    p.add_argument(
+        "--adapter-dtype",
+        default="bfloat16",
+        choices=("float32", "bfloat16", "float16"),
+        help="the run spec's adapter_dtype: what crosses the links (bfloat16: half of --adapter-mb)",
+    )
     p.add_argument("--trainer-region", default=None, help="run the trainer behind a link too (a region's name)")
     p.add_argument("--proxy-workers", type=int, default=1)
     p.add_argument("--s3-latency-ms", type=float, default=20.0)
@@ -455,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
             p["steps_per_s_vs_loopback"] = round(p["steps_per_s"] / base, 3)
     print(
         f"\nwan: {args.generators} generators over {args.regions}, {args.mbit:g} Mbit links, adapter "
-        f"{args.adapter_mb:g} MiB, step {args.step_s:g}s, {args.duration_s:g}s per point, trainer in "
+        f"{args.adapter_mb:g} MiB in float32 shipped in {args.adapter_dtype}, step {args.step_s:g}s, "
+        f"{args.duration_s:g}s per point, trainer in "
         f"{args.trainer_region or 'home'}{f', link {args.drop_region} dropped {args.drop_s:g}s' if args.drop_s else ''}"
         f" ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})"
     )

@@ -12,7 +12,10 @@ A checkpoint (``bucketrl.trainer.checkpoint``) holds ``state.json``, the adapter
 optimizer and RNG state as safetensors + JSON pairs; again nothing a loader would unpickle.
 
 The proxy checks a tar at publish (422 naming the problem, nothing stored); the generator checks what it
-downloaded before its engine sees it. Imports nothing heavier than the standard library.
+downloaded before its engine sees it. Both learn the adapter's dtype from the check (:func:`check_adapter_tar`
+returns it: every weight of an adapter is float32, bfloat16 or float16, all the same), and each compares it
+with what it was told (the run spec's ``adapter_dtype``, the version's announced dtype). Imports nothing heavier
+than the standard library.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ _DTYPES = {"BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
     "F8_E5M2",
 }
 
+# safetensors dtype -> the name the run spec, the manifest and torch use, for the dtypes an adapter may ship in.
+WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
 Reader = Callable[[int], bytes]
 
 
@@ -59,9 +65,9 @@ def check_json_object(raw: bytes, where: str) -> dict[str, Any]:
     return obj
 
 
-def check_safetensors(read: Reader, size: int, where: str) -> None:
+def check_safetensors(read: Reader, size: int, where: str) -> set[str]:
     """The header of a safetensors file (``read(n)`` gives its next n bytes): every tensor's dtype, shape and
-    byte range consistent and inside the file."""
+    byte range consistent and inside the file. Returns the safetensors dtypes it holds (``F32``, ``BF16``...)."""
     if size < 8:
         raise errors.Invalid(f"{where}: {size} bytes is too short for a safetensors file")
     (n,) = struct.unpack("<Q", read(8))
@@ -69,6 +75,7 @@ def check_safetensors(read: Reader, size: int, where: str) -> None:
         raise errors.Invalid(f"{where}: not a safetensors file (header length {n} for a {size}-byte file)")
     header = check_json_object(read(n), f"{where} header")
     data = size - 8 - n
+    dtypes: set[str] = set()
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -86,6 +93,20 @@ def check_safetensors(read: Reader, size: int, where: str) -> None:
             and 0 <= offsets[0] <= offsets[1] <= data
         ):
             raise errors.Invalid(f"{where}: tensor {name[:60]!r} points outside the file's {data} data bytes")
+        dtypes.add(dtype)
+    return dtypes
+
+
+def weights_dtype(dtypes: set[str], where: str) -> str:
+    """The one dtype (``float32``, ``bfloat16``, ``float16``) of an adapter's weights; Invalid for none, a mix, or
+    any other dtype (a consumer could not tell what it is serving)."""
+    names = {WEIGHT_DTYPES.get(d, d) for d in dtypes}
+    if len(names) != 1 or not names <= set(WEIGHT_DTYPES.values()):
+        raise errors.Invalid(
+            f"{where}: the adapter's weights must all be one of {', '.join(WEIGHT_DTYPES.values())}, "
+            f"found {', '.join(sorted(names)) or 'no tensors'}"
+        )
+    return names.pop()
 
 
 def check_members(names: Iterable[str], required: Iterable[str], what: str, optional: Iterable[str] = ()) -> None:
@@ -99,7 +120,7 @@ def check_members(names: Iterable[str], required: Iterable[str], what: str, opti
         )
 
 
-def _check_contents(files: dict[str, tuple[Reader, int]], prefix: str, what: str) -> None:
+def _check_contents(files: dict[str, tuple[Reader, int]], prefix: str, what: str) -> str:
     read, size = files[prefix + ADAPTER_CONFIG]
     if size > MAX_JSON_BYTES:
         raise errors.Invalid(f"{what}: {ADAPTER_CONFIG} is {size} bytes")
@@ -107,14 +128,23 @@ def _check_contents(files: dict[str, tuple[Reader, int]], prefix: str, what: str
     if not isinstance(config.get("peft_type"), str):
         raise errors.Invalid(f"{what}: {prefix}{ADAPTER_CONFIG} names no peft_type (not a PEFT adapter config)")
     read, size = files[prefix + ADAPTER_WEIGHTS]
-    check_safetensors(read, size, f"{what}: {prefix}{ADAPTER_WEIGHTS}")
+    where = f"{what}: {prefix}{ADAPTER_WEIGHTS}"
+    return weights_dtype(check_safetensors(read, size, where), where)
 
 
-def check_adapter_tar(fileobj: IO[bytes]) -> None:
-    """Invalid (naming the problem) unless the tar is exactly a PEFT adapter. Leaves ``fileobj`` at 0."""
+def check_adapter_tar(fileobj: IO[bytes]) -> str:
+    """Invalid (naming the problem) unless the tar is exactly a PEFT adapter; returns its weights' dtype
+    (``float32``, ``bfloat16`` or ``float16``). Leaves ``fileobj`` at 0."""
     with _members(fileobj) as files:
         check_members(files, ADAPTER_FILES, "the adapter", ADAPTER_OPTIONAL)
-        _check_contents(files, "", "the adapter")
+        return _check_contents(files, "", "the adapter")
+
+
+def check_dtype(got: str, want: str | None, what: str, source: str) -> None:
+    """Invalid (code ``adapter_dtype_mismatch``) when an adapter's weights are not in the dtype ``source`` says
+    (``want``; None or ``auto``: any)."""
+    if want not in (None, "auto") and got != want:
+        raise errors.Invalid(f"{what}: its weights are {got} but {source} says {want}", code="adapter_dtype_mismatch")
 
 
 def check_checkpoint_tar(fileobj: IO[bytes]) -> None:

@@ -32,6 +32,7 @@ from bucketrl.tarball import unpack
 log = logging.getLogger("bucketrl.generator.adapters")
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+DTYPE_MARKER = ".dtype"
 
 
 def clear_stale_tmp(cache_root: Path) -> int:
@@ -72,8 +73,17 @@ def gc_cache(cache_root: Path, keep: set[int], newest_known: int) -> list[int]:
     return sorted(gone)
 
 
-def fetch_adapter(client: ProxyClient, version: int, cache_root: Path, expected_sha256: str | None = None) -> Path:
+def fetch_adapter(
+    client: ProxyClient,
+    version: int,
+    cache_root: Path,
+    expected_sha256: str | None = None,
+    expected_dtype: str | None = None,
+) -> Path:
     """Download version ``version``'s tar to disk, check its sha256, unpack it under ``cache_root/v{N}`` atomically.
+
+    ``expected_dtype`` (the announced version's, or the run spec's ``adapter_dtype``; None or ``auto``: any): the
+    weights must be in it, or the version is refused (``Invalid`` ``adapter_dtype_mismatch``, not retryable).
 
     Memory stays bounded whatever the adapter's size: the tar streams to a file next to the cache (one chunk in
     memory at a time), and is checked and unpacked from there. A directory already there with the same verified
@@ -90,8 +100,9 @@ def fetch_adapter(client: ProxyClient, version: int, cache_root: Path, expected_
     tmp = cache_root / f".tmp-v{version}-{tag}"
     try:
         got = _download(client, version, tar_path, expected_sha256)
-        _unpack_adapter(tar_path, tmp, version)
+        dtype = _unpack_adapter(tar_path, tmp, version, expected_dtype)
         (tmp / ".sha256").write_text(got)
+        (tmp / DTYPE_MARKER).write_text(dtype)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -124,19 +135,28 @@ def _download(client: ProxyClient, version: int, tar_path: Path, expected_sha256
     raise AssertionError("unreachable")
 
 
-def _unpack_adapter(tar_path: Path, dest: Path, version: int) -> None:
+def file_dtype(path: Path) -> str | None:
+    """The dtype of a fetched adapter's weights as shipped (None for a directory from before the marker)."""
+    marker = path / DTYPE_MARKER
+    return marker.read_text().strip() if marker.is_file() else None
+
+
+def _unpack_adapter(tar_path: Path, dest: Path, version: int, expected_dtype: str | None = None) -> str:
     """Check that the tar is exactly a PEFT adapter (``bucketrl.bundles``: no pickle ever reaches the engine),
     then unpack it. ANY failure, MemoryError and RecursionError included, is a bad version: ``Invalid``, not
     retryable (the worker logs it, counts it and keeps serving the previous version), never a crash."""
     try:
         size = tar_path.stat().st_size
         with tar_path.open("rb") as fh:
-            bundles.check_adapter_tar(fh)
+            dtype = bundles.check_adapter_tar(fh)
+        bundles.check_dtype(dtype, expected_dtype, f"adapter v{version}", "the version's announcement or run spec")
         # Members stream to disk in chunks; only the adapter's files, none larger than the tar, none sparse.
         allowed = dict.fromkeys((*bundles.ADAPTER_FILES, *bundles.ADAPTER_OPTIONAL), size)
         unpack(tar_path, dest, max_bytes=size, expected=allowed)
+        return dtype
     except errors.Invalid as exc:
-        raise errors.Invalid(f"adapter v{version}: {exc.message}", retryable=False) from exc
+        message = exc.message if exc.message.startswith(f"adapter v{version}") else f"adapter v{version}: {exc.message}"
+        raise errors.Invalid(message, retryable=False, code=exc.code) from exc
     except Exception as exc:  # a hostile tar: ValueError, tarfile errors, OSError, MemoryError, RecursionError...
         raise errors.Invalid(
             f"adapter v{version}: not a usable adapter tar ({type(exc).__name__}: {str(exc)[:200]})", retryable=False

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bucketrl import errors
 from bucketrl.client import ProxyClient
-from bucketrl.generator.adapters import VersionBook, fetch_adapter, gc_cache
+from bucketrl.generator.adapters import VersionBook, fetch_adapter, file_dtype, gc_cache
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.rollout.engine import Engine
@@ -93,7 +93,16 @@ class AdapterVersions:
         self.metrics.set("sync/adapter_load_s", load_s)
         self.metrics.set("sync/adapter_version", slot.version)
         self.metrics.set("policy/version", slot.version)
-        log.info("loaded %s in %.2fs (resident: %s)", slot.name, load_s, self.book.loaded_versions())
+        shipped, served = file_dtype(slot.path), getattr(self.engine, "adapter_dtype", None)
+        cast = f", {shipped} cast to {served} on load" if shipped and served and shipped != served else ""
+        log.info(
+            "loaded %s in %.2fs (served in %s%s; resident: %s)",
+            slot.name,
+            load_s,
+            served or shipped or "the engine's dtype",
+            cast,
+            self.book.loaded_versions(),
+        )
 
     def retire(self) -> None:
         """Unload versions nobody uses that left the staleness window (or whose slot the next version needs);
@@ -127,7 +136,7 @@ class AdapterVersions:
                 info = self.client.wait_for_version(self.book.newest_known, wait_s=self.settings.version_wait_s)
                 if info is not None and not self.stop_event.is_set():
                     self.book.announced = max(self.book.announced, info.version)
-                    self._fetch(info.version, info.sha256)
+                    self._fetch(info.version, info.sha256, info.dtype)
                 delay = 0.5
             except errors.BucketRLError as exc:
                 if self.stop_event.is_set():
@@ -142,7 +151,7 @@ class AdapterVersions:
                 self.stop_event.wait(delay)
                 delay = min(delay * 2, 10.0)
 
-    def _fetch(self, announced: int, sha256: str) -> None:
+    def _fetch(self, announced: int, sha256: str, dtype: str | None = None) -> None:
         s = self.settings
         self.refresh_spec()
         t0 = time.monotonic()
@@ -151,7 +160,9 @@ class AdapterVersions:
         self.book.begin_fetch(lease.version, lease.lease_id)  # the keeper renews it during the download
         try:
             expected = sha256 if lease.version == announced else None
-            path = fetch_adapter(self.client, lease.version, self.cache_dir, expected)
+            spec = self.spec()
+            want = dtype if lease.version == announced else (spec.adapter_dtype if spec is not None else None)
+            path = fetch_adapter(self.client, lease.version, self.cache_dir, expected, want)
         except errors.Invalid as exc:
             self.release(self.book.end_fetch(lease.version) or lease.lease_id)
             if exc.retryable:  # a corrupted transfer: try again

@@ -39,7 +39,7 @@ WORKERS = "workers"  # hash worker_id -> JSON {role, loaded_versions, last_seen,
 METRICS_STREAM = "metrics:stream"  # capped stream of pushed metrics for the dashboard
 
 # Added by the proxy core (P2):
-VERSION_INFO = "version:{n}"  # hash: sha256, bytes, published_at, epoch, state (live | deleting | gone)
+VERSION_INFO = "version:{n}"  # hash: sha256, bytes, published_at, epoch, dtype, state (live | deleting | gone)
 VERSION_LEASES = "vleases:{n}"  # zset lease_id -> expires_at, the live leases of one version (GC checks it)
 LEASE_INFO = "lease:{id}"  # hash: version, worker_id, expires_at
 GC_DELETING = "gc:deleting"  # set of versions marked 'deleting' whose bucket files may still exist

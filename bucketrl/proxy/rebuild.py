@@ -6,7 +6,7 @@ single run when ``PUT /v1/runs/{run}`` finds it in the bucket but not in Redis.
 
 What, per run found as ``runs/{run}/run.json``:
 - the spec (Redis keeps its own if it still has one);
-- every committed adapter version ``runs/{run}/adapters/v{N}/manifest.json`` (sha256, bytes,
+- every committed adapter version ``runs/{run}/adapters/v{N}/manifest.json`` (sha256, bytes, dtype,
   published_at = manifest time) as ``live``; ``latest_version`` = the largest N (numbering continues
   densely after it; GC'd numbers below answer 410);
 - every committed checkpoint ``runs/{run}/checkpoints/step-{k}/`` (``latest`` = the largest step);
@@ -141,6 +141,7 @@ async def restore(ctx: Any, snap: RunSnapshot) -> None:
         pipe.hsetnx(info, "bytes", man.bundle.size)
         pipe.hsetnx(info, "published_at", man.created_at)
         pipe.hsetnx(info, "epoch", int(man.meta.get("epoch", 0) or 0))
+        pipe.hsetnx(info, "dtype", str(man.meta.get("dtype", "float32")))  # versions before the field: float32
         pipe.hsetnx(info, "state", "live")
     for step_k, man in snap.checkpoints.items():
         info = k(keys.CHECKPOINT_INFO.format(step=step_k))

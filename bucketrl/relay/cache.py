@@ -26,6 +26,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
 import uuid
 import weakref
 from collections import OrderedDict
@@ -82,6 +83,18 @@ class Stats:
     evicted_bytes: int = 0
     files: int = 0
     bytes: int = 0
+    # The last RECENT_FETCHES upstream fetches: sha256, bytes and wall times (requested, first byte, last byte),
+    # so a reader can tell a version's time on the slow link from its wait before it (bench/wan.py reads them).
+    recent_fetches: list[dict[str, object]] = field(default_factory=list)
+
+    def fetched(self, sha: str, n: int, started: float, first: float | None, last: float) -> None:
+        self.recent_fetches.append(
+            {"sha256": sha, "bytes": n, "started": started, "first_byte": first or last, "last_byte": last}
+        )
+        del self.recent_fetches[:-RECENT_FETCHES]
+
+
+RECENT_FETCHES = 64
 
 
 @dataclass
@@ -259,16 +272,19 @@ class AdapterCache:
         tmp = flight.tmp
         h, n = hashlib.sha256(), 0
         self.stats.upstream_fetches += 1
+        started, first = time.time(), None
         try:
             # Unbuffered: a follower reads what ``written`` counts through its own descriptor.
             with tmp.open("wb", buffering=0) as out:
                 flight.rfd = os.open(tmp, os.O_RDONLY)
                 async for chunk in fetch():
+                    first = first or time.time()
                     _write_all(out, chunk)
                     h.update(chunk)
                     n += len(chunk)
                     flight.wrote(len(chunk))
             self.stats.upstream_bytes += n
+            self.stats.fetched(sha, n, started, first, time.time())
             if h.hexdigest() != sha:
                 raise Mismatch(f"{path.name}: upstream sent {n} bytes hashing to {h.hexdigest()}")
             os.replace(tmp, path)  # whole or absent: a reader never sees a partial file under the final name

@@ -65,8 +65,10 @@ class SimBackends:
         s3_latency_ms: float = 20.0,
         s3_jitter_ms: float = 10.0,
         tls: Pki | None = None,
+        proxy_log_level: str = "warning",
     ) -> None:
         self.dir = workdir
+        self.proxy_log_level = proxy_log_level  # "info": its per-publish timings (bench/publish_path.py)
         self.tls = tls  # the proxy serves HTTPS with its certificate; workers verify it with its CA
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proxy_workers = proxy_workers
@@ -172,7 +174,7 @@ class SimBackends:
                 "--port",
                 str(self.proxy_port),
                 "--log-level",
-                "warning",
+                self.proxy_log_level,
                 "--workers",
                 str(self.proxy_workers),
             ],

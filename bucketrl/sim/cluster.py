@@ -62,7 +62,8 @@ class SimScale:
     prompt_tokens: int = 128
     max_new_tokens: int = 1024
     vocab_size: int = 32_000
-    adapter_bytes: int = 1024 * 1024
+    adapter_bytes: int = 1024 * 1024  # the float32 master weights; shipped as adapter_dtype says
+    adapter_dtype: str = "float32"  # the run spec's (float32: every version is adapter_bytes, as before the field)
     sync_every: int = 1
     checkpoint_every: int = 10
     fleet_processes: int | None = None  # default: one per 64 generators, at most 4
@@ -107,6 +108,7 @@ class Scenario:
         return {
             "base_model": "sim/no-model",
             "lora": {"r": 16},
+            "adapter_dtype": c.adapter_dtype,
             "group_size": c.group_size,
             "max_staleness": c.max_staleness,
             "sampling": {"max_new_tokens": c.max_new_tokens},

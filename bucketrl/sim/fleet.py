@@ -4,9 +4,10 @@ What one simulated generator does is what :class:`bucketrl.generator.worker.Gene
 HTTP against the real proxy, with only the GPU simulated (:mod:`bucketrl.sim.gpu`):
 
 - adapter sync: long-polls ``GET adapters/latest?after=N``, leases the latest version, downloads its tar
-  and checks its sha256 (against the proxy's header and the announcement) and that it holds
-  ``adapter_config.json``, "loads" it (``load_adapter_s``; the engine loads between decode steps, so it does
-  not wait for the running call), releases the leases of versions no batch uses any more;
+  and checks its sha256 (against the proxy's header and the announcement) and that it is a PEFT adapter in the
+  announced dtype (``bucketrl.bundles``, as the real worker checks it), "loads" it (``load_adapter_s``; the
+  engine loads between decode steps, so it does not wait for the running call), releases the leases of
+  versions no batch uses any more;
 - rollouts: leases ``prompts_per_request`` prompts (long-polled by admission control, ``version`` = the
   newest loaded) while the previous call runs, samples G completions per prompt in one simulated call, hands
   the batch to its submitter (a queue of ``submit_queue_batches``, as the real worker's), which submits it as
@@ -38,7 +39,6 @@ import logging
 import os
 import signal
 import sys
-import tarfile
 import time
 import uuid
 from collections import Counter
@@ -50,7 +50,7 @@ import httpx
 import msgpack
 import numpy as np
 
-from bucketrl import errors
+from bucketrl import bundles, errors
 from bucketrl.settings import WorkerSettings
 from bucketrl.sim.gpu import SimGpu, simulate_call
 from bucketrl.wire import RunSpec
@@ -84,6 +84,8 @@ class FleetStats:
     transport_retries: int = 0
     gpu_busy_s: float = 0.0
     loads: list[tuple[str, int, float]] = field(default_factory=list)  # (worker, version, wall time loaded)
+    # (worker, version, sha256, bytes, wall time requested, wall time its last byte arrived)
+    fetches: list[tuple[str, int, str, int, float, float]] = field(default_factory=list)
     wakes: list[tuple[str, int, float, float]] = field(default_factory=list)  # (worker, version, asked, answered)
     errors: list[str] = field(default_factory=list)
     # Calls that met a proxy (or link) that could not answer and were retried or left to expire: what an outage
@@ -214,14 +216,14 @@ class SimGenerator:
                     continue
                 info = resp.json()
                 self.stats.wakes.append((self.worker_id, int(info["version"]), asked, time.time()))
-                await self._fetch(int(info["version"]), str(info["sha256"]))
+                await self._fetch(int(info["version"]), str(info["sha256"]), info.get("dtype"))
                 delay = 0.5
             except errors.BucketRLError as exc:
                 self.stats.failed(f"{self.worker_id} adapter sync: {exc.code}: {exc.message[:200]}", exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
-    async def _fetch(self, announced: int, sha256: str) -> None:
+    async def _fetch(self, announced: int, sha256: str, dtype: str | None = None) -> None:
         lease = (
             await self.api.call(
                 "POST", "leases", "/leases", json={"worker_id": self.worker_id, "ttl_s": VERSION_LEASE_TTL_S}
@@ -229,14 +231,16 @@ class SimGenerator:
         ).json()
         version = int(lease["version"])
         try:
+            requested = time.time()
             resp = await self.api.call("GET", "adapters/{v}", f"/adapters/{version}")
+            downloaded = time.time()
             got = hashlib.sha256(resp.content).hexdigest()
             want = {resp.headers.get("X-Content-SHA256", got)} | ({sha256} if version == announced else set())
             if want != {got}:
                 raise errors.Invalid(f"adapter v{version}: sha256 {got} != {sorted(want)}")
-            with tarfile.open(fileobj=io.BytesIO(resp.content), mode="r:") as tar:
-                if "adapter_config.json" not in tar.getnames():
-                    raise errors.Invalid(f"adapter v{version}: no adapter_config.json in the tar")
+            shipped = bundles.check_adapter_tar(io.BytesIO(resp.content))
+            bundles.check_dtype(shipped, dtype if version == announced else None, f"adapter v{version}", "announced")
+            self.stats.fetches.append((self.worker_id, version, got, len(resp.content), requested, downloaded))
         except BaseException:
             await self._release_lease(lease["lease_id"])
             raise

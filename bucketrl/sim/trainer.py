@@ -4,9 +4,11 @@ Everything the trainer does against the proxy is the real :class:`bucketrl.train
 registration and fencing, claims one step ahead with ``min_version``/``train_version`` (admission control's
 pace), publishes every ``sync_every`` steps from the uploader thread, checkpoints then acks, metric pushes.
 Only the learner is simulated (:class:`SimLearner`): a step takes ``BUCKETRL_SIM_STEP_S`` seconds (the time
-a GPU step of the stated cost would take) and the published adapter is ``BUCKETRL_SIM_ADAPTER_BYTES`` of
-bf16 LoRA tensors, so versions and checkpoints move real adapter-sized objects through the proxy and the
-bucket. Nothing is learned: rewards and logprobs of the simulated engine are not a policy's.
+a GPU step of the stated cost would take) and the adapter is ``BUCKETRL_SIM_ADAPTER_BYTES`` of float32 LoRA
+master weights, published through the real cast to the run spec's ``adapter_dtype`` (``auto``: bfloat16, the
+simulated GPU model's dtype; a bfloat16 version is half those bytes), so versions and checkpoints move real
+adapter-sized objects through the proxy and the bucket. Nothing is learned: rewards and logprobs of the
+simulated engine are not a policy's.
 
     BUCKETRL_PROXY_URL=... BUCKETRL_TOKEN=... BUCKETRL_RUN=sim BUCKETRL_SIM_STEP_S=4 \\
         python -m bucketrl.sim.trainer --report /tmp/trainer.json
@@ -49,12 +51,12 @@ class SimTrainerSettings(TrainerSettings):
     sim_adapter_bytes: int = Field(
         4 * 1024 * 1024,
         ge=1024,
-        description="BUCKETRL_SIM_ADAPTER_BYTES: size of the published adapter's weights (bf16 LoRA tensors).",
+        description="BUCKETRL_SIM_ADAPTER_BYTES: size of the adapter's float32 master weights (LoRA tensors).",
     )
 
 
 class _SimPolicy:
-    """LoRA-shaped bf16 tensors of the stated total size; one element changes per step (a new version)."""
+    """LoRA-shaped float32 tensors of the stated total size; one element changes per step (a new version)."""
 
     eos_token_ids: tuple[int, ...] = ()
 
@@ -62,14 +64,16 @@ class _SimPolicy:
         import torch
 
         r = spec.lora.r
-        per_pair = 2 * r * HIDDEN * 2  # lora_A (r x H) + lora_B (H x r), bf16
+        # The simulated model is a GPU one in bfloat16: ``auto`` ships bfloat16, as for a real bf16 base.
+        self.adapter_dtype = "bfloat16" if spec.adapter_dtype == "auto" else spec.adapter_dtype
+        per_pair = 2 * r * HIDDEN * 4  # lora_A (r x H) + lora_B (H x r), float32
         layers = max(1, adapter_bytes // per_pair)
         gen = torch.Generator().manual_seed(0)
         self.state: dict[str, Any] = {}
         for i in range(layers):
             prefix = f"base_model.model.model.layers.{i}.self_attn.q_proj"
-            self.state[f"{prefix}.lora_A.weight"] = torch.randn(r, HIDDEN, generator=gen).to(torch.bfloat16)
-            self.state[f"{prefix}.lora_B.weight"] = torch.zeros(HIDDEN, r, dtype=torch.bfloat16)
+            self.state[f"{prefix}.lora_A.weight"] = torch.randn(r, HIDDEN, generator=gen)
+            self.state[f"{prefix}.lora_B.weight"] = torch.zeros(HIDDEN, r)
         self.config_json = json.dumps(
             {
                 "peft_type": "LORA",

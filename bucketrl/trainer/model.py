@@ -16,6 +16,11 @@ same weights always give the same bytes (and the same sha256).
     out = policy.forward_logprobs(micro_batch, with_kl=True)                # + out.kl_logprobs (temperature only)
     tar = policy.adapter_tar()                                              # PUT /adapters/{N}
     snap = policy.adapter_snapshot(); threading.Thread(target=lambda: put(snap.tar())).start()  # off the loop
+    snap.tar(dtype=policy.adapter_dtype)                                    # as published: the run's adapter_dtype
+
+The LoRA parameters are float32 master weights whatever the base's dtype (peft's default), and so are the
+checkpoints (a resume is exact); only the published tar is cast, to ``adapter_dtype`` (the run spec's, ``auto``
+resolved from the base model's own dtype by :func:`resolve_adapter_dtype`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Shards a base model in place onto a device, leaving the given (trainable) parameters alone
 # (bucketrl/trainer/sharding.py's BaseSharder).
 Sharder = Callable[[torch.nn.Module, set[torch.nn.Parameter], torch.device], None]
+
+
+def resolve_adapter_dtype(requested: str, base_model: str) -> str:
+    """The run spec's ``adapter_dtype`` with ``auto`` resolved: bfloat16 when the base model's own dtype (its
+    config's ``torch_dtype``, whatever dtype this process loads it in) is bfloat16, float32 otherwise."""
+    if requested != "auto":
+        return requested
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base_model)
+    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return "bfloat16" if str(own).removeprefix("torch.") == "bfloat16" else "float32"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -92,19 +109,24 @@ class AdapterSnapshot:
     state: dict[str, torch.Tensor]
     config_json: str
 
-    def write(self, directory: str | Path) -> Path:
+    def write(self, directory: str | Path, dtype: str | None = None) -> Path:
+        """The PEFT files; ``dtype`` (``bfloat16``...): the weights cast to it (round to nearest even), as shipped."""
         from safetensors.torch import save_file
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        save_file(self.state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        state = self.state
+        if dtype is not None:
+            state = {k: v.to(DTYPES[dtype]) for k, v in state.items()}
+        save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
         (out / "adapter_config.json").write_text(self.config_json)
         return out
 
-    def tar(self, scratch: str | Path | None = None) -> bytes:
-        """The deterministic tar of the two files, written through a temporary directory under ``scratch``."""
+    def tar(self, scratch: str | Path | None = None, dtype: str | None = None) -> bytes:
+        """The deterministic tar of the two files (weights cast to ``dtype`` if given), written through a temporary
+        directory under ``scratch``."""
         with tempfile.TemporaryDirectory(prefix="bucketrl-adapter-", dir=scratch) as tmp:
-            return pack_dir(self.write(tmp))
+            return pack_dir(self.write(tmp, dtype))
 
 
 @dataclass
@@ -140,6 +162,8 @@ class PolicyModel:
         self.spec = spec
         self.device = resolve_device(device)
         self._config_cache: str | None = None
+        # What published versions hold (the master weights below stay float32).
+        self.adapter_dtype = resolve_adapter_dtype(spec.adapter_dtype, spec.base_model)
         base = AutoModelForCausalLM.from_pretrained(spec.base_model, dtype=DTYPES[dtype])
         vocab = base.get_output_embeddings().weight.shape[0]
         if vocab < spec.vocab_size:

@@ -3,6 +3,7 @@
 from pydantic import Field
 
 from bucketrl.wire.common import WireModel
+from bucketrl.wire.runs import ShippedDtype
 
 
 class AdapterVersionInfo(WireModel):
@@ -10,3 +11,5 @@ class AdapterVersionInfo(WireModel):
     sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$")
     bytes: int = Field(..., ge=0)
     published_at: float
+    # The dtype of the adapter's weights as stored and shipped (versions from before the field: float32).
+    dtype: ShippedDtype = "float32"

@@ -1,7 +1,7 @@
 """Run spec: what a run trains, shared by every worker through the proxy.
 
-``base_model``, ``lora``, ``group_size``, ``vocab_size`` and ``dataset`` are immutable once the run
-exists (see :data:`IMMUTABLE_FIELDS`); the rest can be changed by a later ``PUT /v1/runs/{run}``.
+``base_model``, ``lora``, ``adapter_dtype``, ``group_size``, ``vocab_size``, ``dataset`` and ``env`` are immutable
+once the run exists (see :data:`IMMUTABLE_FIELDS`); the rest can be changed by a later ``PUT /v1/runs/{run}``.
 """
 
 from typing import Annotated, Any, Literal
@@ -11,7 +11,22 @@ from pydantic import Field, field_validator, model_validator
 from bucketrl.wire.common import MAX_EPISODE_TOKENS, MAX_TURNS, MAX_WIRE_INT, ShortStr, StrictWireModel, WireModel
 
 # ``env``: a generator decides at its start whether it runs single-turn completions or episodes.
-IMMUTABLE_FIELDS: tuple[str, ...] = ("base_model", "lora", "group_size", "vocab_size", "dataset", "env")
+# ``adapter_dtype``: the trainer resolves it once, and every version of a run ships in the one dtype.
+IMMUTABLE_FIELDS: tuple[str, ...] = (
+    "base_model",
+    "lora",
+    "adapter_dtype",
+    "group_size",
+    "vocab_size",
+    "dataset",
+    "env",
+)
+
+# The dtype adapter versions cross the links in. ``auto``: bfloat16 when the base model's own dtype (its
+# config.json ``torch_dtype``) is bfloat16, since vLLM then computes LoRA in bfloat16 and casts whatever it is
+# given; float32 otherwise (the CPU demo). The trainer's master weights and checkpoints stay float32.
+AdapterDtype = Literal["auto", "float32", "bfloat16", "float16"]
+ShippedDtype = Literal["float32", "bfloat16", "float16"]
 
 
 class LoraSpec(StrictWireModel):
@@ -160,6 +175,8 @@ class EnvSpec(StrictWireModel):
 class RunSpec(StrictWireModel):
     base_model: str = Field(..., min_length=1, max_length=500)
     lora: LoraSpec = Field(default_factory=LoraSpec)
+    # What the published adapter versions hold (see AdapterDtype); each version also records it. Immutable.
+    adapter_dtype: AdapterDtype = "auto"
     group_size: int = Field(8, ge=2, le=1024)
     max_staleness: int = Field(4, ge=0, le=64)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)

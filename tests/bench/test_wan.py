@@ -84,3 +84,11 @@ def test_direct_and_relay_over_tls_through_a_dropped_link(tmp_path: Path) -> Non
     assert relay["wan_bytes_per_version"] <= 0.75 * direct["wan_bytes_per_version"], (relay, direct)
     for region, stats in relay["relay_stats"].items():
         assert stats["upstream_fetches"] <= relay["versions_crossed"] + 1, (region, stats)
+    # Where the time went (issue 32): versions shipped in bfloat16 (half the 1 MiB float32 masters), each with its
+    # publish, first and last byte at both relays and first and last load after the start of its upload.
+    assert relay["adapter_dtype"] == "bfloat16" and relay["adapter_bytes"] < 0.6 * 1024 * 1024, relay
+    timed = [v for v in relay["versions"].values() if "relay_a_last_byte_s" in v and "relay_b_last_byte_s" in v]
+    assert timed, relay["versions"]
+    for v in timed:
+        assert 0 < v["publish_s"] <= v["relay_a_first_byte_s"] <= v["relay_a_last_byte_s"] <= v["last_loaded_s"], v
+    assert relay["fleet_cpu_s_per_loaded_adapter"] > 0 and 0 < relay["fleet_cpu_share"] <= 1, relay

@@ -67,9 +67,11 @@ def make_tar(files: dict[str, bytes]) -> bytes:
 
 
 def safetensors_bytes(payload: bytes) -> bytes:
-    """A valid safetensors file holding ``payload`` as one uint8 tensor (what the proxy's check reads)."""
-    header = json.dumps({"w": {"dtype": "U8", "shape": [len(payload)], "data_offsets": [0, len(payload)]}}).encode()
-    return struct.pack("<Q", len(header)) + header + payload
+    """A valid safetensors file holding ``payload`` (zero-padded to whole floats) as one float32 tensor (what the
+    proxy's check reads: an adapter's weights are float32, bfloat16 or float16)."""
+    payload += b"\0" * (-len(payload) % 4)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [len(payload) // 4], "data_offsets": [0, len(payload)]}})
+    return struct.pack("<Q", len(header)) + header.encode() + payload
 
 
 def adapter_files(tag: str, size: int = 256) -> dict[str, bytes]:

@@ -262,3 +262,30 @@ def test_json_helpers(store: BucketStore) -> None:
         get_json(store, "runs/demo/absent.json")
     with pytest.raises(errors.Invalid):
         put_json(store, "../escape.json", {})
+
+
+# -- large bodies: the bundle and the members are written at the same time (issue 32) -----------------------
+def test_a_large_body_writes_bundle_and_members_at_once_byte_for_byte(store: BucketStore) -> None:
+    import os
+
+    from bucketrl.storage import dirs
+
+    members = {"adapter_config.json": b'{"peft_type": "LORA"}', "adapter_model.safetensors": os.urandom(6 << 20)}
+    body = make_tar(members)
+    assert len(body) >= dirs.PARALLEL_WRITE_BYTES
+    with spool(body) as spooled:
+        manifest = commit_tar(store, PREFIX, spooled, sha256(body), {})
+    assert b"".join(iter_bundle(store, PREFIX)) == body
+    for name, data in members.items():
+        assert store.get_bytes(f"{PREFIX}/files/{name}") == data
+        assert manifest.files[name].sha256 == sha256(data)
+
+
+def test_a_large_body_whose_bundle_write_fails_is_never_committed(store: BucketStore) -> None:
+    import os
+
+    body = make_tar({"adapter_config.json": b"{}", "adapter_model.safetensors": os.urandom(6 << 20)})
+    dying = FailingStore(store, fail_on=lambda key: key.endswith("bundle.tar"))
+    with spool(body) as spooled, pytest.raises(errors.Unavailable):
+        commit_tar(dying, PREFIX, spooled, sha256(body), {})
+    assert read_manifest(store, PREFIX) is None

@@ -13,6 +13,11 @@ between decode steps at most every ``POLL_S``, so a version published during a l
 about one poll (the worker's hook loads the newest fetched adapter) instead of after the call. Loading an
 adapter leaves the active one alone (peft), and the call re-activates its own adapter if a hook changed it:
 every token of a call is sampled from the adapter the call was made with.
+
+Adapters are served in the dtype the base computes in (``adapter_dtype``: float32 on the CPU, bfloat16 on a GPU),
+as vLLM serves them: a file in another dtype is cast on load (round to nearest even), so a bfloat16 engine holds
+the same LoRA tensors whether it was given the bfloat16 or the float32 file of a version. (peft's default would
+upcast the LoRA to float32 instead: not what a vLLM generator of the same model computes.)
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class TransformersEngine:
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else "bfloat16"
         self.device = torch.device(device)
+        self.adapter_dtype: str = dtype  # the dtype adapters are held and computed in (see the module docstring)
         try:
             base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         except OSError as exc:
@@ -81,11 +87,14 @@ class TransformersEngine:
             return  # a name means one set of weights: loading it again would change nothing
         from peft import PeftModel
 
+        # autocast off: the LoRA weights take the base layers' dtype (peft casts them on load), as in vLLM.
         if self._model is None:
-            self._model = PeftModel.from_pretrained(self._base, str(path), adapter_name=name, is_trainable=False)
+            self._model = PeftModel.from_pretrained(
+                self._base, str(path), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False
+            )
             self._model.eval()
         else:
-            self._model.load_adapter(str(path), adapter_name=name, is_trainable=False)
+            self._model.load_adapter(str(path), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
         self._adapters[name] = version
 
     def unload_adapter(self, name: str) -> None:

@@ -103,6 +103,9 @@ class VLLMEngine:
         }
         log.info("starting vLLM: %s", kwargs)
         self._llm = LLM(**kwargs)
+        # vLLM computes LoRA in the model's dtype and casts every adapter to it on load: what it serves in.
+        model_dtype = getattr(getattr(self._llm.llm_engine, "model_config", None), "dtype", None)
+        self.adapter_dtype: str | None = str(model_dtype).removeprefix("torch.") if model_dtype is not None else None
         self._requests: dict[str, Any] = {}  # name -> LoRARequest
         self._warm_up()
 

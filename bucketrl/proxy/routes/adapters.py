@@ -76,8 +76,9 @@ async def latest(
     response_model=AdapterVersionInfo,
     summary="Publish version N = latest+1 (epoch-fenced; sha256-checked; atomic).",
     description=(
-        "Body: the adapter directory as an uncompressed tar (the PEFT files). The proxy stores the exact tar and the "
-        "extracted files under `runs/{run}/adapters/v{N}/`, manifest last, then commits the version in Redis "
+        "Body: the adapter directory as an uncompressed tar (the PEFT files), its weights all in one dtype (the run "
+        "spec's `adapter_dtype` unless that is `auto`: 422 `adapter_dtype_mismatch`). The proxy stores the exact tar "
+        "and the extracted files under `runs/{run}/adapters/v{N}/`, manifest last, then commits the version in Redis "
         "atomically with the epoch check. Re-sending the committed bytes of the latest version answers 200 (a "
         "retried PUT). 409 `version_conflict` unless N = latest+1; 409 `fenced` for an old epoch."
     ),
@@ -108,7 +109,7 @@ async def publish(
             code="version_conflict",
         )
     chunks = body.stream_limited(request, ctx.settings.max_adapter_bytes, "adapter tar")
-    return await versions.publish(ctx, ref.run, version, epoch, sha, chunks)
+    return await versions.publish(ctx, ref.run, version, epoch, sha, chunks, ref.spec.adapter_dtype)
 
 
 @router.get(

@@ -4,6 +4,7 @@ what it must hold (``bucketrl.bundles``)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import IO
 
@@ -16,10 +17,14 @@ async def spool_verified(
     max_bytes: int,
     expected_sha256: str,
     check: Callable[[IO[bytes]], None] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> dirs.Spooled:
     """The spooled body (the caller closes it); ``Invalid``, nothing written, if its sha256 is not the declared one
-    or ``check`` (run in a worker thread: it reads the tar) refuses its contents."""
+    or ``check`` (run in a worker thread: it reads the tar) refuses its contents. ``timings`` gets ``body_s`` (the
+    upload, hashed and spooled as it arrives) and ``check_s``."""
+    t0 = time.perf_counter()
     spooled = await dirs.spool_body(chunks, max_bytes)
+    t1 = time.perf_counter()
     try:
         if spooled.sha256 != expected_sha256:
             raise errors.Invalid(
@@ -31,4 +36,6 @@ async def spool_verified(
     except BaseException:
         spooled.close()
         raise
+    if timings is not None:
+        timings.update(body_s=t1 - t0, check_s=time.perf_counter() - t1)
     return spooled

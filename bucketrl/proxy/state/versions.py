@@ -6,7 +6,9 @@ downloadable), ``deleting`` (GC decided, files going) or ``gone``. A version has
 Redis lives, so an old number answers 410, not 404.
 
 Publishing version N (invariant 2: dense, monotonic, never by a fenced trainer):
-1. the body is spooled to a temp file and hashed (never held whole in memory);
+1. the body is spooled to a temp file and hashed (never held whole in memory), and checked to be a PEFT adapter
+   whose weights are in the run spec's ``adapter_dtype`` (422 ``adapter_dtype_mismatch`` if not); the dtype is
+   recorded in the manifest's meta and the version's record, and announced with the version;
 2. the write lock of ``v{N}`` is taken in Lua together with ``epoch == current`` and ``N == latest+1``;
 3. the tar is committed under ``runs/{run}/adapters/v{N}/`` (manifest last; leftovers of a crashed or
    fenced attempt are cleared first: under the lock with N > latest, nobody can be reading them);
@@ -20,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import IO, Any
 
 from bucketrl import bundles, errors
 from bucketrl.proxy import keys
@@ -36,7 +39,7 @@ log = logging.getLogger("bucketrl.proxy.versions")
 
 LIVE, DELETING, GONE = "live", "deleting", "gone"
 
-# KEYS: state, lock, version:N, versions, channel. ARGV: epoch, N, owner, sha256, bytes.
+# KEYS: state, lock, version:N, versions, channel. ARGV: epoch, N, owner, sha256, bytes, dtype.
 _COMMIT = Lua.load("version_commit.lua")
 
 
@@ -59,7 +62,11 @@ async def get_record(r: Any, run: str, version: int) -> dict[str, str] | None:
 
 def to_info(version: int, rec: dict[str, str]) -> AdapterVersionInfo:
     return AdapterVersionInfo(
-        version=version, sha256=rec["sha256"], bytes=int(rec["bytes"]), published_at=float(rec["published_at"])
+        version=version,
+        sha256=rec["sha256"],
+        bytes=int(rec["bytes"]),
+        published_at=float(rec["published_at"]),
+        dtype=rec.get("dtype", "float32"),  # type: ignore[arg-type]  # written by publish from the checked tar
     )
 
 
@@ -110,11 +117,22 @@ async def committed_same(r: Any, run: str, version: int, sha256: str, epoch: int
 
 
 async def publish(
-    ctx: Any, run: str, version: int, epoch: int, expected_sha256: str, chunks: AsyncIterator[bytes]
+    ctx: Any,
+    run: str,
+    version: int,
+    epoch: int,
+    expected_sha256: str,
+    chunks: AsyncIterator[bytes],
+    adapter_dtype: str = "auto",
 ) -> AdapterVersionInfo:
-    """Publish ``version`` from a tar body stream; see the module docstring for the protocol."""
+    """Publish ``version`` from a tar body stream; see the module docstring for the protocol. ``adapter_dtype``:
+    the run spec's (``auto``: whatever one dtype the trainer chose)."""
     s = ctx.settings
-    spooled = await spool_verified(chunks, s.max_adapter_bytes, expected_sha256, bundles.check_adapter_tar)
+    found: list[str] = []
+    timings: dict[str, float] = {}
+    check = _dtype_check(adapter_dtype, version, found)
+    spooled = await spool_verified(chunks, s.max_adapter_bytes, expected_sha256, check, timings)
+    dtype = found[0]
     with spooled:
         lock = WriteLock(ctx.redis, run, f"v{version}", epoch, ttl_s=s.publish_lock_s, expected_next=version)
         try:
@@ -132,7 +150,11 @@ async def publish(
         # (another writer may own the prefix now) leaves them; a retry finds the version or clears them.
         keep_files = False
         try:
-            await asyncio.to_thread(_write_bundle, ctx.store, prefix, spooled, expected_sha256, run, version, epoch)
+            meta = {"run": run, "version": version, "epoch": epoch, "dtype": dtype}
+            t_write = time.perf_counter()
+            await asyncio.to_thread(_write_bundle, ctx.store, prefix, spooled, expected_sha256, meta, timings)
+            t_commit = time.perf_counter()
+            timings["bucket_s"] = t_commit - t_write
             keep_files = True
             status, detail = await _COMMIT(
                 ctx.redis,
@@ -143,14 +165,20 @@ async def publish(
                     keys.run_key(run, keys.VERSIONS),
                     keys.run_key(run, keys.VERSION_CHANNEL),
                 ],
-                [epoch, version, lock.owner, spooled.sha256, spooled.size],
+                [epoch, version, lock.owner, spooled.sha256, spooled.size, dtype],
             )
             status, detail = status.decode(), detail.decode()
             keep_files = status != "fenced"
             if status == "ok":
                 ctx.telemetry.published_versions.labels(run=run).inc()
+                timings["commit_s"] = time.perf_counter() - t_commit
+                _log_published(run, version, spooled.size, dtype, timings)
                 return AdapterVersionInfo(
-                    version=version, sha256=spooled.sha256, bytes=spooled.size, published_at=float(detail)
+                    version=version,
+                    sha256=spooled.sha256,
+                    bytes=spooled.size,
+                    published_at=float(detail),
+                    dtype=dtype,  # type: ignore[arg-type]  # one of bundles.WEIGHT_DTYPES' names
                 )
             if status == "fenced":
                 err = await fenced_or_restoring(ctx.redis, run, epoch, int(detail), "during publish")
@@ -176,11 +204,34 @@ async def publish(
             await lock.release()
 
 
+def _dtype_check(want: str, version: int, found: list[str]) -> Callable[[IO[bytes]], None]:
+    """The publish's tar check: a PEFT adapter whose weights are in ``want`` (the run spec's adapter_dtype); the
+    dtype found is appended to ``found``."""
+
+    def check(fh: IO[bytes]) -> None:
+        dtype = bundles.check_adapter_tar(fh)
+        bundles.check_dtype(dtype, want, f"adapter v{version}", "the run spec's adapter_dtype")
+        found.append(dtype)
+
+    return check
+
+
+def _log_published(run: str, version: int, size: int, dtype: str, timings: dict[str, float]) -> None:
+    """Where a publish's time went (docs/scale.md; bench/publish_path.py reads this line)."""
+    phases = " ".join(f"{k}={v:.3f}" for k, v in timings.items())
+    log.info("published %s v%d (%d bytes, %s): %s", run, version, size, dtype, phases)
+
+
 def _write_bundle(
-    store: Any, prefix: str, spooled: dirs.Spooled, sha256: str, run: str, version: int, epoch: int
+    store: Any,
+    prefix: str,
+    spooled: dirs.Spooled,
+    sha256: str,
+    meta: dict[str, Any],
+    timings: dict[str, float] | None = None,
 ) -> None:
     if dirs.read_manifest(store, prefix) is not None:
         # A crashed or fenced attempt committed files Redis never recorded; we hold the lock and N > latest.
         log.warning("clearing unrecorded leftovers at %s before publishing", prefix)
         dirs.delete_dir(store, prefix)
-    dirs.commit_tar(store, prefix, spooled, sha256, {"run": run, "version": version, "epoch": epoch})
+    dirs.commit_tar(store, prefix, spooled, sha256, meta, timings)

@@ -7,7 +7,7 @@ if n ~= latest + 1 then return {'conflict', tostring(latest)} end
 local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
 redis.call('HSET', KEYS[3], 'sha256', ARGV[4], 'bytes', ARGV[5], 'published_at', now, 'epoch', ARGV[1],
-  'state', 'live')
+  'state', 'live', 'dtype', ARGV[6])
 redis.call('ZADD', KEYS[4], n, n)
 redis.call('HSET', KEYS[1], 'latest_version', n, 'updated_at', now)
 redis.call('DEL', KEYS[2])

@@ -199,7 +199,7 @@ class AcrossClouds:
 class AcrossCloudsCost:
     usd_per_hour: dict[str, float]  # by line: trainer GPUs, generator GPUs, control plane, relays, controller, egress
     egress_gb_per_hour: float
-    adapter_bytes_per_version: dict[str, float]  # by link: home proxy -> relays, -> direct generators, relay -> gens
+    adapter_bytes_per_version: dict[str, int]  # by link: home proxy -> relays, -> direct generators, relay -> gens
 
     @property
     def total_usd_per_hour(self) -> float:

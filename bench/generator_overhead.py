@@ -203,7 +203,7 @@ def main() -> None:
         engine.load_adapter(f"{RUN}-v1", 1, work / "adapter")
         tok = AutoTokenizer.from_pretrained(model_dir)
         examples = load_examples(spec.dataset)
-        prompts = [prompt_token_ids(tok, ex.prompt) for ex in examples[: args.groups * args.repeats]]
+        prompts = [prompt_token_ids(tok, ex.prompt, raw=ex.raw) for ex in examples[: args.groups * args.repeats]]
         G = spec.group_size
         for _ in range(2):  # warm-up: kernels, allocator
             engine.generate(prompts[: args.prompts_per_request], adapter=f"{RUN}-v1", n=G, sampling=spec.sampling)

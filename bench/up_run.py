@@ -21,6 +21,7 @@ def timed_up(
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, help="run directory (default: a fresh temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
+    parser.add_argument("--json", type=Path, help="also write the figures here (benchmarks that support it)")
     parser.add_argument("up_args", nargs="*", help="extra `bucketrl up` options (after --)")
     args = parser.parse_args()
     run_dir = args.dir or Path(tempfile.mkdtemp(prefix=f"bucketrl-{name}-")) / name

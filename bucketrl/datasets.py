@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors
 from bucketrl.rollout.example import Example
-from bucketrl.tasks.toy import toy_examples
+from bucketrl.tasks.tiny_tokenizer import CHAT_TEMPLATE as BUILT_IN_CHAT_TEMPLATE
+from bucketrl.tasks.toy import PREFILL, toy_examples
 from bucketrl.wire import DatasetSpec
 
 if TYPE_CHECKING:
@@ -128,7 +130,9 @@ def _toy(spec: DatasetSpec) -> list[Example]:
     except (KeyError, ValueError) as exc:
         raise errors.Invalid(f"dataset {spec.uri!r}: {exc}") from exc
     fields = spec.model_copy(update={"prompt_field": "prompt", "answer_field": "answer"})
-    return _rows_to_examples(rows, fields, spec.uri)
+    # Plain toy prompts stay plain whatever the model's template (a chat-form toy task goes through it).
+    prefill = PREFILL.get(task, "")
+    return [replace(e, raw=e.messages is None, prefill=prefill) for e in _rows_to_examples(rows, fields, spec.uri)]
 
 
 # Single files read through Hugging Face ``datasets`` rather than as JSONL.
@@ -240,11 +244,17 @@ def describe_dataset(
     return probe.model_copy(update={"size": size})
 
 
-def prompt_token_ids(tokenizer: Any, prompt: str, messages: list[dict[str, str]] | None = None) -> list[int]:
+def prompt_token_ids(
+    tokenizer: Any, prompt: str, messages: list[dict[str, str]] | None = None, *, raw: bool = False, prefill: str = ""
+) -> list[int]:
     """Token ids of ``prompt`` as the policy sees it: the chat template (user turn + generation prompt) when the
-    tokenizer has one, the plain text otherwise; a chat-format example's ``messages`` always go through the
-    template (the preflight refuses a chat dataset for a model without one). Never empty."""
-    if messages is not None or getattr(tokenizer, "chat_template", None):
+    tokenizer has one, the plain text otherwise, when ``raw`` (:attr:`Example.raw`, the toy tasks' plain prompts)
+    and with the built-in model (its template is for chat-format rows: a plain prompt is continued as written, as
+    TRL does); a chat-format example's ``messages`` always go through the template (the preflight refuses a chat
+    dataset for a model without one). ``prefill`` (:attr:`Example.prefill`) follows, encoded on its own. Never
+    empty."""
+    template = getattr(tokenizer, "chat_template", None)
+    if messages is not None or (not raw and template and template != BUILT_IN_CHAT_TEMPLATE):
         ids = tokenizer.apply_chat_template(
             messages if messages is not None else [{"role": "user", "content": prompt}],
             add_generation_prompt=True,
@@ -255,6 +265,8 @@ def prompt_token_ids(tokenizer: Any, prompt: str, messages: list[dict[str, str]]
         ids = list(ids)
     else:
         ids = list(tokenizer.encode(prompt, add_special_tokens=True))
+    if prefill:
+        ids += tokenizer.encode(prefill, add_special_tokens=False)
     if not ids:
         fallback = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         ids = [int(fallback if fallback is not None else 0)]

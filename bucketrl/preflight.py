@@ -17,8 +17,8 @@ The checks, in the order a user meets them:
    ``env.kwargs`` (:func:`check_env`; ``bucketrl up`` checks it with the reward, before the model);
 7. the tokenizer reads the dataset back (:func:`check_tokenizer_coverage`): prompts and answers encoded and
    decoded again lose no more than 1 % of their characters (dropped, or read as the unknown or padding token).
-   The built-in character-level tokenizer, which knows no Arabic, dropped every Arabic letter, and a run on
-   Arabic data trained on the digits without a word (``dataset.allow_lossy_tokenizer``,
+   A character-level tokenizer (the built-in model's before issue 34), which knows no Arabic, dropped every Arabic
+   letter, and a run on Arabic data trained on the digits without a word (``dataset.allow_lossy_tokenizer``,
    ``--allow-lossy-tokenizer``: the user knows, train anyway).
 
 ``names`` maps each check to what the user changes: ``bucketrl up`` passes its flags (``--reward``), the
@@ -252,7 +252,7 @@ def longest_prompt(tokenizer: Any, examples: list[Any], names: dict[str, str] = 
     best, row = 0, 1
     for e in by_chars[:LONGEST_CANDIDATES]:
         try:
-            n = len(prompt_token_ids(tokenizer, e.prompt, e.chat()))
+            n = len(prompt_token_ids(tokenizer, e.prompt, e.chat(), raw=e.raw, prefill=e.prefill))
         except Exception as exc:  # a template that rejects the conversation (roles it does not know, ...)
             raise ConfigError(
                 f"{names['dataset']}: row {e.index + 1} does not go through the model's chat template: {_short(exc)}"

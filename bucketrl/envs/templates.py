@@ -1,8 +1,9 @@
 """Chat messages to prompt token ids: the model's own chat template, or bucketrl's minimal one.
 
 A model whose tokenizer has a chat template is rendered with it (``apply_chat_template`` with ``tools=``, so
-templates that describe tools to the model do). A model without one (the built-in tiny model) gets
-:data:`TINY_CHAT_TEMPLATE`, made for a character-level vocabulary without whitespace tokens:
+templates that describe tools to the model do). A model without one, and the built-in tiny model (whose ChatML
+template knows no tools, and whose random weights could not learn a JSON tool call in a demo's minutes), gets
+:data:`TINY_CHAT_TEMPLATE`, made for a small vocabulary (it was the character-level one's: no whitespace tokens):
 
     <|im_start|>f:lookup                    one line per offered tool (its name)
     <|im_start|>s:...  <|im_start|>u:...    system, user (the role's first letter, then ':')
@@ -22,6 +23,7 @@ import json
 from typing import Any
 
 from bucketrl.envs.parsers import ToolSyntax
+from bucketrl.tasks.tiny_tokenizer import CHAT_TEMPLATE as BUILT_IN_CHAT_TEMPLATE
 
 TINY_CHAT_TEMPLATE = (
     "{%- for t in (tools or []) -%}<|im_start|>f:{{ (t.function or t).name }}{%- endfor -%}"
@@ -38,13 +40,15 @@ TINY_CHAT_TEMPLATE = (
 
 
 def has_own_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+    """Whether episodes render through the model's own template (not the built-in model's: see above)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return bool(template) and template != BUILT_IN_CHAT_TEMPLATE
 
 
 def tool_syntax(tokenizer: Any) -> ToolSyntax:
     """How this model writes tool calls: by the template that taught it (see bucketrl.envs.parsers)."""
     template = getattr(tokenizer, "chat_template", None)
-    if not template:
+    if not has_own_template(tokenizer):
         return "bang"
     text = template if isinstance(template, str) else json.dumps(template)
     return "hermes" if "<tool_call>" in text else "none"

@@ -42,7 +42,7 @@ class PromptTokens:
 
     def encode(self, example: Example, max_new_tokens: int) -> list[int]:
         """The prompt's token ids (through the chat template for chat rows), cut to leave room to sample."""
-        ids = prompt_token_ids(self.tokenizer, example.prompt, example.chat())
+        ids = prompt_token_ids(self.tokenizer, example.prompt, example.chat(), raw=example.raw, prefill=example.prefill)
         room = self.max_model_len - max_new_tokens
         if len(ids) > room:
             # Keep the end of the prompt (where the question is) so the completion always fits.

@@ -1,14 +1,14 @@
-"""A tiny Qwen2 causal LM with a character-level tokenizer, built locally (no download).
+"""A tiny Qwen2 causal LM with a byte-level BPE tokenizer, built locally (no download).
 
 Real architecture, real tokenizer files: transformers, peft and vLLM all load the directory like any
 hub checkout. head_dim is 64 because vLLM's CPU attention kernels do not support 16.
 
-``tokenizer="bpe"`` (opt-in, issue 34) builds it with :mod:`bucketrl.tasks.tiny_tokenizer`'s byte-level BPE
-instead (320 tokens, Qwen2's pipeline, a ChatML chat template): any text round-trips, Arabic included. It is not
-the default yet: with it the toy tasks' random-policy reward falls to about a quarter (docs/arabic.md).
+The tokenizer is :mod:`bucketrl.tasks.tiny_tokenizer`'s byte-level BPE (320 tokens, Qwen2's pipeline, a ChatML
+chat template, as a Qwen2.5 checkout has): any text round-trips, Arabic included. ``tokenizer="chars"`` builds
+the older character-level one (64 tokens, ASCII only, no chat template) for what wants the smallest vocabulary.
 
     python -m bucketrl.tasks.tiny_model /tmp/tiny-qwen2
-    python -m bucketrl.tasks.tiny_model /tmp/tiny-qwen2-bpe --tokenizer bpe
+    python -m bucketrl.tasks.tiny_model /tmp/tiny-qwen2-chars --tokenizer chars
 """
 
 from __future__ import annotations
@@ -23,34 +23,38 @@ from bucketrl.tasks import tiny_tokenizer
 
 PAD, EOS, BOS = "<pad>", "<|endoftext|>", "<|im_start|>"
 SPECIALS = [PAD, EOS, BOS]
-# Characters the toy tasks use; one token each.
+# Characters the character-level tokenizer knows (those the toy tasks use); one token each.
 CHARS = list(string.digits + string.ascii_lowercase + " +-*=?:.,()[]<>|#\n!/_;'\"%")
-VOCAB_SIZE = 64  # >= len(SPECIALS) + len(CHARS); the rest are unused rows
-TokenizerKind = Literal["chars", "bpe"]
+CHARS_VOCAB_SIZE = 64  # >= len(SPECIALS) + len(CHARS); the rest are unused rows
+TokenizerKind = Literal["bpe", "chars"]
 TOKENIZERS: tuple[TokenizerKind, ...] = get_args(TokenizerKind)
+DEFAULT_TOKENIZER: TokenizerKind = "bpe"
+# The default build's vocabulary (the run spec's vocab_size for the built-in model).
+VOCAB_SIZE = tiny_tokenizer.VOCAB_SIZE
 # What build_tiny_model wrote into the directory (seed, vocab_size, tokenizer), read back by its idempotency check.
 RECORD = "bucketrl_tiny.json"
 
 
-def vocab(size: int = VOCAB_SIZE) -> dict[str, int]:
-    """Token -> id. ``size`` > VOCAB_SIZE pads with filler tokens ``<xN>`` (a realistic vocabulary's cost in the
-    embedding and output head, as ``bench/gpu_check.py`` wants); every id still decodes to something."""
+def vocab(size: int = CHARS_VOCAB_SIZE) -> dict[str, int]:
+    """Token -> id of the character-level tokenizer. ``size`` > CHARS_VOCAB_SIZE pads with filler tokens ``<xN>``
+    (a realistic vocabulary's cost in the embedding and output head, as ``bench/gpu_check.py`` wants); every id
+    still decodes to something."""
     tokens = SPECIALS + CHARS
-    # At least VOCAB_SIZE: an embedding row without a token would be sampled but undecodable.
-    assert len(tokens) == VOCAB_SIZE and size >= VOCAB_SIZE, (len(tokens), size)
-    tokens += [f"<x{i}>" for i in range(size - VOCAB_SIZE)]
+    # At least CHARS_VOCAB_SIZE: an embedding row without a token would be sampled but undecodable.
+    assert len(tokens) == CHARS_VOCAB_SIZE and size >= CHARS_VOCAB_SIZE, (len(tokens), size)
+    tokens += [f"<x{i}>" for i in range(size - CHARS_VOCAB_SIZE)]
     return {tok: i for i, tok in enumerate(tokens)}
 
 
 def bpe_vocab(size: int = tiny_tokenizer.VOCAB_SIZE) -> dict[str, int]:
-    """Token -> id of the BPE tokenizer (``tokenizer="bpe"``), padded to ``size`` as :func:`vocab` pads."""
+    """Token -> id of the BPE tokenizer (the default), padded to ``size`` as :func:`vocab` pads."""
     base = tiny_tokenizer.VOCAB_SIZE
     tokens = tiny_tokenizer.load().get_vocab()
     assert len(tokens) == base and size >= base, (len(tokens), size)
     return {**tokens, **{f"<x{i}>": base + i for i in range(size - base)}}
 
 
-def build_tokenizer(out_dir: Path, size: int = VOCAB_SIZE) -> None:
+def build_tokenizer(out_dir: Path, size: int = CHARS_VOCAB_SIZE) -> None:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -95,12 +99,13 @@ def build_tiny_model(
     kv_heads: int | None = None,
     vocab_size: int | None = None,
     dtype: str = "float32",
-    tokenizer: TokenizerKind = "chars",
+    tokenizer: TokenizerKind = DEFAULT_TOKENIZER,
 ) -> Path:
     """Write a randomly initialised Qwen2 + tokenizer to ``out_dir`` (idempotent) and return it: tiny by default,
-    any shape on request (``bench/gpu_check.py`` builds Qwen2-0.5B's). ``tokenizer``: ``"chars"`` (the default,
-    :data:`VOCAB_SIZE` tokens) or ``"bpe"`` (:mod:`bucketrl.tasks.tiny_tokenizer`, opt-in); ``vocab_size``
-    defaults to the tokenizer's own size. A directory already built with the other tokenizer is refused."""
+    any shape on request (``bench/gpu_check.py`` builds Qwen2-0.5B's). ``tokenizer``: ``"bpe"`` (the default,
+    :mod:`bucketrl.tasks.tiny_tokenizer`, :data:`VOCAB_SIZE` tokens) or ``"chars"`` (:data:`CHARS_VOCAB_SIZE`);
+    ``vocab_size`` defaults to the tokenizer's own size. A directory already built with the other tokenizer is
+    refused."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -116,7 +121,7 @@ def build_tiny_model(
         return out
     out.mkdir(parents=True, exist_ok=True)
     bpe = tokenizer == "bpe"
-    vocab_size = vocab_size or (tiny_tokenizer.VOCAB_SIZE if bpe else VOCAB_SIZE)
+    vocab_size = vocab_size or (tiny_tokenizer.VOCAB_SIZE if bpe else CHARS_VOCAB_SIZE)
     ids = bpe_vocab(vocab_size) if bpe else vocab(vocab_size)
     # head_dim is no declared field of transformers' dataclass-typed Qwen2Config: passed as an extra, as it accepts.
     config = Qwen2Config(  # type: ignore[call-arg]
@@ -160,7 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("out_dir", nargs="?", default="tiny-qwen2", help="where to write it (default: tiny-qwen2)")
     parser.add_argument(
-        "--tokenizer", choices=TOKENIZERS, default="chars", help="chars (default) or bpe (opt-in, byte-level BPE)"
+        "--tokenizer",
+        choices=TOKENIZERS,
+        default=DEFAULT_TOKENIZER,
+        help="bpe (default, byte-level BPE with a chat template) or chars (64-token character-level, ASCII only)",
     )
     args = parser.parse_args(argv)
     print(build_tiny_model(args.out_dir, tokenizer=args.tokenizer))

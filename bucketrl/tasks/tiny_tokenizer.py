@@ -1,16 +1,17 @@
-"""The built-in model's opt-in tokenizer (``build_tiny_model(..., tokenizer="bpe")``): a small byte-level BPE,
+"""The built-in model's tokenizer (``build_tiny_model``'s default, ``tokenizer="bpe"``): a small byte-level BPE,
 trained once from :data:`CORPUS` and shipped as ``bucketrl/tasks/tokenizer/tokenizer.json`` (no download, the
 same file on every machine).
 
 Byte-level: every byte is a token, so any text (Arabic, emoji, control characters) round-trips and there is no
-unknown token; the default character-level tokenizer drops every character outside its 53 (Arabic letters,
-capitals, backslashes and braces: ``\\boxed{}`` reads as ``boxed``). The pipeline is Qwen2's (NFC, its split regex,
-ByteLevel), which transformers' ``Qwen2Tokenizer`` rebuilds from the vocabulary and merges, so the directory loads
-the same whichever class reads it. Merges are learnt with every ASCII punctuation character split off, so each
-digit (Qwen's regex splits them) and each symbol the toy tasks use stays one token of its own and their prompts
-and rewards read as before. :data:`VOCAB_SIZE` stays small (the 256 bytes, the specials, a few dozen merges):
-the toy tasks' random-policy reward falls with the share of the vocabulary that is digits (bucketrl.tasks.toy),
-to about a quarter with this one, which is why it is not the default yet (issue 34, docs/arabic.md).
+unknown token; the older character-level tokenizer (``tokenizer="chars"``) drops every character outside its 53
+(Arabic letters, capitals, backslashes and braces: ``\\boxed{}`` reads as ``boxed``). The pipeline is Qwen2's (NFC,
+its split regex, ByteLevel), which transformers' ``Qwen2Tokenizer`` rebuilds from the vocabulary and merges, so the
+directory loads the same whichever class reads it. Merges are learnt with every ASCII punctuation character split
+off, so each digit (Qwen's regex splits them) and each symbol the toy tasks use stays one token of its own and
+their prompts and rewards read as before. :data:`VOCAB_SIZE` stays small (the 256 bytes, the specials, a few dozen
+merges): the toy tasks' random-policy reward falls with the share of the vocabulary that is digits (to about a
+quarter of the character vocabulary's with this one), and their sampling temperature makes up for it
+(bucketrl.tasks.toy).
 
     python -m bucketrl.tasks.tiny_tokenizer      # retrain and rewrite tokenizer.json (deterministic)
 """

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from bucketrl.tasks.tiny_model import VOCAB_SIZE
 from bucketrl.tasks.toy import (
+    ARABIC_DEMO_LR,
+    ARABIC_DEMO_MAX_STEPS,
     DEFAULT_SIZE,
     DEFAULT_TASK,
     DEMO_LR,
@@ -237,12 +239,15 @@ class UpConfig(BaseModel):
         if self.max_steps:
             return self.max_steps
         if self.is_demo:
-            return TOOLS_DEMO_MAX_STEPS if self.dataset_uri == "toy:tools" else DEMO_MAX_STEPS
+            return {"toy:tools": TOOLS_DEMO_MAX_STEPS, "toy:arabic-math": ARABIC_DEMO_MAX_STEPS}.get(
+                self.dataset_uri, DEMO_MAX_STEPS
+            )
         return 200
 
     def effective_lr(self) -> float:
 
-        return self.lr or (DEMO_LR if self.is_demo else 1e-5)
+        demo_lr = ARABIC_DEMO_LR if self.dataset_uri == "toy:arabic-math" else DEMO_LR
+        return self.lr or (demo_lr if self.is_demo else 1e-5)
 
 
 # Options only bucketrl's trainer (or its dataset and reward) reads: with external_trainer they would do nothing.

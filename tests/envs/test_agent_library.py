@@ -26,7 +26,9 @@ def test_a_smolagents_agent_streams_an_episode_group_that_is_trained_like_any_ot
         "groups_per_step": GROUPS_PER_STEP,
         "max_staleness": MAX_STALENESS,
         "env": EnvSpec(name="external"),
-        "episode": EpisodeSpec(max_turns=3, episode_timeout_s=60.0, max_episode_tokens=256),
+        # smolagents' system prompt whole: the byte-level BPE encodes every character of it (the character-level
+        # tokenizer dropped its capitals and braces, and 256 tokens were enough).
+        "episode": EpisodeSpec(max_turns=3, episode_timeout_s=60.0, max_episode_tokens=1024),
     }
     trainer, _ = create_run(proxy, "smol", tiny_model_dir, adapter_dir, **run)
     endpoint = tmp_path / "endpoint.json"

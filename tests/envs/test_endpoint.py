@@ -17,6 +17,7 @@ import pytest
 
 from bucketrl.rollout.episodes import GroupRun
 from bucketrl.rollout.example import Example
+from bucketrl.tasks.tiny_model import VOCAB_SIZE
 from tests.envs.support import TOKEN, Harness, episode_spec, harness
 
 EXAMPLE = Example(index=3, prompt="q?", answer="odd")
@@ -143,8 +144,8 @@ def test_turn_limit_unsupported_options_auth_and_finish(h: Harness) -> None:
     # /v1/completions with token ids (an agent rendering its own prompts); max_tokens lowers the run's budget.
     got = client.completions.create(model=ep["model"], prompt=[5, 6, 7], max_tokens=3, logprobs=0)
     assert got.usage.completion_tokens <= 3 and len(got.choices[0].logprobs.token_logprobs) <= 3
-    r = http.post("/v1/completions", json={"model": ep["model"], "prompt": [5, 64]})
-    assert r.status_code == 400 and "outside [0, 64)" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"model": ep["model"], "prompt": [5, VOCAB_SIZE]})
+    assert r.status_code == 400 and f"outside [0, {VOCAB_SIZE})" in r.json()["error"]["message"]
     for _ in range(1):  # max_turns is 3: the chat call with the run's settings and the completions call were 1, 2
         client.chat.completions.create(model=ep["model"], messages=msgs)
     with pytest.raises(openai.BadRequestError, match="max_turns is 3"):

@@ -9,6 +9,7 @@ from bucketrl.envs.loader import make_env
 from bucketrl.envs.tools import tool_schema
 from bucketrl.rollout.example import Example
 from bucketrl.sim import engine as sim_engine
+from bucketrl.tasks.tiny_model import VOCAB_SIZE
 from tests.envs.env_fixtures import add
 from tests.envs.support import episode_spec, harness
 
@@ -118,5 +119,5 @@ def test_the_sim_engine_serves_episodes(tiny_model_dir: Path, adapter_dir: Path)
     for ep in group.episodes:
         assert ep.error is None and len(ep.turns) == 3
         for t in ep.turns:
-            assert 1 <= len(t.completion_ids) <= 8 and max(t.completion_ids) < 64
+            assert 1 <= len(t.completion_ids) <= 8 and max(t.completion_ids) < VOCAB_SIZE
             assert len(t.logprobs) == len(t.completion_ids) and max(t.logprobs) <= 0.0

@@ -83,7 +83,7 @@ def tiny_tokenizer(model_dir: str) -> Any:
 
 def even_ids_reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
     """The toy reward (module-level: TRL pickles it into its rollout process): the share of the completion's tokens
-    whose id is even, about 0.48 for the untrained tiny model (near-uniform over its 64 ids). Each token is a coin
+    whose id is even, about 0.5 for the untrained tiny model (near-uniform over its 320 ids). Each token is a coin
     flip, so a group of 8 samples of 8 tokens almost never ties (a tie is a zero advantage) and every step moves the
     adapter. LoRA cannot raise it far: the logits are the tied embeddings times a final hidden state of fixed norm
     (RMSNorm, which LoRA leaves alone), which caps the even share at about 0.67 for the tiny model, and "low token
@@ -102,6 +102,7 @@ def trl_trainer(
     completion_tokens: int = 6,
     learning_rate: float = 5e-2,
     max_inflight: int | None = None,
+    temperature: float = 1.0,
 ) -> Any:
     """TRL's ``AsyncGRPOTrainer`` on the tiny model, as a user's script builds it: LoRA, a sync every step,
     ``prompts_per_step`` groups of ``group`` completions a step, ``max_inflight`` requests in flight (default: one
@@ -126,6 +127,7 @@ def trl_trainer(
         max_inflight_tasks=max_inflight or prompts_per_step * group,
         token_budget=0,  # a fixed count per micro-batch: one step is per_device_train_batch_size samples
         learning_rate=learning_rate,
+        temperature=temperature,
         dtype="float32",
         use_cpu=True,
         report_to="none",

@@ -6,6 +6,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from bucketrl.tasks.tiny_model import VOCAB_SIZE
 from bucketrl.wire import DatasetSpec, LoraSpec, RewardSpec, RunSpec, SamplingSpec
 
 RANK = 8
@@ -61,7 +62,7 @@ def run_spec(model_dir: Path, **overrides: Any) -> RunSpec:
         "sampling": SamplingSpec(temperature=1.0, max_new_tokens=16),
         "reward": RewardSpec(name="exact"),
         "dataset": DatasetSpec(uri="toy:digits", size=8),
-        "vocab_size": 64,
+        "vocab_size": VOCAB_SIZE,
     }
     fields.update(overrides)
     return RunSpec(**fields)

@@ -129,16 +129,23 @@ def test_prompt_token_ids_plain_and_chat_template(tiny_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    assert not tok.chat_template
-    plain = prompt_token_ids(tok, "1+2=")
-    assert tok.decode(plain) == "1+2="
-    # The tiny tokenizer has no template; give it one: the prompt is wrapped and ends with the generation prompt.
-    tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
-    )
-    templated = prompt_token_ids(tok, "1+2=")
-    assert tok.decode(templated) == "<|im_start|>1+2=|a:"
+    # The built-in model's ChatML wraps a chat-format row and ends with the generation prompt...
+    messages = [{"role": "user", "content": "1+2="}]
+    templated = prompt_token_ids(tok, "1+2=", messages)
+    assert tok.decode(templated) == "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
     assert templated[0] == tok.bos_token_id
+    assert prompt_token_ids(tok, "1+2=", messages, raw=True) == templated  # raw is for plain prompts
+    # ...but leaves a plain prompt as written.
+    assert tok.decode(prompt_token_ids(tok, "1+2=")) == "1+2="
+    # Another model's template wraps plain prompts too, except a raw one (the toy tasks' plain prompts).
+    tok.chat_template += "{#- another model -#}"
+    assert prompt_token_ids(tok, "1+2=")[: len(templated)] == templated
+    assert tok.decode(prompt_token_ids(tok, "1+2=", raw=True)) == "1+2="
+    toy = load_examples(DatasetSpec(uri="toy:digits", size=3))
+    assert all(e.raw for e in toy)
+    assert tok.decode(prompt_token_ids(tok, toy[0].prompt, toy[0].chat(), raw=toy[0].raw)) == toy[0].prompt
+    tok.chat_template = None
+    assert tok.decode(prompt_token_ids(tok, "1+2=")) == "1+2="
 
 
 def test_toy_dataset() -> None:

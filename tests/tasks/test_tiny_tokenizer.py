@@ -1,7 +1,7 @@
-"""The built-in model's opt-in byte-level BPE (issue 34, ``build_tiny_model(..., tokenizer="bpe")``): no text is
-lost, the toy tasks' digits and symbols are one token each, the shipped file is what the script writes, and
-transformers loads the built directory with its template. The default build keeps its character vocabulary, and
-neither kind of directory is handed back for the other."""
+"""The built-in model's byte-level BPE (issue 34, the default of ``build_tiny_model``): no text is lost, the toy
+tasks' digits and symbols are one token each, the shipped file is what the script writes, and transformers loads
+the built directory with its template. ``tokenizer="chars"`` still builds the character vocabulary, and neither
+kind of directory is handed back for the other."""
 
 from __future__ import annotations
 
@@ -11,9 +11,18 @@ from pathlib import Path
 import pytest
 
 from bucketrl.tasks import tiny_model, tiny_tokenizer
-from bucketrl.tasks.tiny_model import CHARS, EOS, PAD, VOCAB_SIZE, build_tiny_model, built_tokenizer, vocab
+from bucketrl.tasks.tiny_model import (
+    CHARS,
+    CHARS_VOCAB_SIZE,
+    EOS,
+    PAD,
+    VOCAB_SIZE,
+    build_tiny_model,
+    built_tokenizer,
+    vocab,
+)
 from bucketrl.tasks.tiny_tokenizer import IM_END, IM_START, encode
-from bucketrl.tasks.toy import TASKS, toy_examples
+from bucketrl.tasks.toy import CHAT_TASKS, TASKS, toy_examples
 
 BPE_VOCAB_SIZE = tiny_tokenizer.VOCAB_SIZE
 # Not in the corpus: a held-back Arabic text, with Persian digits, diacritics, a tatweel and bidi marks.
@@ -21,9 +30,9 @@ HELD_BACK = "تُعدّ القراءة غذاءً للعقل؛ وفي المكت
 
 
 @pytest.fixture(scope="module")
-def bpe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def chars_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Built once for the module: a few hundred milliseconds each time."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-bpe"), tokenizer="bpe")
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-chars"), tokenizer="chars")
 
 
 def test_every_corpus_line_and_a_held_back_text_round_trip_with_no_unknown_token() -> None:
@@ -45,7 +54,7 @@ def test_merges_cross_utf8_character_boundaries_and_join_no_symbol() -> None:
 
 def test_toy_prompts_keep_their_digits_and_symbols_apart() -> None:
     tok = tiny_tokenizer.load()
-    for task in TASKS:
+    for task in [t for t in TASKS if t not in CHAT_TASKS]:
         for ex in toy_examples(task, 50):
             ids = encode(ex["prompt"])
             assert tok.decode(ids) == ex["prompt"]
@@ -57,10 +66,10 @@ def test_the_shipped_file_is_what_the_script_writes(tmp_path: Path) -> None:
     assert a.read_bytes() == b.read_bytes() == tiny_tokenizer.TOKENIZER_JSON.read_bytes()
 
 
-def test_transformers_loads_the_bpe_model_with_chatml(bpe_model_dir: Path) -> None:
+def test_transformers_loads_the_built_in_model_with_chatml(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(bpe_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert len(tok) == BPE_VOCAB_SIZE
     assert (tok.pad_token, tok.eos_token, tok.bos_token) == (PAD, EOS, IM_START)
     # The specials keep the character-level tokenizer's ids.
@@ -78,33 +87,35 @@ def test_transformers_loads_the_bpe_model_with_chatml(bpe_model_dir: Path) -> No
     for special in (PAD, EOS, IM_START, IM_END):
         assert len(tok.encode(special, add_special_tokens=False)) == 1
 
-    model = AutoModelForCausalLM.from_pretrained(bpe_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert model.config.vocab_size == BPE_VOCAB_SIZE
     assert model.generation_config.eos_token_id == [tok.convert_tokens_to_ids(t) for t in (EOS, IM_END)]
-    assert json.loads((bpe_model_dir / "bucketrl_tiny.json").read_text())["tokenizer"] == "bpe"
+    assert json.loads((tiny_model_dir / "bucketrl_tiny.json").read_text())["tokenizer"] == "bpe"
 
 
-def test_the_default_build_keeps_the_character_vocabulary(tiny_model_dir: Path) -> None:
+def test_the_character_vocabulary_is_still_built_on_request(tiny_model_dir: Path, chars_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    assert len(tok) == VOCAB_SIZE == 64 and tok.get_vocab() == vocab()
+    assert built_tokenizer(tiny_model_dir) == "bpe"
+    assert json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"] == VOCAB_SIZE == BPE_VOCAB_SIZE
+    tok = AutoTokenizer.from_pretrained(chars_model_dir)
+    assert len(tok) == CHARS_VOCAB_SIZE == 64 and tok.get_vocab() == vocab()
     assert tok.chat_template is None
     assert tok.convert_ids_to_tokens(tok.encode("12+3=", add_special_tokens=False)) == list("12+3=")
-    assert json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"] == VOCAB_SIZE
-    assert built_tokenizer(tiny_model_dir) == "chars"
+    assert json.loads((chars_model_dir / "config.json").read_text())["vocab_size"] == CHARS_VOCAB_SIZE
+    assert built_tokenizer(chars_model_dir) == "chars"
 
 
 def test_a_directory_is_never_handed_back_for_the_other_tokenizer(
-    tiny_model_dir: Path, bpe_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_model_dir: Path, chars_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(ValueError, match="tokenizer='bpe', not 'chars'"):
-        build_tiny_model(bpe_model_dir)
     with pytest.raises(ValueError, match="tokenizer='chars', not 'bpe'"):
-        build_tiny_model(tiny_model_dir, tokenizer="bpe")
-    assert build_tiny_model(bpe_model_dir, tokenizer="bpe") == bpe_model_dir
-    tiny_model.main([str(bpe_model_dir), "--tokenizer", "bpe"])  # idempotent: no rebuild
-    assert capsys.readouterr().out.strip() == str(bpe_model_dir)
+        build_tiny_model(chars_model_dir)
+    with pytest.raises(ValueError, match="tokenizer='bpe', not 'chars'"):
+        build_tiny_model(tiny_model_dir, tokenizer="chars")
+    assert build_tiny_model(chars_model_dir, tokenizer="chars") == chars_model_dir
+    tiny_model.main([str(chars_model_dir), "--tokenizer", "chars"])  # idempotent: no rebuild
+    assert capsys.readouterr().out.strip() == str(chars_model_dir)
     # A directory built before the kind was recorded holds the character-level tokenizer.
-    (tmp_path / "bucketrl_tiny.json").write_text(json.dumps({"seed": 0, "vocab_size": VOCAB_SIZE}))
+    (tmp_path / "bucketrl_tiny.json").write_text(json.dumps({"seed": 0, "vocab_size": CHARS_VOCAB_SIZE}))
     assert built_tokenizer(tmp_path) == "chars"

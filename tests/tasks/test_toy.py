@@ -8,11 +8,11 @@ import string
 import pytest
 
 from bucketrl.tasks.tiny_model import CHARS
-from bucketrl.tasks.toy import DEFAULT_TASK, RULES, TASKS, default_run_spec, toy_examples, toy_reward
+from bucketrl.tasks.toy import CHAT_TASKS, DEFAULT_TASK, RULES, TASKS, default_run_spec, toy_examples, toy_reward
 
 
 def test_examples_are_deterministic_and_well_formed() -> None:
-    for task in TASKS:
+    for task in [t for t in TASKS if t not in CHAT_TASKS]:  # arabic-math: tests/tasks/test_arabic_math.py
         a = toy_examples(task, 50, seed=3)
         assert a == toy_examples(task, 50, seed=3)
         assert a != toy_examples(task, 50, seed=4)

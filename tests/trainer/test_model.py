@@ -14,6 +14,7 @@ import torch
 from bucketrl.bundles import ADAPTER_FILES
 from bucketrl.logprobs import process_logits
 from bucketrl.tarball import unpack
+from bucketrl.tasks.tiny_model import VOCAB_SIZE
 from bucketrl.trainer.batching import collate, group_samples
 from bucketrl.trainer.model import PolicyModel
 from bucketrl.wire.rollouts import Completion, RolloutGroup
@@ -38,7 +39,7 @@ def test_only_lora_parameters_train_and_all_linear_is_spelled_out(tiny_model_dir
     assert any("embed_tokens" in n for n in frozen)
     cfg = policy.model.peft_config["default"]
     assert sorted(cfg.target_modules) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-    assert policy.eos_token_ids == {1} and policy.pad_id == 0
+    assert policy.eos_token_ids == {1, 3} and policy.pad_id == 0  # <|endoftext|> and <|im_end|>
 
 
 def policy_and_generator(model_dir: Path, sampling: SamplingSpec) -> tuple[PolicyModel, torch.nn.Module]:
@@ -190,4 +191,4 @@ def test_adapter_tar_holds_exactly_the_peft_files_and_is_deterministic(tiny_mode
 
 def test_vocab_larger_than_the_model_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="vocab_size"):
-        PolicyModel(tiny_spec(tiny_model_dir, vocab_size=100), device="cpu")
+        PolicyModel(tiny_spec(tiny_model_dir, vocab_size=VOCAB_SIZE + 1), device="cpu")

@@ -68,8 +68,8 @@ CASES: list[tuple[str, list[str], list[str]]] = [
     ("GPT-2 without q_proj", ["--model", "gpt2-tiny", "--lora-target-modules", "q_proj"], ["q_proj", "c_attn"]),
     (
         "chat rows, model without a template",
-        ["--dataset", "chat.jsonl", "--reward", "exact"],
-        ["--dataset", "chat template; the built-in model (--model chooses another) has none"],
+        ["--dataset", "chat.jsonl", "--reward", "exact", "--model", "gpt2-tiny"],
+        ["--dataset", "chat template; --model", "has none"],
     ),
     # Multi-turn: the environment is imported and built as a generator does it (it used to stop only ~20 s in,
     # in a generator, after every service had started).
@@ -96,13 +96,14 @@ CASE_ENV = {"env module not allowed": {"BUCKETRL_ALLOWED_REWARD_MODULES": "myrew
 
 
 def _gpt2(path: Path, tokenizer_from: Path) -> None:
-    """A tiny random GPT-2 (Conv1D layers) with the tiny model's tokenizer."""
+    """A tiny random GPT-2 (Conv1D layers) with the tiny model's tokenizer, without its chat template."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     ids = {"bos_token_id": tok.bos_token_id or tok.eos_token_id, "eos_token_id": tok.eos_token_id}
     cfg = GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=32, n_layer=1, n_head=2, **ids)
     GPT2LMHeadModel(cfg).save_pretrained(path)
+    tok.chat_template = None
     tok.save_pretrained(path)
 
 

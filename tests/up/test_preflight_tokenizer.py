@@ -1,7 +1,8 @@
-"""The preflight refuses a tokenizer that loses the dataset's text (issue 34): the built-in character-level
-tokenizer read every Arabic letter as its padding token, and a run on Arabic data trained on padding without a
-word. One line naming a row and the fix; ``--allow-lossy-tokenizer`` (run spec ``dataset.allow_lossy_tokenizer``)
-says the user knows."""
+"""The preflight refuses a tokenizer that loses the dataset's text (issue 34): the character-level tokenizer (the
+built-in model's before its byte-level BPE, still built with ``tokenizer="chars"``) read every Arabic letter as its
+padding token, and a run on Arabic data trained on padding without a word. One line naming a row and the fix;
+``--allow-lossy-tokenizer`` (run spec ``dataset.allow_lossy_tokenizer``) says the user knows. The built-in model's
+BPE reads the same rows."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from bucketrl import preflight
 from bucketrl.preflight import ConfigError, check_tokenizer_coverage
 from bucketrl.rollout.example import Example
+from bucketrl.tasks.tiny_model import build_tiny_model
 from bucketrl.up.config import UpConfig, build_run_spec
 from bucketrl.wire import RunSpec
 
@@ -29,39 +31,39 @@ def _rows(*prompts: str, answer: str | None = "3") -> list[Example]:
 
 
 @pytest.fixture(scope="module")
-def tiny_tokenizer(tiny_model_dir: Path) -> Any:
+def chars_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-chars"), tokenizer="chars")
+
+
+@pytest.fixture(scope="module")
+def chars_tokenizer(chars_model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
+    return AutoTokenizer.from_pretrained(chars_model_dir)
 
 
-def _arabic_is_known(tokenizer: Any) -> bool:
-    return tokenizer.decode(tokenizer.encode("ما", add_special_tokens=False)) == "ما"
+def test_the_character_tokenizer_refuses_arabic_with_one_line(chars_tokenizer: Any, tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
 
-
-def test_the_built_in_tokenizer_refuses_arabic_with_one_line(tiny_tokenizer: Any) -> None:
-    if _arabic_is_known(tiny_tokenizer):
-        pytest.skip("the built-in tokenizer reads Arabic")
+    check_tokenizer_coverage(AutoTokenizer.from_pretrained(tiny_model_dir), _rows("2+1=", ARABIC))  # the BPE reads it
     with pytest.raises(ConfigError) as refused:
-        check_tokenizer_coverage(tiny_tokenizer, _rows("2+1=", ARABIC))
+        check_tokenizer_coverage(chars_tokenizer, _rows("2+1=", ARABIC))
     message = str(refused.value)
     assert "\n" not in message
     assert "row 2" in message and "--dataset" in message and "--allow-lossy-tokenizer" in message
     assert "% of the dataset's characters" in message
 
 
-def test_toy_and_ascii_rows_pass(tiny_tokenizer: Any) -> None:
-    check_tokenizer_coverage(tiny_tokenizer, _rows("even:", "12+30=", "q?", "2*(3-1)=?", answer="42"))
+def test_toy_and_ascii_rows_pass(chars_tokenizer: Any) -> None:
+    check_tokenizer_coverage(chars_tokenizer, _rows("even:", "12+30=", "q?", "2*(3-1)=?", answer="42"))
 
 
-def test_a_few_unknown_characters_are_under_the_share(tiny_tokenizer: Any) -> None:
+def test_a_few_unknown_characters_are_under_the_share(chars_tokenizer: Any) -> None:
     """One lost character in 230 passes (a stray symbol is no reason to stop a run); two in 155 do not."""
-    if _arabic_is_known(tiny_tokenizer):
-        pytest.skip("the built-in tokenizer reads Arabic")
     ascii_row = "what:1+1,2+2,3+3,4+4,5+5,6+6,7+7,8+8?"  # 37 characters, and each row's answer "3"
-    check_tokenizer_coverage(tiny_tokenizer, _rows(*([ascii_row] * 6), "م"))
+    check_tokenizer_coverage(chars_tokenizer, _rows(*([ascii_row] * 6), "م"))
     with pytest.raises(ConfigError, match=r"loses 1% of the dataset's characters.*\(row 5: 'ما' reads back as ''\)"):
-        check_tokenizer_coverage(tiny_tokenizer, _rows(*([ascii_row] * 4), "ما"))
+        check_tokenizer_coverage(chars_tokenizer, _rows(*([ascii_row] * 4), "ما"))
 
 
 class _DropsNonAscii:
@@ -86,7 +88,7 @@ def test_a_tokenizer_that_drops_characters_is_refused() -> None:
     assert "--allow-lossy-tokenizer" in message
 
 
-def test_the_run_spec_option_turns_the_check_off(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_the_run_spec_option_turns_the_check_off(tmp_path: Path, chars_model_dir: Path) -> None:
     data = tmp_path / "ar.jsonl"
     data.write_text(json.dumps({"prompt": ARABIC, "answer": "3"}, ensure_ascii=False) + "\n")
     examples = _rows(ARABIC)
@@ -94,26 +96,22 @@ def test_the_run_spec_option_turns_the_check_off(tmp_path: Path, tiny_model_dir:
         cfg = UpConfig(
             dir=tmp_path / "run",
             dataset=str(data),
-            model=str(tiny_model_dir),
+            model=str(chars_model_dir),
             allow_lossy_tokenizer=allow,
             max_new_tokens=64,
         )
         spec = build_run_spec(cfg, None, vocab_size=64)
         assert spec["dataset"]["allow_lossy_tokenizer"] is allow
         probe = RunSpec.model_validate({**spec, "dataset": {**spec["dataset"], "uri": str(data), "size": 1}})
-        if allow or _arabic_is_known(preflight.load_config_and_tokenizer(str(tiny_model_dir))[1]):
+        if allow:
             preflight.check_run(probe, examples=examples, reward="skip", names=preflight.SPEC_NAMES)
         else:
             with pytest.raises(ConfigError, match=r"dataset\.allow_lossy_tokenizer: true"):
                 preflight.check_run(probe, examples=examples, reward="skip", names=preflight.SPEC_NAMES)
 
 
-def test_up_stops_on_arabic_data_with_the_built_in_model(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """`bucketrl up` on an Arabic JSONL with the built-in model exits 2 in seconds with the one line."""
-    from transformers import AutoTokenizer
-
-    if _arabic_is_known(AutoTokenizer.from_pretrained(tiny_model_dir)):
-        pytest.skip("the built-in tokenizer reads Arabic")
+def test_up_stops_on_arabic_data_with_a_character_tokenizer(tmp_path: Path, chars_model_dir: Path) -> None:
+    """`bucketrl up` on an Arabic JSONL with a character-level model exits 2 in seconds with the one line."""
     (tmp_path / "ar.jsonl").write_text(
         "".join(
             json.dumps({"prompt": ARABIC.replace("2 + 1", f"{i} + 1"), "answer": str(i + 1)}) + "\n" for i in range(5)
@@ -131,6 +129,8 @@ def test_up_stops_on_arabic_data_with_the_built_in_model(tmp_path: Path, tiny_mo
             "--no-live",
             "--dataset",
             "ar.jsonl",
+            "--model",
+            str(chars_model_dir),
         ],
         cwd=tmp_path,
         capture_output=True,
@@ -144,6 +144,6 @@ def test_up_stops_on_arabic_data_with_the_built_in_model(tmp_path: Path, tiny_mo
     assert len(stderr) == 1 and "Traceback" not in out.stdout + out.stderr, out.stderr
     line = stderr[0]
     assert "--dataset" in line and "row 1" in line and "--allow-lossy-tokenizer" in line, line
-    assert "the built-in model" in line, line
+    assert "the tokenizer of --model" in line, line
     assert not (tmp_path / "run" / "services.json").exists()
     assert seconds < 60, seconds

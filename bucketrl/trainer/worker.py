@@ -15,16 +15,16 @@ Start-up
        version the trainer can reproduce.
 
 Each step (until ``max_steps``)
-    take the claimed groups (``groups_per_step``; the time blocked on them is ``perf/rollout_wait_s``) and
-    start claiming the next step's (with ``min_version`` = the version that step will train with -
-    max_staleness, so no trained group is staler than max_staleness) -> :meth:`Learner.train_step` -> every
-    ``sync_every`` steps publish version latest+1 -> every ``checkpoint_every`` steps write the checkpoint (it
-    lists the deliveries consumed since the previous one) and THEN ack them -> push metrics (TRL names;
-    staleness; per-generator logprob mismatch; zero-variance groups).
+    take the claimed groups (``groups_per_step``; the time blocked on them is ``perf/rollout_wait_s``) and start
+    claiming the next step's (with ``min_version`` = the version that step will train with - max_staleness, so no
+    trained group is staler than max_staleness) -> :meth:`Learner.train_step` -> every ``sync_every`` steps publish
+    version latest+1 -> every ``checkpoint_every`` steps write the checkpoint (it lists the deliveries consumed
+    since the previous one) and THEN ack them -> push metrics (TRL names; staleness; per-generator logprob
+    mismatch; zero-variance groups).
 
-    Claims run one step ahead on a helper thread, and publishes, checkpoints, acks and metric pushes run in
-    order on the :class:`~bucketrl.trainer.uploader.Uploader` thread from snapshots taken at the step, so
-    the next step's compute overlaps the proxy round trips (``bench/trainer_overhead.py`` measures it).
+    Claims run a step ahead on a helper thread; publishes, checkpoints, acks and metric pushes run in order on the
+    :class:`~bucketrl.trainer.uploader.Uploader` thread from snapshots taken at the step, so the next step's
+    compute overlaps the proxy round trips (``bench/trainer_overhead.py`` measures it).
 
 Endings
     ``max_steps`` reached: publish and checkpoint what is not yet, print where the final adapter is, exit 0.
@@ -149,8 +149,7 @@ class TrainerWorker:
         self.outage.stopping()
 
     def drained(self, notice_s: float, why: str = "drain") -> None:
-        """A drain (issue 25; its long-poll or a push's answer) or the cloud's spot notice (issue 33): stop as
-        SIGTERM does, checkpoint at once."""
+        """A drain (its long-poll, a push's answer) or the cloud's spot notice: stop as SIGTERM does, checkpoint."""
         if self.notice_s is None:
             log.warning("preemption notice (%s, %.1fs): finishing the step, then checkpointing at once", why, notice_s)
             self.notice_s = notice_s
@@ -373,8 +372,7 @@ class TrainerWorker:
         return step
 
     def _publish_and_snapshot(self, step: int) -> Callable[[], None] | None:
-        """Publish every ``sync_every`` steps; snapshot the checkpoint every ``checkpoint_every``: the returned
-        function stores it."""
+        """Publish every ``sync_every`` steps, snapshot a checkpoint every ``checkpoint_every`` (returns its store)."""
         if step % self.settings.sync_every == 0:
             self._publish()
         # Snapshotted now (its cost is part of the step), stored after this step's metrics push: that push may
@@ -398,8 +396,7 @@ class TrainerWorker:
         self._push(step, stats, report_eval=step < self.settings.max_steps)
 
     def _check_rewards(self, deliveries: list[Delivery]) -> None:
-        """:meth:`RewardWatch.check` of the step's deliveries: raises preflight.ConfigError (exit 2) when too many
-        of the last steps' completions had no reward."""
+        """:meth:`RewardWatch.check`: preflight.ConfigError (exit 2) when too many recent completions lack a reward."""
         self.rewards.check(deliveries, self.spec.reward.name if self.spec else "?")
 
     def _announce(self, phase: str, notes: dict[str, str] | None = None) -> None:
@@ -445,11 +442,11 @@ class TrainerWorker:
         self._remember(version, snap)
 
         def job() -> None:
-            t = [time.perf_counter()]
+            t1 = time.perf_counter()
             tar = snap.tar(self.scratch, dtype)  # the master weights stay float32; only what ships is cast
-            t.append(time.perf_counter())
+            t2 = time.perf_counter()
             self._retrying(lambda: self.write_client.publish_adapter(version, tar))
-            self.last_sync_s, tar_s, put_s = time.perf_counter() - t0, t[1] - t[0], time.perf_counter() - t[1]
+            self.last_sync_s, tar_s, put_s = time.perf_counter() - t0, t2 - t1, time.perf_counter() - t2
             # up's sync latency and the benches parse this line: its shape stays, what follows "s" is free.
             line = "published v%d (step %d, %d bytes) in %.3fs (%s; tar %.3fs, put %.3fs)"
             log.info(line, version, step, len(tar), self.last_sync_s, dtype, tar_s, put_s)

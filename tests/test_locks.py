@@ -4,6 +4,7 @@ pyproject.toml asks, and the images' locks and the GPU wheels take their version
 from __future__ import annotations
 
 import re
+import sysconfig
 import tomllib
 from importlib.metadata import distributions
 from pathlib import Path
@@ -17,7 +18,10 @@ DEV = parse_pins((ROOT / "locks" / "dev.txt").read_text())
 
 
 def test_venv_holds_exactly_the_dev_lock() -> None:
-    installed = {canonical(d.metadata["Name"]): d.version for d in distributions()}
+    # The venv's own site-packages only: distributions() walks sys.path, and once a test in the same worker has
+    # imported setuptools, its vendored copies (packaging 24.2, tomli 2.0.1, ...) are on it too.
+    site = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    installed = {canonical(d.metadata["Name"]): d.version for d in distributions(path=site)}
     differ = {name: (pin, installed.get(name)) for name, pin in DEV.items() if installed.get(name) != pin}
     assert not differ, f"(lock, installed) differ: {differ}; rerun `make setup`, or `make lock` if pyproject changed"
     unlocked = sorted(set(installed) - set(DEV) - UNLOCKED)

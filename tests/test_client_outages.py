@@ -31,6 +31,7 @@ def _outage_lines(caplog: pytest.LogCaptureFixture) -> tuple[list[str], list[str
     return [m for m in msgs if "proxy unavailable" in m], [m for m in msgs if "available again" in m]
 
 
+@pytest.mark.slow  # real processes for seconds: make test, not make test-fast
 def test_a_worker_client_rides_out_a_proxy_restart_and_a_redis_outage(
     redis_server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

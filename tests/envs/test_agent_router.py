@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+import pytest
 
 from bucketrl.generator.worker import GeneratorWorker
 from bucketrl.router.app import Refused, Router
@@ -32,6 +33,7 @@ def _endpoint(path: Path) -> dict[str, str]:
     return wait_until(lambda: path.exists() and json.loads(path.read_text()).get("openai"), 90, str(path))
 
 
+@pytest.mark.slow  # real processes for seconds: make test, not make test-fast
 def test_one_url_spreads_episodes_over_generators_and_keeps_each_on_its_own(
     proxy: ProxyHarness, tiny_model_dir: Path, adapter_dir: Path, tmp_path: Path
 ) -> None:

@@ -28,6 +28,9 @@ GROUPS_PER_STEP = 1
 MAX_STALENESS = 2
 PAUSE_S = 10.0
 
+# Slow agents paced by their own sleeps: make test, not make test-fast.
+pytestmark = pytest.mark.slow
+
 
 class SteppingTrainer:
     """A trainer stand-in that steps: it claims as a trainer does (its pace and floor on every claim), publishes
@@ -183,7 +186,6 @@ def test_in_a_mixed_run_the_generators_own_groups_wait_for_a_slow_agents_group(
     assert any(v > records[0]["version"] for v, g in stepper.trained if g.prompt_id != prompt)
 
 
-@pytest.mark.slow
 def test_beside_the_environment_a_slow_agent_gets_each_of_its_groups_trained(
     proxy: ProxyHarness, tiny_model_dir: Path, adapter_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -56,6 +56,7 @@ def completions_on_a_real_generator(proxy: ProxyHarness, url: str, model_dir: Pa
         gen.wait(30)
 
 
+@pytest.mark.slow  # real processes for seconds: make test, not make test-fast
 def test_probes_adapter_load_and_restart(proxy: ProxyHarness, tiny_model_dir: Path, tmp_path: Path) -> None:
     spec = run_spec(tiny_model_dir, max_staleness=3)
     proxy.client("trl", "trainer").put_run(spec)

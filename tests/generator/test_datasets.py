@@ -64,8 +64,14 @@ def test_describe_dataset_counts(tmp_path: Path) -> None:
 
 
 def test_hf_name_not_cached_is_a_clear_error() -> None:
-    with pytest.raises(errors.Invalid, match="not in the local Hugging Face cache and downloads are disabled"):
+    import datasets  # imported before the loader sets its variables, as in a worker that read another dataset first
+
+    assert datasets.config.HF_HUB_OFFLINE is False  # (this machine's environment does not set it)
+    with pytest.raises(errors.Invalid, match="not in the local Hugging Face cache and downloads are disabled") as e:
         load_examples(DatasetSpec(uri="some-org/definitely-not-cached-dataset", size=1))
+    # Offline from the first request: before, datasets' old alias alone was set, and the hub was asked five times
+    # (23 s of retries here, where no name resolves) before the same error.
+    assert "OfflineModeIsEnabled" in str(e.value), e.value
 
 
 ROWS = [{"question": f"{i}+{i}", "solution": 2 * i, "extra": "x"} for i in range(5)]

@@ -104,6 +104,7 @@ def test_a_worker_serves_jobs_of_two_versions_and_a_dead_generators_job(
     )
 
 
+@pytest.mark.slow  # real processes for seconds: make test, not make test-fast
 def test_a_generator_killed_holding_a_job_leaves_it_to_another(
     proxy: ProxyHarness, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

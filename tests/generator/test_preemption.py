@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,24 +15,14 @@ import redis
 from bucketrl import errors
 from bucketrl.wire import MetricsPush, RewardSpec
 from tests.generator.helpers import make_adapter, run_spec
-from tests.generator.worker_support import Consumer, create_run, start_generator, wait_until
-from tests.proxy.harness import ProxyHarness, running
+from tests.generator.worker_support import Consumer, create_run, held_by, start_generator, wait_until
+from tests.proxy.harness import ProxyHarness
 from tests.support.services import RedisServer
 
 # alone: the drain must finish inside its notice and hand back within a second.
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 NOTICE_S = 10.0
-
-
-@pytest.fixture()
-def proxy(redis_server: RedisServer, tmp_path: Path) -> Iterator[ProxyHarness]:
-    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as h:
-        yield h
-
-
-def held_by(r: redis.Redis, run: str, worker_id: str) -> set[str]:
-    return {k.decode() for k, v in r.hgetall(f"brl:{run}:prompts:owner").items() if v.decode() == worker_id}
 
 
 def test_drain_mid_call_submits_what_finishes_and_hands_back_the_rest(

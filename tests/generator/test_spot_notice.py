@@ -11,14 +11,13 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from tests.generator.worker_support import Consumer, create_run, start_generator, wait_until
-from tests.proxy.harness import ProxyHarness, adapter_files, running
+from tests.generator.worker_support import Consumer, create_run, held_by, start_generator, wait_until
+from tests.proxy.harness import ProxyHarness, adapter_files
 from tests.support.cloud_metadata import CloudMetadata
 from tests.support.services import RedisServer
 
@@ -27,16 +26,6 @@ from tests.support.services import RedisServer
 pytestmark = pytest.mark.slow
 
 NOTICE_S = {"aws": 120.0, "gcp": 30.0, "azure": 30.0}  # what each cloud documents
-
-
-@pytest.fixture()
-def proxy(redis_server: RedisServer, tmp_path: Path) -> Iterator[ProxyHarness]:
-    with running(redis_server.url, f"file://{tmp_path / 'bucket'}") as h:
-        yield h
-
-
-def held_by(r: redis.Redis, run: str, worker_id: str) -> set[str]:
-    return {k.decode() for k, v in r.hgetall(f"brl:{run}:prompts:owner").items() if v.decode() == worker_id}
 
 
 def heard_line(log: Path, cloud: str) -> str | None:

@@ -136,6 +136,11 @@ def worker_settings(proxy: ProxyHarness, run: str, worker_id: str, **kw: Any) ->
     return GeneratorSettings(**fields)
 
 
+def held_by(r: Any, run: str, worker_id: str) -> set[str]:
+    """The prompt ids ``worker_id`` holds leases on (the proxy's owner hash in Redis)."""
+    return {k.decode() for k, v in r.hgetall(f"brl:{run}:prompts:owner").items() if v.decode() == worker_id}
+
+
 def wait_until(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import time
-import uuid
 from collections.abc import Iterator
 
 import boto3
@@ -15,13 +14,6 @@ from bucketrl.storage.s3 import S3Store
 from tests.support.services import MotoServer
 
 MiB = 1024 * 1024
-
-
-@pytest.fixture()
-def bucket(moto_server: MotoServer) -> str:
-    name = f"b-{uuid.uuid4().hex[:12]}"
-    moto_server.create_bucket(name)
-    return name
 
 
 def raw_client(endpoint: str):

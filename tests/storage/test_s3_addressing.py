@@ -15,7 +15,6 @@ import io
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,13 +30,6 @@ from tests.storage.s3_front import S3Front
 from tests.support.services import MotoServer, free_port
 
 MiB = 1024 * 1024
-
-
-@pytest.fixture()
-def bucket(moto_server: MotoServer) -> str:
-    name = f"b-{uuid.uuid4().hex[:12]}"
-    moto_server.create_bucket(name)
-    return name
 
 
 @pytest.fixture()

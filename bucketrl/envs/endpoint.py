@@ -30,8 +30,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from bucketrl.envs import openai_models as om
 from bucketrl.envs.parsers import parse
-from bucketrl.envs.streaming import stream_response
+from bucketrl.envs.streaming import Delta, content_deltas, stream_response
 from bucketrl.envs.templates import ToolSyntax, render
+from bucketrl.rollout.detokenize import IncrementalDetokenizer, token_bytes, token_label
 from bucketrl.rollout.engine import SampledCompletion
 from bucketrl.rollout.episodes import EndpointError, Episode, EpisodeBook
 
@@ -96,9 +97,9 @@ def make_app(hub: EpisodeHub) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: om.ChatRequest) -> om.ChatCompletion | StreamingResponse:
-        done = await _chat_completion(hub, req)
+        done, deltas = await _chat_completion(hub, req)
         if req.stream:
-            return stream_response(done, bool(req.stream_options and req.stream_options.include_usage))
+            return stream_response(done, bool(req.stream_options and req.stream_options.include_usage), deltas)
         return done
 
     @app.post("/v1/completions", response_model=om.TextCompletion)
@@ -121,8 +122,9 @@ def make_app(hub: EpisodeHub) -> FastAPI:
     return app
 
 
-async def _chat_completion(hub: EpisodeHub, req: om.ChatRequest) -> om.ChatCompletion:
-    """One model turn of the episode ``req.model`` names, from chat messages (tool calls parsed out)."""
+async def _chat_completion(hub: EpisodeHub, req: om.ChatRequest) -> tuple[om.ChatCompletion, list[Delta] | None]:
+    """One model turn of the episode ``req.model`` names, from chat messages (tool calls parsed out), and for a
+    stream the content token by token (None when tool calls were taken out of the text)."""
     _plain(req.n, False)
     ep = hub.book.episode_for(req.model)
     _run_sampling(ep, req.temperature, req.top_p)
@@ -144,7 +146,11 @@ async def _chat_completion(hub: EpisodeHub, req: om.ChatRequest) -> om.ChatCompl
     ] or None
     finish: Literal["stop", "length", "tool_calls"]
     finish = "tool_calls" if calls else ("length" if sample.finish_reason == "length" else "stop")
-    return om.ChatCompletion(
+    logprobs = _chat_logprobs(hub, sample.token_ids, sample.logprobs) if req.logprobs else None
+    deltas = None
+    if req.stream and not calls and (parsed.content or "") == text:
+        deltas = content_deltas(hub.tokenizer, sample.token_ids, logprobs)
+    done = om.ChatCompletion(
         id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
         created=int(time.time()),
         model=ep.model,
@@ -152,11 +158,12 @@ async def _chat_completion(hub: EpisodeHub, req: om.ChatRequest) -> om.ChatCompl
             om.ChatChoice(
                 message=om.AssistantMessage(content=parsed.content, tool_calls=calls),
                 finish_reason=finish,
-                logprobs=_chat_logprobs(hub, sample.token_ids, sample.logprobs) if req.logprobs else None,
+                logprobs=logprobs,
             )
         ],
         usage=_usage(prompt_ids, sample.token_ids),
     )
+    return done, deltas
 
 
 async def _text_completion(hub: EpisodeHub, req: om.CompletionRequest) -> om.TextCompletion:
@@ -199,11 +206,14 @@ def _completion_prompt_ids(hub: EpisodeHub, req: om.CompletionRequest) -> list[i
 
 
 def _text_logprobs(hub: EpisodeHub, token_ids: list[int], logprobs: list[float]) -> om.CompletionLogprobs:
-    pieces = [hub.decode([t]) for t in token_ids]
-    offsets, at = [], 0
-    for p in pieces:
-        offsets.append(at)
-        at += len(p)
+    """Each token as its bytes spell it (``bytes:\\xd8`` for part of a character, never U+FFFD), at the offset of
+    the text before it (a token inside a character is at the offset where that character starts)."""
+    detok = IncrementalDetokenizer(hub.tokenizer)
+    offsets = []
+    for t in token_ids:
+        offsets.append(len(detok.text))
+        detok.step(t)
+    pieces = [token_label(token_bytes(hub.tokenizer, t)) for t in token_ids]
     return om.CompletionLogprobs(tokens=pieces, token_logprobs=list(logprobs), text_offset=offsets)
 
 
@@ -238,8 +248,8 @@ def _usage(prompt_ids: list[int], completion_ids: list[int]) -> om.Usage:
 def _chat_logprobs(hub: EpisodeHub, ids: list[int], logprobs: list[float]) -> om.ChoiceLogprobs:
     out = []
     for t, lp in zip(ids, logprobs, strict=True):
-        piece = hub.decode([t])
-        out.append(om.TokenLogprob(token=piece, logprob=lp, bytes=list(piece.encode())))
+        raw = token_bytes(hub.tokenizer, t)  # OpenAI's bytes: exact even where a token ends inside a character
+        out.append(om.TokenLogprob(token=token_label(raw), logprob=lp, bytes=list(raw)))
     return om.ChoiceLogprobs(content=out)
 
 

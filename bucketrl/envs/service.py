@@ -31,6 +31,7 @@ from typing import Any
 from bucketrl.envs.engine_queue import EngineQueue, TurnRequest
 from bucketrl.envs.protocol import EpisodeContext, Row, is_async
 from bucketrl.envs.templates import tool_syntax
+from bucketrl.rollout.detokenize import complete_text
 from bucketrl.rollout.engine import SampledCompletion
 from bucketrl.rollout.episodes import EndpointError, Episode, EpisodeBook, GroupRun
 from bucketrl.rollout.trajectory import Turn
@@ -101,7 +102,7 @@ class EpisodeService:
         return self._spec().episode.episode_timeout_s
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return complete_text(self.tokenizer, ids)
 
     def live_models(self) -> list[str]:
         return [e.model for g in self.book.groups() for e in g.episodes if not e.closed]

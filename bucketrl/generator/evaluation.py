@@ -16,6 +16,7 @@ from bucketrl.datasets import examples_for_run
 from bucketrl.generator.adapters import VersionBook
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.rewards import RewardItem, RewardPool
+from bucketrl.rollout.detokenize import complete_text
 from bucketrl.rollout.engine import Engine, SampledCompletion
 from bucketrl.rollout.example import Example
 from bucketrl.wire import EvalResult, EvalSample, RunSpec
@@ -143,9 +144,8 @@ class Evaluator:
         self, version: int, examples: list[Example], indices: list[int], samples: list[list[SampledCompletion]]
     ) -> list[EvalResult]:
         """Each prompt's samples scored with the run's reward, as the proxy's eval results."""
-        decode = self.tokenizer.decode
         flat = [
-            RewardItem(decode(smp.token_ids, skip_special_tokens=True), ex.answer, ex.prompt)
+            RewardItem(complete_text(self.tokenizer, smp.token_ids), ex.answer, ex.prompt)
             for ex, group in zip(examples, samples, strict=True)
             for smp in group
         ]

@@ -51,6 +51,7 @@ from bucketrl.generator.staleness_guard import StaleCall, StalenessGuard
 from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
 from bucketrl.generator.versions import AdapterVersions, release_version_lease
 from bucketrl.rewards import RewardPool
+from bucketrl.rollout.detokenize import complete_text
 from bucketrl.rollout.engine import Engine
 from bucketrl.rollout.example import Example
 from bucketrl.wire import MetricsPush, PromptLease, PromptLeaseItem, PromptLeaseRequest, RunSpec
@@ -243,7 +244,7 @@ class GeneratorWorker:
             client=self.client,
             worker_id=self.worker_id,
             pool=self._pool,
-            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            decode=lambda ids: complete_text(self.tokenizer, ids),
             book=self.book,
             ledger=self.ledger,
             metrics=self.metrics,

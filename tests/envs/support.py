@@ -13,6 +13,7 @@ from typing import Any
 from bucketrl.envs.service import EpisodeService
 from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.rollout.engine import Engine
 from bucketrl.rollout.episodes import GroupRun
 from bucketrl.rollout.example import Example
 from bucketrl.wire import EpisodeSpec, PromptLeaseItem, RunSpec, SamplingSpec
@@ -38,13 +39,16 @@ class Harness:
         adapter_dir: Path,
         spec: RunSpec,
         env: Any,
-        engine: GeneratorSettings | None = None,
+        engine: GeneratorSettings | Engine | None = None,
         **service_kw: Any,
     ) -> None:
         from transformers import AutoTokenizer
 
         self.spec = spec
-        self.engine = make_engine(engine or GeneratorSettings(engine="transformers", seed=0), spec)
+        if engine is None or isinstance(engine, GeneratorSettings):
+            self.engine: Engine = make_engine(engine or GeneratorSettings(engine="transformers", seed=0), spec)
+        else:
+            self.engine = engine  # a test's own engine, made ready to load the adapter below
         self.engine.load_adapter(ADAPTER, 1, adapter_dir)
         self.svc = EpisodeService(
             tokenizer=AutoTokenizer.from_pretrained(model_dir),

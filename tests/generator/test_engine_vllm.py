@@ -14,7 +14,9 @@ from transformers import AutoTokenizer
 from bucketrl import errors
 from bucketrl.generator.engines.factory import make_engine
 from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.rollout.detokenize import complete_text
 from bucketrl.tarball import pack_dir
+from bucketrl.tasks import tiny_tokenizer
 from bucketrl.wire import SamplingSpec
 from tests.generator.engine_suite import PROMPTS, EngineBehaviour, G, check_well_formed, max_logprob_gap
 from tests.generator.helpers import make_adapter, run_spec, teacher_forced_logprobs
@@ -139,3 +141,24 @@ def test_completions_come_back_to_their_own_prompts(engine: Any, adapters: dict[
         for prompt, (s,) in zip(prompts, out, strict=True):
             ref = teacher_forced_logprobs(model_dir, adapters[1], prompt, s.token_ids, sampling)
             assert max(abs(a - b) for a, b in zip(ref, s.logprobs, strict=True)) < 1e-3
+
+
+def test_vllm_gives_the_generators_text_for_the_same_ids(engine: Any, model_dir: Path) -> None:
+    """Issue 34: the text vLLM's own detokenizer makes of its completions (what a vLLM server would return) is the
+    text the generator scores and returns for the same ids (:func:`complete_text`, whichever engine sampled them),
+    on completions cut inside Arabic characters, where a plain decode shows U+FFFD."""
+    from vllm import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    arabic = tiny_tokenizer.encode("ما ناتج ٣ + ٤؟ الجواب \\boxed{٧} كـــبير ۴۲ 🙂")
+    # Only the tokens of the Arabic text (those that end inside a character included): Arabic bytes come out.
+    params = SamplingParams(n=48, temperature=1.0, max_tokens=6, allowed_token_ids=sorted(set(arabic)), seed=0)
+    # The engine's LLM directly: the engine returns ids and logprobs only; vLLM's text is what is compared here.
+    (out,) = engine._llm.generate([{"prompt_token_ids": arabic}], params, use_tqdm=False)
+    cut_inside = 0
+    for c in out.outputs:
+        ids = list(c.token_ids)
+        assert c.text == complete_text(tok, ids), ids
+        assert not c.text.endswith("\ufffd")
+        cut_inside += tok.decode(ids, skip_special_tokens=True) != c.text
+    assert cut_inside > 0  # some completions did end inside a character (the old decode disagreed with vLLM there)

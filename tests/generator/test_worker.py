@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 from bucketrl import errors
 from bucketrl.generator.worker import GeneratorWorker
 from bucketrl.preflight import ConfigError
+from bucketrl.rollout.detokenize import complete_text
 from bucketrl.tarball import pack_dir
 from bucketrl.wire import DatasetSpec, Delivery, EvalSpec, RewardSpec, RunSpec, SamplingSpec
 from tests.generator.helpers import make_adapter, teacher_forced_logprobs
@@ -62,8 +63,8 @@ def check_delivery(d: Delivery, spec: RunSpec, model_dir: Path, adapters: dict[i
         assert g.prompt_token_ids == tok.encode(PROMPTS[g.prompt_index])  # type: ignore[attr-defined]
         assert len(g.completions) == spec.group_size
         for c in g.completions:
-            text = tok.decode(c.token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
-            assert c.reward == float(len(text))  # the run's reward function, applied to the decoded completion
+            # The run's reward function, applied to the completion's text (a token cut inside a character held back).
+            assert c.reward == float(len(complete_text(tok, c.token_ids)))
             assert len(c.token_ids) <= spec.sampling.max_new_tokens
             ref = teacher_forced_logprobs(
                 model_dir, adapters[d.version], g.prompt_token_ids, c.token_ids, spec.sampling
@@ -309,7 +310,7 @@ def _greedy_text(model_dir: Path, adapter_dir: Path, tok: Any, prompt: str, max_
             out.append(t)
             if t in eos_ids:
                 break
-    return str(tok.decode(out, skip_special_tokens=True))
+    return complete_text(tok, out)  # the text the evaluator scores (an incomplete last character held back)
 
 
 def test_eval_prompts_are_sampled_with_the_eval_settings_and_training_goes_on(

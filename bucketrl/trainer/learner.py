@@ -36,7 +36,7 @@ from bucketrl.trainer.ranks import Ranks, shard_groups
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.trainer.sharding import filler_batch
 from bucketrl.trainer.step_group import StepGroup
-from bucketrl.trainer.token_versions import token_version_stats
+from bucketrl.trainer.token_versions import tally_sample, token_version_stats
 from bucketrl.wire.rollouts import Completion, RolloutGroup
 from bucketrl.wire.runs import LossSpec, RunSpec
 
@@ -180,7 +180,7 @@ class Learner:
             stats["train/tokens_env"] = float(env_tokens)
         stats.update(_episode_metrics(ep_sums))
         if policy_version is not None:
-            stats.update(token_version_stats(samples, policy_version))
+            stats.update(token_version_stats([tally_sample(s) for s in samples], policy_version))
         return [s for s in samples if s.trained_tokens or not s.stale_masked], stats
 
     def train_step(self, groups: list[StepGroup], *, policy_version: int) -> dict[str, float]:

@@ -11,48 +11,72 @@ stale they are against the policy version being trained, and what it masked out 
     tokens/staleness_p50, _max        per trained token: the policy version trained - the version that sampled it
 
 Whole-version completions count too (one span, every token their batch's version), so a run without partial
-rollouts reports the same figures for comparison.
+rollouts reports the same figures for comparison. Torch-free: the simulated trainer (``bucketrl/sim/trainer.py``)
+reports the same figures from its groups with :func:`tally_completion`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
-from bucketrl.trainer.batching import TrainingSample
+from bucketrl.wire.rollouts import Completion
+
+if TYPE_CHECKING:
+    from bucketrl.trainer.batching import TrainingSample
 
 
-def trained_versions(sample: TrainingSample) -> Counter[int]:
-    """Tokens the sample trains, per version that sampled them."""
-    if sample.token_versions is None:
-        return Counter({sample.version: sample.trained_tokens})
-    mask = sample.loss_mask or (1,) * len(sample.token_versions)
+@dataclass(frozen=True)
+class TokenTally:
+    """One trainable completion's tokens by version."""
+
+    trained: Counter[int]  # trained tokens per version that sampled them
+    mixed: bool  # sampled by more than one version
+    spans: int  # runs of one version
+    stale_masked: int  # tokens masked out as too old
+
+
+def tally_sample(sample: TrainingSample) -> TokenTally:
+    """A training sample's tally (its loss mask already holds the staleness floor)."""
+    versions = sample.token_versions
     n = sample.n_valid
-    return Counter(v for v, m in zip(sample.token_versions[:n], mask[:n], strict=True) if m)
+    if versions is None:
+        return TokenTally(+Counter({sample.version: sample.trained_tokens}), False, 1, sample.stale_masked)
+    mask = sample.loss_mask or (1,) * len(versions)
+    trained = Counter(v for v, m in zip(versions[:n], mask[:n], strict=True) if m)
+    return TokenTally(trained, len(set(versions)) > 1, _runs(versions), sample.stale_masked)
 
 
-def token_version_stats(samples: list[TrainingSample], policy_version: int) -> dict[str, float]:
-    """The figures of the module docstring over a step's samples (before wholly masked ones are dropped)."""
-    if not samples:
+def tally_completion(completion: Completion, version: int, floor: int) -> TokenTally:
+    """A completion's tally when every token is trained unless older than ``floor`` (no EOS cut: the simulated
+    trainer's view)."""
+    versions = completion.token_versions(version)
+    trained = Counter(v for v in versions if v >= floor)
+    stale = len(versions) - sum(trained.values())
+    return TokenTally(trained, len(set(versions)) > 1, _runs(versions), stale)
+
+
+def token_version_stats(tallies: list[TokenTally], policy_version: int) -> dict[str, float]:
+    """The figures of the module docstring over a step's trainable completions (wholly masked ones included)."""
+    if not tallies:
         return {}
     staleness: Counter[int] = Counter()
     mixed = 0
-    spans: list[int] = []
-    for s in samples:
-        by_version = trained_versions(s)
-        for version, n in by_version.items():
+    for t in tallies:
+        for version, n in t.trained.items():
             staleness[policy_version - version] += n
-        sampled_by = set(s.token_versions) if s.token_versions is not None else {s.version}
-        if len(sampled_by) > 1:
-            mixed += sum(by_version.values())
-        spans.append(_span_count(s))
+        if t.mixed:
+            mixed += sum(t.trained.values())
+    staleness = +staleness  # only counts > 0
     trained = sum(staleness.values())
     stats = {
-        "tokens/stale_masked": float(sum(s.stale_masked for s in samples)),
-        "tokens/stale_masked_completions": float(sum(1 for s in samples if s.stale_masked and not s.trained_tokens)),
+        "tokens/stale_masked": float(sum(t.stale_masked for t in tallies)),
+        "tokens/stale_masked_completions": float(sum(1 for t in tallies if t.stale_masked and not t.trained.total())),
         "tokens/mixed_version_frac": mixed / trained if trained else 0.0,
-        "tokens/spans_per_completion": sum(spans) / len(spans),
-        "tokens/spans_per_completion_max": float(max(spans)),
+        "tokens/spans_per_completion": sum(t.spans for t in tallies) / len(tallies),
+        "tokens/spans_per_completion_max": float(max(t.spans for t in tallies)),
     }
     if trained:
         stats["tokens/staleness_p50"] = float(_median(staleness))
@@ -60,10 +84,7 @@ def token_version_stats(samples: list[TrainingSample], policy_version: int) -> d
     return stats
 
 
-def _span_count(sample: TrainingSample) -> int:
-    versions = sample.token_versions
-    if versions is None:
-        return 1
+def _runs(versions: list[int] | tuple[int, ...]) -> int:
     return 1 + sum(1 for a, b in pairwise(versions) if a != b)
 
 

@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
+from bucketrl.sim.trainer import SimLearner, SimTrainerSettings
 from bucketrl.trainer.advantages import group_advantages
 from bucketrl.trainer.batching import group_samples
 from bucketrl.trainer.learner import Learner, StepGroup
 from bucketrl.trainer.recompute import recompute_logprobs
-from bucketrl.wire import Completion, LossSpec, RolloutGroup, VersionSpan
+from bucketrl.wire import Completion, DatasetSpec, LossSpec, RewardSpec, RolloutGroup, RunSpec, VersionSpan
 from tests.trainer.helpers import EOS, settings, tiny_spec
 from tests.trainer.test_model import perturb_adapter
 
@@ -143,3 +144,23 @@ def test_the_mismatch_check_compares_only_tokens_of_the_weights_version(tiny_mod
     group = plain.model_copy(update={"completions": comps})
     stats = learner.train_step([StepGroup(group, POLICY_VERSION, "gen")], policy_version=POLICY_VERSION)
     assert stats["mismatch/logprob_abs_diff/gen"] < 1e-4
+
+
+def test_the_simulated_trainer_reports_the_same_figures_without_a_model() -> None:
+    """What bench/ runs on: every token trained unless older than the floor (the simulated trainer cuts no EOS, so
+    c3's v6 tokens count there)."""
+    spec = RunSpec(
+        base_model="sim",
+        reward=RewardSpec(name="toy"),
+        dataset=DatasetSpec(uri="toy:digits", size=4),
+        vocab_size=64,
+        group_size=4,
+        max_staleness=MAX_STALENESS,
+        partial_rollouts=True,
+    )
+    learner = SimLearner(spec, SimTrainerSettings(sim_step_s=0.0, sim_adapter_bytes=4096))
+    group = _group([[-1.0] * len(c[0]) for c in COMPLETIONS])
+    stats = learner.train_step([StepGroup(group, BATCH_VERSION, "gen")], policy_version=POLICY_VERSION)
+    assert (stats["tokens/stale_masked"], stats["tokens/stale_masked_completions"]) == (4, 0)
+    assert stats["tokens/mixed_version_frac"] == pytest.approx(9 / 12)
+    assert (stats["tokens/staleness_p50"], stats["tokens/staleness_max"]) == (1, 2)

@@ -37,6 +37,7 @@ from bucketrl.wire.rollouts import (
     RolloutGroup,
     Segment,
     SubmitResponse,
+    VersionSpan,
 )
 from bucketrl.wire.runs import (
     DatasetSpec,
@@ -101,6 +102,7 @@ __all__ = [
     "TrainerStatus",
     "VersionLease",
     "VersionLeaseRequest",
+    "VersionSpan",
     "VersionStatus",
     "WorkerStatus",
 ]

@@ -29,6 +29,9 @@ SegmentKind = Literal["model", "env"]
 # MAX_TURNS model turns, and the completions of a group whose G <= 1024 episodes are split into samples.
 MAX_SEGMENTS = 2 * MAX_TURNS
 MAX_GROUP_COMPLETIONS = 16_384
+# A completion's version spans (partial rollouts): one per version that sampled some of it. A static cap only; a
+# call continued that often has long left the staleness window.
+MAX_VERSION_SPANS = 1024
 
 # Lists of numbers a msgpack body may carry packed (wire/packed.py): a field typed with one of these is packed
 # by packed.packb and checked in numpy passes when it arrives packed, in any model (a new field too). Token ids
@@ -69,6 +72,15 @@ class Segment(WireModel):
             raise ValueError("logprobs: a model segment needs one behaviour logprob per token")
         _check_logprobs(self.token_ids, self.logprobs)
         return self
+
+
+class VersionSpan(WireModel):
+    """Tokens ``token_ids[start:end]`` of a completion, sampled by adapter ``version`` (partial rollouts: a call
+    interrupted by a newer version goes on under it, docs/design.md "Partial rollouts"). Half-open, never empty."""
+
+    version: Version
+    start: int = Field(..., ge=0, lt=MAX_COMPLETION_TOKENS)
+    end: int = Field(..., ge=1, le=MAX_COMPLETION_TOKENS)
 
 
 class _Derived(list):
@@ -141,9 +153,19 @@ class Completion(WireModel):
     # The episode (0..group_size-1) this sample belongs to when episodes are split; set on every completion of
     # the group or on none (None: each completion is its own episode). Multi-turn only.
     episode: int | None = Field(None, ge=0, le=1023, exclude_if=_is_none)
+    # Partial rollouts (a run with ``partial_rollouts``; single-turn only): which version sampled which tokens,
+    # contiguous spans in order covering every token, versions non-decreasing, the last one the batch's
+    # ``version``. None: the batch's ``version`` sampled every token (omitted then: bytes as before spans).
+    version_spans: list[VersionSpan] | None = Field(
+        None, min_length=1, max_length=MAX_VERSION_SPANS, fail_fast=True, exclude_if=_is_none
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "Completion":
+        if self.version_spans is not None:
+            if self.segments is not None:
+                raise ValueError("version_spans: multi-turn completions (segments) are whole-version; send no spans")
+            _check_spans(self.version_spans, len(self.token_ids))
         if self.segments is None:
             if self.prompt_token_ids is not None or self.episode is not None:
                 raise ValueError("prompt_token_ids and episode belong to multi-turn completions (send segments)")
@@ -229,6 +251,16 @@ class Completion(WireModel):
             mask += [1 if seg.kind == "model" else 0] * len(seg.token_ids)
         return mask
 
+    def token_versions(self, version: int) -> list[int]:
+        """The version that sampled each token of ``token_ids``; ``version`` (the batch's) for a completion
+        without spans."""
+        if self.version_spans is None:
+            return [version] * len(self.token_ids)
+        out: list[int] = []
+        for span in self.version_spans:
+            out += [span.version] * (span.end - span.start)
+        return out
+
     def turns(self) -> int:
         """Model turns: the number of model segments (1 for a single-turn completion)."""
         return 1 if self.segments is None else sum(1 for s in self.segments if s.kind == "model")
@@ -244,6 +276,36 @@ def _check_logprobs(token_ids: list[int], logprobs: list[float]) -> None:
     # Their values were checked by their types (TokenIds, Logprobs...), in either form.
     if len(token_ids) != len(logprobs):
         raise ValueError(f"logprobs has {len(logprobs)} entries but token_ids has {len(token_ids)}")
+
+
+def _check_spans(spans: list[VersionSpan], n_tokens: int) -> None:
+    at = 0
+    for i, span in enumerate(spans):
+        if span.start != at:
+            what = "a gap" if span.start > at else "an overlap"
+            raise ValueError(f"version_spans[{i}]: starts at {span.start}, {what} after the tokens before ({at})")
+        if span.end <= span.start:
+            raise ValueError(f"version_spans[{i}]: [{span.start}, {span.end}) is empty (send only spans with tokens)")
+        if i and span.version < spans[i - 1].version:
+            raise ValueError(
+                f"version_spans[{i}]: version {span.version} after {spans[i - 1].version} (a continuation only goes "
+                "on under a newer version)"
+            )
+        at = span.end
+    if at != n_tokens:
+        raise ValueError(f"version_spans: cover tokens [0, {at}) but token_ids has {n_tokens}")
+
+
+def _check_newest_span(groups: "list[RolloutGroup]", version: int) -> None:
+    """Each completion's last span is the batch's ``version`` (what the proxy's staleness checks read)."""
+    for g, group in enumerate(groups):
+        for c, comp in enumerate(group.completions):
+            if comp.version_spans is not None and comp.version_spans[-1].version != version:
+                raise ValueError(
+                    f"groups[{g}].completions[{c}].version_spans: the last span's version "
+                    f"{comp.version_spans[-1].version} is not the batch's version {version} (the newest version "
+                    "that sampled a token)"
+                )
 
 
 def _as_list(values: list[Any]) -> list[Any]:
@@ -349,6 +411,11 @@ class RolloutBatch(WireModel):
         "lease with POST prompts/lease then), an empty list under admission control (`prompts_retry_after`).",
     )
 
+    @model_validator(mode="after")
+    def _spans_end_at_version(self) -> "RolloutBatch":
+        _check_newest_span(self.groups, self.version)
+        return self
+
 
 class SubmitResponse(WireModel):
     batch_id: str
@@ -432,6 +499,11 @@ class Delivery(WireModel):
     # Below the claim's version floor, handed over only because the claim asked for it (``hold_rebuilt``): a
     # group a rebuild re-queued. Never to be trained: acked if the lineage trained it before, else released.
     rebuilt_stale: bool = False
+
+    @model_validator(mode="after")
+    def _spans_end_at_version(self) -> "Delivery":
+        _check_newest_span(self.groups, self.version)
+        return self
 
 
 class ClaimResponse(WireModel):

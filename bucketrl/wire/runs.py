@@ -1,7 +1,8 @@
 """Run spec: what a run trains, shared by every worker through the proxy.
 
-``base_model``, ``lora``, ``adapter_dtype``, ``group_size``, ``vocab_size``, ``dataset`` and ``env`` are immutable
-once the run exists (see :data:`IMMUTABLE_FIELDS`); the rest can be changed by a later ``PUT /v1/runs/{run}``.
+``base_model``, ``lora``, ``adapter_dtype``, ``group_size``, ``vocab_size``, ``dataset``, ``env`` and
+``partial_rollouts`` are immutable once the run exists (see :data:`IMMUTABLE_FIELDS`); the rest can be changed by a
+later ``PUT /v1/runs/{run}``.
 """
 
 from typing import Annotated, Any, Literal
@@ -12,6 +13,8 @@ from bucketrl.wire.common import MAX_EPISODE_TOKENS, MAX_TURNS, MAX_WIRE_INT, Sh
 
 # ``env``: a generator decides at its start whether it runs single-turn completions or episodes.
 # ``adapter_dtype``: the trainer resolves it once, and every version of a run ships in the one dtype.
+# ``partial_rollouts``: whether a batch may carry version spans decides how the trainer reads every group of the
+# run (a run switched mid-way would hold groups the proxy accepted under one rule and claims under the other).
 IMMUTABLE_FIELDS: tuple[str, ...] = (
     "base_model",
     "lora",
@@ -20,6 +23,7 @@ IMMUTABLE_FIELDS: tuple[str, ...] = (
     "vocab_size",
     "dataset",
     "env",
+    "partial_rollouts",
 )
 
 # The dtype adapter versions cross the links in. ``auto``: bfloat16 when the base model's own dtype (its
@@ -199,6 +203,10 @@ class RunSpec(StrictWireModel):
     # Cap on the tokens the pool generates for the run (None: no cap). Past it the run is skipped by pool
     # leases and refused per-run leases with 429: queued, never failed (raise it with a PUT to go on).
     budget_tokens: int | None = Field(None, ge=1, le=MAX_WIRE_INT)
+    # Partial rollouts (issue 35): a generator whose call would outlive the staleness window continues its
+    # unfinished completions under a newer version, and each completion says which version sampled which tokens
+    # (``Completion.version_spans``). Off: the proxy refuses spans. Single-turn runs only. Immutable.
+    partial_rollouts: bool = False
 
     @model_validator(mode="after")
     def _queue_holds_a_step(self) -> "RunSpec":
@@ -226,6 +234,16 @@ class RunSpec(StrictWireModel):
             raise ValueError(
                 "eval (evaluation during training) is not supported for multi-turn runs (env) yet: drop eval "
                 "(or --eval-every)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _partial_rollouts_are_single_turn(self) -> "RunSpec":
+        # Episodes stay whole-version (an episode's turns are separate calls already); refused rather than a
+        # setting that silently does nothing.
+        if self.partial_rollouts and self.env is not None:
+            raise ValueError(
+                "partial_rollouts: multi-turn runs (env) keep each episode whole-version; drop partial_rollouts"
             )
         return self
 

@@ -1,5 +1,6 @@
 """The checks a submitted batch must pass that its schema cannot make (422 naming the field), against the run's
-spec: group size, prompt ids that were leased, token ids within the vocabulary, completion and episode lengths.
+spec: group size, prompt ids that were leased, token ids within the vocabulary, completion and episode lengths,
+version spans only in a run with ``partial_rollouts``.
 ``submit.py`` runs them before a batch is written."""
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def validate_batch(batch: RolloutBatch, spec: RunSpec, cursor: int, max_new_boun
         seen.add(group.prompt_id)
         for c, comp in enumerate(group.completions):
             at = f"{where}.completions[{c}]"
+            if comp.version_spans is not None and not spec.partial_rollouts:
+                raise errors.Invalid(
+                    f"{at}.version_spans: the run does not have partial_rollouts (its trainer would train every "
+                    "token as the batch's version); send whole-version completions"
+                )
             if comp.segments is None:
                 if len(comp.token_ids) > max_new:
                     raise errors.Invalid(

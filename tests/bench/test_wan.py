@@ -42,6 +42,12 @@ def test_arguments(wan: ModuleType) -> None:
     assert wan.parse_args(["--mode", "direct,relay"]).modes == ["direct", "relay"]
     with pytest.raises(SystemExit):
         wan.parse_args(["--mode", "relays"])
+    ablation = wan.parse_args(["--mode", "relay", "--rtt-ms", "80", "--ablation"])
+    variants = [v for _m, v, _r in wan.runs(ablation)]
+    assert variants == [("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True)]
+    assert {wan.ABLATION[v] for v in variants} == {"fp32_in_series", "staging_only", "dtype_only", "both"}
+    with pytest.raises(SystemExit):
+        wan.parse_args(["--staging", "maybe"])
 
 
 @pytest.mark.timeout(480)

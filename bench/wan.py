@@ -3,6 +3,7 @@
     sudo .venv/bin/python bench/wan.py --rtt-ms 0,50,150 --generators 8 --duration-s 45 --json /tmp/wan.json
     sudo .venv/bin/python bench/wan.py --rtt-ms 100 --drop-s 10            # drop region a's link for 10 s
     sudo .venv/bin/python bench/wan.py --rtt-ms 80 --mode direct,relay     # with one `bucketrl relay` per region
+    sudo .venv/bin/python bench/wan.py --rtt-ms 80 --mode relay --tls --generators 2 --adapter-mb 37 --ablation
 
 Root only: it builds a :class:`bucketrl.sim.netlab.Lab`. The scale simulation's parts (:mod:`bucketrl.sim.cluster`,
 all real but the GPU: ``redis-server``, ``bucketrl proxy``, moto S3 behind the slow S3 front, the real trainer
@@ -29,8 +30,13 @@ CPU per loaded adapter and share of the machine (``versions``, ``breakdown_p50_s
 
 ``--mode relay`` starts one ``bucketrl relay`` per region, inside the region's namespace on its address, whose
 upstream is the home proxy through that region's link; the region's generators talk to it instead (adapters
-cross the link once per version per region, the rest is forwarded). ``by_mode`` in the JSON holds each mode's
-figures at the sweep's largest RTT.
+cross the link once per version per region, the rest is forwarded). ``--staging on`` (the default) gives each
+relay a ``relay`` token, so it pulls every upload while the trainer still sends it (staged publish; the clock still
+starts at the trainer's upload); ``off`` fetches each version after its commit, when a generator first asks.
+``--ablation`` runs issue 32's four variants in relay mode, float32 and bfloat16 each with staging off and on
+(``ablation`` in the JSON: ``fp32_in_series``, ``staging_only``, ``dtype_only``, ``both``), each its own run.
+``by_mode`` in the JSON holds each mode's figures at the sweep's largest RTT (the last variant's: bfloat16 staged
+under ``--ablation``).
 
 What the delay relay does not emulate (TCP's own RTT, the handshake's) is in :mod:`bucketrl.sim.netlab.delay`; quote it
 with the figures. This machine's cores are shared by every process here (the relay forwards every byte in Python).
@@ -400,7 +406,7 @@ def point(
             timeout_s=args.duration_s + 180,
             max_train_s=args.duration_s,
         )
-        name = f"{mode}-rtt{int(rtt_ms)}"
+        name = workdir.name  # the point's key: each point (and each ablation variant) is a run of its own
         try:
             r = run_scale_sim(backends, cfg, name, workdir, progress=say, scenario=scenario_for(wiring))
         finally:

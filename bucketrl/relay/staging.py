@@ -59,6 +59,9 @@ class StagingFollower:
                 log.warning("staging: polling the home proxy failed: %r", exc)
                 await asyncio.sleep(BACKOFF_S)
                 continue
+            if not listing.instance:  # staging is off at the home proxy (BUCKETRL_STAGING_MB=0): ask now and then
+                await asyncio.sleep(POLL_S)
+                continue
             after, instance = listing.seq, listing.instance
             for upload in listing.uploads:
                 task = asyncio.create_task(self.pull(upload))

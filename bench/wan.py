@@ -3,6 +3,7 @@
     sudo .venv/bin/python bench/wan.py --rtt-ms 0,50,150 --generators 8 --duration-s 45 --json /tmp/wan.json
     sudo .venv/bin/python bench/wan.py --rtt-ms 100 --drop-s 10            # drop region a's link for 10 s
     sudo .venv/bin/python bench/wan.py --rtt-ms 80 --mode direct,relay     # with one `bucketrl relay` per region
+    sudo .venv/bin/python bench/wan.py --rtt-ms 80 --mode relay --tls --generators 2 --adapter-mb 37 --ablation
 
 Root only: it builds a :class:`bucketrl.sim.netlab.Lab`. The scale simulation's parts (:mod:`bucketrl.sim.cluster`,
 all real but the GPU: ``redis-server``, ``bucketrl proxy``, moto S3 behind the slow S3 front, the real trainer
@@ -29,8 +30,13 @@ CPU per loaded adapter and share of the machine (``versions``, ``breakdown_p50_s
 
 ``--mode relay`` starts one ``bucketrl relay`` per region, inside the region's namespace on its address, whose
 upstream is the home proxy through that region's link; the region's generators talk to it instead (adapters
-cross the link once per version per region, the rest is forwarded). ``by_mode`` in the JSON holds each mode's
-figures at the sweep's largest RTT.
+cross the link once per version per region, the rest is forwarded). ``--staging on`` (the default) gives each
+relay a ``relay`` token, so it pulls every upload while the trainer still sends it (staged publish; the clock still
+starts at the trainer's upload); ``off`` fetches each version after its commit, when a generator first asks.
+``--ablation`` runs issue 32's four variants in relay mode, float32 and bfloat16 each with staging off and on
+(``ablation`` in the JSON: ``fp32_in_series``, ``staging_only``, ``dtype_only``, ``both``), each its own run.
+``by_mode`` in the JSON holds each mode's figures at the sweep's largest RTT (the last variant's: bfloat16 staged
+under ``--ablation``).
 
 What the delay relay does not emulate (TCP's own RTT, the handshake's) is in :mod:`bucketrl.sim.netlab.delay`; quote it
 with the figures. This machine's cores are shared by every process here (the relay forwards every byte in Python).
@@ -58,6 +64,7 @@ from typing import Any, ClassVar
 
 import httpx
 
+from bucketrl.sim.backends import TOKENS
 from bucketrl.sim.cluster import Scenario, SimBackends, SimScale, _publishes, run_scale_sim
 from bucketrl.sim.gpu import BENCH_GPU
 from bucketrl.sim.netlab import HOME, Lab, LinkSpec, Relay
@@ -314,7 +321,7 @@ FIELDS = (
 
 
 def start_region_relays(
-    lab: Lab, urls: dict[str, str], workdir: Path, backends: SimBackends
+    lab: Lab, urls: dict[str, str], workdir: Path, backends: SimBackends, staging: bool = False
 ) -> dict[str, subprocess.Popen]:
     """One ``bucketrl relay`` per region, in the region's namespace on its link address (so this process, in home,
     can see it listen); its upstream is the home proxy through the region's delay relay. Replaces ``urls``. With
@@ -328,6 +335,8 @@ def start_region_relays(
         if tls:
             argv += ["--tls-cert-file", str(tls.cert), "--tls-key-file", str(tls.key)]
         env = {**os.environ, **backends.client_env, **insecure_env(upstream)}
+        if staging:  # staged publish: the relay pulls each upload while the trainer still sends it
+            env["BUCKETRL_RELAY_STAGING_TOKEN"] = TOKENS["relay"]
         workdir.mkdir(parents=True, exist_ok=True)
         with (workdir / f"relay-{r}.log").open("wb") as log:
             procs[r] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -356,8 +365,17 @@ def relay_stats(urls: dict[str, str], backends: SimBackends) -> dict[str, Any]:
 
 
 def point(
-    args: argparse.Namespace, lab: Lab, backends: SimBackends, rtt_ms: float, workdir: Path, say: Any, mode: str
+    args: argparse.Namespace,
+    lab: Lab,
+    backends: SimBackends,
+    rtt_ms: float,
+    workdir: Path,
+    say: Any,
+    mode: str,
+    variant: tuple[str, bool],
 ) -> dict[str, Any]:
+    """One run; ``variant``: the adapter dtype shipped and whether the relays stage (``--staging``)."""
+    dtype, staging = variant
     regions = args.regions
     relays: list[Relay] = []
     region_relays: dict[str, subprocess.Popen] = {}
@@ -370,7 +388,7 @@ def point(
             urls[r] = f"{'https' if backends.tls else 'http'}://{relay.address}"
         if mode == "relay":
             relayed = {r: urls[r] for r in regions}
-            region_relays = start_region_relays(lab, relayed, workdir, backends)
+            region_relays = start_region_relays(lab, relayed, workdir, backends, staging)
             urls.update(relayed)
         drop = (args.drop_region, args.drop_at_s, args.drop_s) if args.drop_s else None
         wiring = Wiring(lab, regions, urls, args.trainer_region, drop)
@@ -383,12 +401,12 @@ def point(
             prompts_per_request=args.prompts_per_request,
             adapter_bytes=int(args.adapter_mb * 1024 * 1024),
             fleet_processes=len(regions),
-            adapter_dtype=args.adapter_dtype,
+            adapter_dtype=dtype,
             gpu=dict(GPU),
             timeout_s=args.duration_s + 180,
             max_train_s=args.duration_s,
         )
-        name = f"{mode}-rtt{int(rtt_ms)}"
+        name = workdir.name  # the point's key: each point (and each ablation variant) is a run of its own
         try:
             r = run_scale_sim(backends, cfg, name, workdir, progress=say, scenario=scenario_for(wiring))
         finally:
@@ -399,7 +417,8 @@ def point(
         out: dict[str, Any] = {
             "mode": mode,
             "rtt_ms": rtt_ms,
-            "adapter_dtype": args.adapter_dtype,
+            "adapter_dtype": dtype,
+            "staging": staging and mode == "relay",
             **{k: r.get(k) for k in FIELDS},
         }
         if region_relays:
@@ -424,6 +443,49 @@ def point(
         for relay in relays:
             relay.proc.kill()
             relay.proc.wait(10)
+
+
+def runs(args: argparse.Namespace) -> list[tuple[str, tuple[str, bool], float]]:
+    """(mode, (dtype, staging), rtt) of every point; staging varies in relay mode only (direct has no relays)."""
+    out = []
+    for mode in args.modes:
+        stagings = args.stagings if mode == "relay" else [False]
+        for dtype in args.dtypes:
+            for staging in stagings:
+                out += [(mode, (dtype, staging), rtt) for rtt in args.rtts]
+    return out
+
+
+def point_key(args: argparse.Namespace, mode: str, variant: tuple[str, bool], rtt: float) -> str:
+    """``80`` (direct), ``relay:80``, and the variant's name after them when the run has several."""
+    key = f"{rtt:g}" if mode == "direct" else f"{mode}:{rtt:g}"
+    if len(args.dtypes) > 1:
+        key += f":{variant[0]}"
+    if mode == "relay" and len(args.stagings) > 1:
+        key += ":staged" if variant[1] else ":in-series"
+    return key
+
+
+ABLATION = {
+    ("float32", False): "fp32_in_series",
+    ("bfloat16", False): "dtype_only",
+    ("float32", True): "staging_only",
+    ("bfloat16", True): "both",
+}
+ABLATION_KEYS = ("sync_p50_s", "sync_p99_s", "publish_p50_s", "sync_after_commit_p50_s", "link_floor_s")
+
+
+def ablation(points: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Issue 32's ablation from relay-mode points at their largest RTT: each variant's sync figures by name."""
+    relay = [p for p in points.values() if p.get("mode") == "relay" and p.get("rtt_ms", 0) > 0]
+    out: dict[str, dict[str, Any]] = {}
+    for p in sorted(relay, key=lambda p: p["rtt_ms"]):
+        name = ABLATION.get((str(p.get("adapter_dtype")), bool(p.get("staging"))))
+        if name is not None:
+            figures = {k: p.get(k) for k in ABLATION_KEYS}
+            figures["breakdown_p50_s"] = p.get("breakdown_p50_s")
+            out[name] = {"rtt_ms": p["rtt_ms"], "wan_bytes_per_version": p.get("wan_bytes_per_version"), **figures}
+    return out
 
 
 def row(p: dict[str, Any]) -> str:
@@ -474,8 +536,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--adapter-dtype",
         default="bfloat16",
-        choices=("float32", "bfloat16", "float16"),
-        help="the run spec's adapter_dtype: what crosses the links (bfloat16: half of --adapter-mb)",
+        help="the run spec's adapter_dtype: what crosses the links (bfloat16: half of --adapter-mb); a comma list "
+        "runs each",
+    )
+    p.add_argument(
+        "--staging",
+        default="on",
+        help="relay mode: the relays pull each upload before its commit (staged publish): on, off, or off,on",
+    )
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="issue 32's ablation in relay mode: float32 in series, dtype only, staging only, both "
+        "(--adapter-dtype float32,bfloat16 --staging off,on)",
     )
     p.add_argument("--trainer-region", default=None, help="run the trainer behind a link too (a region's name)")
     p.add_argument("--proxy-workers", type=int, default=1)
@@ -490,6 +563,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.modes = [m.strip() for m in args.mode.split(",") if m.strip()]
     if not args.modes or set(args.modes) - {"direct", "relay"}:
         p.error(f"--mode: direct, relay or direct,relay; got {args.mode!r}")
+    if args.ablation:
+        args.adapter_dtype, args.staging = "float32,bfloat16", "off,on"
+    args.dtypes = [d.strip() for d in args.adapter_dtype.split(",") if d.strip()]
+    if not args.dtypes or set(args.dtypes) - {"float32", "bfloat16", "float16"}:
+        p.error(f"--adapter-dtype: float32, bfloat16 or float16 (comma list); got {args.adapter_dtype!r}")
+    stagings = [x.strip() for x in args.staging.split(",") if x.strip()]
+    if not stagings or set(stagings) - {"on", "off"}:
+        p.error(f"--staging: on, off or off,on; got {args.staging!r}")
+    args.stagings = [x == "on" for x in stagings]
     args.regions = [r.strip() for r in args.regions.split(",") if r.strip()]
     args.drop_region = args.drop_region or args.regions[0]
     if args.drop_at_s is None:
@@ -524,23 +606,26 @@ def main(argv: list[str] | None = None) -> int:
         ) as b,
     ):
         say(f"lab {lab.home_ns}: regions {link_regions} at {args.mbit:g} Mbit; backends up in home")
-        for mode in args.modes:
-            for rtt in args.rtts:
-                key = f"{rtt:g}" if mode == "direct" else f"{mode}:{rtt:g}"
-                try:
-                    points[key] = point(args, lab, b, rtt, work / f"{mode}-rtt{rtt:g}", say, mode)
-                except Exception as exc:  # a point that fails is a result; the next one still runs
-                    say(f"{mode} rtt {rtt:g} ms failed: {exc}")
-                    points[key] = {"mode": mode, "rtt_ms": rtt, "errors": [f"{type(exc).__name__}: {exc}"]}
-                say(row(points[key]) if "groups" in points[key] else f"{key}: no figures")
+        for mode, variant, rtt in runs(args):
+            key = point_key(args, mode, variant, rtt)
+            where = work / key.replace(":", "-")
+            try:
+                points[key] = point(args, lab, b, rtt, where, say, mode, variant)
+            except Exception as exc:  # a point that fails is a result; the next one still runs
+                say(f"{key} failed: {exc}")
+                points[key] = {"mode": mode, "rtt_ms": rtt, "errors": [f"{type(exc).__name__}: {exc}"]}
+                points[key].update(adapter_dtype=variant[0], staging=variant[1] and mode == "relay")
+            say(f"{key}: {row(points[key])}" if "groups" in points[key] else f"{key}: no figures")
     for p in points.values():
         mode = p.get("mode", "direct")
-        base = points.get("0" if mode == "direct" else f"{mode}:0", points.get("0", {})).get("steps_per_s")
+        zero = point_key(args, mode, (p.get("adapter_dtype", args.dtypes[0]), bool(p.get("staging"))), 0.0)
+        base = points.get(zero, points.get("0", {})).get("steps_per_s")
         if base and p.get("steps_per_s"):
             p["steps_per_s_vs_loopback"] = round(p["steps_per_s"] / base, 3)
     print(
         f"\nwan: {args.generators} generators over {args.regions}, {args.mbit:g} Mbit links, adapter "
-        f"{args.adapter_mb:g} MiB in float32 shipped in {args.adapter_dtype}, step {args.step_s:g}s, "
+        f"{args.adapter_mb:g} MiB in float32 shipped in {args.adapter_dtype}, staging {args.staging}, "
+        f"step {args.step_s:g}s, "
         f"{args.duration_s:g}s per point, trainer in "
         f"{args.trainer_region or 'home'}{f', link {args.drop_region} dropped {args.drop_s:g}s' if args.drop_s else ''}"
         f" ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})"
@@ -552,13 +637,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{p['rtt_ms']:>6g} failed: {p['errors']}")
     by_mode = {}
+    last = (args.dtypes[-1], args.stagings[-1])  # the variant the mode is quoted at (--ablation: both changes)
     for mode in args.modes:
         mine = [p for p in points.values() if p.get("mode", "direct") == mode and p["rtt_ms"] > 0]
+        mine = [p for p in mine if (p.get("adapter_dtype"), bool(p.get("staging"))) == last] or mine
         if mine:  # the issue's key shape: each mode's figures at the sweep's largest RTT
             by_mode[mode] = max(mine, key=lambda p: p["rtt_ms"])
     out = {
         "by_rtt_ms": points,
         "by_mode": by_mode,
+        "ablation": ablation(points),
         "config": {**vars(args), "json": str(args.json), "gpu": GPU},
         "wall_s": round(time.monotonic() - t0, 1),
     }

@@ -44,6 +44,7 @@ from bucketrl.proxy.redis_pack import fast_packing
 from bucketrl.proxy.routes import all_routers
 from bucketrl.proxy.runtime import tune_gc
 from bucketrl.proxy.settings import ProxySettings
+from bucketrl.proxy.staging import Staging
 from bucketrl.proxy.state.cleanup import BatchCleaner
 from bucketrl.proxy.telemetry import Telemetry
 from bucketrl.storage import open_store
@@ -176,6 +177,8 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
         ctx.cleaner = BatchCleaner(ctx.redis, ctx.store)
         if settings.adapter_cache_mb > 0:
             ctx.adapter_cache = AdapterCache(settings.adapter_cache_mb * 1024 * 1024)
+        if settings.staging_mb > 0 and auth.has_role("relay"):  # nobody could read the staged bytes otherwise
+            ctx.staging = Staging(settings.staging_mb * 1024 * 1024)
         app.state.ctx = ctx
         ctx.notifier = Notifier.from_url(settings.redis_url, settings.redis_timeout_s)
         ctx.notifier.start()

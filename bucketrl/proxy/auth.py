@@ -5,8 +5,9 @@ Tokens come from ``BUCKETRL_TOKENS`` (comma-separated ``role:token`` pairs) and/
 
     BUCKETRL_TOKENS="trainer:t-secret,generator:g-secret,viewer:v-secret,admin:a-secret"
 
-Roles: ``admin`` ⊇ {``trainer``, ``generator``, ``viewer``}. A missing or unknown token is 401; a known
-token whose role may not call the route is 403.
+Roles: ``admin`` ⊇ {``trainer``, ``generator``, ``viewer``}. ``relay`` is a regional relay's own credential: it
+reads the adapter uploads still being staged (``/v1/staging``) and nothing else; it is not a viewer. A missing or
+unknown token is 401; a known token whose role may not call the route is 403.
 
 Run scope: ``role@pattern|pattern:token`` limits a trainer, generator or viewer token to the runs matching one
 of the glob patterns (``fnmatch``: ``*``, ``?``, ``[abc]``, ``[!abc]``), e.g. ``trainer@sweep-*|ablation:...``.
@@ -41,7 +42,7 @@ from bucketrl import errors
 
 log = logging.getLogger("bucketrl.proxy.auth")
 
-ROLES = ("admin", "trainer", "generator", "viewer")
+ROLES = ("admin", "trainer", "generator", "viewer", "relay")
 ANONYMOUS = "anonymous"
 # 16 characters of secrets.token_urlsafe carry 96 bits; shorter tokens are guessable or typed by hand.
 MIN_TOKEN_CHARS = 16
@@ -196,6 +197,9 @@ class TokenAuth:
             host,
         )
         return cls([], anonymous=True)
+
+    def has_role(self, role: str) -> bool:
+        return any(p.role == role for p, _ in self._entries)
 
     def authenticate(self, authorization: str | None) -> Principal:
         if self.anonymous:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from bucketrl.proxy.bucket_meter import BucketMeter
     from bucketrl.proxy.notify import Notifier
     from bucketrl.proxy.settings import ProxySettings
+    from bucketrl.proxy.staging import Staging
     from bucketrl.proxy.state.cleanup import BatchCleaner
     from bucketrl.proxy.telemetry import Telemetry
 from bucketrl.storage.base import BucketStore
@@ -45,6 +46,8 @@ class ProxyContext:
     cleaner: BatchCleaner | None = None
     # Adapter tars recently served (one bucket read per version per replica); None when disabled.
     adapter_cache: AdapterCache | None = None
+    # Adapter uploads under way, readable by relays before their commit (``staging.py``); None when off.
+    staging: Staging | None = None
     # Bucket requests and bytes per run and link, not yet in Redis (``bucket_meter.py``; the run's cost).
     meter: BucketMeter | None = None
     # Serialises rebuilds inside this app (several requests may notice a wiped Redis at once).

@@ -8,11 +8,12 @@
                        body is read. A route added later is covered without declaring anything.
 ``CtxDep``             the app's :class:`~bucketrl.proxy.context.ProxyContext`
 ``RunId``              the ``{run}`` path parameter, validated (no ``/``, ``..``; 422 otherwise)
-``AnyRole``            any valid token (viewer, generator, trainer, admin); 401 without one
+``AnyRole``            any token of a run's caller (viewer, generator, trainer, admin; not relay); 401 without one
 ``TrainerRole``        trainer (or admin); 403 otherwise
 ``GeneratorRole``      generator (or admin)
 ``WorkerRole``         trainer or generator (or admin)
 ``ViewerRole``         viewer, generator or trainer (or admin): read-only routes
+``RelayRole``          relay (or admin): a regional relay reading staged adapter uploads (``routes/staging.py``)
 ``RunDep``             :class:`RunRef` (name + :class:`~bucketrl.wire.RunSpec`); 404 on an unknown run. Read
                        from Redis on every request (no cache: after a Redis wipe the first request must see
                        the run missing and rebuild it, not act on a cached spec over empty state).
@@ -125,11 +126,13 @@ def require(*roles: str) -> Callable[..., Coroutine[Any, Any, Principal]]:
     return dependency
 
 
-AnyRole = PrincipalDep
+# Any caller of the runs: a relay's token reads staged uploads only (routes/staging.py), nothing of a run.
+AnyRole = Annotated[Principal, Depends(require("viewer", "generator", "trainer"))]
 TrainerRole = Annotated[Principal, Depends(require("trainer"))]
 GeneratorRole = Annotated[Principal, Depends(require("generator"))]
 WorkerRole = Annotated[Principal, Depends(require("trainer", "generator"))]
 ViewerRole = Annotated[Principal, Depends(require("viewer", "generator", "trainer"))]
+RelayRole = Annotated[Principal, Depends(require("relay"))]
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,13 @@ class ProxySettings(BaseSettings):
         description="Memory per proxy process for adapter tars recently downloaded (0 = off): after a publish every "
         "generator asks for the same version; one bucket read per version per process answers them all.",
     )
+    staging_mb: int = Field(
+        256,
+        ge=0,
+        description="Memory per proxy process for adapter uploads under way that regional relays pull before their "
+        "commit (staged publish; on when a relay token is configured; 0 = off): an upload that does not fit is "
+        "published unstaged (BUCKETRL_STAGING_MB).",
+    )
     max_json_bytes: int = Field(
         8 * 1024 * 1024,
         ge=1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import re
@@ -17,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from bucketrl.relay.cache import CHUNK, AdapterCache, Entry, Follower, Mismatch
 from bucketrl.relay.forward import HOP, Gate, Refused, forward, relayed, send, unavailable
 from bucketrl.relay.settings import RelaySettings
+from bucketrl.relay.staging import StagingFollower
 from bucketrl.tls import TransportSecurity
 from bucketrl.wire.common import ID_PATTERN
 
@@ -126,7 +128,7 @@ class Relay:
                 yield chunk
 
     async def stats(self, _: Request) -> Response:
-        gate = {"pending": self.gate.pending, "refused": self.gate.refused}
+        gate = {"pending": self.gate.pending, "refused": self.gate.refused, "in_flight": self.cache.in_flight()}
         return JSONResponse({**dataclasses.asdict(self.cache.stats), **gate})
 
     async def other(self, request: Request) -> Response:
@@ -144,7 +146,18 @@ class Relay:
         async with httpx.AsyncClient(
             base_url=s.upstream_url, timeout=timeout, limits=limits, verify=verify
         ) as self.http:
-            yield
+            if not s.staging_token:
+                yield
+                return
+            follower = StagingFollower(self.http, self.cache, s.staging_token)
+            polling = asyncio.create_task(follower.run())
+            try:
+                yield
+            finally:
+                polling.cancel()
+                with contextlib.suppress(BaseException):
+                    await polling
+                await follower.close()
 
 
 def create_app(settings: RelaySettings, security: TransportSecurity | None = None) -> Starlette:

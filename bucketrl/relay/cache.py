@@ -71,7 +71,9 @@ def stamp_of(path: Path) -> Stamp | None:
 
 @dataclass
 class Stats:
-    upstream_fetches: int = 0
+    upstream_fetches: int = 0  # asked for by a caller (not staged)
+    staged_fetches: int = 0  # pulled from a staged upload before its commit (staging.py)
+    staged_dropped: int = 0  # of those, ended short (the publish failed) or wrong: nothing kept
     bucket_fetches: int = 0  # of those, read straight from the bucket (presigned URLs)
     upstream_bytes: int = 0
     hits: int = 0  # served from a cached file
@@ -87,9 +89,16 @@ class Stats:
     # so a reader can tell a version's time on the slow link from its wait before it (bench/wan.py reads them).
     recent_fetches: list[dict[str, object]] = field(default_factory=list)
 
-    def fetched(self, sha: str, n: int, started: float, first: float | None, last: float) -> None:
+    def fetched(self, sha: str, n: int, started: float, first: float | None, last: float, staged: bool) -> None:
         self.recent_fetches.append(
-            {"sha256": sha, "bytes": n, "started": started, "first_byte": first or last, "last_byte": last}
+            {
+                "sha256": sha,
+                "bytes": n,
+                "started": started,
+                "first_byte": first or last,
+                "last_byte": last,
+                "staged": staged,
+            }
         )
         del self.recent_fetches[:-RECENT_FETCHES]
 
@@ -232,12 +241,27 @@ class AdapterCache:
                 return self._hold(path, e)
             fresh = False
 
-    def _start(self, path: Path, sha: str, fetch: Fetch, check: bool) -> Flight:
+    async def stage(self, run: str, version: int, sha: str, fetch: Fetch) -> None:
+        """Pull a staged upload into the file a download of the committed version will use (callers asking
+        meanwhile follow it); nothing when that file or a fetch of it is here already. Raises what the fetch
+        raised (a publish that failed ends it short: its partial file is gone)."""
+        path = self.path(run, version, sha)
+        if path in self._entries or path in self._flights:
+            return
+        flight = self._start(path, sha, fetch, check=False, staged=True)
+        assert flight.task is not None
+        await asyncio.shield(flight.task)
+
+    def _start(self, path: Path, sha: str, fetch: Fetch, check: bool, staged: bool = False) -> Flight:
         flight = Flight(path.with_name(f".{path.name}.{uuid.uuid4().hex}.part"))
-        flight.task = asyncio.create_task(self._settle(path, sha, fetch, check, flight))
+        flight.task = asyncio.create_task(self._settle(path, sha, fetch, check, flight, staged))
         self._flights[path] = flight
         flight.task.add_done_callback(lambda _: self._flights.pop(path, None))
         return flight
+
+    def in_flight(self) -> dict[str, int]:
+        """The bytes on disk so far of each fetch under way, by its file's name."""
+        return {path.name: flight.written for path, flight in self._flights.items()}
 
     def release(self, e: Entry) -> None:
         e.readers = max(0, e.readers - 1)
@@ -248,7 +272,7 @@ class AdapterCache:
         self._entries.move_to_end(path)
         return e
 
-    async def _settle(self, path: Path, sha: str, fetch: Fetch, check: bool, flight: Flight) -> None:
+    async def _settle(self, path: Path, sha: str, fetch: Fetch, check: bool, flight: Flight, staged: bool) -> None:
         """Hash the cached file (``check``) and keep it if it is right; else fetch it."""
         if check:
             stamp = stamp_of(path)
@@ -263,16 +287,19 @@ class AdapterCache:
             log.warning("relay cache: %s hashes to %s, not %s; fetching it again", path, got, sha)
             self._drop(path)
         try:
-            await self._fetch(path, sha, fetch, flight)
+            await self._fetch(path, sha, fetch, flight, staged)
         finally:
             flight.ended()
 
-    async def _fetch(self, path: Path, sha: str, fetch: Fetch, flight: Flight) -> None:
+    async def _fetch(self, path: Path, sha: str, fetch: Fetch, flight: Flight, staged: bool) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = flight.tmp
         h, n = hashlib.sha256(), 0
-        self.stats.upstream_fetches += 1
-        started, first = time.time(), None
+        if staged:
+            self.stats.staged_fetches += 1
+        else:
+            self.stats.upstream_fetches += 1
+        started, first, kept = time.time(), None, False
         try:
             # Unbuffered: a follower reads what ``written`` counts through its own descriptor.
             with tmp.open("wb", buffering=0) as out:
@@ -284,14 +311,16 @@ class AdapterCache:
                     n += len(chunk)
                     flight.wrote(len(chunk))
             self.stats.upstream_bytes += n
-            self.stats.fetched(sha, n, started, first, time.time())
+            self.stats.fetched(sha, n, started, first, time.time(), staged)
             if h.hexdigest() != sha:
                 raise Mismatch(f"{path.name}: upstream sent {n} bytes hashing to {h.hexdigest()}")
             os.replace(tmp, path)  # whole or absent: a reader never sees a partial file under the final name
             self._entries[path] = Entry(path, n, stamp_of(path))
-            log.info("relay cache: fetched %s (%d bytes)", path, n)
+            log.info("relay cache: fetched %s (%d bytes%s)", path, n, ", staged" if staged else "")
+            kept = True
         finally:
             tmp.unlink(missing_ok=True)
+            self.stats.staged_dropped += staged and not kept
         self._count()
         self._prune()
 

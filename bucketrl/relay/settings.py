@@ -26,6 +26,12 @@ class RelaySettings(BaseSettings):
         description="Fetch adapter versions straight from an S3 bucket through the home proxy's presigned URLs "
         "(BUCKETRL_RELAY_PRESIGNED; the proxy needs BUCKETRL_PRESIGN_ADAPTERS_S, else it serves them itself).",
     )
+    staging_token: str = Field(
+        "",
+        description="A `relay` token of the home proxy (BUCKETRL_RELAY_STAGING_TOKEN): pull each adapter upload's "
+        "bytes while the trainer still sends them (staged publish), served only once committed. It reads staged "
+        "bytes and nothing else. Empty: fetch a version when a caller first asks for it.",
+    )
     host: str = Field("127.0.0.1", description="Bind address (BUCKETRL_RELAY_HOST).")
     port: int = Field(8001, ge=1, le=65535, description="Port (BUCKETRL_RELAY_PORT).")
     tls_cert_file: str = Field(

@@ -26,6 +26,7 @@ TOKENS = {
     "trainer": "sim-trainer-0123456789abcdef",
     "generator": "sim-gen-0123456789abcdef",
     "viewer": "sim-view-0123456789abcdef",
+    "relay": "sim-relay-0123456789abcdef",  # a regional relay's staging token (bench/wan.py --staging on)
 }
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

@@ -25,6 +25,7 @@ CORE = (
     "evals",
     "completion_jobs",
     "pool",
+    "staging",
 )
 OPTIONAL = ("ui",)
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from bucketrl import errors
-from bucketrl.proxy import body, keys
+from bucketrl.proxy import body, keys, staging
 from bucketrl.proxy.deps import CtxDep, EpochDep, GeneratorRole, RunDep, TrainerRole, ViewerRole
 from bucketrl.proxy.errors import responses
 from bucketrl.proxy.state import runs, versions
@@ -94,7 +94,7 @@ async def publish(
     epoch: EpochDep,
     request: Request,
 ) -> AdapterVersionInfo:
-    body.check_content_length(request, ctx.settings.max_adapter_bytes, "adapter tar")
+    declared = body.check_content_length(request, ctx.settings.max_adapter_bytes, "adapter tar")
     if same := await versions.committed_same(ctx.redis, ref.run, version, sha, epoch):
         return same  # a retried PUT whose first answer was lost
     latest_now = await runs.latest_version(ctx.redis, ref.run)
@@ -109,7 +109,18 @@ async def publish(
             code="version_conflict",
         )
     chunks = body.stream_limited(request, ctx.settings.max_adapter_bytes, "adapter tar")
-    return await versions.publish(ctx, ref.run, version, epoch, sha, chunks, ref.spec.adapter_dtype)
+    # Staged publish (staging.py): the relays may pull the bytes while they arrive; they complete only on commit.
+    staged = ctx.staging.begin(ref.run, version, sha, declared) if ctx.staging is not None else None
+    committed = False
+    try:
+        info = await versions.publish(
+            ctx, ref.run, version, epoch, sha, staging.teed(chunks, staged), ref.spec.adapter_dtype
+        )
+        committed = info.sha256 == sha
+        return info
+    finally:
+        if staged is not None and ctx.staging is not None:
+            ctx.staging.settle(staged, committed)
 
 
 @router.get(

@@ -7,6 +7,7 @@ by the agents either. One run serves both tests (real processes for about a minu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -144,7 +145,8 @@ def outcome(tiny_model_dir: Path, adapter_dir: Path, tmp_path_factory: pytest.Te
             "fast": [json.loads(line) for o, _ in fast_outs for line in o.splitlines()],
         }
         prompts = {r["prompt_id"] for rs in records.values() for r in rs}
-        wait_until(lambda: {g.prompt_id for _, g in list(stepper.trained)} >= prompts, 60, "the agents' groups")
+        with contextlib.suppress(TimeoutError):  # the tests say which were not trained
+            wait_until(lambda: {g.prompt_id for _, g in list(stepper.trained)} >= prompts, 60, "the agents' groups")
         q = trainer.status().queue
         yield Outcome(
             records,

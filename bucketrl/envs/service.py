@@ -331,16 +331,19 @@ class EpisodeService:
     # -- external agents ------------------------------------------------------------------------------
 
     async def open_external(self, agent: str | None = None) -> Episode:
-        """An episode for an agent (``agent``: the name it sent): a free slot of an open agents' group, else the
-        first of a new group, when admission control lets one start (else 429 ``admission``)."""
+        """An episode for an agent (``agent``: the name it sent): a free slot of an open group of the same agent,
+        else the first of a new group, when admission control lets one start (else 429 ``admission``). Not another
+        agent's slot: its group counts against that agent's fair share, and a slow agent between its episodes would
+        see a fast one fill its group."""
         if self.stopping or self._new_external_group is None:
             raise EndpointError(503, "unavailable", "this generator is not handing out episodes", retry_after=5)
         assert self._open_lock is not None
         async with self._open_lock:  # one prompt lease at a time: a group's G slots fill before the next
             for g in self.book.groups():
-                if g.external and (ep := g.unassigned()) is not None:
+                if g.external and g.agent == agent and (ep := g.unassigned()) is not None:
                     return self._assign(ep)
             group = await self.loop.run_in_executor(self._leaser, self._new_external_group, agent)
+            group.agent = agent
             self.book.add(group)
             ep = group.unassigned()
             assert ep is not None

@@ -145,6 +145,7 @@ class GroupRun:
         self.sampling = sampling
         self.external = external
         self.source = source  # whose group it is, for the generator's admission control (env, an agent)
+        self.agent: str | None = None  # the name the agent that opened it sent: its free slots are that agent's
         self.created = time.monotonic()
         self.handed = False  # given to the worker (finished) or taken back (aborted): exactly once
         self.episodes = [Episode(self, i) for i in range(group_size)]

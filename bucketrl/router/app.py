@@ -1,12 +1,14 @@
 """The agent router: one OpenAI-compatible URL in front of every generator's exposed endpoint (docs/multi-turn.md
 "Many generators").
 
-- ``POST /v1/episodes`` goes to a generator whose last handed-out group still has free slots (``slots_left`` in
-  its answer), so that groups fill one by one as with one generator (a group is trained once all G episodes
-  finished: spreading a group's episodes thin would only make every group wait longer), else round-robin over the
-  generators. One that refuses (429 ``admission``, 503, or not
-  reachable) is skipped for the next. When all refuse, the agent gets the 429 with the smallest Retry-After (a 503
-  when none answered 429), so it waits no longer than the first generator with room needs.
+- ``POST /v1/episodes`` goes to a generator whose last handed-out group of the same agent (the ``agent`` name in
+  the body, if any: a generator fills a group only with its own agent's episodes) still has free slots
+  (``slots_left`` in its answer), so that groups fill one by one as with one generator (a group is trained once all
+  G episodes finished: spreading a group's episodes thin would only make every group wait longer, and an agent
+  would hold groups on several generators, more than its fair share), else round-robin over the generators. One
+  that refuses (429 ``admission``, 503, or not reachable) is skipped for the next. When all refuse, the agent gets
+  the 429 with the smallest Retry-After (a 503 when none answered 429), so it waits no longer than the first
+  generator with room needs.
 - Every later call of an episode (its chat and completion calls, which name it in ``model``
   ``{run}-v{N}:{episode_id}``, and ``/v1/episodes/{id}/...``) goes to the generator that handed it out: that one
   holds the episode's version, its turns and its group. The router keeps a map episode id -> generator, filled
@@ -61,6 +63,15 @@ class Refused:
     retry_after: float | None
 
 
+def _agent_of(body: bytes) -> str | None:
+    """The agent name ``POST /v1/episodes`` sends (None: none, or a body the generator will refuse itself)."""
+    try:
+        agent = json.loads(body).get("agent") if body else None
+    except (ValueError, AttributeError):
+        return None
+    return agent if isinstance(agent, str) else None
+
+
 def _episode_of_model(body: bytes) -> str | None:
     """The episode id a chat or completion call names in ``model`` (``{run}-v{N}:{episode_id}``)."""
     try:
@@ -90,7 +101,8 @@ class Router:
         self.episodes: OrderedDict[str, str] = OrderedDict()
         self._round = 0
         self.backends: list[str] = []
-        self.slots: dict[str, int] = {}  # free slots of each generator's open group, from its answers
+        # Free slots of each generator's open group of each agent (by the name it sends), from its answers.
+        self.slots: dict[tuple[str, str | None], int] = {}
         self.opened: dict[str, int] = {}  # episodes handed out through each generator (healthz)
         self.looked_up = 0  # calls of an episode the map did not know, asked of each generator in turn
         self.set_backends(self.static)
@@ -99,7 +111,6 @@ class Router:
         """The generators new episodes go to (an episode already handed out stays where it is)."""
         self.backends = list(dict.fromkeys(backends))
         for b in self.backends:
-            self.slots.setdefault(b, 0)
             self.opened.setdefault(b, 0)
 
     async def resolve(self) -> None:
@@ -143,8 +154,9 @@ class Router:
 
     async def open_episode(self, request: Request) -> Response:
         body = await request.body()
+        agent = _agent_of(body)
         refusals: list[Refused] = []
-        for backend in self._open_order():
+        for backend in self._open_order(agent):
             try:
                 resp = await self._send(backend, request, body)
             except httpx.TransportError as exc:
@@ -152,7 +164,7 @@ class Router:
                 refusals.append(Refused(503, b"", None))
                 continue
             if resp.status_code in REFUSED:
-                self.slots[backend] = 0
+                self.slots.pop((backend, agent), None)
                 refusals.append(Refused(resp.status_code, await resp.aread(), retry_after_of(resp)))
                 await resp.aclose()
                 continue
@@ -162,14 +174,17 @@ class Router:
             await resp.aclose()
             opened = json.loads(data)
             self.remember(opened["episode_id"], backend)
-            self.slots[backend] = int(opened.get("slots_left", 0))
+            if left := int(opened.get("slots_left", 0)):
+                self.slots[(backend, agent)] = left
+            else:  # only groups with room are kept: the names are the callers' to choose
+                self.slots.pop((backend, agent), None)
             self.opened[backend] += 1
             return Response(data, status_code=200, media_type="application/json")
         return self._all_refused(refusals)
 
-    def _open_order(self) -> list[str]:
-        """Generators with a group to fill first, then all from the next in the round."""
-        filling = [b for b in self.backends if self.slots[b] > 0]
+    def _open_order(self, agent: str | None) -> list[str]:
+        """Generators with a group of ``agent`` to fill first, then all from the next in the round."""
+        filling = [b for b in self.backends if self.slots.get((b, agent), 0) > 0]
         start = 0
         if not filling:  # the round moves on with each new group only
             start, self._round = self._round % max(1, len(self.backends)), self._round + 1

@@ -4,6 +4,7 @@ reports a reward of its own per episode.
 
     python -m tests.envs.slow_agent URL TOKEN --episodes N [--pause S] [--reward-base R] [--max-wait S]
                                                   [--stop-file PATH] [--reward-step S] [--give-up S]
+                                                  [--agent NAME]
 
 One JSON line per episode on stdout: the episode's id, version, prompt and index, the reward sent, the finish's
 status code (409 ``stale_group`` when the group was too stale to be trained), the seconds spent waiting for
@@ -12,6 +13,8 @@ and the group of the episode just finished is complete (so no group is left with
 ``--reward-step``: the agent's k-th episode (from 0) adds ``k x S`` to its reward, so that every episode's reward
 is its own (tests/e2e/test_up_agent_rewards.py finds each episode in the trained books by it). ``--give-up``: an
 agent refused for that long on one episode prints ``{"starved": ...}`` with the last refusal and exits 3.
+``--agent``: the name it sends with ``POST /v1/episodes`` (its own source for fair admission). Each line also has
+``asked``, ``opened`` and ``finished``: wall-clock times (time.time()) of its first ask, its admission and its finish.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ class Starved(Exception):
     pass
 
 
-def open_episode(http: httpx.Client, max_wait_s: float, give_up_s: float = math.inf) -> tuple[dict, float, int]:
+def open_episode(
+    http: httpx.Client, max_wait_s: float, give_up_s: float = math.inf, agent: str | None = None
+) -> tuple[dict, float, int]:
     """An episode, after as many 429s as admission control answers (each waited out as its Retry-After says)."""
     t0, refusals = time.monotonic(), 0
     while True:
-        r = http.post("/v1/episodes")
+        r = http.post("/v1/episodes", json={"agent": agent}) if agent else http.post("/v1/episodes")
         if r.status_code != 429:
             return r.raise_for_status().json(), time.monotonic() - t0, refusals
         refusals += 1
@@ -72,6 +77,7 @@ def run(
     stop: Path | None,
     reward_step: float = 0.0,
     give_up_s: float = math.inf,
+    agent: str | None = None,
 ) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0, timeout=120)
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
@@ -79,8 +85,9 @@ def run(
     for k in range(episodes):
         if stop is not None and stop.exists() and complete:
             return
-        ep, waited, refusals = open_episode(http, max_wait_s, give_up_s)
-        t0 = time.monotonic()
+        asked = time.time()
+        ep, waited, refusals = open_episode(http, max_wait_s, give_up_s, agent)
+        t0, opened = time.monotonic(), time.time()
         episode(client, ep, pause_s)
         reward = round(reward_base + 0.01 * ep["index_in_group"] + reward_step * k, 4)
         done = http.post(f"/v1/episodes/{ep['episode_id']}/finish", json={"reward": reward})
@@ -97,6 +104,10 @@ def run(
             "refusals": refusals,
             "episode_s": round(time.monotonic() - t0, 3),
             "group_complete": complete,
+            "agent": agent,
+            "asked": asked,
+            "opened": opened,
+            "finished": time.time(),
         }
         print(json.dumps(line), flush=True)
 
@@ -112,9 +123,21 @@ def main() -> None:
     p.add_argument("--stop-file", type=Path, default=None)
     p.add_argument("--reward-step", type=float, default=0.0, help="added to the reward per episode of this agent")
     p.add_argument("--give-up", type=float, default=math.inf, help="exit 3 after this long refused for one episode")
+    p.add_argument("--agent", default=None, help="the agent name sent with POST /v1/episodes")
     a = p.parse_args()
     try:
-        run(a.url, a.token, a.episodes, a.pause, a.reward_base, a.max_wait, a.stop_file, a.reward_step, a.give_up)
+        run(
+            a.url,
+            a.token,
+            a.episodes,
+            a.pause,
+            a.reward_base,
+            a.max_wait,
+            a.stop_file,
+            a.reward_step,
+            a.give_up,
+            a.agent,
+        )
     except Starved as exc:
         print(exc, flush=True)
         sys.exit(3)

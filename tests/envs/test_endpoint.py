@@ -166,9 +166,12 @@ def test_an_agent_may_name_itself_for_fair_admission_and_a_bad_name_changes_noth
     bad = http.post("/v1/episodes", json={"agent": "two words"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request" and "agent" in bad.text
     assert ASKED == [] and len(h.svc.book) == 0  # refused before a group was asked for
-    for _ in range(5):  # a group of 4, then a new one
-        http.post("/v1/episodes", json={"agent": "crawler-1"} if not ASKED else None).raise_for_status()
-    assert ASKED == ["crawler-1", None]  # the group's other slots were its own: no new group asked for
+    http.post("/v1/episodes", json={"agent": "crawler-1"}).raise_for_status()  # a group of 4
+    http.post("/v1/episodes").raise_for_status()  # another agent: not crawler-1's slot (its share), a group of its own
+    for _ in range(3):
+        http.post("/v1/episodes", json={"agent": "crawler-1"}).raise_for_status()
+    assert ASKED == ["crawler-1", None]  # crawler-1's other slots were its own: no new group asked for
+    assert sorted(sum(e.assigned for e in g.episodes) for g in h.svc.book.groups()) == [1, 4]
 
 
 def test_a_non_numeric_reward_from_an_agent_is_refused_and_changes_nothing(h: Harness) -> None:

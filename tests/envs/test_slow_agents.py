@@ -34,7 +34,9 @@ pytestmark = pytest.mark.slow
 
 class SteppingTrainer:
     """A trainer stand-in that steps: it claims as a trainer does (its pace and floor on every claim), publishes
-    the next version once it holds ``groups_per_step`` groups, and acks them; ``trained`` keeps each step's."""
+    the next version once it holds ``groups_per_step`` groups, and acks them; ``trained`` keeps each step's. A step
+    takes at least ``min_step_s`` (a real trainer's time: the steps a group sees then depend on its life, not on how
+    fast this machine samples the tiny model)."""
 
     def __init__(
         self,
@@ -42,8 +44,10 @@ class SteppingTrainer:
         adapter: Path,
         groups_per_step: int = GROUPS_PER_STEP,
         max_staleness: int = MAX_STALENESS,
+        min_step_s: float = 0.0,
     ) -> None:
         self.trainer, self.tar = trainer, pack_dir(adapter)
+        self.min_step_s = min_step_s
         self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
         self.version = 1
         self.trained: list[tuple[int, RolloutGroup]] = []
@@ -52,6 +56,7 @@ class SteppingTrainer:
 
     def _run(self) -> None:
         held: list[tuple[str, list[RolloutGroup]]] = []
+        stepped = time.monotonic()
         while not self.stop.is_set():
             got = self.trainer.claim(
                 "trainer-test",
@@ -62,6 +67,8 @@ class SteppingTrainer:
             )
             held += [(d.delivery_id, d.groups) for d in got.deliveries]
             if sum(len(g) for _, g in held) >= self.groups_per_step:
+                self.stop.wait(max(0.0, stepped + self.min_step_s - time.monotonic()))
+                stepped = time.monotonic()
                 self.trained += [(self.version, g) for _, gs in held for g in gs]
                 self.version += 1
                 self.trainer.publish_adapter(self.version, self.tar)

@@ -79,6 +79,37 @@ def test_an_agent_cannot_starve_the_environment_either() -> None:
     assert room(a, ENV, open_groups[:-1]) == 2  # its share is 2 (what the agents hold is not taken back)
 
 
+def test_agents_of_different_speeds_share_max_min_fair() -> None:
+    """A fast agent that asks again and again and a slow one (groups of 20 s, one at a time) beside the environment:
+    the slow one gets the next free slot though the fast one asks more often, and the fast one keeps no more than
+    its part (tests/envs/test_fair_agents.py shows it end to end)."""
+    clock = Clock()
+    a = Admission(clock=clock)
+    a.on_version(5, 2, 4)
+    a.on_handed(A, 5, 20.0, 0)  # the slow agent's groups live 20 s
+    a.on_handed(B, 5, 1.0, 0)  # the fast agent's 1 s
+    a.on_version(6, 2, 4)  # both trained
+    full = groups(*[(B, 6, 0.5)] * 4, *[(ENV, 6, 0.5)] * 4)  # all 8 slots taken while the slow agent worked
+    a.refuse(A, full, 6, 6, LIMITS, has_env=True)  # the slow one asks for its next group: it waits
+    # Max-min fair: the slow agent wants 1, less than an equal part: it gets it; the rest is split evenly.
+    share = a.shares(full, LIMITS, B, has_env=True)
+    assert share[A] == 1 and share[B] + share[ENV] == 7 and abs(share[B] - share[ENV]) <= 1
+    # A fast group ends: its slot is the slow agent's, not the fast one's that asks again, nor the environment's.
+    clock.t += 1.0
+    freed = full[1:]
+    assert room(a, B, freed, newest=6) <= 0 and room(a, ENV, freed, newest=6) <= 0
+    assert room(a, A, freed, newest=6) == 1
+    a.admitted(A)
+    # An environment group ends: the fast agent holds its part (4 of the 7 the slow one leaves), the environment
+    # gets the slot.
+    freed = [*groups(*[(B, 6, 0.5)] * 4, *[(ENV, 6, 0.5)] * 2), OpenGroup(A, 6, 0.0)]
+    assert room(a, B, freed, newest=6) <= 0
+    assert room(a, ENV, freed, newest=6) == 1
+    gauges = a.gauges()
+    assert gauges["admission/agent/refused_total"] == 1 and gauges["admission/agent/admitted_total"] == 1
+    assert gauges["admission/agent:b/group_life_s"] == 1.0 and gauges["admission/agent/group_life_s"] == 20.0
+
+
 def test_an_old_open_agent_group_stops_new_groups_until_it_is_done() -> None:
     a = Admission(clock=Clock())
     limits = Limits(group_size=4, groups_per_step=2, max_staleness=2, target=8)

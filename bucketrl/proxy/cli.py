@@ -89,6 +89,7 @@ def proxy_command(
             access_log=False,
             http=http,
             limit_concurrency=settings.max_connections,
+            timeout_graceful_shutdown=settings.shutdown_grace_s,
             ssl_certfile=cert,
             ssl_keyfile=key,
         )
@@ -106,6 +107,7 @@ def proxy_command(
         access_log=False,
         http=http,
         limit_concurrency=settings.max_connections,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
         ssl_certfile=cert,
         ssl_keyfile=key,
     )

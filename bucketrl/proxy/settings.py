@@ -106,6 +106,14 @@ class ProxySettings(BaseSettings):
     max_connections: int = Field(
         2048, ge=1, description="Concurrent connections per proxy process; requests beyond it answer 503 at once."
     )
+    shutdown_grace_s: int = Field(
+        5,
+        ge=1,  # uvicorn reads 0 as "no limit"
+        le=300,
+        description="On SIGTERM, how long requests in flight may finish before they are cancelled. A long-poll "
+        "(an adapter wait, a claim) would otherwise hold the exit for its whole wait, past compose's and "
+        "bucketrl up's stop timeouts and into a SIGKILL; its client asks again once the proxy is back.",
+    )
     redis_timeout_s: float = Field(5.0, gt=0, description="Redis connect/read timeout; a dead Redis answers 503.")
     redis_max_connections: int = Field(
         1024,

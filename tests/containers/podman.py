@@ -19,12 +19,15 @@ machine rebuilds nothing that did not change.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -305,12 +308,32 @@ def build_service(image: ServiceImage, context: Path) -> float:
     return build(image.tag, context / image.dockerfile, context, args, pip=True)
 
 
+@contextlib.contextmanager
+def build_lock() -> Iterator[None]:
+    """Held while this process builds (or checks) the images: one builder per machine at a time.
+
+    Each xdist worker has its own session, so test_images and test_compose_stack, on two workers, both call
+    :func:`build_all`. Without the lock, two that start within one build's time both find the old build key on the
+    images and both build, and the second's
+    :func:`build_context` deletes the context under the first's running build. With it, the second waits, then finds
+    the images carrying this tree's key and builds nothing. An ``flock``: the kernel drops it when the holder dies.
+    """
+    STATE.mkdir(parents=True, exist_ok=True)
+    fd = os.open(STATE / "build.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
 def build_all() -> dict[str, float]:
-    took = build_standins()
-    context = build_context()
-    for image in SERVICE_IMAGES:
-        took[image.name] = build_service(image, context)
-    return took
+    with build_lock():
+        took = build_standins()
+        context = build_context()
+        for image in SERVICE_IMAGES:
+            took[image.name] = build_service(image, context)
+        return took
 
 
 def run(image: str, *args: str, entrypoint: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -373,12 +396,13 @@ def resolve_lock(image: ServiceImage, context: Path) -> str:
 
 
 def write_locks() -> None:
-    build_standins()
-    context = build_context()
-    LOCKS.mkdir(parents=True, exist_ok=True)
-    for image in SERVICE_IMAGES:
-        (LOCKS / image.lock).write_text(resolve_lock(image, context))
-        print(f"wrote {LOCKS / image.lock}")
+    with build_lock():  # the context is shared with builds
+        build_standins()
+        context = build_context()
+        LOCKS.mkdir(parents=True, exist_ok=True)
+        for image in SERVICE_IMAGES:
+            (LOCKS / image.lock).write_text(resolve_lock(image, context))
+            print(f"wrote {LOCKS / image.lock}")
 
 
 def installed_pins(tag: str) -> dict[str, str]:

@@ -42,6 +42,9 @@ _RUNNER = (
     "sys.exit(run_up(cfg, console=Console(width=160), live=False))\n"
 )
 STEP_LINE = re.compile(r"step (\d+)/\d+ loss \S+ reward (\S+)")
+# How soon a wait sees what it waits for (a recovery, a step): the trainer keeps stepping while the test reacts, so
+# a slower poll spends more of the run's steps between faults.
+POLL_S = 0.2
 
 
 def alive(pid: int) -> bool:
@@ -198,7 +201,7 @@ class Chaos:
             if value:
                 return value
             self.poll()
-            time.sleep(0.5)
+            time.sleep(POLL_S)
         raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
     def steps_after(self, t_wall: float, epoch: int | None = None) -> list[dict[str, Any]]:
@@ -329,7 +332,8 @@ class Chaos:
         deadline = time.monotonic() + timeout_s
         while not self.up.ended() and time.monotonic() < deadline:
             self.poll()
-            time.sleep(1.0)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # back at once when `up` exits
+                self.up.proc.wait(1.0)  # type: ignore[union-attr]
         self._note_recoveries()  # the trainer's last steps may recover the last faults
         assert self.up.ended(), "bucketrl up did not finish in time:\n" + self.up.output()[-4000:]
         return int(self.up.proc.returncode)  # type: ignore[union-attr]

@@ -1,4 +1,4 @@
-"""Chaos on a real ``bucketrl up`` (issue 10): an 80-step run takes 25 faults and finishes with nothing lost and
+"""Chaos on a real ``bucketrl up`` (issue 10): a 100-step run takes 25 faults and finishes with nothing lost and
 nothing trained twice; a second, shorter run on S3 rides out its endpoint going away.
 
     .venv/bin/python -m pytest -q -s tests/e2e/test_chaos.py     # prints each fault and its recovery time
@@ -33,9 +33,12 @@ from tests.support.services import MotoServer
 
 pytestmark = pytest.mark.slow
 
-# Long enough that the last fault lands well before the end on a quiet machine too: there the trainer makes
-# ~80 steps while the 25 faults run (each waits for its recovery), on a loaded one fewer.
-STEPS = 160
+# The faults need the steps, not the minutes after them: the trainer makes ~35 steps while the 25 faults run
+# (each waits for its recovery) on a loaded machine, and then trains ~2 steps/s, so every step past the last
+# fault is time with nothing to check. The run is still long enough that the faults end well before it on a
+# quiet machine, where the trainer steps between faults while the test reacts: that is why the test polls every
+# 0.2 s (tests/e2e/chaos.py; at 0.5 s an 80-step run once ended before its last fault).
+STEPS = 100
 CHECKPOINT_EVERY = 5
 OUTAGE_S = 20.0
 
@@ -133,6 +136,7 @@ def test_bucketrl_up_survives_25_faults_on_a_file_bucket(tmp_path: Path) -> None
     finally:
         up.stop()
     print(chaos.report())
+    print(f"[chaos] the last fault recovered at step {last_fault_step} of {STEPS}")
     kinds = [f.kind for f in chaos.faults]
     assert all(f.recovered is not None for f in chaos.faults), [f.kind for f in chaos.faults if f.recovered is None]
     assert len(chaos.faults) >= 25 and sum(k == "SIGKILL trainer" for k in kinds) >= 6, kinds

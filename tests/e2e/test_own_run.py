@@ -111,14 +111,16 @@ def _user_dir(tmp_path: Path) -> Path:
     return work
 
 
-def _cli(work: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def _cli(
+    work: Path, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "bucketrl.cli", *args],
         cwd=work,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "XDG_STATE_HOME": str(work / ".state")},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "XDG_STATE_HOME": str(work / ".state"), **(env or {})},
     )
 
 
@@ -252,22 +254,24 @@ def test_a_reward_that_fails_stops_the_run_with_its_message(tmp_path: Path) -> N
 
 def test_a_reward_that_hangs_on_everything_stops_the_run_within_a_minute(tmp_path: Path) -> None:
     """A reward that passes the preflight but hangs on every completion: the run stops (exit 2) naming the timeout,
-    within ~60 s of `up`'s start. It used to take one 10 s deadline per completion over 2 scoring processes: the
-    first step's 64 completions, over 5 minutes of a silent-looking run; now a batch costs its first 2 rounds."""
+    within ~60 s of `up`'s start. It used to take one deadline per completion over 2 scoring processes: the first
+    step's 64 completions, over 5 minutes of a silent-looking run at the default 10 s; now a batch costs its first
+    2 rounds. The deadline here is 4 s (the user's setting, BUCKETRL_REWARD_TIMEOUT_S): what is tested is how many
+    deadlines a batch waits out, and one per completion (64 x 4 s / 2 = 128 s) is still far past the bound."""
     work = _reward_run_dir(tmp_path)
     t0 = time.monotonic()
     run = _cli(
         work,
         "up", "--dir", "runs/hang", "--no-live", "--dataset", "data.jsonl", "--reward", "myreward:hangs",
         "--max-new-tokens", "4", "--generators", "1",
-        timeout=240,
+        timeout=240, env={"BUCKETRL_REWARD_TIMEOUT_S": "4"},
     )  # fmt: skip
     seconds = time.monotonic() - t0
     out = run.stdout + run.stderr
     assert run.returncode == 2, out[-4000:]
-    assert "could not score" in out and "ran past 10s (BUCKETRL_REWARD_TIMEOUT_S)" in out, out[-3000:]
+    assert "could not score" in out and "ran past 4s (BUCKETRL_REWARD_TIMEOUT_S)" in out, out[-3000:]
     print(f"stopped after {seconds:.0f}s")
-    assert seconds < 90, f"took {seconds:.0f}s"  # ~45 s alone here: start-up, then 2 rounds of 10 s deadlines
+    assert seconds < 90, f"took {seconds:.0f}s"  # start-up, then 2 rounds of 4 s deadlines
     pids = json.loads((work / "runs/hang/services.json").read_text())
     assert not [n for n, pid in pids.items() if alive(pid)]
 

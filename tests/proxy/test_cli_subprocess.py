@@ -3,10 +3,12 @@ bucket, SIGTERM exits cleanly, and a refused configuration exits 2 with a messag
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import psutil
@@ -71,6 +73,37 @@ def test_proxy_subprocess_serves_and_rebuild_flag_restores(redis_server: RedisSe
     finally:
         out = _stop(proc)
     assert "--rebuild: restored 1 run(s)" in out
+
+
+@pytest.mark.slow  # real processes for seconds: make test, not make test-fast
+def test_sigterm_does_not_wait_out_a_long_poll(redis_server: RedisServer, tmp_path: Path) -> None:
+    """A generator's adapter long-poll in flight (here 120 s) does not hold the exit: after
+    BUCKETRL_SHUTDOWN_GRACE_S the request is cancelled and the proxy exits 0. It used to wait the poll out, so
+    `bucketrl up` and compose SIGKILLed it at their stop timeouts (15 s and 10 s), every run."""
+    port = free_port()
+    proc = _start(redis_server.url, f"file://{tmp_path / 'bucket'}", port, BUCKETRL_SHUTDOWN_GRACE_S="1")
+    try:
+        wait_port(port, timeout_s=60, proc=proc)
+        ProxyClient(f"http://127.0.0.1:{port}", "r1", TOKENS["trainer"], retries=0).put_run(make_spec())
+        gen = ProxyClient(f"http://127.0.0.1:{port}", "r1", TOKENS["generator"], retries=0)
+        ended = threading.Event()
+
+        def poll() -> None:
+            with contextlib.suppress(Exception):  # the connection goes with the proxy
+                gen.wait_for_version(5, wait_s=120)
+            ended.set()
+
+        threading.Thread(target=poll, daemon=True).start()
+        assert not ended.wait(1.5), "the long-poll answered before any version existed"
+        proc.send_signal(signal.SIGTERM)
+        # Generous against a slow machine, far under the poll's 120 s: what it waited before.
+        out, _ = proc.communicate(timeout=45)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert ended.wait(10), "the long-poll outlived the proxy"
 
 
 def test_refused_configuration_exits_2_naming_the_setting(redis_server: RedisServer, tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ from bucketrl.generator.notice import Notice, NoticeExpired
 from bucketrl.generator.prompt_tokens import PromptTokens
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.staleness_guard import StaleCall, StalenessGuard
-from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
+from bucketrl.generator.submit import GeneratedBatch, HeldVersions, PromptLedger, Submitter
 from bucketrl.generator.versions import AdapterVersions, release_version_lease
 from bucketrl.rewards import RewardPool
 from bucketrl.rollout.engine import Engine
@@ -244,7 +244,6 @@ class GeneratorWorker:
             worker_id=self.worker_id,
             pool=self._pool,
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-            book=self.book,
             ledger=self.ledger,
             metrics=self.metrics,
             use_msgpack=s.use_msgpack,
@@ -461,10 +460,10 @@ class GeneratorWorker:
             self.submitter.release_prompts([p.prompt_id for p in prompts if p.prompt_id in held])
             return
         ids = [self.prompt_ids(p.index) for p in prompts]
-        self.book.begin(slot.version)
+        versions = HeldVersions(self.book)
+        versions.hold(slot.version)
         batch = GeneratedBatch(
-            version=slot.version,
-            lease_id=slot.lease_id,
+            held=versions,
             prompts=prompts,
             examples=[self.examples[p.index] for p in prompts],
             prompt_token_ids=ids,

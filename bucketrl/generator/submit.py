@@ -52,6 +52,7 @@ from bucketrl.wire import (
     RolloutBatch,
     RolloutGroup,
     SamplingSpec,
+    VersionSpan,
 )
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class GeneratedBatch:
     sampling: SamplingSpec | None = None  # what the engine sampled with (the batch records it for the trainer)
     # Multi-turn runs: each prompt's G closed episodes (``samples`` is then empty; bucketrl.envs).
     episodes: list[list[Episode]] | None = None
+    # Partial rollouts: spans[i][j], the versions that sampled prompt i's completion j; None: all by ``version``.
+    spans: list[list[list[VersionSpan]]] | None = None
     idempotency_key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -325,7 +328,10 @@ class Submitter:
         rewards = iter(scored)
         groups: list[RolloutGroup] = []
         bad: list[PromptLeaseItem] = []
-        for p, ids, group in zip(b.prompts, b.prompt_token_ids, b.samples, strict=True):
+        spans: list[list[list[VersionSpan] | None]] = (
+            [list(g) for g in b.spans] if b.spans is not None else [[None] * len(group) for group in b.samples]
+        )
+        for p, ids, group, group_spans in zip(b.prompts, b.prompt_token_ids, b.samples, spans, strict=True):
             group_scored = [next(rewards) for _ in group]
             if not well_formed(group):
                 bad.append(p)
@@ -336,8 +342,9 @@ class Submitter:
                     logprobs=[min(lp, 0.0) for lp in s.logprobs],  # fp rounding can give +1e-8
                     reward=r.value,
                     finish_reason=s.finish_reason,
+                    version_spans=sp,
                 )
-                for s, r in zip(group, group_scored, strict=True)
+                for s, r, sp in zip(group, group_scored, group_spans, strict=True)
             ]
             reward_errors: dict[str, str] = {}
             for r in group_scored:

@@ -106,7 +106,13 @@ class GeneratorWorker:
         self.episodes: EpisodeDriver | None = None  # multi-turn runs (run spec env)
         self.phase = "starting"
         self.notice = Notice()  # a preemption notice's deadline, once one is given
-        self.guard = StalenessGuard(self.book, lambda: self.spec, self.metrics, enabled=settings.staleness_guard)
+        self.guard = StalenessGuard(
+            self.book,
+            lambda: self.spec,
+            self.metrics,
+            enabled=settings.staleness_guard,
+            switch_lag=settings.partial_switch_lag,
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -205,6 +211,8 @@ class GeneratorWorker:
         # The engine first: vLLM forks its engine core, which must happen before this process has threads.
         if self.engine is None:
             self.engine = make_engine(s, spec)
+        # Partial rollouts need an engine that stops a call with its tokens kept (the others are guarded as before).
+        self.guard.continues = bool(getattr(self.engine, "continues_calls", False))
         if self.engine.max_model_len <= spec.sampling.max_new_tokens:
             raise preflight.ConfigError(
                 f"the engine holds {self.engine.max_model_len} tokens (BUCKETRL_MAX_MODEL_LEN, capped by the model), "
@@ -471,7 +479,8 @@ class GeneratorWorker:
             sampling=spec.sampling,
         )
         try:
-            batch.samples = self.guard.generate(self.engine, slot, ids, spec, self._while_sampling)
+            out = self.guard.rollout(self.engine, versions, ids, spec, self._while_sampling)
+            batch.samples, batch.spans = out.samples, out.spans
         except (NoticeExpired, StaleCall) as exc:
             self.submitter.release(batch, str(exc))
             return

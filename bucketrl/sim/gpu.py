@@ -56,6 +56,21 @@ class SimGpu(BaseSettings):
         prefill = sum(prompt_lens) / self.prefill_tokens_per_s
         return prefill + max(flat) * self.decode_step_s + sum(flat) * self.decode_step_per_seq_s
 
+    def steps_done(self, prompt_lens: list[int], lengths: list[list[int]], elapsed_s: float) -> int:
+        """Decode steps a call of :meth:`call_seconds` has completed ``elapsed_s`` after it started."""
+        flat = sorted(n for group in lengths for n in group)
+        t = sum(prompt_lens) / self.prefill_tokens_per_s
+        k = 0
+        for i, n in enumerate(flat):  # between two completions' ends the batch is constant: whole stretches at once
+            running = len(flat) - i
+            per_step = self.decode_step_s + running * self.decode_step_per_seq_s
+            stretch = n - k
+            if t + stretch * per_step > elapsed_s:
+                return k + max(0, int((elapsed_s - t) / per_step))
+            t += stretch * per_step
+            k = n
+        return k
+
     def sample_lengths(self, rng: np.random.Generator, count: int, max_new_tokens: int) -> list[int]:
         raw = rng.lognormal(math.log(self.length_median), self.length_sigma, count) if self.length_sigma else None
         if raw is None:
@@ -88,10 +103,13 @@ def simulate_call(
     n: int,
     max_new_tokens: int,
     vocab_size: int,
+    lengths: list[list[int]] | None = None,
 ) -> SimCall:
-    """Sample ``n`` completions per prompt: long-tailed lengths, token ids in ``[0, vocab_size)``, behaviour
-    logprobs finite and <= 0 (an exponential spread, as a tempered softmax gives), and the call's duration."""
-    lengths = [gpu.sample_lengths(rng, n, max_new_tokens) for _ in prompt_lens]
+    """Sample ``n`` completions per prompt: long-tailed lengths (or ``lengths``, given), token ids in
+    ``[0, vocab_size)``, behaviour logprobs finite and <= 0 (an exponential spread, as a tempered softmax gives),
+    and the call's duration."""
+    if lengths is None:
+        lengths = [gpu.sample_lengths(rng, n, max_new_tokens) for _ in prompt_lens]
     samples: list[list[SimSample]] = []
     for group in lengths:
         out = []

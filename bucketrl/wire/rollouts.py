@@ -298,30 +298,16 @@ def _check_spans(spans: list[VersionSpan], n_tokens: int) -> None:
 
 
 def _check_newest_span(groups: "list[RolloutGroup]", version: int) -> None:
-    """The batch's ``version`` is the newest version that sampled a token: no completion's last span is newer, and
-    some completion ends at it (or has no spans: all its tokens are of ``version``). A completion that finished
-    before its siblings went on under a newer version keeps its older last span (partial rollouts)."""
-    newest: tuple[int, int, int] | None = None  # (last span's version, group, completion) of the newest spans
-    whole = False  # a completion without spans: all of it by ``version``
+    """No completion's last span is newer than the batch's ``version`` (the newest version that sampled a token of
+    the batch). Older is fine: a completion that finished before its siblings went on under a newer version keeps
+    its own spans (partial rollouts), and a delivery of one group of such a batch may hold only those."""
     for g, group in enumerate(groups):
         for c, comp in enumerate(group.completions):
-            if comp.version_spans is None:
-                whole = True
-                continue
-            last = comp.version_spans[-1].version
-            if last > version:
+            if comp.version_spans is not None and (last := comp.version_spans[-1].version) > version:
                 raise ValueError(
                     f"groups[{g}].completions[{c}].version_spans: the last span's version {last} is newer than the "
                     f"batch's version {version} (the newest version that sampled a token)"
                 )
-            if newest is None or last > newest[0]:
-                newest = (last, g, c)
-    if newest is not None and not whole and newest[0] != version:
-        last, g, c = newest
-        raise ValueError(
-            f"groups[{g}].completions[{c}].version_spans: the last span's version {last} is the batch's newest, not "
-            f"its version {version} (the newest version that sampled a token)"
-        )
 
 
 def _as_list(values: list[Any]) -> list[Any]:

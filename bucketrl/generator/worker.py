@@ -106,13 +106,8 @@ class GeneratorWorker:
         self.episodes: EpisodeDriver | None = None  # multi-turn runs (run spec env)
         self.phase = "starting"
         self.notice = Notice()  # a preemption notice's deadline, once one is given
-        self.guard = StalenessGuard(
-            self.book,
-            lambda: self.spec,
-            self.metrics,
-            enabled=settings.staleness_guard,
-            switch_lag=settings.partial_switch_lag,
-        )
+        self.guard = StalenessGuard(self.book, lambda: self.spec, self.metrics, enabled=settings.staleness_guard)
+        self.guard.switch_lag = settings.partial_switch_lag
 
     # -- lifecycle ------------------------------------------------------------------------------------
 

@@ -108,7 +108,7 @@ class SimEngine:
             lengths = [
                 [min(self._rest.pop(tuple(p)), sampling.max_new_tokens)] * n
                 if tuple(p) in self._rest
-                else self.gpu.sample_lengths(self._rng, n, sampling.max_new_tokens)
+                else self.gpu.sample_lengths(self._rng, n, sampling.max_new_tokens, p)
                 for p in prompts
             ]
         call = simulate_call(
@@ -119,18 +119,19 @@ class SimEngine:
             max_new_tokens=sampling.max_new_tokens,
             vocab_size=self.vocab_size,
             lengths=lengths,
+            prompts=prompts,
         )
         samples = [[SampledCompletion(s.token_ids, s.logprobs, s.finish_reason) for s in g] for g in call.samples]  # type: ignore[arg-type]
-        start = self._clock()
+        start, base = self._clock(), self.tokens_decoded
         try:
             self._wait(call.seconds, while_running, tokens=sum(len(s.token_ids) for g in samples for s in g))
         except StopAtStep as stop:
             self.busy_s -= max(0.0, call.seconds - (self._clock() - start))  # the GPU time it did not take
             lengths = [[len(s.token_ids) for s in g] for g in samples]
             k = self.gpu.steps_done(prompt_lens, lengths, self._clock() - start)
-            raise CallInterrupted(
-                [[self._cut(p, s, k) for s in g] for p, g in zip(prompts, samples, strict=True)], stop
-            ) from None
+            kept = [[self._cut(p, s, k) for s in g] for p, g in zip(prompts, samples, strict=True)]
+            self._decoded(base + sum(len(s.token_ids) for g in kept for s in g))  # what the steps decoded, exactly
+            raise CallInterrupted(kept, stop) from None
         return samples
 
     def _cut(self, prompt: list[int], s: SampledCompletion, steps: int) -> SampledCompletion:

@@ -35,6 +35,7 @@ from pydantic import Field
 
 from bucketrl.client import ProxyClient
 from bucketrl.trainer.settings import TrainerSettings
+from bucketrl.trainer.token_versions import tally_completion, token_version_stats
 from bucketrl.trainer.worker import TrainerWorker
 from bucketrl.wire import RunSpec
 
@@ -140,6 +141,11 @@ class SimLearner:
             rewards = [c.reward for g in groups for c in g.group.completions if c.reward is not None]
             if rewards:
                 stats["reward"] = sum(rewards) / len(rewards)
+            # What the real learner reports of the tokens' versions (partial rollouts), every token trained unless
+            # older than policy_version - max_staleness.
+            floor = policy_version - self.spec.max_staleness
+            tallies = [tally_completion(c, g.version, floor) for g in groups for c in g.group.completions]
+            stats.update(token_version_stats(tallies, policy_version))
         stats["perf/fwd_bwd_s"] = time.perf_counter() - t0
         return stats
 

@@ -10,15 +10,22 @@ have their own prompt. A :class:`MicroBatch` holds
     attention_mask [B, L]  1 on real tokens
     completion_ids [B, T]  the sampled tokens, T = longest completion in the micro-batch
     logit_index    [B, T]  which of the last K logits predicts completion token t (see ``logits_to_keep``)
-    mask           [B, T]  1 on tokens the loss counts: model tokens, not padding, not after the (turn's) first EOS
+    mask           [B, T]  1 on tokens the loss counts: model tokens, not padding, not after the (turn's) first EOS,
+                           not sampled by a version older than the step's staleness floor (partial rollouts)
     behaviour      [B, T]  the generators' behaviour logprobs
     advantages     [B]
+    token_versions [B, T]  the adapter version that sampled each token (a partial rollout's spans; else the row's)
     samplings      per row: the sampling settings it was generated with (None: the run's)
 
 Right padding keeps position ids equal to ``arange`` for every real token (the generators never saw any
 padding), and causal attention means padding cannot influence them. ``logits_to_keep = K`` asks the model
 for the last K positions only, enough to cover every completion (K = L - shortest prompt + 1), so the
 vocabulary projection is never computed over prompts.
+
+A partial rollout (issue 35) carries ``version_spans``: its early tokens were sampled by older versions than its
+batch's. Given the step's floor (``min_version`` = the policy version trained minus ``max_staleness``), a token
+sampled below it is masked out of the loss (counted in ``TrainingSample.stale_masked``); continuing a completion
+never makes its early tokens younger. Whole-version completions are left to the group-level staleness checks.
 
 Micro-batches are filled greedily from the longest sample down, keeping ``B * L <= token_budget``; a sample
 longer than the budget gets a micro-batch of its own. The order is deterministic (length, then position).
@@ -53,6 +60,10 @@ class TrainingSample:
     loss_mask: tuple[int, ...] | None = None
     # Model turns in this sample (model segments; 1 for a single-turn completion).
     turns: int = 1
+    # Per completion token, the version that sampled it (a partial rollout's spans); None: ``version`` sampled all.
+    token_versions: tuple[int, ...] | None = None
+    # Tokens up to n_valid masked out because their version is older than the step's floor (partial rollouts).
+    stale_masked: int = 0
 
     @property
     def length(self) -> int:
@@ -76,6 +87,8 @@ class MicroBatch:
     versions: list[int]
     worker_ids: list[str]
     samplings: list[SamplingSpec | None]
+    # [B, T] the version that sampled each token (padding: the row's version).
+    token_versions: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -85,6 +98,8 @@ class MicroBatch:
         tensors = ("input_ids", "attention_mask", "completion_ids", "logit_index", "mask", "behaviour", "advantages")
         for name in tensors:
             setattr(self, name, getattr(self, name).to(device))
+        if self.token_versions is not None:
+            self.token_versions = self.token_versions.to(device)
         return self
 
 
@@ -119,9 +134,12 @@ def group_samples(
     worker_id: str,
     eos_token_ids: Collection[int],
     sampling: SamplingSpec | None = None,
+    min_version: int | None = None,
 ) -> list[TrainingSample]:
     """The trainable completions of one group as samples (unscorable / filtered ones are left out); one advantage
-    and one trainable flag per completion (a split episode's samples repeat their episode's)."""
+    and one trainable flag per completion (a split episode's samples repeat their episode's). ``min_version``: the
+    oldest version whose tokens a partial rollout trains (None: no token is masked for its version). A completion
+    wholly masked so is still a sample here, with nothing trained (``trained_tokens`` 0, ``stale_masked`` > 0)."""
     if len(advantages) != len(group.completions) or len(trainable) != len(group.completions):
         raise ValueError("one advantage and one trainable flag per completion")
     out: list[TrainingSample] = []
@@ -129,6 +147,13 @@ def group_samples(
         if not keep:
             continue
         multi = comp.segments is not None
+        n_valid = len(comp.token_ids) if multi else valid_length(comp.token_ids, eos_token_ids)
+        loss_mask = trained_mask(comp, eos_token_ids) if multi else None
+        token_versions = tuple(comp.token_versions(version)) if comp.version_spans is not None else None
+        stale = 0
+        if token_versions is not None and min_version is not None:  # single-turn: spans refuse segments
+            loss_mask = tuple(int(v >= min_version) for v in token_versions)
+            stale = n_valid - sum(loss_mask[:n_valid])
         out.append(
             TrainingSample(
                 prompt_ids=list(group.prompt_of(comp)),
@@ -137,10 +162,12 @@ def group_samples(
                 advantage=float(adv),
                 version=version,
                 worker_id=worker_id,
-                n_valid=len(comp.token_ids) if multi else valid_length(comp.token_ids, eos_token_ids),
+                n_valid=n_valid,
                 sampling=sampling,
-                loss_mask=trained_mask(comp, eos_token_ids) if multi else None,
+                loss_mask=loss_mask,
                 turns=comp.turns(),
+                token_versions=token_versions,
+                stale_masked=stale,
             )
         )
     return out
@@ -160,6 +187,7 @@ def collate(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
     logit_index = torch.zeros((b, comp_len), dtype=torch.long)
     mask = torch.zeros((b, comp_len), dtype=torch.float32)
     behaviour = torch.zeros((b, comp_len), dtype=torch.float32)
+    token_versions = torch.tensor([s.version for s in samples], dtype=torch.long).unsqueeze(-1).repeat(1, comp_len)
     for i, s in enumerate(samples):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         input_ids[i, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
@@ -172,6 +200,8 @@ def collate(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
         if s.loss_mask is not None:
             mask[i, :c] *= torch.tensor(s.loss_mask, dtype=torch.float32)
         behaviour[i, :c] = torch.tensor(s.behaviour_logprobs)
+        if s.token_versions is not None:
+            token_versions[i, :c] = torch.tensor(s.token_versions, dtype=torch.long)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -184,6 +214,7 @@ def collate(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
         versions=[s.version for s in samples],
         worker_ids=[s.worker_id for s in samples],
         samplings=[s.sampling for s in samples],
+        token_versions=token_versions,
     )
 
 

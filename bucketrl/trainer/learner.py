@@ -29,13 +29,14 @@ from collections import OrderedDict
 import torch
 
 from bucketrl.trainer.advantages import GroupAdvantages, group_advantages
-from bucketrl.trainer.batching import TrainingSample, group_samples, make_micro_batches
+from bucketrl.trainer.batching import MicroBatch, TrainingSample, group_samples, make_micro_batches
 from bucketrl.trainer.loss import LossBatch, LossOutput, finalize_stats, grpo_loss
 from bucketrl.trainer.model import AdapterSnapshot, PolicyModel
 from bucketrl.trainer.ranks import Ranks, shard_groups
 from bucketrl.trainer.settings import TrainerSettings
 from bucketrl.trainer.sharding import filler_batch
 from bucketrl.trainer.step_group import StepGroup
+from bucketrl.trainer.token_versions import tally_sample, token_version_stats
 from bucketrl.wire.rollouts import Completion, RolloutGroup
 from bucketrl.wire.runs import LossSpec, RunSpec
 
@@ -98,8 +99,15 @@ class Learner:
 
     # -- one step --------------------------------------------------------------------------------------
 
-    def build_samples(self, groups: list[StepGroup]) -> tuple[list[TrainingSample], dict[str, float]]:
+    def build_samples(
+        self, groups: list[StepGroup], policy_version: int | None = None
+    ) -> tuple[list[TrainingSample], dict[str, float]]:
         """Advantages and trainable samples of a step, plus the reward/staleness-free group stats.
+
+        ``policy_version`` (the version being trained): a partial rollout's tokens sampled by a version older than
+        ``policy_version - max_staleness`` are masked out of the loss, a completion left with none is no sample
+        (its group still counts as trained), and the step's per-token version figures are reported
+        (:mod:`bucketrl.trainer.token_versions`). None: nothing is masked for its version.
 
         ``finish_reason`` decides two exclusions. An ABORTED completion (the engine stopped it part-way) is
         partial text: its reward is not evidence about a finished answer, so it is treated like an unscorable
@@ -117,6 +125,7 @@ class Learner:
         multi_turn = False
         env_tokens = 0  # env-segment tokens of the trained samples
         ep_sums: dict[str, float] = {}  # the groups' episode_stats, summed (what the generator measured)
+        floor = None if policy_version is None else policy_version - self.spec.max_staleness
         for item in groups:
             comps = item.group.completions
             adv, results, advantages, trainable, group_turns = _episode_advantages(item.group, loss)
@@ -144,6 +153,7 @@ class Learner:
                 worker_id=item.worker_id,
                 eos_token_ids=self.policy.eos_token_ids,
                 sampling=item.sampling,
+                min_version=floor,
             )
         stats = {
             "sample/groups": float(len(groups)),
@@ -169,12 +179,14 @@ class Learner:
             stats["episodes/samples_per_episode"] = sum(len(g.group.completions) for g in groups) / episodes
             stats["train/tokens_env"] = float(env_tokens)
         stats.update(_episode_metrics(ep_sums))
-        return samples, stats
+        if policy_version is not None:
+            stats.update(token_version_stats([tally_sample(s) for s in samples], policy_version))
+        return [s for s in samples if s.trained_tokens or not s.stale_masked], stats
 
     def train_step(self, groups: list[StepGroup], *, policy_version: int) -> dict[str, float]:
         """One optimizer step; ``policy_version`` is the published version equal to the current weights."""
         t0 = time.perf_counter()
-        samples, stats = self.build_samples(groups)
+        samples, stats = self.build_samples(groups, policy_version)
         if groups:
             staleness = [policy_version - g.version for g in groups]
             stats["sample/staleness_mean"] = sum(staleness) / len(staleness)
@@ -185,7 +197,7 @@ class Learner:
         if samples:
             if self.ranks is not None:  # this rank's share; the statistics above cover the whole step
                 share = shard_groups(groups, self.ranks.world)[self.ranks.rank]
-                samples, _ = self.build_samples([groups[i] for i in share])
+                samples, _ = self.build_samples([groups[i] for i in share], policy_version)
             t_check = time.perf_counter()
             mismatch = self._stale_mismatch(samples, policy_version)
             stats["perf/mismatch_check_s"] = time.perf_counter() - t_check
@@ -239,7 +251,7 @@ class Learner:
                     for mb in micro:
                         mb.to(self.policy.device)
                         lp, _ = self.policy.token_logprobs(mb)
-                        _add_mismatch(acc, lp, mb.behaviour, mb.mask, mb.versions, mb.worker_ids, None)
+                        _add_mismatch(acc, lp, mb, version)
                 for _ in range(passes - planned):  # sharded lockstep: the others still have forwards to run
                     self.policy.token_logprobs(filler_batch(self.policy.pad_id).to(self.policy.device))
         finally:
@@ -280,7 +292,7 @@ class Learner:
             out.loss.backward()
             total_loss += float(out.loss.detach())
             outputs.append(out)
-            _add_mismatch(mismatch, lp.detach(), mb.behaviour, mb.mask, mb.versions, mb.worker_ids, policy_version)
+            _add_mismatch(mismatch, lp.detach(), mb, policy_version)
         for _ in range(passes - len(micro)):
             self._filler_pass(with_kl=spec.kl_coef > 0)
         n_micro = float(len(micro))
@@ -336,25 +348,20 @@ def _merge_ranks(
     return outputs, sum(p[1] for p in parts), sum(p[2] for p in parts), mismatch
 
 
-def _add_mismatch(
-    acc: dict[str, list[float]],
-    lp: torch.Tensor,
-    behaviour: torch.Tensor,
-    mask: torch.Tensor,
-    versions: list[int],
-    workers: list[str],
-    only_version: int | None,
-) -> None:
-    """Per generator: |trainer - behaviour| logprob over tokens whose logprobs ``lp`` were computed with the
-    weights of the version that generated them.
+def _add_mismatch(acc: dict[str, list[float]], lp: torch.Tensor, mb: MicroBatch, weights_version: int) -> None:
+    """Per generator: |trainer - behaviour| logprob over the tokens sampled by ``weights_version``, the version
+    whose weights computed ``lp``.
 
-    From the training forward only samples of ``only_version`` (the current weights) count: only there are the
-    weights identical, so any gap is a numerical or delivery problem (docs/design.md invariant 6), not policy change.
+    Only there are the weights identical, so any gap is a numerical or delivery problem (docs/design.md invariant
+    6), not policy change: from the training forward only tokens of the current version count (a partial
+    rollout's older tokens do not), from a stale forward those of the version swapped in.
     """
-    diff = ((lp.float() - behaviour.float()).abs() * mask).sum(-1)
+    versions = mb.token_versions if mb.token_versions is not None else torch.tensor(mb.versions).unsqueeze(-1)
+    mask = mb.mask * (versions.to(mb.mask.device) == weights_version).to(mb.mask.dtype)
+    diff = ((lp.float() - mb.behaviour.float()).abs() * mask).sum(-1)
     counts = mask.sum(-1)
-    for i, (version, worker) in enumerate(zip(versions, workers, strict=True)):
-        if only_version is not None and version != only_version:
+    for i, worker in enumerate(mb.worker_ids):
+        if float(counts[i]) == 0.0:  # no token of this row was sampled by these weights
             continue
         slot = acc.setdefault(worker, [0.0, 0.0])
         slot[0] += float(diff[i])

@@ -15,6 +15,9 @@ Three objectives, chosen per run by ``LossSpec.objective`` (docs/training.md com
   tokens. With ``aggregation="sequence"`` the loss is the paper's ``-1/G sum_i min(...)`` exactly; with
   ``token`` each sequence weighs by its length (TRL's ``importance_sampling_level="sequence"`` with a
   token-summing loss_type). The paper's clip range is far narrower (3e-4 / 4e-4) than the token-level one.
+  A partly masked sequence (a partial rollout whose oldest tokens are past ``max_staleness``, masked by the
+  batching) gets its ratio over the unmasked tokens only: ``s_i`` is the geometric mean ratio of the tokens it
+  trains, each against the behaviour logprob of the version that sampled it; a wholly masked one is no sample.
 
 Optional KL to the base model (``kl_coef > 0``) with the k3 estimator
 ``exp(ref - lp) - (ref - lp) - 1`` (unbiased, always >= 0), added per token. Both ``ref`` and ``lp`` here

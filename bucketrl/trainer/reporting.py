@@ -7,6 +7,7 @@ import logging
 import math
 import threading
 import time
+from typing import Any
 
 from bucketrl import errors, preflight
 from bucketrl.client import ProxyClient
@@ -185,3 +186,13 @@ def log_step(step: int, max_steps: int, stats: dict[str, float], wait_s: float) 
         stats["perf/step_s"],
         extra,
     )
+
+
+def step_audit(stats: dict[str, float]) -> dict[str, Any]:
+    """A step's figures in its audit record: its forward/backward time and, when the step reported them, the
+    per-token version figures (partial rollouts, :mod:`bucketrl.trainer.token_versions`) under ``tokens``."""
+    out: dict[str, Any] = {"fwd_bwd_s": stats["perf/fwd_bwd_s"]}
+    tokens = {k.removeprefix("tokens/"): v for k, v in stats.items() if k.startswith("tokens/")}
+    if tokens:
+        out["tokens"] = tokens
+    return out

@@ -57,7 +57,7 @@ from bucketrl.trainer.claims import ClaimLoop, within_staleness
 from bucketrl.trainer.cost_reports import CostReports
 from bucketrl.trainer.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_FENCED, EXIT_OK, ConfigError, RankFailure, Stopped
 from bucketrl.trainer.ledger import DeliveryLedger
-from bucketrl.trainer.reporting import EVAL_REPORTED, EvalReports, RewardWatch, log_step
+from bucketrl.trainer.reporting import EVAL_REPORTED, EvalReports, RewardWatch, log_step, step_audit
 from bucketrl.trainer.retry import retrying
 from bucketrl.trainer.run_setup import ensure_run, finish_generation, open_run_trackers
 from bucketrl.trainer.settings import TrainerSettings
@@ -360,7 +360,7 @@ class TrainerWorker:
                 "step": step,
                 "deliveries": [d.delivery_id for d in deliveries],
                 "repeats": repeats,
-                "fwd_bwd_s": stats["perf/fwd_bwd_s"],
+                **step_audit(stats),
             }
         )
         if repeats:

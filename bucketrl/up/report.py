@@ -2,9 +2,9 @@
 
 - ``summary.json``: the figures below (what ``bench/demo_reward.py`` prints).
 - ``reward.png``: reward per trainer step, its 10-step rolling mean and the eval reward per evaluated version.
-- ``pipeline.png``: one x axis per row (as the dashboard): by trainer step, step time, staleness and queue depth,
-  completion length and the truncated / unscorable fractions, entropy, KL and the clipped fraction; by seconds,
-  rollout wait vs backpressure and weight sync.
+- ``pipeline.png``: one x axis per row (as the dashboard): by trainer step, step time, staleness (per group and per
+  trained token) and queue depth, completion length and the truncated / unscorable fractions, entropy, KL and the
+  clipped fraction; by seconds, rollout wait vs backpressure and weight sync.
 
 matplotlib is imported inside :func:`plot` with the Agg backend (no display needed).
 """
@@ -85,6 +85,7 @@ def summarize(watcher: RunWatcher, wall_s: float, sync: SyncLatency | None = Non
         "sync_latency_versions": sync.count if sync else 0,
     }
     figures.update(learning_figures(watcher))
+    figures.update(token_figures(watcher))
     figures.update(eval_figures(watcher))
     # The run's latest sample completions with their rewards (newest first): what the model writes now.
     figures["samples"] = [x.model_dump() for x in (watcher.status.samples if watcher.status else [])[:5]]
@@ -114,6 +115,35 @@ def learning_figures(watcher: RunWatcher) -> dict[str, Any]:
         head, tail = windows([v for _, v in watcher.trainer_series(metric)])
         out[f"{name}_first"], out[f"{name}_last"] = _mean(head), _mean(tail)
     return out
+
+
+def token_figures(watcher: RunWatcher) -> dict[str, Any]:
+    """The trained tokens' versions (partial rollouts, issue 35; bucketrl/trainer/token_versions.py): the share from
+    completions sampled by several versions and the spans per completion (means over steps), the tokens masked
+    as too stale (total), the per-token staleness (median of the steps' p50, max of their max)."""
+    series = {name: [v for _, v in watcher.trainer_series(f"tokens/{name}")] for name in _TOKEN_METRICS}
+    p50s, maxes = series["staleness_p50"], series["staleness_max"]
+    return {
+        "mixed_version_token_frac": _mean(series["mixed_version_frac"]),
+        "spans_per_completion_mean": _mean(series["spans_per_completion"]),
+        "tokens_stale_masked_total": sum(series["stale_masked"]) if series["stale_masked"] else None,
+        "token_staleness_p50": statistics.median(p50s) if p50s else None,
+        "token_staleness_max": max(maxes) if maxes else None,
+    }
+
+
+_TOKEN_METRICS = ("mixed_version_frac", "spans_per_completion", "stale_masked", "staleness_p50", "staleness_max")
+
+
+def _token_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
+    if f.get("mixed_version_token_frac") is None:
+        return []
+    return [
+        ("trained tokens from mixed-version completions", f"{100 * f['mixed_version_token_frac']:.1f} %"),
+        ("version spans per completion (mean)", f"{f['spans_per_completion_mean']:.2f}"),
+        ("tokens masked as too stale (total)", f"{f['tokens_stale_masked_total']:.0f}"),
+        ("token staleness p50 / max (versions)", f"{f['token_staleness_p50']:g} / {f['token_staleness_max']:g}"),
+    ]
 
 
 def eval_curve(watcher: RunWatcher) -> list[tuple[float, float]]:
@@ -211,6 +241,7 @@ def summary_table(figures: dict[str, Any], title: str = "bucketrl up: summary") 
                 f"{figures['sync_latency_p50_s'] * 1000:.0f} / {figures['sync_latency_max_s'] * 1000:.0f} ms",
             )
         )
+    rows += _token_rows(figures)
     if figures.get("cost"):
         rows.append(_cost_row(figures["cost"]))
     for smp in (figures.get("samples") or [])[:3]:
@@ -307,6 +338,8 @@ def pipeline_figure(watcher: RunWatcher) -> tuple[Any, Any]:
     ax = axes[0][1]
     trainer(ax, "sample/staleness_mean", "staleness mean")
     trainer(ax, "sample/staleness_max", "staleness max")
+    trainer(ax, "tokens/staleness_p50", "token staleness p50", ls=":")
+    trainer(ax, "tokens/staleness_max", "token staleness max", ls=":")
     ax.set(title="Staleness (versions) and queue depth (groups)", xlabel="trainer step", ylabel="versions")
     if watcher.status_history:
         by_step: dict[int, int] = {}

@@ -88,6 +88,8 @@ def test_a_redis_wipe_mid_interval_trains_nothing_twice_and_keeps_the_lifetime_c
     trained = [d for r in steps for d in r["deliveries"]]
     repeats = [d for r in steps for d in r.get("repeats", [])]
     assert [r["step"] for r in steps] == list(range(1, 9))
+    # Each step's audit has its per-token version figures (whole-version groups here: one span, none masked).
+    assert all(r["tokens"]["spans_per_completion"] == 1.0 and r["tokens"]["stale_masked"] == 0 for r in steps)
     # No delivery trained twice in the lineage; the re-queued ones came back and were held, not trained.
     assert len(trained) == len(set(trained)) == 16, trained
     assert set(worker.trained_before_wipe) <= set(repeats) | set(trained)

@@ -41,6 +41,12 @@ def _watcher(steps: int = 40) -> RunWatcher:
                     "entropy": 2.0 if k <= 20 else 1.0,
                     "kl": 0.001 * k,
                     "clip_ratio/region_mean": 0.05,
+                    # A partial-rollouts run: from step 21 on, 40 % of the trained tokens come from continued calls.
+                    "tokens/mixed_version_frac": 0.0 if k <= 20 else 0.4,
+                    "tokens/spans_per_completion": 1.0 if k <= 20 else 1.5,
+                    "tokens/stale_masked": 0.0 if k <= 20 else 3.0,
+                    "tokens/staleness_p50": 1.0,
+                    "tokens/staleness_max": 2.0 if k != 33 else 4.0,
                 },
             }
         )
@@ -122,6 +128,10 @@ def test_summary_figures_and_table(tmp_path: Path) -> None:
     assert (figures["entropy_first"], figures["entropy_last"]) == (2.0, 1.0)
     assert figures["kl_last"] == pytest.approx(0.001 * 30.5) and figures["clip_frac_first"] == 0.05
     assert figures["truncated_frac_last"] == 0.25
+    # The trained tokens' versions (partial rollouts, issue 35).
+    assert figures["mixed_version_token_frac"] == pytest.approx(0.2) and figures["tokens_stale_masked_total"] == 60
+    assert (figures["token_staleness_p50"], figures["token_staleness_max"]) == (1.0, 4.0)
+    assert "trained tokens from mixed-version completions" in text and "20.0 %" in text and "1 / 4" in text
     for needle in ("completion length", "12.0 tokens / 6.0 tokens", "entropy", "2.000 / 1.000", "KL", "0.0305"):
         assert needle in text, needle
     assert "clipped fraction" in text and "truncated completions" in text
@@ -146,6 +156,7 @@ def test_pipeline_plot_has_one_x_axis_per_row_and_the_learning_charts() -> None:
         for label in ("completion length (tokens)", "truncated (max_new_tokens)", "without a reward", "entropy"):
             assert label in labels, (label, labels)
         assert {"KL to the base model", "clipped fraction", "trainer publish", "adapter load gen-0"} <= labels
+        assert {"token staleness p50", "token staleness max"} <= labels
         assert all(len(line.get_xdata()) > 0 for ax in fig.axes for line in ax.get_lines())
     finally:
         plt.close(fig)

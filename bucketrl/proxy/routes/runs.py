@@ -34,7 +34,8 @@ def run_json_key(run: str) -> str:
     description=(
         "Same spec again: 200 and nothing changes. A change to a mutable field (max_staleness, sampling, reward, "
         "queue_capacity_groups, groups_per_step, loss, share, budget_tokens) is applied and answered 200. "
-        "base_model, lora, group_size, vocab_size and dataset are immutable: 409 `immutable_field`. The spec is "
+        "base_model, lora, adapter_dtype, group_size, vocab_size, dataset, env and partial_rollouts are immutable: "
+        "409 `immutable_field`. The spec is "
         "also written to the bucket as "
         "`runs/{run}/run.json` (what a rebuild restores from)."
     ),

@@ -8,8 +8,9 @@ the proxy on a thread of this process, ``redis-server``), with its own trainer s
 lognormal (median ``--length-median``, shape ``--length-sigma``, half of the log-variance the prompt's own:
 a hard prompt is long again when it is sampled again) capped at ``--max-new-tokens`` (3,000), so a call
 (2 prompts x G=4) ends when the longest of 8 ends; the trainer's step (``--step-s``) is far shorter than the longest
-call, so versions come while long calls run. The defaults put a 3,000-token call at about twice the time the
-staleness window (4 versions) lasts. Modes (one proxy, bucket and fleet each, run one after the other):
+call, so versions come while long calls run. With the defaults versions come about once a second here, so a
+3,000-token call (12 s) lasts about three times the staleness window (4 versions). Modes (one proxy, bucket and
+fleet each, run one after the other):
 
 - ``guard``: ``max_staleness`` 4, the staleness guard on (today): a call whose version leaves the window is
   abandoned and its prompts requeued; its decoded tokens are wasted.
@@ -211,7 +212,7 @@ def main() -> None:
     p.add_argument("--generators", type=int, default=4)
     p.add_argument("--duration-s", type=float, default=45.0, help="measured window per mode (after the warm-up)")
     p.add_argument("--modes", default="guard,finish,partial")
-    p.add_argument("--groups-per-step", type=int, default=1)
+    p.add_argument("--groups-per-step", type=int, default=2)
     p.add_argument("--step-s", type=float, default=0.2, help="the stand-in trainer's time per step")
     p.add_argument("--max-new-tokens", type=int, default=3000)
     p.add_argument("--length-median", type=float, default=150.0)

@@ -102,3 +102,47 @@ def test_an_overtaken_call_goes_on_under_the_newer_version(tmp_path: Path) -> No
     RolloutBatch(worker_id="w", lease_id="L2", version=2, groups=groups)
     assert held.give_back() and not held.give_back()
     assert book.retire(max_staleness=0, capacity=1) and book.versions() == {2}  # v1 free to go once settled
+
+
+def test_a_group_complete_before_the_cut_goes_on_its_own(tmp_path: Path) -> None:
+    """Group 0 ends (162 tokens at most) before v2 arrives (0.34 s, ~170 steps) while group 1 runs to 300: group 0
+    is handed over at the cut as its own batch, of v1 only, and the call's batch keeps group 1 alone."""
+    from bucketrl.generator.partial_rollouts import sample_partial
+    from bucketrl.generator.submit import GeneratedBatch
+    from bucketrl.rollout.engine import StopAtStep
+    from bucketrl.rollout.example import Example
+    from bucketrl.wire import PromptLeaseItem
+
+    spec = run_spec(tmp_path, max_staleness=2, group_size=4, sampling=SamplingSpec(max_new_tokens=300))
+    clock, book = Clock(), VersionBook("r")
+    engine = _engine(tmp_path, spec, clock)
+    book.add(1, "L1", tmp_path, 0.0)
+    engine.load_adapter(book.name(1), 1, tmp_path)
+    book.mark_loaded(1)
+    held = HeldVersions(book)
+    held.hold(1)
+    prompts = [PromptLeaseItem.model_validate({"prompt_id": f"p{i}", "index": i, "pass": 0}) for i in range(2)]
+    batch = GeneratedBatch(held, list(prompts), [Example(0, "q", "a")] * 2, list(PROMPTS), [])
+    parts: list[GeneratedBatch] = []
+
+    def hook(slot: object) -> None:
+        if clock() > 0.34 and book.newest_known < 2:
+            book.add(2, "L2", tmp_path, 0.0)
+            engine.load_adapter(book.name(2), 2, tmp_path)
+            book.mark_loaded(2)
+        if book.newest_known > slot.version:  # type: ignore[attr-defined]
+            raise StopAtStep("v2")
+
+    def done(i: int, samples: list, spans: list | None, used: list[int]) -> None:
+        parts.append(batch.split_off(prompts[i].prompt_id, samples, spans, used))
+
+    out = sample_partial(engine, held, book, PROMPTS, spec, hook, done)
+    batch.sampled(out)
+    assert out.handed == {0} and len(parts) == 1
+    (part,) = parts
+    assert [p.prompt_id for p in part.prompts] == ["p0"] and part.version == 1 and part.spans is None
+    assert max(len(s.token_ids) for s in part.samples[0]) <= 170
+    assert [p.prompt_id for p in batch.prompts] == ["p1"] and batch.prompt_token_ids == [PROMPTS[1]]
+    assert batch.version == 2 and batch.spans is not None and len(batch.samples) == 1
+    assert part.held.give_back() and held.give_back()
+    assert book.retire(max_staleness=0, capacity=1) and book.versions() == {2}

@@ -58,17 +58,12 @@ class Growing:
         return SampledCompletion(self.token_ids, self.logprobs, self.finish_reason)
 
 
-# A prompt's group, complete while other groups of its call go on: (prompt index, samples, spans or None, versions).
-GroupDone = Callable[[int, list[SampledCompletion], "list[list[VersionSpan]] | None", list[int]], None]
-
-
 @dataclass
 class PartialResult:
     samples: list[list[SampledCompletion]]
     # Per completion, the versions that sampled it; None when one version sampled the whole batch (bytes as today).
     spans: list[list[list[VersionSpan]]] | None
     continuations: int  # engine calls that continued completions under a newer version
-    handed: set[int] = field(default_factory=set)  # prompts whose groups went to ``on_done`` before the call ended
 
 
 def overtaken(book: VersionBook, version: int, heard: int, spec: RunSpec, switch_lag: int) -> bool:
@@ -86,12 +81,10 @@ def sample_partial(
     ids: list[list[int]],
     spec: RunSpec,
     hook: Callable[[VersionSlot], None],
-    on_done: GroupDone | None = None,
 ) -> PartialResult:
     """Sample ``spec.group_size`` completions per prompt, continuing them under newer versions as they come.
     ``hook(slot)`` is the engine's ``while_running`` for a call under ``slot``: it raises ``StopAtStep`` when
-    the call should go on under a newer version. ``on_done`` takes a group that is complete while others of the
-    call go on (it would only age waiting for them); the result's ``handed`` says which."""
+    the call should go on under a newer version."""
     g = spec.group_size
     grid = [[Growing(list(p)) for _ in range(g)] for p in ids]
     slot = held.newest
@@ -100,14 +93,7 @@ def sample_partial(
         for c, s in zip(row, group, strict=True):
             c.extend(slot.version, s)
     continuations = 0
-    handed: set[int] = set()
     while todo := [c for row in grid for c in row if not c.done]:
-        if on_done is not None:
-            for i, row in enumerate(grid):
-                if i not in handed and all(c.done for c in row):
-                    handed.add(i)
-                    used = sorted({s.version for c in row for s in c.spans})
-                    on_done(i, [c.sample() for c in row], [c.spans for c in row] if len(used) > 1 else None, used)
         newest = book.current()
         assert newest is not None
         if newest.version > slot.version:
@@ -122,12 +108,9 @@ def sample_partial(
             for c, group in zip(cs, out, strict=True):
                 c.extend(slot.version, group[0])
     samples = [[c.sample() for c in row] for row in grid]
-    versions = {s.version for i, row in enumerate(grid) if i not in handed for c in row for s in c.spans}
-    # Spans unless every token is of the version the batch is submitted as (a version held for a continuation
-    # that was overtaken before its first token would otherwise claim tokens it did not sample).
-    whole = versions == {held.newest.version} or not versions
-    spans = None if whole else [[c.spans for c in row] for row in grid]
-    return PartialResult(samples, spans, continuations, handed)
+    versions = {s.version for row in grid for c in row for s in c.spans}
+    spans = [[c.spans for c in row] for row in grid] if len(versions) > 1 else None
+    return PartialResult(samples, spans, continuations)
 
 
 def _call(

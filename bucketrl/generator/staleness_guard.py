@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from bucketrl.generator.admission import Ewma
-from bucketrl.generator.partial_rollouts import GroupDone, PartialResult, overtaken, sample_partial
+from bucketrl.generator.partial_rollouts import PartialResult, overtaken, sample_partial
 from bucketrl.rollout.engine import StopAtStep
 from bucketrl.wire.runs import versions_left
 
@@ -169,13 +169,7 @@ class StalenessGuard:
         return spec.partial_rollouts and self.continues
 
     def rollout(
-        self,
-        engine: Engine,
-        held: HeldVersions,
-        ids: list[list[int]],
-        spec: RunSpec,
-        hook: Callable[[], None],
-        on_done: GroupDone | None = None,
+        self, engine: Engine, held: HeldVersions, ids: list[list[int]], spec: RunSpec, hook: Callable[[], None]
     ) -> PartialResult:
         """A training call: :meth:`generate` under the batch's version, or, with partial rollouts, sampled across
         the versions that come meanwhile (``held`` then holds each)."""
@@ -189,7 +183,7 @@ class StalenessGuard:
             if overtaken(self.book, slot.version, self.heard(), spec, self.switch_lag):
                 raise StopAtStep(f"v{slot.version} overtaken by v{self.heard()}: going on under the newest")
 
-        out = sample_partial(engine, held, self.book, ids, spec, while_running, on_done)
+        out = sample_partial(engine, held, self.book, ids, spec, while_running)
         with self._lock:
             self._call.add(self.clock() - t0)
         self.metrics.add("rollout/continuations_total", out.continuations)

@@ -40,7 +40,6 @@ from bucketrl.client import ProxyClient
 from bucketrl.generator.adapters import VersionBook, VersionSlot
 from bucketrl.generator.episode_groups import episode_group, needs_score
 from bucketrl.generator.metrics import GeneratorMetrics
-from bucketrl.generator.partial_rollouts import PartialResult
 from bucketrl.rewards import RewardItem, RewardPool
 from bucketrl.rollout.engine import SampledCompletion
 from bucketrl.rollout.episodes import Episode
@@ -114,27 +113,6 @@ class GeneratedBatch:
     # Partial rollouts: spans[i][j], the versions that sampled prompt i's completion j; None: all by ``version``.
     spans: list[list[list[VersionSpan]]] | None = None
     idempotency_key: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-    def split_off(
-        self, prompt_id: str, samples: list[SampledCompletion], spans: list[list[VersionSpan]] | None, used: list[int]
-    ) -> GeneratedBatch:
-        """A batch of this one's group for ``prompt_id``, complete while the call goes on (partial rollouts: it
-        would only age waiting for the others): it holds the versions that sampled it and goes on its own, under
-        its own key; this batch no longer has that prompt."""
-        i = next(k for k, p in enumerate(self.prompts) if p.prompt_id == prompt_id)
-        held = HeldVersions(self.held._book)
-        for v in used:
-            held.hold(v)
-        part = GeneratedBatch(
-            held, [self.prompts.pop(i)], [self.examples.pop(i)], [self.prompt_token_ids.pop(i)], [samples],
-            sampling=self.sampling, spans=None if spans is None else [spans],
-        )  # fmt: skip
-        return part
-
-    def sampled(self, out: PartialResult) -> None:
-        """The call's samples (and spans) of the groups still in this batch."""
-        self.samples = [g for i, g in enumerate(out.samples) if i not in out.handed]
-        self.spans = None if out.spans is None else [g for i, g in enumerate(out.spans) if i not in out.handed]
 
     @property
     def version(self) -> int:

@@ -66,11 +66,13 @@ PROMPT_WAIT_S = 2.0
 class GeneratorWorker:
     """One generator process. ``run()`` blocks until stopped (or ``max_groups`` submitted) and returns 0.
 
-    The worker is the loop; its collaborators do the rest: :class:`~.versions.AdapterVersions` (the adapter-sync
-    thread, loading and retiring versions), :class:`~.prompt_tokens.PromptTokens` (prompt token ids),
-    :class:`~.submit.Submitter` (score and submit), :class:`~.evaluation.Evaluator` (eval batches),
-    :class:`~.lease_keeper.LeaseKeeper` (the keeper thread) and, for multi-turn runs, :class:`~.episode_loop.
-    EpisodeDriver`, which drives episodes through the :class:`~.episode_loop.EpisodeHost` this worker is.
+    The worker is the loop; its collaborators do the rest: :class:`~bucketrl.generator.versions.AdapterVersions`
+    (the adapter-sync thread, loading and retiring versions), :class:`~bucketrl.generator.prompt_tokens.PromptTokens`
+    (prompt token ids), :class:`~bucketrl.generator.submit.Submitter` (score and submit),
+    :class:`~bucketrl.generator.evaluation.Evaluator` (eval batches),
+    :class:`~bucketrl.generator.lease_keeper.LeaseKeeper` (the keeper thread) and, for multi-turn runs,
+    :class:`~bucketrl.generator.episode_loop.EpisodeDriver`, which drives episodes through the
+    :class:`~bucketrl.generator.episode_loop.EpisodeHost` this worker is.
     """
 
     def __init__(
@@ -461,23 +463,19 @@ class GeneratorWorker:
             self.submitter.release_prompts([p.prompt_id for p in prompts if p.prompt_id in held])
             return
         ids = [self.prompt_ids(p.index) for p in prompts]
-        (versions := HeldVersions(self.book)).hold(slot.version)
+        versions = HeldVersions(self.book)
+        versions.hold(slot.version)
         batch = GeneratedBatch(
             held=versions,
-            prompts=list(prompts),
+            prompts=prompts,
             examples=[self.examples[p.index] for p in prompts],
-            prompt_token_ids=list(ids),
+            prompt_token_ids=ids,
             samples=[],
             sampling=spec.sampling,
         )
-
-        def done(i: int, samples: list, spans: list | None, used: list[int]) -> None:  # a group complete early
-            part = batch.split_off(prompts[i].prompt_id, samples, spans, used)
-            self.submitter.put(part, self.stop_event, self._grace_s(), idle=self.sync_versions)  # type: ignore[union-attr]
-
         try:
-            out = self.guard.rollout(self.engine, versions, ids, spec, self._while_sampling, done)
-            batch.sampled(out)
+            out = self.guard.rollout(self.engine, versions, ids, spec, self._while_sampling)
+            batch.samples, batch.spans = out.samples, out.spans
         except (NoticeExpired, StaleCall) as exc:
             self.submitter.release(batch, str(exc))
             return

@@ -109,7 +109,9 @@ def sample_partial(
                 c.extend(slot.version, group[0])
     samples = [[c.sample() for c in row] for row in grid]
     versions = {s.version for row in grid for c in row for s in c.spans}
-    spans = [[c.spans for c in row] for row in grid] if len(versions) > 1 else None
+    # Spans unless every token is of the version the batch is submitted as (a version held for a continuation
+    # that was overtaken before its first token would otherwise claim tokens it did not sample).
+    spans = None if versions <= {held.newest.version} else [[c.spans for c in row] for row in grid]
     return PartialResult(samples, spans, continuations)
 
 

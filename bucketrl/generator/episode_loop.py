@@ -34,7 +34,7 @@ from bucketrl.generator.adapters import VersionBook
 from bucketrl.generator.admission import ENV, Admission, Limits, OpenGroup, agent_source
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.settings import GeneratorSettings
-from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
+from bucketrl.generator.submit import GeneratedBatch, HeldVersions, PromptLedger, Submitter
 from bucketrl.rollout.engine import Engine
 from bucketrl.rollout.episodes import EndpointError, GroupRun
 from bucketrl.rollout.example import Example
@@ -105,6 +105,8 @@ class EpisodeDriver:
         self.admission = Admission(s.max_open_episodes)
         # The main loop (the environment's groups, hand-overs) and the agent-lease thread (agents' asks) share it.
         self._admission_lock = threading.Lock()
+        # Each open group's versions, by prompt id (the two threads pin; single dict operations, atomic).
+        self._held: dict[str, HeldVersions] = {}
 
     def start(self) -> None:
         self.svc.start()
@@ -240,7 +242,9 @@ class EpisodeDriver:
         w = self.w
         slot = w.book.current()
         assert slot is not None and w.spec is not None
-        w.book.begin(slot.version)  # released by the submitter once the group is settled
+        held = HeldVersions(w.book)  # given back by the submitter once the group is settled
+        held.hold(slot.version)
+        self._held[prompt.prompt_id] = held
         return GroupRun(
             prompt,
             w.examples[prompt.index],
@@ -272,8 +276,7 @@ class EpisodeDriver:
                 self.admission.on_handed(group.source, group.version, time.monotonic() - group.created, staleness)
             w.metrics.generated(sum(len(t.completion_ids) for e in group.episodes for t in e.turns))
             batch = GeneratedBatch(
-                version=group.version,
-                lease_id=group.lease_id,
+                held=self._held.pop(group.prompt.prompt_id),
                 prompts=[group.prompt],
                 examples=[group.example],
                 prompt_token_ids=[w.prompt_ids(group.prompt.index)],
@@ -358,6 +361,6 @@ class EpisodeDriver:
         for group in self.svc.abort_open("the generator stopped before the episode ended"):
             w.submitter.release_prompts([group.prompt.prompt_id])
             w.metrics.inflight(-1)
-            w.book.end(group.version)
+            self._held.pop(group.prompt.prompt_id).give_back()
         self._hand_over()
         self.svc.close()

@@ -102,6 +102,14 @@ class GeneratorSettings(WorkerSettings):
         "class; bucketrl/generator/staleness_guard.py), lease no training prompts and abandon a call whose groups "
         "can only be refused stale, its prompts back at once for a faster worker; false: sample anyway.",
     )
+    partial_switch_lag: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="BUCKETRL_PARTIAL_SWITCH_LAG (runs with partial_rollouts): a call goes on under the newest loaded "
+        "version once its own is this many versions behind it (1: at every new version; always before its version "
+        "leaves the staleness window). Higher: fewer re-prefills, staler tokens (generator/partial_rollouts.py).",
+    )
     version_wait_s: float = Field(
         20.0, gt=0.0, le=300.0, description="Long-poll duration for new adapter versions (BUCKETRL_VERSION_WAIT_S)."
     )

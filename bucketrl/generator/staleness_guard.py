@@ -18,6 +18,9 @@ hears), so:
   line (its reissue list), to a faster generator, instead of after a submit the proxy would refuse. Releasing is the
   ordinary release path: the prompts were never submitted, so nothing is lost or trained twice.
 
+A run with ``partial_rollouts`` on an engine that can continue a call (``continues_calls``) neither declines nor
+abandons: its calls go on under newer versions instead (:mod:`bucketrl.generator.partial_rollouts`).
+
 ``BUCKETRL_STALENESS_GUARD=false`` turns both off (the worker then only measures: the metrics below still count).
 Metrics (cumulative): ``rollout/stale_abandoned_total`` (groups whose call was abandoned),
 ``rollout/stale_held_prompt_s_total`` (prompt-seconds a call held prompts after their version left the window,
@@ -34,11 +37,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from bucketrl.generator.admission import Ewma
+from bucketrl.generator.partial_rollouts import PartialResult, overtaken, sample_partial
+from bucketrl.rollout.engine import StopAtStep
 from bucketrl.wire.runs import versions_left
 
 if TYPE_CHECKING:
     from bucketrl.generator.adapters import VersionBook, VersionSlot
     from bucketrl.generator.metrics import GeneratorMetrics
+    from bucketrl.generator.submit import HeldVersions
     from bucketrl.rollout.engine import Engine, SampledCompletion
     from bucketrl.wire import RunSpec
 
@@ -67,8 +73,11 @@ class StalenessGuard:
         *,
         enabled: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        switch_lag: int = 1,
     ) -> None:
         self.book, self.spec, self.metrics, self.enabled, self.clock = book, spec, metrics, enabled, clock
+        self.switch_lag = switch_lag
+        self.continues = False  # the engine can continue a call (set by the worker): with partial_rollouts, no guard
         self._lock = threading.Lock()
         self._call = Ewma(CALL_EWMA)  # seconds per engine call
         self._arrivals: deque[tuple[float, int]] = deque(maxlen=ARRIVALS)  # (when seen, version), after the first
@@ -122,7 +131,7 @@ class StalenessGuard:
         """False when a call started now is expected to end past the staleness window (warned once per spell)."""
         self.observe()
         spec, interval, call_s = self.spec(), self.interval_s(), self.call_s
-        if not self.enabled or spec is None or interval is None or call_s is None:
+        if not self.enabled or spec is None or interval is None or call_s is None or self.partial(spec):
             return True
         spans = call_s / max(interval, 1e-6)
         # At least 1: a strictly on-policy run's calls (max_staleness 0) end before the trainer, waiting for their
@@ -154,6 +163,31 @@ class StalenessGuard:
         return True
 
     # -- during a call ----------------------------------------------------------------------------------
+
+    def partial(self, spec: RunSpec) -> bool:
+        """Calls of this run go on under newer versions (partial rollouts) rather than being guarded."""
+        return spec.partial_rollouts and self.continues
+
+    def rollout(
+        self, engine: Engine, held: HeldVersions, ids: list[list[int]], spec: RunSpec, hook: Callable[[], None]
+    ) -> PartialResult:
+        """A training call: :meth:`generate` under the batch's version, or, with partial rollouts, sampled across
+        the versions that come meanwhile (``held`` then holds each)."""
+        if not self.partial(spec):
+            return PartialResult(self.generate(engine, held.newest, ids, spec, hook), None, 0)
+        t0 = self.clock()
+
+        def while_running(slot: VersionSlot) -> None:
+            hook()
+            self.observe()
+            if overtaken(self.book, slot.version, self.heard(), spec, self.switch_lag):
+                raise StopAtStep(f"v{slot.version} overtaken by v{self.heard()}: going on under the newest")
+
+        out = sample_partial(engine, held, self.book, ids, spec, while_running)
+        with self._lock:
+            self._call.add(self.clock() - t0)
+        self.metrics.add("rollout/continuations_total", out.continuations)
+        return out
 
     def generate(
         self, engine: Engine, slot: VersionSlot, ids: list[list[int]], spec: RunSpec, hook: Callable[[], None]

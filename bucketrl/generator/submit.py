@@ -11,7 +11,9 @@ also pauses sampling); this thread, per batch:
    - network errors / 503: retries with backoff, same batch, same key (a lost 202 comes back as a duplicate);
    - 409 stale: dropped and counted (``rollout/dropped_stale_total``), its prompts released for reissue;
    - any other refusal (422...): logged, counted (``rollout/rejected_groups_total``), prompts released;
-3. settles the batch in the version book (the version's lease and weights may then be retired).
+3. settles the batch (:meth:`Submitter.settle`, the one place a batch ends, whichever way): gives back the adapter
+   versions it holds (:class:`HeldVersions`; their leases and weights may then be retired) and leaves the in-flight
+   count.
 
 The engine thread's next prompt lease rides on a submit when one is about to go out (:meth:`Submitter.
 lease_with_next`): one request per engine call instead of two. The batch keeps that lease request (and its
@@ -35,7 +37,7 @@ from typing import Any
 
 from bucketrl import errors
 from bucketrl.client import ProxyClient
-from bucketrl.generator.adapters import VersionBook
+from bucketrl.generator.adapters import VersionBook, VersionSlot
 from bucketrl.generator.episode_groups import episode_group, needs_score
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.rewards import RewardItem, RewardPool
@@ -50,6 +52,7 @@ from bucketrl.wire import (
     RolloutBatch,
     RolloutGroup,
     SamplingSpec,
+    VersionSpan,
 )
 
 log = logging.getLogger(__name__)
@@ -57,10 +60,49 @@ log = logging.getLogger(__name__)
 _STOP = object()
 
 
+class HeldVersions:
+    """The adapter versions a batch samples with, held on the version book (not retired, leases renewed) from the
+    batch's first token until it is settled. A batch continued under a newer version (partial rollouts) holds
+    each version it sampled with; it is submitted as of the newest. Given back once, whichever way the batch ends."""
+
+    def __init__(self, book: VersionBook) -> None:
+        self._book = book
+        self._slots: list[VersionSlot] = []
+        self._lock = threading.Lock()
+        self._given_back = False
+
+    def hold(self, version: int) -> VersionSlot:
+        """Hold ``version`` (on the book) for this batch; returns its slot."""
+        with self._lock:
+            assert not self._given_back, "a settled batch holds no versions"
+            slot = self._book.begin(version)
+            self._slots.append(slot)
+            return slot
+
+    @property
+    def newest(self) -> VersionSlot:
+        with self._lock:
+            return max(self._slots, key=lambda s: s.version)
+
+    def versions(self) -> list[int]:
+        with self._lock:
+            return sorted({s.version for s in self._slots})
+
+    def give_back(self) -> bool:
+        """Give every held version back to the book; True the first time (later calls change nothing)."""
+        with self._lock:
+            if self._given_back:
+                return False
+            self._given_back = True
+            slots, self._slots = self._slots, []
+        for s in slots:
+            self._book.end(s.version)
+        return True
+
+
 @dataclass
 class GeneratedBatch:
-    version: int
-    lease_id: str
+    held: HeldVersions
     prompts: list[PromptLeaseItem]
     examples: list[Example]
     prompt_token_ids: list[list[int]]
@@ -68,7 +110,19 @@ class GeneratedBatch:
     sampling: SamplingSpec | None = None  # what the engine sampled with (the batch records it for the trainer)
     # Multi-turn runs: each prompt's G closed episodes (``samples`` is then empty; bucketrl.envs).
     episodes: list[list[Episode]] | None = None
+    # Partial rollouts: spans[i][j], the versions that sampled prompt i's completion j; None: all by ``version``.
+    spans: list[list[list[VersionSpan]]] | None = None
     idempotency_key: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def version(self) -> int:
+        """The batch's version on the wire: the newest it sampled with."""
+        return self.held.newest.version
+
+    @property
+    def lease_id(self) -> str:
+        """The lease on :attr:`version` (read at submit: the keeper may have replaced an expired one)."""
+        return self.held.newest.lease_id
 
 
 class PromptLedger:
@@ -108,7 +162,6 @@ class Submitter:
         worker_id: str,
         pool: RewardPool,
         decode: Callable[[list[int]], str],
-        book: VersionBook,
         ledger: PromptLedger,
         metrics: GeneratorMetrics,
         use_msgpack: bool,
@@ -119,7 +172,6 @@ class Submitter:
         self.worker_id = worker_id
         self.pool = pool
         self.decode = decode
-        self.book = book
         self.ledger = ledger
         self.metrics = metrics
         self.use_msgpack = use_msgpack
@@ -256,6 +308,7 @@ class Submitter:
                 log.exception("submitting a batch failed; releasing its prompts")
                 self.release(item, "error")
             finally:
+                self.settle(item)
                 self._sent()
 
     def _handle(self, b: GeneratedBatch) -> None:
@@ -275,7 +328,10 @@ class Submitter:
         rewards = iter(scored)
         groups: list[RolloutGroup] = []
         bad: list[PromptLeaseItem] = []
-        for p, ids, group in zip(b.prompts, b.prompt_token_ids, b.samples, strict=True):
+        spans: list[list[list[VersionSpan] | None]] = (
+            [list(g) for g in b.spans] if b.spans is not None else [[None] * len(group) for group in b.samples]
+        )
+        for p, ids, group, group_spans in zip(b.prompts, b.prompt_token_ids, b.samples, spans, strict=True):
             group_scored = [next(rewards) for _ in group]
             if not well_formed(group):
                 bad.append(p)
@@ -286,8 +342,9 @@ class Submitter:
                     logprobs=[min(lp, 0.0) for lp in s.logprobs],  # fp rounding can give +1e-8
                     reward=r.value,
                     finish_reason=s.finish_reason,
+                    version_spans=sp,
                 )
-                for s, r in zip(group, group_scored, strict=True)
+                for s, r, sp in zip(group, group_scored, group_spans, strict=True)
             ]
             reward_errors: dict[str, str] = {}
             for r in group_scored:
@@ -336,8 +393,6 @@ class Submitter:
         self, b: GeneratedBatch, groups: list[RolloutGroup], prompt: str, completion: str, reward: float | None
     ) -> None:
         if not groups:
-            self.metrics.inflight(-len(b.prompts))
-            self.book.end(b.version)
             return
         nxt = self._take_next()
         batch = RolloutBatch(
@@ -365,8 +420,6 @@ class Submitter:
             self.metrics.sample(b.version, prompt, completion, reward)
         else:
             self.release_prompts(ids)
-        self.metrics.inflight(-len(b.prompts))
-        self.book.end(b.version)
 
     def _submit(self, batch: RolloutBatch, key: str) -> tuple[str, PromptLease | None]:
         """Submit until accepted or refused; the same key on every attempt. Returns the outcome, and the prompts
@@ -402,8 +455,13 @@ class Submitter:
     def release(self, b: GeneratedBatch, why: str) -> None:
         log.info("releasing %d prompt(s) of a v%d batch (%s)", len(b.prompts), b.version, why)
         self.release_prompts([p.prompt_id for p in b.prompts])
-        self.metrics.inflight(-len(b.prompts))
-        self.book.end(b.version)
+        self.settle(b)
+
+    def settle(self, b: GeneratedBatch) -> None:
+        """The one place a batch ends (submitted, refused, released): its versions go back to the book and its
+        prompts leave the in-flight count. Once per batch, whichever paths reach it."""
+        if b.held.give_back():
+            self.metrics.inflight(-len(b.prompts))
 
     def release_prompts(self, ids: list[str]) -> None:
         if not ids:

@@ -48,7 +48,7 @@ from bucketrl.generator.notice import Notice, NoticeExpired
 from bucketrl.generator.prompt_tokens import PromptTokens
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.staleness_guard import StaleCall, StalenessGuard
-from bucketrl.generator.submit import GeneratedBatch, PromptLedger, Submitter
+from bucketrl.generator.submit import GeneratedBatch, HeldVersions, PromptLedger, Submitter
 from bucketrl.generator.versions import AdapterVersions, release_version_lease
 from bucketrl.rewards import RewardPool
 from bucketrl.rollout.detokenize import complete_text
@@ -108,6 +108,7 @@ class GeneratorWorker:
         self.phase = "starting"
         self.notice = Notice()  # a preemption notice's deadline, once one is given
         self.guard = StalenessGuard(self.book, lambda: self.spec, self.metrics, enabled=settings.staleness_guard)
+        self.guard.switch_lag = settings.partial_switch_lag
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -206,6 +207,8 @@ class GeneratorWorker:
         # The engine first: vLLM forks its engine core, which must happen before this process has threads.
         if self.engine is None:
             self.engine = make_engine(s, spec)
+        # Partial rollouts need an engine that stops a call with its tokens kept (the others are guarded as before).
+        self.guard.continues = bool(getattr(self.engine, "continues_calls", False))
         if self.engine.max_model_len <= spec.sampling.max_new_tokens:
             raise preflight.ConfigError(
                 f"the engine holds {self.engine.max_model_len} tokens (BUCKETRL_MAX_MODEL_LEN, capped by the model), "
@@ -245,7 +248,6 @@ class GeneratorWorker:
             worker_id=self.worker_id,
             pool=self._pool,
             decode=lambda ids: complete_text(self.tokenizer, ids),
-            book=self.book,
             ledger=self.ledger,
             metrics=self.metrics,
             use_msgpack=s.use_msgpack,
@@ -462,10 +464,10 @@ class GeneratorWorker:
             self.submitter.release_prompts([p.prompt_id for p in prompts if p.prompt_id in held])
             return
         ids = [self.prompt_ids(p.index) for p in prompts]
-        self.book.begin(slot.version)
+        versions = HeldVersions(self.book)
+        versions.hold(slot.version)
         batch = GeneratedBatch(
-            version=slot.version,
-            lease_id=slot.lease_id,
+            held=versions,
             prompts=prompts,
             examples=[self.examples[p.index] for p in prompts],
             prompt_token_ids=ids,
@@ -473,7 +475,8 @@ class GeneratorWorker:
             sampling=spec.sampling,
         )
         try:
-            batch.samples = self.guard.generate(self.engine, slot, ids, spec, self._while_sampling)
+            out = self.guard.rollout(self.engine, versions, ids, spec, self._while_sampling)
+            batch.samples, batch.spans = out.samples, out.spans
         except (NoticeExpired, StaleCall) as exc:
             self.submitter.release(batch, str(exc))
             return

@@ -78,6 +78,23 @@ class Engine(Protocol):
         ...
 
 
+class StopAtStep(Exception):
+    """Raised by a ``while_running`` hook: stop the call at this step. An engine that can keep what it sampled so
+    far raises :class:`CallInterrupted` with it instead (partial rollouts); any other lets this propagate (the
+    call's work is lost)."""
+
+
+class CallInterrupted(Exception):
+    """A call stopped by :class:`StopAtStep`, with what it sampled so far: ``partial[i][j]`` is prompt i's j-th
+    completion, its tokens and behaviour logprobs up to the stop; ``finish_reason`` ``abort`` when it had not
+    ended (it may be continued from the prompt plus these tokens), ``stop``/``length`` when it had."""
+
+    def __init__(self, partial: list[list[SampledCompletion]], cause: StopAtStep) -> None:
+        super().__init__(str(cause))
+        self.partial = partial
+        self.cause = cause
+
+
 def begin_call(
     loaded: Collection[str], adapter: str, prompts: list[list[int]], while_running: Callable[[], None] | None
 ) -> bool:

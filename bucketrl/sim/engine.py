@@ -4,7 +4,10 @@ Each call takes the time :class:`bucketrl.sim.gpu.SimGpu` says a GPU of the stat
 (prefill, batched decode until the longest completion ends, long-tailed lengths) and returns well-formed
 samples: random token ids below the run's ``vocab_size``, one finite logprob <= 0 per token. The rest of the
 generator (leases, adapter download and sha256 check, prompt leases, scoring, submission) runs unchanged,
-which is what the simulation is for: measuring the system around the GPU. Its samples carry no meaning and
+which is what the simulation is for: measuring the system around the GPU. A hook that raises
+:class:`~bucketrl.rollout.engine.StopAtStep` cuts the call after the decode steps its time covered
+(:class:`~bucketrl.rollout.engine.CallInterrupted`); a continuation's prompt (the prompt plus the tokens so far) is
+prefilled and charged in full, as a real engine re-prefills under a new adapter. Its samples carry no meaning and
 its logprobs are not a policy's: never train on them (the simulated trainer of :mod:`bucketrl.sim.trainer`
 does not).
 
@@ -32,7 +35,7 @@ import numpy as np
 
 from bucketrl import errors
 from bucketrl.generator.engines.factory import register_engine
-from bucketrl.rollout.engine import SampledCompletion, begin_call
+from bucketrl.rollout.engine import CallInterrupted, SampledCompletion, StopAtStep, begin_call
 from bucketrl.sim.gpu import SimGpu, simulate_call
 
 if TYPE_CHECKING:
@@ -46,6 +49,7 @@ TOKENS_FILE_ENV = "BUCKETRL_SIM_TOKENS_FILE"
 
 class SimEngine:
     name = "sim"
+    continues_calls = True  # a StopAtStep hook keeps the tokens so far (partial rollouts)
 
     def __init__(
         self,
@@ -67,6 +71,9 @@ class SimEngine:
         self.busy_s = 0.0  # simulated GPU time spent (calls and loads)
         self.tokens_decoded = 0.0  # calls cut off included (their decoded part)
         self._tokens_file = os.environ.get(TOKENS_FILE_ENV) or None
+        # Partial rollouts: a completion cut at a step keeps the length it was drawn with; its continuation (the
+        # prompt plus its tokens so far) decodes the rest, so cutting changes no length. Keyed by those ids.
+        self._rest: dict[tuple[int, ...], int] = {}
 
     def load_adapter(self, name: str, version: int, path: str | Path) -> None:
         if name in self._adapters:
@@ -95,16 +102,45 @@ class SimEngine:
     ) -> list[list[SampledCompletion]]:
         if not begin_call(self._adapters, adapter, prompts, while_running):
             return []
+        prompt_lens = [len(p) for p in prompts]
+        lengths = None
+        if any(tuple(p) in self._rest for p in prompts):  # continuations: the rest of their drawn lengths
+            lengths = [
+                [min(self._rest.pop(tuple(p)), sampling.max_new_tokens)] * n
+                if tuple(p) in self._rest
+                else self.gpu.sample_lengths(self._rng, n, sampling.max_new_tokens, p)
+                for p in prompts
+            ]
         call = simulate_call(
             self.gpu,
             self._rng,
-            [len(p) for p in prompts],
+            prompt_lens,
             n=n,
             max_new_tokens=sampling.max_new_tokens,
             vocab_size=self.vocab_size,
+            lengths=lengths,
+            prompts=prompts,
         )
-        self._wait(call.seconds, while_running, tokens=sum(len(s.token_ids) for g in call.samples for s in g))
-        return [[SampledCompletion(s.token_ids, s.logprobs, s.finish_reason) for s in group] for group in call.samples]  # type: ignore[arg-type]
+        samples = [[SampledCompletion(s.token_ids, s.logprobs, s.finish_reason) for s in g] for g in call.samples]  # type: ignore[arg-type]
+        start, base = self._clock(), self.tokens_decoded
+        try:
+            self._wait(call.seconds, while_running, tokens=sum(len(s.token_ids) for g in samples for s in g))
+        except StopAtStep as stop:
+            self.busy_s -= max(0.0, call.seconds - (self._clock() - start))  # the GPU time it did not take
+            lengths = [[len(s.token_ids) for s in g] for g in samples]
+            k = self.gpu.steps_done(prompt_lens, lengths, self._clock() - start)
+            kept = [[self._cut(p, s, k) for s in g] for p, g in zip(prompts, samples, strict=True)]
+            self._decoded(base + sum(len(s.token_ids) for g in kept for s in g))  # what the steps decoded, exactly
+            raise CallInterrupted(kept, stop) from None
+        return samples
+
+    def _cut(self, prompt: list[int], s: SampledCompletion, steps: int) -> SampledCompletion:
+        """``s`` as it stood after ``steps`` decode steps; an unfinished one remembers the length left."""
+        if len(s.token_ids) <= steps:
+            return s
+        ids = s.token_ids[:steps]
+        self._rest[tuple(prompt + ids)] = len(s.token_ids) - steps
+        return SampledCompletion(ids, s.logprobs[:steps], "abort")
 
     def _wait(self, seconds: float, hook: Callable[[], None] | None, tokens: int = 0) -> None:
         """Spend ``seconds`` as the GPU would, calling ``hook`` every POLL_S meanwhile (between 'steps'); ``tokens``

@@ -24,6 +24,7 @@ tokens/s per sequence, 5k tokens/s at a batch of 64); every figure is a ``BUCKET
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,13 @@ class SimGpu(BaseSettings):
     load_adapter_s: float = Field(0.05, ge=0, description="Time to load one LoRA adapter into the engine.")
     length_median: float = Field(150.0, gt=0, description="Median completion length (tokens).")
     length_sigma: float = Field(1.0, ge=0, description="Lognormal shape of completion lengths (0 = all equal).")
+    length_prompt_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of the log-length variance that belongs to the prompt (a hard prompt is long again when "
+        "it is sampled again); 0: every completion drawn independently.",
+    )
 
     def tokens_per_s_per_seq(self, batch: int) -> float:
         return 1.0 / (self.decode_step_s + batch * self.decode_step_per_seq_s)
@@ -56,10 +64,34 @@ class SimGpu(BaseSettings):
         prefill = sum(prompt_lens) / self.prefill_tokens_per_s
         return prefill + max(flat) * self.decode_step_s + sum(flat) * self.decode_step_per_seq_s
 
-    def sample_lengths(self, rng: np.random.Generator, count: int, max_new_tokens: int) -> list[int]:
+    def steps_done(self, prompt_lens: list[int], lengths: list[list[int]], elapsed_s: float) -> int:
+        """Decode steps a call of :meth:`call_seconds` has completed ``elapsed_s`` after it started."""
+        flat = sorted(n for group in lengths for n in group)
+        t = sum(prompt_lens) / self.prefill_tokens_per_s
+        k = 0
+        for i, n in enumerate(flat):  # between two completions' ends the batch is constant: whole stretches at once
+            running = len(flat) - i
+            per_step = self.decode_step_s + running * self.decode_step_per_seq_s
+            stretch = n - k
+            if t + stretch * per_step > elapsed_s:
+                return k + max(0, int((elapsed_s - t) / per_step))
+            t += stretch * per_step
+            k = n
+        return k
+
+    def sample_lengths(
+        self, rng: np.random.Generator, count: int, max_new_tokens: int, prompt: list[int] | None = None
+    ) -> list[int]:
         raw = rng.lognormal(math.log(self.length_median), self.length_sigma, count) if self.length_sigma else None
         if raw is None:
             raw = np.full(count, self.length_median)
+        elif self.length_prompt_share and prompt is not None:
+            # The prompt's own draw (the same every time it is sampled), mixed with each completion's.
+            own = np.random.default_rng(zlib.crc32(np.asarray(prompt, dtype=np.int64).tobytes())).standard_normal()
+            z = (np.log(raw) - math.log(self.length_median)) / self.length_sigma
+            share = self.length_prompt_share
+            mixed = math.sqrt(share) * own + math.sqrt(1 - share) * z
+            raw = np.exp(math.log(self.length_median) + self.length_sigma * mixed)
         return np.clip(np.rint(raw), 1, max_new_tokens).astype(np.int64).tolist()
 
 
@@ -88,10 +120,16 @@ def simulate_call(
     n: int,
     max_new_tokens: int,
     vocab_size: int,
+    lengths: list[list[int]] | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> SimCall:
-    """Sample ``n`` completions per prompt: long-tailed lengths, token ids in ``[0, vocab_size)``, behaviour
-    logprobs finite and <= 0 (an exponential spread, as a tempered softmax gives), and the call's duration."""
-    lengths = [gpu.sample_lengths(rng, n, max_new_tokens) for _ in prompt_lens]
+    """Sample ``n`` completions per prompt: long-tailed lengths (or ``lengths``, given), token ids in
+    ``[0, vocab_size)``, behaviour logprobs finite and <= 0 (an exponential spread, as a tempered softmax gives),
+    and the call's duration."""
+    if lengths is None:
+        lengths = [gpu.sample_lengths(rng, n, max_new_tokens, p) for p in prompts] if prompts else None
+    if lengths is None:
+        lengths = [gpu.sample_lengths(rng, n, max_new_tokens) for _ in prompt_lens]
     samples: list[list[SimSample]] = []
     for group in lengths:
         out = []

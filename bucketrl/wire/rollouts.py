@@ -154,8 +154,9 @@ class Completion(WireModel):
     # the group or on none (None: each completion is its own episode). Multi-turn only.
     episode: int | None = Field(None, ge=0, le=1023, exclude_if=_is_none)
     # Partial rollouts (a run with ``partial_rollouts``; single-turn only): which version sampled which tokens,
-    # contiguous spans in order covering every token, versions non-decreasing, the last one the batch's
-    # ``version``. None: the batch's ``version`` sampled every token (omitted then: bytes as before spans).
+    # contiguous spans in order covering every token, versions non-decreasing, the last one at most the batch's
+    # ``version`` (a completion that ended before its siblings went on under a newer version keeps its own).
+    # None: the batch's ``version`` sampled every token (omitted then: bytes as before spans).
     version_spans: list[VersionSpan] | None = Field(
         None, min_length=1, max_length=MAX_VERSION_SPANS, fail_fast=True, exclude_if=_is_none
     )
@@ -297,14 +298,15 @@ def _check_spans(spans: list[VersionSpan], n_tokens: int) -> None:
 
 
 def _check_newest_span(groups: "list[RolloutGroup]", version: int) -> None:
-    """Each completion's last span is the batch's ``version`` (what the proxy's staleness checks read)."""
+    """No completion's last span is newer than the batch's ``version`` (the newest version that sampled a token of
+    the batch). Older is fine: a completion that finished before its siblings went on under a newer version keeps
+    its own spans (partial rollouts), and a delivery of one group of such a batch may hold only those."""
     for g, group in enumerate(groups):
         for c, comp in enumerate(group.completions):
-            if comp.version_spans is not None and comp.version_spans[-1].version != version:
+            if comp.version_spans is not None and (last := comp.version_spans[-1].version) > version:
                 raise ValueError(
-                    f"groups[{g}].completions[{c}].version_spans: the last span's version "
-                    f"{comp.version_spans[-1].version} is not the batch's version {version} (the newest version "
-                    "that sampled a token)"
+                    f"groups[{g}].completions[{c}].version_spans: the last span's version {last} is newer than the "
+                    f"batch's version {version} (the newest version that sampled a token)"
                 )
 
 

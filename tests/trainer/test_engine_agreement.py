@@ -78,3 +78,83 @@ def test_transformers_engine_agrees_with_the_trainer(tiny_model_dir: Path, tmp_p
 @pytest.mark.vllm
 def test_vllm_engine_agrees_with_the_trainer(tiny_model_dir: Path, tmp_path: Path) -> None:
     check_engine_agrees_with_trainer("vllm", tiny_model_dir, tmp_path, max_model_len=256, gpu_memory_utilization=0.2)
+
+
+def test_a_continued_completion_agrees_with_the_trainer_per_version(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Partial rollouts on the transformers engine: calls cut at a step under v3 and continued from the prompt ids
+    plus the tokens so far under v4. Each token's behaviour logprob is what the trainer computes under the version
+    its span names (a continuation re-tokenised, or sampled under v3, or its cut token dropped, would not be)."""
+    from bucketrl.generator import partial_rollouts
+    from bucketrl.generator.adapters import VersionBook
+    from bucketrl.generator.engines import transformers_engine
+    from bucketrl.generator.submit import HeldVersions
+    from bucketrl.rollout.engine import StopAtStep
+
+    monkeypatch.setattr(transformers_engine, "POLL_S", 0.0)  # the hook at every step: cut at a step we choose
+    sampling = SamplingSpec(temperature=1.0, max_new_tokens=10)
+    spec = tiny_spec(tiny_model_dir, lora=LoraSpec(r=8, alpha=16.0), sampling=sampling, group_size=3)
+    learner = Learner(spec, settings(micro_token_budget=64))
+    dirs = {}
+    for v, seed in ((3, 5), (4, 6)):
+        perturb_adapter(learner.policy, seed=seed, scale=0.3)
+        dirs[v] = learner.policy.save_adapter(tmp_path / f"v{v}")
+    engine = make_engine(GeneratorSettings(engine="transformers", seed=0), spec)
+    book = VersionBook("run")
+    book.add(3, "L3", dirs[3], 0.0)
+    engine.load_adapter(book.name(3), 3, dirs[3])
+    book.mark_loaded(3)
+    held = HeldVersions(book)
+    held.hold(3)
+    steps = [0]
+
+    def hook(slot: object) -> None:  # v4 arrives after 4 steps of v3: the call goes on under it
+        steps[0] += 1
+        if steps[0] == 5:
+            book.add(4, "L4", dirs[4], 0.0)
+            engine.load_adapter(book.name(4), 4, dirs[4])
+            book.mark_loaded(4)
+        if partial_rollouts.overtaken(book, slot.version, 4, spec, 1):  # type: ignore[attr-defined]
+            raise StopAtStep("v4")
+
+    try:
+        out = partial_rollouts.sample_partial(engine, held, book, PROMPTS, spec, hook)
+    finally:
+        engine.close()
+    assert out.spans is not None and out.continuations >= 1 and held.versions() == [3, 4]
+    mixed = [sp for group in out.spans for sp in group if len(sp) == 2]
+    assert mixed and all(sp[0].version == 3 and sp[0].end == 4 and sp[1].version == 4 for sp in mixed)
+    groups = [
+        RolloutGroup(
+            prompt_id=f"0-{i}",
+            prompt_index=i,
+            prompt_token_ids=prompt,
+            completions=[
+                Completion(token_ids=s.token_ids, logprobs=s.logprobs, reward=float(j % 2), version_spans=sp)
+                for j, (s, sp) in enumerate(zip(samples, spans, strict=True))
+            ],
+        )
+        for i, (prompt, samples, spans) in enumerate(zip(PROMPTS, out.samples, out.spans, strict=True))
+    ]
+    for s in (s for g in out.samples for s in g):
+        assert len(s.token_ids) <= sampling.max_new_tokens and s.finish_reason in ("stop", "length")
+    # The trainer's path under each version, one sample per micro-batch; only that version's tokens compared.
+    samples, _ = learner.build_samples([StepGroup(g, 4, "gen-x") for g in groups])
+    versions = {
+        (tuple(g.prompt_token_ids), tuple(c.token_ids)): c.token_versions(4) for g in groups for c in g.completions
+    }
+    checked = {3: 0, 4: 0}
+    for v in (3, 4):
+        learner.policy.load_adapter(dirs[v])
+        for smp in samples:
+            (mb,) = make_micro_batches([smp], 10**6, learner.policy.pad_id)
+            with torch.no_grad():
+                lp, _ = learner.policy.token_logprobs(mb)
+            sel = mb.mask[0].bool()
+            diff = (lp[0][sel] - mb.behaviour[0][sel]).abs()
+            own = torch.tensor(versions[(tuple(smp.prompt_ids), tuple(smp.completion_ids))][: diff.shape[0]]) == v
+            if own.any():
+                assert float(diff[own.to(diff.device)].max()) < 1e-3, v
+                checked[v] += int(own.sum())
+    assert checked[3] > 0 and checked[4] > 0, checked

@@ -12,7 +12,10 @@ Weight sync while sampling: ``generate`` calls its ``while_running`` hook before
 between decode steps at most every ``POLL_S``, so a version published during a long call is loaded within
 about one poll (the worker's hook loads the newest fetched adapter) instead of after the call. Loading an
 adapter leaves the active one alone (peft), and the call re-activates its own adapter if a hook changed it:
-every token of a call is sampled from the adapter the call was made with.
+every token of a call is sampled from the adapter the call was made with. A hook that raises
+:class:`~bucketrl.rollout.engine.StopAtStep` stops the call between two steps with its tokens kept
+(:class:`~bucketrl.rollout.engine.CallInterrupted`): partial rollouts continue them under a newer adapter, from
+the prompt plus those token ids (a new prefill: a KV cache computed under one adapter is not another's).
 
 Adapters are served in the dtype the base computes in (``adapter_dtype``: float32 on the CPU, bfloat16 on a GPU),
 as vLLM serves them: a file in another dtype is cast on load (round to nearest even), so a bfloat16 engine holds
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors
 from bucketrl.logprobs import process_logits, sampled_token_logprobs
-from bucketrl.rollout.engine import BASE_ADAPTER, SampledCompletion, begin_call
+from bucketrl.rollout.engine import BASE_ADAPTER, CallInterrupted, SampledCompletion, StopAtStep, begin_call
 
 if TYPE_CHECKING:
     from bucketrl.generator.settings import GeneratorSettings
@@ -46,6 +49,7 @@ POLL_S = 0.05
 
 class TransformersEngine:
     name = "transformers"
+    continues_calls = True  # a StopAtStep hook keeps the tokens so far (partial rollouts)
 
     def __init__(self, model_path: str, *, settings: GeneratorSettings, spec: RunSpec) -> None:
         import torch
@@ -208,7 +212,12 @@ class TransformersEngine:
             if step + 1 == max_new or not bool(keep.any()):
                 break
             if poll is not None:
-                poll()
+                try:
+                    poll()
+                except StopAtStep as stop:  # partial rollouts: keep what each row sampled; live rows go on later
+                    for row in live[keep].tolist():
+                        reasons[row] = "abort"
+                    raise CallInterrupted(self._grouped(tokens, logps, reasons, b, n), stop) from None
             if not bool(keep.all()):
                 idx = keep.nonzero().squeeze(-1)
                 cache.batch_select_indices(idx)
@@ -224,7 +233,13 @@ class TransformersEngine:
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
-        samples = [SampledCompletion(tokens[r], logps[r], reasons[r]) for r in range(rows)]  # type: ignore[arg-type]
+        return self._grouped(tokens, logps, reasons, b, n)
+
+    @staticmethod
+    def _grouped(
+        tokens: list[list[int]], logps: list[list[float]], reasons: list[str], b: int, n: int
+    ) -> list[list[SampledCompletion]]:
+        samples = [SampledCompletion(tokens[r], logps[r], reasons[r]) for r in range(b * n)]  # type: ignore[arg-type]
         return [samples[i * n : (i + 1) * n] for i in range(b)]
 
     def close(self) -> None:

@@ -1,0 +1,256 @@
+"""Long, heavy-tailed completions under a fast trainer: today's guard vs. finishing old vs. partial rollouts (issue 35).
+
+    .venv/bin/python bench/long_tail.py                                  # 4 generators, 45 s per mode
+    .venv/bin/python bench/long_tail.py --duration-s 90 --modes guard,partial --json /tmp/long_tail.json
+
+Built from ``bench/preemption.py``'s pieces (fleet of real ``bucketrl generator`` processes on the simulated engine,
+the proxy on a thread of this process, ``redis-server``), with its own trainer stand-in. Completion lengths are
+lognormal (median ``--length-median``, shape ``--length-sigma``, half of the log-variance the prompt's own:
+a hard prompt is long again when it is sampled again) capped at ``--max-new-tokens`` (3,000), so a call
+(2 prompts x G=4) ends when the longest of 8 ends; the trainer's step (``--step-s``) is far shorter than the longest
+call, so versions come while long calls run. With the defaults versions come about once a second here, so a
+3,000-token call (12 s) lasts about three times the staleness window (4 versions). Modes (one proxy, bucket and
+fleet each, run one after the other):
+
+- ``guard``: ``max_staleness`` 4, the staleness guard on (today): a call whose version leaves the window is
+  abandoned and its prompts requeued; its decoded tokens are wasted.
+- ``finish``: the window wide enough (``--finish-window``) that every call finishes and is accepted on its old
+  version: nothing is wasted to staleness, but tokens are trained that many versions old.
+- ``partial``: ``max_staleness`` 4 with ``partial_rollouts``: an overtaken call goes on under the newer version
+  (the simulated engine charges each continuation's prefill: the prompt plus the completion so far).
+
+The trainer stand-in claims ``--groups-per-step`` groups (``min_version`` = latest - window: the proxy drops stale
+groups at claim), trains every token whose version (``Completion.token_versions``: partial rollouts' spans) is in
+the window and masks the rest (counted as wasted), sleeps ``--step-s``, acks and publishes the next version.
+
+Per mode it prints: trained tokens/s over the measured window, tokens decoded (the engines' count, cut calls
+included) and wasted to staleness (decoded and never trained: abandoned calls, stale drops, masked tokens), the
+trained tokens' staleness (latest version at training - the token's version; p50 and max), the trainer's idle
+share (waiting for groups), continuations, and groups lost or trained twice (both must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from bench.preemption import RUN, Fleet
+from bucketrl.tasks.tiny_model import build_tiny_model
+from bucketrl.wire import DatasetSpec, RewardSpec, RunSpec, SamplingSpec
+from tests.generator.helpers import run_spec
+from tests.proxy.harness import ProxyHarness, adapter_tar, running
+from tests.support.services import RedisServer
+
+GROUP, STALENESS = 4, 4
+
+
+class Trainer(threading.Thread):
+    """Claims a step's groups, trains the tokens in the window (masks the rest), acks, publishes v+1."""
+
+    def __init__(self, proxy: ProxyHarness, groups_per_step: int, step_s: float, window: int) -> None:
+        super().__init__(daemon=True, name="trainer")
+        self.client = proxy.client(RUN, "trainer", retries=3)
+        self.client.register_trainer("trainer")
+        self.client.publish_adapter(1, adapter_tar(1))
+        self.groups_per_step, self.step_s, self.window = groups_per_step, step_s, window
+        self.stop, self.version, self.steps = threading.Event(), 1, 0
+        self.trained_tokens = self.masked_tokens = self.mixed_tokens = 0
+        self.staleness: list[np.ndarray] = []  # per trained token: latest - its version (measured window only)
+        self.prompts: list[str] = []
+        self.idle_s = 0.0
+        self.idle_since: float | None = None
+        self.measuring = False
+        self.window_tokens = 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            got, ids = [], []
+            t0 = time.monotonic()
+            while len(got) < self.groups_per_step and not self.stop.is_set():
+                want = self.groups_per_step - len(got)
+                claim = self.client.claim("trainer", want, wait_s=0.5, min_version=max(1, self.version - self.window))
+                self.idle_since = None if claim.deliveries else (self.idle_since or time.monotonic())
+                for d in claim.deliveries:
+                    got += [(g, d.version) for g in d.groups]
+                    ids.append(d.delivery_id)
+            if self.measuring:
+                self.idle_s += time.monotonic() - t0
+            if not got:
+                continue
+            time.sleep(self.step_s)
+            self.client.ack(ids)
+            for g, version in got:
+                self.prompts.append(g.prompt_id)
+                for c in g.completions:
+                    tv = np.asarray(c.token_versions(version))
+                    keep = tv >= self.version - self.window
+                    n = int(keep.sum())
+                    self.trained_tokens += n
+                    self.masked_tokens += len(tv) - n
+                    if c.version_spans is not None and len(c.version_spans) > 1:
+                        self.mixed_tokens += n
+                    if self.measuring:
+                        self.window_tokens += n
+                        self.staleness.append(self.version - tv[keep])
+            self.version += 1
+            self.client.publish_adapter(self.version, adapter_tar(self.version))
+            self.steps += 1
+
+
+def mode_spec(mode: str, model_dir: Path, args: argparse.Namespace) -> RunSpec:
+    spec = run_spec(
+        model_dir,
+        group_size=GROUP,
+        max_staleness=args.finish_window if mode == "finish" else STALENESS,
+        groups_per_step=args.groups_per_step,
+        queue_capacity_groups=4 * args.groups_per_step,
+        sampling=SamplingSpec(temperature=1.0, max_new_tokens=args.max_new_tokens),
+        reward=RewardSpec(name="exact"),
+        dataset=DatasetSpec(uri="toy:digits", size=20_000),
+    )
+    return spec.model_copy(update={"partial_rollouts": mode == "partial"})
+
+
+def scenario(mode: str, args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
+    server = RedisServer(tmp / f"redis-{mode}", persistent=False).start()
+    logs = tmp / f"logs-{mode}"
+    logs.mkdir()
+    env = {
+        "BUCKETRL_MAX_MODEL_LEN": str(args.max_new_tokens + 512),
+        "BUCKETRL_SIM_LENGTH_MEDIAN": str(args.length_median),
+        "BUCKETRL_SIM_LENGTH_SIGMA": str(args.length_sigma),
+        "BUCKETRL_SIM_LENGTH_PROMPT_SHARE": str(args.length_prompt_share),
+        "BUCKETRL_SIM_DECODE_STEP_PER_SEQ_S": "0.00005",
+        "BUCKETRL_SIM_PREFILL_TOKENS_PER_S": str(args.prefill_tokens_per_s),
+        "BUCKETRL_STALENESS_GUARD": "true",
+    }
+    spec = mode_spec(mode, model_dir, args)
+    try:
+        with running(server.url, f"file://{tmp}/bucket-{mode}") as proxy:
+            proxy.client(RUN, "trainer").put_run(spec)
+            trainer = Trainer(proxy, args.groups_per_step, args.step_s, spec.max_staleness)
+            fleet = Fleet(proxy, model_dir, logs, args, classes=[("h100", 3.0, args.decode_step_s)], env=env)
+            for slot in range(args.generators):
+                fleet.start(slot)
+            trainer.start()
+            try:
+                window_s, steps = _measure(fleet, trainer, args)
+            finally:
+                fleet.stop_all(timeout_s=60)  # SIGINT: they submit what they hold (killed if not done by then)
+            _drain(trainer)
+            status = proxy.client(RUN, "viewer").status()
+    finally:
+        server.kill()
+    return figures(mode, spec.max_staleness, fleet, trainer, status, window_s, steps)
+
+
+def _measure(fleet: Fleet, trainer: Trainer, args: argparse.Namespace) -> tuple[float, int]:
+    """Warm up (the fleet up, a first step), then measure ``duration_s``: the window's seconds and steps."""
+    deadline = time.monotonic() + 120
+    while trainer.steps < 1 and time.monotonic() < deadline:  # warm-up: the fleet up, a first step
+        fleet.observe()
+        time.sleep(0.5)
+    trainer.measuring, t0, steps0 = True, time.monotonic(), trainer.steps
+    while time.monotonic() < t0 + args.duration_s:
+        fleet.observe()
+        time.sleep(0.5)
+    trainer.measuring, window_s = False, time.monotonic() - t0
+    return window_s, trainer.steps - steps0
+
+
+def figures(
+    mode: str, max_staleness: int, fleet: Fleet, trainer: Trainer, status: Any, window_s: float, steps: int
+) -> dict[str, Any]:
+    q = status.queue
+    decoded = fleet.tokens_decoded()
+    stale = np.concatenate(trainer.staleness) if trainer.staleness else np.zeros(0)
+    metric = lambda name: sum(m.get(name, 0.0) for m in fleet.metrics.values())  # noqa: E731
+    return {
+        "mode": mode,
+        "max_staleness": max_staleness,
+        "trained_tokens_per_s": round(trainer.window_tokens / window_s, 1),
+        "steps_per_s": round(steps / window_s, 3),
+        "tokens_decoded": int(decoded),
+        "tokens_trained": trainer.trained_tokens,
+        "tokens_wasted_stale": int(max(0.0, decoded - trainer.trained_tokens)),
+        "tokens_masked": trainer.masked_tokens,
+        "mixed_version_share": round(trainer.mixed_tokens / max(1, trainer.trained_tokens), 3),
+        "token_staleness_p50": float(np.percentile(stale, 50)) if stale.size else None,
+        "token_staleness_max": int(stale.max()) if stale.size else None,
+        "trainer_idle_share": round(trainer.idle_s / window_s, 3),
+        "stale_abandoned_groups": metric("rollout/stale_abandoned_total"),
+        "continuations": metric("rollout/continuations_total"),
+        "stale_at_claim": q.dropped_stale_total,
+        "groups_lost": q.accepted_total - (q.acked_total + q.dropped_stale_total + q.groups + q.pending),
+        "groups_trained_twice": len(trainer.prompts) - len(set(trainer.prompts)),
+        "window_s": round(window_s, 1),
+    }
+
+
+def _drain(trainer: Trainer) -> None:
+    """Let the trainer take what is queued (a partial last step too), then stop it."""
+    trainer.groups_per_step = 1
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (trainer.idle_since and time.monotonic() - trainer.idle_since > 3):
+        time.sleep(0.2)
+    trainer.stop.set()
+    trainer.join(15)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--generators", type=int, default=4)
+    p.add_argument("--duration-s", type=float, default=45.0, help="measured window per mode (after the warm-up)")
+    p.add_argument("--modes", default="guard,finish,partial")
+    p.add_argument("--groups-per-step", type=int, default=2)
+    p.add_argument("--step-s", type=float, default=0.2, help="the stand-in trainer's time per step")
+    p.add_argument("--max-new-tokens", type=int, default=3000)
+    p.add_argument("--length-median", type=float, default=150.0)
+    p.add_argument("--length-sigma", type=float, default=1.2)
+    p.add_argument(
+        "--length-prompt-share",
+        type=float,
+        default=0.5,
+        help="share of the log-length variance that is the prompt's: a requeued hard prompt is long again",
+    )
+    p.add_argument("--decode-step-s", type=float, default=0.004, help="the simulated GPU's decode step")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
+    p.add_argument("--finish-window", type=int, default=64, help="finish mode's max_staleness")
+    p.add_argument("--metrics-interval-s", type=float, default=0.5)
+    p.add_argument("--prompt-lease-ttl-s", type=float, default=30.0)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bucketrl-long-tail-"))
+    model_dir = build_tiny_model(tmp / "model")
+    # The simulated engine holds no model (the tiny one gives the tokenizer and the checks): room for 3,000 tokens.
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = args.max_new_tokens + 512
+    (model_dir / "config.json").write_text(json.dumps(config))
+    by_mode: dict[str, dict[str, Any]] = {}
+    for mode in args.modes.split(","):
+        t0 = time.monotonic()
+        r = scenario(mode, args, model_dir, tmp)
+        r["wall_s"] = round(time.monotonic() - t0, 1)
+        print(json.dumps(r), flush=True)
+        by_mode[mode] = r
+    if "guard" in by_mode and "partial" in by_mode:
+        g, pr = by_mode["guard"], by_mode["partial"]
+        speed = pr["trained_tokens_per_s"] / max(g["trained_tokens_per_s"], 1e-9)
+        waste = pr["tokens_wasted_stale"] / max(g["tokens_wasted_stale"], 1)
+        print(f"partial / guard: trained tokens/s {speed:.2f}x, tokens wasted to staleness {waste:.2f}x", flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"by_mode": by_mode, "args": vars(args) | {"json": str(args.json)}}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bucketrl.tasks.tiny_model import build_tiny_model
 from bucketrl.wire import DatasetSpec, Delivery, EnvSpec, EpisodeSpec, RewardSpec, RunSpec, SamplingSpec
 from tests.generator.helpers import make_adapter, teacher_forced_logprobs
 from tests.generator.worker_support import Consumer, create_run, running_worker, wait_until, worker_settings
@@ -61,9 +62,18 @@ def check_trajectories(d: Delivery, spec: RunSpec, model_dir: Path, adapter: Pat
     return checked
 
 
-def test_a_multi_turn_run_submits_groups_of_episodes(
-    proxy: ProxyHarness, tiny_model_dir: Path, adapter_v1: Path
-) -> None:
+@pytest.fixture(scope="module")
+def chars_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The character-level tiny model: every sampled token is the canonical encoding of its text, so a turn's
+    re-rendered history extends the previous sequence and an episode's turns can stay one sample. With the
+    byte-level BPE, the random model's turns seldom re-encode to what was sampled (stray bytes read back as
+    U+FFFD, non-canonical merges), so whether any episode stays whole is luck."""
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("mt-chars"), tokenizer="chars")
+    return model_dir, make_adapter(model_dir, tmp_path_factory.mktemp("mt-chars-adapter") / "v1", seed=21)
+
+
+def test_a_multi_turn_run_submits_groups_of_episodes(proxy: ProxyHarness, chars_model: tuple[Path, Path]) -> None:
+    tiny_model_dir, adapter_v1 = chars_model
     # Chatty: every episode takes max_turns turns with tool results or user messages between them (toy:tools' own
     # environment, at the start of training, rarely gets past the first turn: tests/e2e/test_up_tools.py runs it).
     run = {**TOOLS_RUN, "env": EnvSpec(name="tests.envs.env_fixtures:Chatty")}

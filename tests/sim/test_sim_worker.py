@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from bucketrl.rollout.detokenize import complete_text
 from bucketrl.sim import engine as sim_engine
 from bucketrl.tarball import pack_dir
 from tests.generator.helpers import make_adapter
@@ -44,4 +45,4 @@ def test_generator_worker_runs_on_the_sim_engine(proxy: ProxyHarness, tiny_model
                 assert all(0 <= t < spec.vocab_size for t in c.token_ids)
                 assert all(math.isfinite(lp) and lp <= 0 for lp in c.logprobs)
                 # the run's reward function scored the decoded (simulated) completion
-                assert c.reward == float(len(tok.decode(c.token_ids, skip_special_tokens=True)))
+                assert c.reward == float(len(complete_text(tok, c.token_ids)))

@@ -29,11 +29,11 @@ from bucketrl.wire import SamplingSpec
 from tests.gateway.trl_cpu import cpu_varlen_attention, patch_trl_for_cpu, trl_trainer
 from tests.generator.helpers import teacher_forced_logprobs
 
-STEPS = 24
+STEPS = 32
 # 4 groups of 8 completions of 8 tokens a step (two steps' worth in flight): 256 tokens, so one step's mean reward
 # (the even-id share) has a standard deviation of about 0.038 when nothing learns (0.036 to 0.040 in three runs with
 # learning_rate=0; a coin flip per token gives 0.5 / 16 = 0.031). Learning lifts it from about 0.47 to about 0.63
-# over the last 8 steps (the cap for this model is about 0.67: trl_cpu.even_ids_reward). bench/trl_reward.py runs
+# over the last steps (the cap for this model is about 0.67: trl_cpu.even_ids_reward). bench/trl_reward.py runs
 # the same settings.
 # Temperature 0.4: the cap scales with the logit range over the temperature, and the even half of the byte-level
 # BPE's 320 tokens has a mean embedding about sqrt(5) times shorter than the even half of the 64 tokens the tiny
@@ -46,10 +46,11 @@ LEARNS = {
     "max_inflight": 64,
     "temperature": 0.4,
 }
-# The mean reward of the last 8 steps beats that of the first 4 by MARGIN: 2.6 standard deviations of that
-# difference when nothing learns (0.038 * sqrt(1/4 + 1/8) = 0.023), about a 0.5% chance to pass by luck. With
-# learning_rate=0 the test fails there (docs/trl.md).
-FIRST, LAST, MARGIN = 4, 8, 0.06
+# The mean reward of the last 12 steps beats that of the first 4 by MARGIN: 2.7 standard deviations of that
+# difference when nothing learns (0.038 * sqrt(1/4 + 1/12) = 0.022), under a 0.5% chance to pass by luck. With
+# learning_rate=0 the test fails there (docs/trl.md). 24 steps with the last 8 once fell short on a loaded fresh-clone
+# run (0.514 -> 0.569): the BPE model learns more slowly, and 8 more steps give it room.
+FIRST, LAST, MARGIN = 4, 12, 0.06
 
 REPO = Path(__file__).resolve().parents[2]
 

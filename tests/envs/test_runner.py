@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bucketrl.envs.loader import make_env
 from bucketrl.envs.tools import tool_schema
 from bucketrl.rollout.example import Example
@@ -16,6 +18,7 @@ from tests.envs.support import episode_spec, harness
 EXAMPLE = Example(index=0, prompt="q?", answer="odd")
 
 
+@pytest.mark.slow  # waits out episode timeouts (6-8 s)
 def test_each_failure_is_its_episodes_own(tiny_model_dir: Path, adapter_dir: Path) -> None:
     spec = episode_spec(tiny_model_dir, episode_timeout_s=8.0).model_copy(update={"group_size": 7})
     env = make_env("tests.envs.env_fixtures:Faulty", {})
@@ -41,6 +44,7 @@ def test_each_failure_is_its_episodes_own(tiny_model_dir: Path, adapter_dir: Pat
     assert all(e.closed for e in eps)
 
 
+@pytest.mark.slow  # waits out episode timeouts (6-8 s)
 def test_a_blocking_environment_runs_in_a_thread_and_times_out(tiny_model_dir: Path, adapter_dir: Path) -> None:
     spec = episode_spec(tiny_model_dir, episode_timeout_s=3.0)
     env = make_env("tests.envs.env_fixtures:BlockingHang", {})

@@ -28,7 +28,8 @@ from bucketrl.sim.netlab.delay import DelayRelay
 from bucketrl.sim.netlab.drop import DropMode
 
 # alone: the lab measures RTT, rates and stall times.
-pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
+# slow: 18 s alone (the other worker idles), so make test-fast leaves it to make test.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.alone, pytest.mark.slow]
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
 PROBE = [sys.executable, "-m", "bucketrl.sim.netlab.probe"]

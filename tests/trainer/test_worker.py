@@ -227,6 +227,7 @@ class _RecordingWorker(TrainerWorker):
         super()._push(step, stats, report_eval=report_eval)
 
 
+@pytest.mark.slow  # about a minute of real training steps: make test runs it, make test-fast does not
 def test_no_trained_group_is_staler_than_max_staleness(
     redis_server: RedisServer, tmp_path: Path, tiny_model_dir: Path
 ) -> None:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from bench.preemption import RUN, Fleet
+from bench.preemption import RUN, Fleet, _drain_queue
 from bucketrl.tasks.tiny_model import build_tiny_model
 from bucketrl.wire import DatasetSpec, RewardSpec, RunSpec, SamplingSpec
 from tests.generator.helpers import run_spec
@@ -147,7 +147,7 @@ def scenario(mode: str, args: argparse.Namespace, model_dir: Path, tmp: Path) ->
                 window_s, steps = _measure(fleet, trainer, args)
             finally:
                 fleet.stop_all(timeout_s=60)  # SIGINT: they submit what they hold (killed if not done by then)
-            _drain(trainer)
+            _drain_queue(trainer)
             status = proxy.client(RUN, "viewer").status()
     finally:
         server.kill()
@@ -195,16 +195,6 @@ def figures(
         "groups_trained_twice": len(trainer.prompts) - len(set(trainer.prompts)),
         "window_s": round(window_s, 1),
     }
-
-
-def _drain(trainer: Trainer) -> None:
-    """Let the trainer take what is queued (a partial last step too), then stop it."""
-    trainer.groups_per_step = 1
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (trainer.idle_since and time.monotonic() - trainer.idle_since > 3):
-        time.sleep(0.2)
-    trainer.stop.set()
-    trainer.join(15)
 
 
 def main() -> None:

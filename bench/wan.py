@@ -3,7 +3,7 @@
     sudo .venv/bin/python bench/wan.py --rtt-ms 0,50,150 --generators 8 --duration-s 45 --json /tmp/wan.json
     sudo .venv/bin/python bench/wan.py --rtt-ms 100 --drop-s 10            # drop region a's link for 10 s
     sudo .venv/bin/python bench/wan.py --rtt-ms 80 --mode direct,relay     # with one `bucketrl relay` per region
-    sudo .venv/bin/python bench/wan.py --rtt-ms 80 --mode relay --tls --generators 2 --adapter-mb 37 --ablation
+    sudo .venv/bin/python bench/wan.py --rtt-ms 0,80 --mode relay --tls --generators 2 --adapter-mb 37 --ablation
 
 Root only: it builds a :class:`bucketrl.sim.netlab.Lab`. The scale simulation's parts (:mod:`bucketrl.sim.cluster`,
 all real but the GPU: ``redis-server``, ``bucketrl proxy``, moto S3 behind the slow S3 front, the real trainer
@@ -472,7 +472,15 @@ ABLATION = {
     ("float32", True): "staging_only",
     ("bfloat16", True): "both",
 }
-ABLATION_KEYS = ("sync_p50_s", "sync_p99_s", "publish_p50_s", "sync_after_commit_p50_s", "link_floor_s")
+ABLATION_KEYS = (
+    "sync_p50_s",
+    "sync_p99_s",
+    "publish_p50_s",
+    "sync_after_commit_p50_s",
+    "link_floor_s",
+    "steps_per_s_vs_loopback",
+    "fleet_cpu_share",
+)
 
 
 def ablation(points: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

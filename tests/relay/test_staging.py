@@ -210,6 +210,7 @@ class Direct:
                 assert up.thread.is_alive() and up.status == 0  # the trainer is still uploading: nothing committed
                 return
             time.sleep(0.05)
+        up.go.set()  # the proxy cannot stop while an upload is held
         raise AssertionError(f"the generator never had half the staged upload: {self.log.read_text()[-2000:]}")
 
     def dropped(self, version: int) -> None:

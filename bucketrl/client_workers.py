@@ -13,6 +13,8 @@ from bucketrl.wire.metrics import DrainNotice, DrainRequest
 
 
 class WorkerOpsClient(PoolClient):
+    run: str  # provided by ProxyClient (declared for the type checker)
+
     def drain_worker(self, worker_id: str, notice_s: float) -> DrainNotice:
         """Tell a worker it will be reclaimed in ``notice_s`` (a spot-notice watcher's call; docs/faults.md)."""
         return self._json(

@@ -105,7 +105,8 @@ def fetch_adapter(
     tmp = cache_root / f".tmp-v{version}-{tag}"
     try:
         tar = staged(version, expected_sha256) if staged is not None and expected_sha256 else None
-        if tar is not None:  # pulled while the trainer uploaded it, checked against this sha256: no second download
+        # Pulled while the trainer uploaded it and checked against this sha256: no second download.
+        if tar is not None and expected_sha256:
             tar.rename(tar_path)
             got = expected_sha256
         else:

@@ -35,6 +35,9 @@ relay a ``relay`` token, so it pulls every upload while the trainer still sends 
 starts at the trainer's upload); ``off`` fetches each version after its commit, when a generator first asks.
 ``--ablation`` runs issue 32's four variants in relay mode, float32 and bfloat16 each with staging off and on
 (``ablation`` in the JSON: ``fp32_in_series``, ``staging_only``, ``dtype_only``, ``both``), each its own run.
+``--direct-staging on`` (default off, so earlier direct figures stay comparable) makes the generators of
+``--mode direct`` pull each upload from the home proxy before its commit with their own token, as the real generator
+does by default (``BUCKETRL_STAGING``; ``direct_staging`` in the JSON).
 ``by_mode`` in the JSON holds each mode's figures at the sweep's largest RTT (the last variant's: bfloat16 staged
 under ``--ablation``).
 
@@ -402,6 +405,7 @@ def point(
             adapter_bytes=int(args.adapter_mb * 1024 * 1024),
             fleet_processes=len(regions),
             adapter_dtype=dtype,
+            staging=args.direct_staging == "on" and mode == "direct",
             gpu=dict(GPU),
             timeout_s=args.duration_s + 180,
             max_train_s=args.duration_s,
@@ -419,6 +423,7 @@ def point(
             "rtt_ms": rtt_ms,
             "adapter_dtype": dtype,
             "staging": staging and mode == "relay",
+            "direct_staging": args.direct_staging == "on" and mode == "direct",
             **{k: r.get(k) for k in FIELDS},
         }
         if region_relays:
@@ -551,6 +556,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--staging",
         default="on",
         help="relay mode: the relays pull each upload before its commit (staged publish): on, off, or off,on",
+    )
+    p.add_argument(
+        "--direct-staging",
+        choices=("off", "on"),
+        default="off",
+        help="direct mode: the generators pull each upload from the home proxy before its commit (staged publish)",
     )
     p.add_argument(
         "--ablation",

@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,8 +80,12 @@ def fetch_adapter(
     cache_root: Path,
     expected_sha256: str | None = None,
     expected_dtype: str | None = None,
+    staged: Callable[[int, str], Path | None] | None = None,
 ) -> Path:
     """Download version ``version``'s tar to disk, check its sha256, unpack it under ``cache_root/v{N}`` atomically.
+
+    ``staged(version, sha256)``: the tar pulled before the commit (``staging.StagedPulls.take``), used instead of a
+    download when it is the one with ``expected_sha256`` (the announced version's).
 
     ``expected_dtype`` (the announced version's, or the run spec's ``adapter_dtype``; None or ``auto``: any): the
     weights must be in it, or the version is refused (``Invalid`` ``adapter_dtype_mismatch``, not retryable).
@@ -99,7 +104,13 @@ def fetch_adapter(
     tar_path = cache_root / f".tmp-v{version}-{tag}.tar"
     tmp = cache_root / f".tmp-v{version}-{tag}"
     try:
-        got = _download(client, version, tar_path, expected_sha256)
+        tar = staged(version, expected_sha256) if staged is not None and expected_sha256 else None
+        # Pulled while the trainer uploaded it and checked against this sha256: no second download.
+        if tar is not None and expected_sha256:
+            tar.rename(tar_path)
+            got = expected_sha256
+        else:
+            got = _download(client, version, tar_path, expected_sha256)
         dtype = _unpack_adapter(tar_path, tmp, version, expected_dtype)
         (tmp / ".sha256").write_text(got)
         (tmp / DTYPE_MARKER).write_text(dtype)

@@ -148,6 +148,12 @@ class GeneratorSettings(WorkerSettings):
         description="Where downloaded adapters are unpacked (BUCKETRL_ADAPTER_CACHE_DIR); default: a temp dir "
         "removed at exit.",
     )
+    staging: bool = Field(
+        True,
+        description="Pull each new adapter upload of the run from the proxy while the trainer still sends it, and "
+        "load it once committed without downloading it again (BUCKETRL_STAGING; staged publish). Behind a relay "
+        "the relay stages for the region instead.",
+    )
     max_lora_rank: int | None = Field(
         None,
         ge=1,

@@ -14,6 +14,7 @@ from bucketrl.client import ProxyClient
 from bucketrl.generator.adapters import VersionBook, fetch_adapter, file_dtype, gc_cache
 from bucketrl.generator.metrics import GeneratorMetrics
 from bucketrl.generator.settings import GeneratorSettings
+from bucketrl.generator.staging import StagedPulls
 from bucketrl.rollout.engine import Engine
 from bucketrl.wire import RunSpec
 
@@ -58,6 +59,11 @@ class AdapterVersions:
         self.version_ready = version_ready
         self.refresh_spec = refresh_spec  # before each fetch: mutable run fields may change between versions
         self._cache_gc_at = 0  # newest_known at the last cache GC
+        # Staged publish (staging.py): uploads pulled while the trainer sends them, on a client of their own.
+        self.staged: StagedPulls | None = None
+        if settings.staging:
+            staging_client = settings.proxy_client(settings.outage(worker_id))
+            self.staged = StagedPulls(staging_client, cache_dir, stop_event, settings.version_wait_s)
 
     def release(self, lease_id: str) -> None:
         release_version_lease(self.client, lease_id)
@@ -118,6 +124,8 @@ class AdapterVersions:
             log.info("unloaded %s", slot.name)
         for lease_id in self.book.take_idle_leases():
             self.release(lease_id)
+        if self.staged is not None:
+            self.staged.prune(self.book.newest_known)
         if retired or self.book.newest_known > self._cache_gc_at:
             # Superseded (fetched, never loaded) and retired versions leave the disk: the cache stays bounded
             # (issue 10 item 11: a long run filled the chart's emptyDir).
@@ -130,6 +138,8 @@ class AdapterVersions:
 
     def follow(self) -> None:
         """Thread: long-poll for new versions; lease, fetch and verify each; the main thread loads it."""
+        if self.staged is not None:
+            threading.Thread(target=self.staged.follow, name="adapter-staging", daemon=True).start()
         delay = 0.5
         while not self.stop_event.is_set():
             try:
@@ -162,7 +172,11 @@ class AdapterVersions:
             expected = sha256 if lease.version == announced else None
             spec = self.spec()
             want = dtype if lease.version == announced else (spec.adapter_dtype if spec is not None else None)
-            path = fetch_adapter(self.client, lease.version, self.cache_dir, expected, want)
+            used = self.staged.used if self.staged is not None else 0
+            take = self.staged.take if self.staged is not None else None
+            path = fetch_adapter(self.client, lease.version, self.cache_dir, expected, want, take)
+            if self.staged is not None and self.staged.used > used:
+                self.metrics.add("sync/staged_fetches_total")  # its bytes came before the commit: not downloaded
         except errors.Invalid as exc:
             self.release(self.book.end_fetch(lease.version) or lease.lease_id)
             if exc.retryable:  # a corrupted transfer: try again

@@ -177,7 +177,8 @@ def create_app(settings: ProxySettings | None = None, *, serving: bool = False) 
         ctx.cleaner = BatchCleaner(ctx.redis, ctx.store)
         if settings.adapter_cache_mb > 0:
             ctx.adapter_cache = AdapterCache(settings.adapter_cache_mb * 1024 * 1024)
-        if settings.staging_mb > 0 and auth.has_role("relay"):  # nobody could read the staged bytes otherwise
+        # Staged only where someone may read it: a relay's token, or generators fetching from this proxy.
+        if settings.staging_mb > 0 and (auth.anonymous or auth.has_role("relay") or auth.has_role("generator")):
             ctx.staging = Staging(settings.staging_mb * 1024 * 1024)
         app.state.ctx = ctx
         ctx.notifier = Notifier.from_url(settings.redis_url, settings.redis_timeout_s)

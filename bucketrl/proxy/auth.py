@@ -6,8 +6,9 @@ Tokens come from ``BUCKETRL_TOKENS`` (comma-separated ``role:token`` pairs) and/
     BUCKETRL_TOKENS="trainer:t-secret,generator:g-secret,viewer:v-secret,admin:a-secret"
 
 Roles: ``admin`` ⊇ {``trainer``, ``generator``, ``viewer``}. ``relay`` is a regional relay's own credential: it
-reads the adapter uploads still being staged (``/v1/staging``) and nothing else; it is not a viewer. A missing or
-unknown token is 401; a known token whose role may not call the route is 403.
+reads the adapter uploads still being staged (``/v1/staging``) and nothing else; it is not a viewer. A generator
+token reads its runs' staged uploads too (it reads their committed adapters anyway). A missing or unknown token is
+401; a known token whose role may not call the route is 403.
 
 Run scope: ``role@pattern|pattern:token`` limits a trainer, generator or viewer token to the runs matching one
 of the glob patterns (``fnmatch``: ``*``, ``?``, ``[abc]``, ``[!abc]``), e.g. ``trainer@sweep-*|ablation:...``.

@@ -13,7 +13,8 @@
 ``GeneratorRole``      generator (or admin)
 ``WorkerRole``         trainer or generator (or admin)
 ``ViewerRole``         viewer, generator or trainer (or admin): read-only routes
-``RelayRole``          relay (or admin): a regional relay reading staged adapter uploads (``routes/staging.py``)
+``StagingReader``      relay or generator (or admin): reads the staged adapter uploads of its runs
+                       (``routes/staging.py``): a regional relay, or a generator that fetches from the proxy itself
 ``RunDep``             :class:`RunRef` (name + :class:`~bucketrl.wire.RunSpec`); 404 on an unknown run. Read
                        from Redis on every request (no cache: after a Redis wipe the first request must see
                        the run missing and rebuild it, not act on a cached spec over empty state).
@@ -112,6 +113,13 @@ async def get_principal(request: Request, _scheme: BearerScheme) -> Principal:
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
+# A relay's staging token put where a worker's token belongs (BUCKETRL_TOKEN) is the likely mistake behind a 403.
+RELAY_HINT = (
+    ": this is a relay token (BUCKETRL_RELAY_STAGING_TOKEN), which reads staged uploads only; "
+    "give this worker a token of its own role"
+)
+
+
 def require(*roles: str) -> Callable[..., Coroutine[Any, Any, Principal]]:
     """A dependency admitting ``roles`` (admin always); 401 without a valid token, 403 naming the caller's
     role otherwise. It authenticates itself (no ``PrincipalDep`` sub-dependency: see the module docstring)."""
@@ -119,7 +127,9 @@ def require(*roles: str) -> Callable[..., Coroutine[Any, Any, Principal]]:
     async def dependency(request: Request, _scheme: BearerScheme) -> Principal:
         principal = authenticate(request)
         if not principal.may(*roles):
-            raise errors.Forbidden(f"role {principal.role!r} may not call this route (needs {' or '.join(roles)})")
+            hint = RELAY_HINT if principal.role == "relay" else ""
+            needs = " or ".join(roles)
+            raise errors.Forbidden(f"role {principal.role!r} may not call this route (needs {needs}){hint}")
         return principal
 
     dependency.__name__ = "require_" + "_or_".join(roles)
@@ -132,7 +142,9 @@ TrainerRole = Annotated[Principal, Depends(require("trainer"))]
 GeneratorRole = Annotated[Principal, Depends(require("generator"))]
 WorkerRole = Annotated[Principal, Depends(require("trainer", "generator"))]
 ViewerRole = Annotated[Principal, Depends(require("viewer", "generator", "trainer"))]
-RelayRole = Annotated[Principal, Depends(require("relay"))]
+# A generator may read its runs' uploads under way: it may read every committed adapter of them anyway, and the
+# held-back last byte (bucketrl/proxy/staging.py) means it never holds a whole uncommitted version.
+StagingReader = Annotated[Principal, Depends(require("relay", "generator"))]
 
 
 @dataclass(frozen=True)

@@ -63,9 +63,9 @@ class ProxySettings(BaseSettings):
     staging_mb: int = Field(
         256,
         ge=0,
-        description="Memory per proxy process for adapter uploads under way that regional relays pull before their "
-        "commit (staged publish; on when a relay token is configured; 0 = off): an upload that does not fit is "
-        "published unstaged (BUCKETRL_STAGING_MB).",
+        description="Memory per proxy process for adapter uploads under way that regional relays and generators pull "
+        "before their commit (staged publish; on when a relay or generator token is configured; 0 = off): an upload "
+        "that does not fit is published unstaged (BUCKETRL_STAGING_MB).",
     )
     max_json_bytes: int = Field(
         8 * 1024 * 1024,

@@ -4,7 +4,8 @@ Without it a version's bytes left for the regions only after the trainer's uploa
 finished, so a sync cost upload + commit + slow link + load in series. Here the publish route tees the body into
 a :class:`Staged` entry (memory, this process only) while it spools and commits it as before; a relay holding a
 ``relay`` token long-polls :meth:`Staging.wait` for new entries and streams each one's bytes into its cache as
-they arrive (``bucketrl/relay/staging.py``).
+they arrive (``bucketrl/relay/staging.py``). A generator that fetches from this proxy itself (no relay) does the
+same with its own generator token, into its adapter cache (``bucketrl/generator/staging.py``).
 
 What keeps it safe (docs/design.md, "Regional relay"): the last :data:`HOLD` bytes of an upload are withheld from
 every reader until its commit succeeded, so no staged copy can be complete (nor hash to the declared sha256)

@@ -20,6 +20,7 @@ from bucketrl.relay.forward import HOP, Gate, Refused, forward, relayed, send, u
 from bucketrl.relay.settings import RelaySettings
 from bucketrl.relay.staging import StagingFollower
 from bucketrl.tls import TransportSecurity
+from bucketrl.wire.adapters import StagingList
 from bucketrl.wire.common import ID_PATTERN
 
 TAR = "application/x-tar"
@@ -131,6 +132,11 @@ class Relay:
         gate = {"pending": self.gate.pending, "refused": self.gate.refused, "in_flight": self.cache.in_flight()}
         return JSONResponse({**dataclasses.asdict(self.cache.stats), **gate})
 
+    async def staging_here(self, _: Request) -> Response:
+        """A generator behind this relay asking for staged uploads: none here (the relay stages for the whole region
+        into its cache). Forwarded, each generator would pull every upload across the slow link itself."""
+        return JSONResponse(StagingList(instance="", seq=0).model_dump(mode="json"))
+
     async def other(self, request: Request) -> Response:
         return await forward(self.client(), request, self.gate)
 
@@ -165,6 +171,7 @@ def create_app(settings: RelaySettings, security: TransportSecurity | None = Non
     routes = [
         Route("/relay/stats", relay.stats, methods=["GET"]),
         Route("/v1/runs/{run}/adapters/{version:int}", relay.adapter, methods=["GET"]),
+        Route("/v1/staging", relay.staging_here, methods=["GET"]),
         Route("/{path:path}", relay.other, methods=METHODS),
     ]
     app = Starlette(routes=routes, lifespan=relay.lifespan)

@@ -64,6 +64,7 @@ class SimScale:
     vocab_size: int = 32_000
     adapter_bytes: int = 1024 * 1024  # the float32 master weights; shipped as adapter_dtype says
     adapter_dtype: str = "float32"  # the run spec's (float32: every version is adapter_bytes, as before the field)
+    staging: bool = False  # the fleet pulls each upload before its commit (BUCKETRL_STAGING; fleet.py)
     sync_every: int = 1
     checkpoint_every: int = 10
     fleet_processes: int | None = None  # default: one per 64 generators, at most 4
@@ -152,7 +153,8 @@ class Scenario:
             argv = [sys.executable, "-m", "bucketrl.sim.fleet", "--count", str(count), "--first", str(first)]
             argv += ["--prompts-per-request", str(c.prompts_per_request), "--prompt-tokens", str(c.prompt_tokens)]
             argv += ["--seed", str(c.seed), "--report", str(self.dir / f"fleet-{i}.json")]
-            self.fleets.append(self._start(f"fleet-{i}", argv, self.worker_env("generator")))
+            env = self.worker_env("generator") | ({"BUCKETRL_STAGING": "1"} if c.staging else {})
+            self.fleets.append(self._start(f"fleet-{i}", argv, env))
             first += count
         return self.fleets
 

@@ -13,6 +13,8 @@ HTTP against the real proxy, with only the GPU simulated (:mod:`bucketrl.sim.gpu
   the batch to its submitter (a queue of ``submit_queue_batches``, as the real worker's), which submits it as
   msgpack (token ids and logprobs packed, as the real client sends them) under one Idempotency-Key per
   batch (429: waits Retry-After; 409 stale: counted, prompts released);
+- staged publish (``BUCKETRL_STAGING=1``; off by default here, on in the real worker): pulls each upload of the
+  run while the trainer sends it (``GET /v1/staging``), and takes it for the announced version instead of a download;
 - keeper: renews version leases at a third of their TTL and pushes metrics with ``loaded_versions`` (the
   heartbeat) every ``metrics_interval_s``.
 
@@ -111,7 +113,7 @@ class Api:
     """The proxy routes the simulated generators use, on one shared async HTTP client; counts every request."""
 
     def __init__(self, settings: WorkerSettings, stats: FleetStats, connections: int) -> None:
-        self.base = f"/v1/runs/{settings.run}"
+        self.run, self.base = settings.run, f"/v1/runs/{settings.run}"
         self.stats = stats
         headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
@@ -132,7 +134,7 @@ class Api:
         self.stats.requests[f"{method} {route}"] += 1
         for attempt in range(TRANSPORT_RETRIES + 1):
             try:
-                resp = await self.http.request(method, self.base + path, **kw)
+                resp = await self.http.request(method, path if path.startswith("/v1/") else self.base + path, **kw)
                 break
             except httpx.TransportError as exc:
                 if attempt == TRANSPORT_RETRIES:
@@ -191,6 +193,8 @@ class SimGenerator:
         self.prompt_tokens = prompt_tokens
         self.metrics_interval_s = metrics_interval_s
         self.versions: dict[int, _Version] = {}
+        self.staging = os.environ.get("BUCKETRL_STAGING", "0").lower() in ("1", "true")
+        self.staged: dict[tuple[int, str], asyncio.Task[bytes | None]] = {}  # (version, sha256) -> its pull
         self.current = 0  # newest loaded version
         self.newest_known = 0
         self.held: set[str] = set()  # prompt ids leased and not yet settled
@@ -223,6 +227,30 @@ class SimGenerator:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
+    async def staging_loop(self) -> None:
+        """Pull each upload of the run while the trainer sends it (bucketrl/generator/staging.py's, in memory)."""
+        after, instance = 0, ""
+        while not self.stopping.is_set():
+            try:
+                params = {"after": after, "instance": instance, "wait_s": VERSION_WAIT_S, "run": self.api.run}
+                got = (await self.api.call("GET", "staging", "/v1/staging", params=params, timeout=60)).json()
+            except errors.BucketRLError:
+                await asyncio.sleep(1.0)
+                continue
+            if not got["instance"]:  # off, or a relay's answer (it stages for the region)
+                await asyncio.sleep(VERSION_WAIT_S)
+                continue
+            after, instance = got["seq"], got["instance"]
+            for up in got["uploads"]:
+                if (key := (int(up["version"]), up["sha256"])) not in self.staged:
+                    self.staged[key] = asyncio.create_task(self._pull(up))
+
+    async def _pull(self, up: dict[str, Any]) -> bytes | None:
+        try:  # a failed publish ends the stream short: the retry finds it gone (404), nothing kept
+            return (await self.api.call("GET", "staging/{id}", f"/v1/staging/{up['upload_id']}", timeout=60)).content
+        except errors.BucketRLError:
+            return None
+
     async def _fetch(self, announced: int, sha256: str, dtype: str | None = None) -> None:
         lease = (
             await self.api.call(
@@ -232,19 +260,25 @@ class SimGenerator:
         version = int(lease["version"])
         try:
             requested = time.time()
-            resp = await self.api.call("GET", "adapters/{v}", f"/adapters/{version}")
+            pull = self.staged.pop((version, sha256), None) if version == announced else None
+            content, header = (await pull if pull is not None else None), None
+            if content is None:
+                resp = await self.api.call("GET", "adapters/{v}", f"/adapters/{version}")
+                content, header = resp.content, resp.headers.get("X-Content-SHA256")
             downloaded = time.time()
-            got = hashlib.sha256(resp.content).hexdigest()
-            want = {resp.headers.get("X-Content-SHA256", got)} | ({sha256} if version == announced else set())
+            got = hashlib.sha256(content).hexdigest()
+            want = {header or got} | ({sha256} if version == announced else set())
             if want != {got}:
                 raise errors.Invalid(f"adapter v{version}: sha256 {got} != {sorted(want)}")
-            shipped = bundles.check_adapter_tar(io.BytesIO(resp.content))
+            shipped = bundles.check_adapter_tar(io.BytesIO(content))
             bundles.check_dtype(shipped, dtype if version == announced else None, f"adapter v{version}", "announced")
-            self.stats.fetches.append((self.worker_id, version, got, len(resp.content), requested, downloaded))
+            self.stats.fetches.append((self.worker_id, version, got, len(content), requested, downloaded))
         except BaseException:
             await self._release_lease(lease["lease_id"])
             raise
         self.newest_known = max(self.newest_known, version)
+        for key in [k for k in self.staged if k[0] <= version]:  # superseded pulls
+            self.staged.pop(key).cancel()
         if version <= self.current:  # an older announcement overtaken by a newer load
             await self._release_lease(lease["lease_id"])
             return
@@ -450,7 +484,10 @@ class SimGenerator:
         keeper = asyncio.create_task(self.keeper_loop())
         engine = asyncio.create_task(self.engine_loop())
         submitter = asyncio.create_task(self.submit_loop())
+        staging = asyncio.create_task(self.staging_loop()) if self.staging else None
         await stop.wait()
+        for task in [*self.staged.values(), *([staging] if staging is not None else [])]:
+            task.cancel()
         self.stopping.set()
         try:
             await asyncio.wait_for(asyncio.gather(engine, submitter), grace_s)

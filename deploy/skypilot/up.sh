@@ -10,7 +10,8 @@
 # 3. the control plane and the relays started with their certificates and secrets (sky exec);
 # 4. the job group run.yaml: the trainer and the generators, as managed jobs.
 #
-# Tokens are made once and kept in $CERTS/tokens.env (mode 600); rerunning reuses them and the CA. Every secret
+# Tokens are made once and kept in $CERTS/tokens.env (mode 600); rerunning reuses them and the CA. The relays get
+# a `relay` token of their own (RELAY_TOKEN; it reads staged uploads only), so staged publish is on. Every secret
 # goes to SkyPilot as --secret NAME, read from this shell's environment: none is written into a YAML file.
 # Settings: CONTROL (cluster name, default bucketrl-control), RELAYS ("name=cloud/region ...": the regions of
 # run.yaml's generator tasks), CERTS (default ~/.bucketrl/skypilot), BUCKETRL_S3_ENDPOINT_URL (non-AWS buckets).
@@ -34,8 +35,13 @@ if [ ! -s "$CERTS/tokens.env" ]; then
   done > "$CERTS/tokens.env"
   umask "$mask"
 fi
+if ! grep -q '^RELAY_TOKEN=' "$CERTS/tokens.env"; then  # tokens.env from before the relays had one
+  echo "RELAY_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')" >> "$CERTS/tokens.env"
+fi
 set -a && . "$CERTS/tokens.env" && set +a
 export BUCKETRL_TOKENS="admin:$ADMIN_TOKEN,trainer:$TRAINER_TOKEN,generator:$GENERATOR_TOKEN,viewer:$VIEWER_TOKEN"
+BUCKETRL_TOKENS+=",relay:$RELAY_TOKEN"
+export RELAY_STAGING_TOKEN=$RELAY_TOKEN
 
 echo "== 1. machines: $CONTROL and the relays"
 pids=()
@@ -69,7 +75,7 @@ TLS_CERT_PEM=$(cat "$CERTS/proxy.pem") TLS_KEY_PEM=$(cat "$CERTS/proxy.key") \
 for relay in $RELAYS; do
   RELAY_CERT_PEM=$(cat "$CERTS/${relay%%=*}.pem") RELAY_KEY_PEM=$(cat "$CERTS/${relay%%=*}.key") \
     $SKY exec -d "${relay%%=*}" "$here/relay.yaml" --env "PROXY_URL=$PROXY_URL" \
-    --secret CA_PEM --secret RELAY_CERT_PEM --secret RELAY_KEY_PEM
+    --secret CA_PEM --secret RELAY_CERT_PEM --secret RELAY_KEY_PEM --secret RELAY_STAGING_TOKEN
 done
 
 echo "== 4. trainer and generators"

@@ -48,6 +48,8 @@ def test_arguments(wan: ModuleType) -> None:
     assert {wan.ABLATION[v] for v in variants} == {"fp32_in_series", "staging_only", "dtype_only", "both"}
     with pytest.raises(SystemExit):
         wan.parse_args(["--staging", "maybe"])
+    assert wan.parse_args([]).direct_staging == "off"  # direct figures stay comparable with earlier runs
+    assert wan.parse_args(["--direct-staging", "on"]).direct_staging == "on"
 
 
 @pytest.mark.timeout(480)

@@ -61,6 +61,7 @@ def load(path: str, env: dict[str, str], secrets: dict[str, str]) -> dict:  # ty
                 "envs": t.envs,
                 # Inline secrets (given with --secret) and the names left for `--secret` at launch.
                 "secret_names": sorted(t.secrets),
+                "secrets_with_values": sorted(k for k, v in t.secrets.items() if v.get_secret_value()),
                 "required_secrets": sorted(r.name for r in getattr(t, "_managed_secret_refs", [])),
                 "workdir": t.workdir,
                 "resources": _resources(t),

@@ -48,12 +48,13 @@ PROXY_URL = "https://203.0.113.7:8443"  # documentation address (RFC 5737): noth
 # The secrets each recipe is launched with (deploy/skypilot/up.sh, docs/across-clouds.md).
 LAUNCH_SECRETS = {
     "control-plane": ("BUCKETRL_TOKENS", "TLS_CERT_PEM", "TLS_KEY_PEM", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
-    "relay": ("CA_PEM", "RELAY_CERT_PEM", "RELAY_KEY_PEM"),
+    "relay": ("CA_PEM", "RELAY_CERT_PEM", "RELAY_KEY_PEM", "RELAY_STAGING_TOKEN"),
     "run": ("TRAINER_TOKEN", "GENERATOR_TOKEN", "CA_PEM"),
     "trainer": ("TRAINER_TOKEN", "CA_PEM"),
     "generator": ("GENERATOR_TOKEN", "CA_PEM"),
 }
-TOKENS = {role: f"{role}-token-{'x' * 20}" for role in ("admin", "trainer", "generator", "viewer")}
+TOKENS = {role: f"{role}-token-{'x' * 20}" for role in ("admin", "trainer", "generator", "viewer", "relay")}
+OPTIONAL_SECRETS = {"relay": ["RELAY_STAGING_TOKEN"]}  # declared empty: a launch may leave them out
 
 
 def _docs(path: Path) -> list[dict[str, Any]]:
@@ -116,12 +117,18 @@ def test_recipes_load_through_skypilots_parser_and_schema(tmp_path: Path) -> Non
     # As launched (up.sh, the docs): with its --secret values, no secret is left for SkyPilot to ask for.
     loads += [{"path": str(RECIPES / f"{n}.yaml"), "env": env, "secrets": dict.fromkeys(LAUNCH_SECRETS[n], "x")}
               for n in sorted(LAUNCH_SECRETS)]  # fmt: skip
+    # A relay launched by hand without the optional staging token: nothing left to ask for either.
+    certs_only = dict.fromkeys(("CA_PEM", "RELAY_CERT_PEM", "RELAY_KEY_PEM"), "x")
+    loads += [{"path": str(RECIPES / "relay.yaml"), "env": env, "secrets": certs_only}]
     replies = _sky(loads, tmp_path / "home")
-    answers, (missing, refused), launched = (
+    answers, (missing, refused), launched, (tokenless,) = (
         replies[: len(recipes)],
         replies[len(recipes) : len(recipes) + 2],
-        replies[len(recipes) + 2 :],
+        replies[len(recipes) + 2 : -1],
+        replies[-1:],
     )
+    (relay_task,) = tokenless["parsed"]["tasks"]
+    assert relay_task["required_secrets"] == [] and relay_task["secrets_with_values"] == sorted(certs_only)
     for name, answer in zip(sorted(LAUNCH_SECRETS), launched, strict=True):
         assert [t["required_secrets"] for t in answer["parsed"]["tasks"]] in ([[]], [[], [], []]), (name, answer)
         for secret in LAUNCH_SECRETS[name]:
@@ -145,15 +152,55 @@ def test_recipes_load_through_skypilots_parser_and_schema(tmp_path: Path) -> Non
     assert len({(r["cloud"], r["region"]) for r in standalone["resources"]}) >= 3
     control = seen["control-plane"]["tasks"][0]["resources"]
     assert [(r["use_spot"], r["ports"]) for r in control] == [(False, ["8443"])]
-    # Secrets are names to fill at launch (`--secret NAME`), never values in a file.
+    # Secrets are names to fill at launch (`--secret NAME`), never values in a file; an optional one is empty.
     for name, parsed in seen.items():
         for task in parsed["tasks"]:
-            assert task["secret_names"] == [], f"{name}: a secret has a value in the YAML"
+            assert task["secrets_with_values"] == [], f"{name}: a secret has a value in the YAML"
+            assert task["secret_names"] == OPTIONAL_SECRETS.get(name, []), name
+    launched_relay = launched[sorted(LAUNCH_SECRETS).index("relay")]["parsed"]["tasks"][0]
+    assert "RELAY_STAGING_TOKEN" in launched_relay["secrets_with_values"]  # up.sh's --secret fills it
     assert {"TRAINER_TOKEN", "CA_PEM"} <= set(tasks["trainer"]["required_secrets"])
     assert "TRAINER_TOKEN" not in standalone["required_secrets"]
 
     assert "'PROXY_URL' is None" in missing.get("refused", ""), missing
     assert "acelerators" in refused.get("refused", ""), refused
+
+
+FAKE_SKY = """#!/usr/bin/env bash
+# Stands in for `sky`: records each call's arguments and the secrets it would read from the environment.
+python3 -c 'import json, os, sys; print(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k, "")
+    for k in ("BUCKETRL_TOKENS", "RELAY_STAGING_TOKEN")}}))' "$@" >> "$SKY_CALLS"
+if [ "$1" = status ]; then echo 127.0.0.1; fi
+"""
+
+
+def test_up_sh_gives_each_relay_a_relay_token_of_the_control_plane(tmp_path: Path) -> None:
+    """up.sh, run with a stand-in `sky`: it mints a relay token (also into a tokens.env from before it had one),
+    puts it in the control plane's BUCKETRL_TOKENS as the `relay` role and hands it to every relay as the secret
+    RELAY_STAGING_TOKEN, through the environment only (never on a command line)."""
+    sky, calls, certs = tmp_path / "sky", tmp_path / "calls.jsonl", tmp_path / "certs"
+    sky.write_text(FAKE_SKY)
+    sky.chmod(0o755)
+    certs.mkdir(mode=0o700)
+    # A tokens.env from before the relays had a token: the rerun adds one and keeps the others.
+    (certs / "tokens.env").write_text("".join(f"{r.upper()}_TOKEN={t}\n" for r, t in TOKENS.items() if r != "relay"))
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SKY": str(sky), "SKY_CALLS": str(calls),
+           "CERTS": str(certs), "BUCKETRL_BUCKET_URL": "s3://b/rl", "AWS_ACCESS_KEY_ID": "k",
+           "AWS_SECRET_ACCESS_KEY": "s"}  # fmt: skip
+    proc = subprocess.run([str(RECIPES / "up.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    minted = dict(line.split("=", 1) for line in (certs / "tokens.env").read_text().split())
+    token = minted["RELAY_TOKEN"]
+    assert len(token) >= 32 and minted["TRAINER_TOKEN"] == TOKENS["trainer"]
+    made = [json.loads(line) for line in calls.read_text().splitlines()]
+    execs = [c for c in made if c["argv"][:1] == ["exec"]]
+    control = [c for c in execs if "control-plane.yaml" in " ".join(c["argv"])]
+    relays = [c for c in execs if "relay.yaml" in " ".join(c["argv"])]
+    assert len(control) == 1 and len(relays) == 2, made
+    assert f"relay:{token}" in control[0]["env"]["BUCKETRL_TOKENS"].split(",")
+    for call in relays:
+        assert call["env"]["RELAY_STAGING_TOKEN"] == token and "RELAY_STAGING_TOKEN" in call["argv"], call
+    assert not [c for c in made if token in " ".join(c["argv"])], "a token on a command line"
 
 
 # ------------------------------------------------------------------------------------------- variables ----
@@ -310,7 +357,8 @@ def test_recipes_setup_and_run_here_and_train(tmp_path: Path, moto_server: MotoS
     relay = _machine(
         machines, "relay", cloud="GCP", region="us-central1",
         env={"PROXY_URL": proxy_url, "BUCKETRL_RELAY_HOST": "127.0.0.1", "BUCKETRL_RELAY_PORT": str(relay_port)},
-        secrets={"CA_PEM": pem["ca.pem"], "RELAY_CERT_PEM": pem["relay.pem"], "RELAY_KEY_PEM": pem["relay.key"]},
+        secrets={"CA_PEM": pem["ca.pem"], "RELAY_CERT_PEM": pem["relay.pem"], "RELAY_KEY_PEM": pem["relay.key"],
+                 "RELAY_STAGING_TOKEN": TOKENS["relay"]},
     )  # fmt: skip
     generator = _machine(
         machines, "generator", cloud="GCP", region="us-central1",
@@ -350,8 +398,9 @@ def _run_all(control: Machine, relay: Machine, generator: Machine, trainer: Mach
 
     assert status["trainer"]["step"] == 2 and status["latest_version"] == 3, status["trainer"]
     assert "resumed from checkpoint step 2" in second.stdout + second.stderr, second.stderr[-3000:]
-    # The generator dialled its region's relay (and fetched every adapter version through it).
-    assert stats["upstream_fetches"] >= 1, stats
+    # The generator dialled its region's relay (and fetched every adapter version through it); the relay pulled
+    # versions before their commit with its staging token (up.sh's wiring: relay:<token> at the control plane).
+    assert stats["staged_fetches"] >= 1, stats
     assert f"gcp/us-central1: {relay_url},{proxy_url}" in (logs / "generator.log").read_text()
     aof = list((machines / "control-plane" / "bucketrl-data" / "redis").rglob("*.aof"))
     assert aof and any(p.stat().st_size > 0 for p in aof), aof

@@ -31,7 +31,7 @@ CROSS_RUN = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/heal
 CROSS_RUN |= {"/ui", "/ui/static/{name}", "/ui/api/runs"}
 # The pool checks the scope itself on every run it would serve, and lists only the caller's runs.
 CROSS_RUN |= {"/v1/pool/lease", "/v1/pool"}
-# Staged uploads: a relay token (or admin) only, listed and read within its run scope (routes/staging.py).
+# Staged uploads: a relay or generator token (or admin) only, listed and read within its run scope (routes/staging.py).
 CROSS_RUN |= {"/v1/staging", "/v1/staging/{upload_id}"}
 # A value for each path parameter other than {run}: any that passes the route's validation.
 PARAM_VALUES = {"lease_id": "L1", "version": "1", "step": "1", "request_id": "job-1", "worker_id": "w1"}

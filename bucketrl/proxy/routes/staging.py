@@ -1,5 +1,6 @@
-"""Staged adapter uploads, for the regional relays (``bucketrl/proxy/staging.py``): a long-poll for new ones and
-each one's bytes as they arrive. Only a ``relay`` token (or admin) reads them, within its run scope."""
+"""Staged adapter uploads (``bucketrl/proxy/staging.py``): a long-poll for new ones and each one's bytes as they
+arrive. A ``relay`` token (a regional relay) or a ``generator`` token (a generator fetching from this proxy
+itself) reads them, within its run scope; admin too."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
 from bucketrl import errors
-from bucketrl.proxy.deps import CtxDep, RelayRole
+from bucketrl.proxy.deps import CtxDep, StagingReader
 from bucketrl.proxy.errors import responses
 from bucketrl.wire.adapters import StagingList
-from bucketrl.wire.common import MAX_WIRE_INT
+from bucketrl.wire.common import ID_PATTERN, MAX_WIRE_INT
 
 router = APIRouter(prefix="/v1/staging", tags=["staging"])
 
@@ -22,26 +23,31 @@ TAR = "application/x-tar"
 @router.get(
     "",
     response_model=StagingList,
-    summary="Long-poll (relay token): adapter uploads staged after `after`, as soon as one begins.",
+    summary="Long-poll (relay or generator token): adapter uploads staged after `after`, as soon as one begins.",
     responses=responses(401, 403, 422, 503),
 )
 async def staged_uploads(
     ctx: CtxDep,
-    principal: RelayRole,
+    principal: StagingReader,
     request: Request,
     after: Annotated[int, Query(ge=0, le=MAX_WIRE_INT, description="The `seq` of the last upload already seen.")] = 0,
     instance: Annotated[str, Query(max_length=64, description="The `instance` that `after` counts in.")] = "",
     wait_s: Annotated[float, Query(ge=0.0, le=3600.0, description="How long to wait for one.")] = 0.0,
+    run: Annotated[str | None, Query(pattern=ID_PATTERN, description="Only this run's uploads (a generator).")] = None,
 ) -> StagingList:
     if ctx.staging is None:  # off (BUCKETRL_STAGING_MB=0): nothing is ever staged here
         return StagingList(instance="", seq=0)
     wait_s = min(wait_s, ctx.settings.max_wait_s)
-    return await ctx.staging.wait(after, instance, wait_s, principal.may_run, request.is_disconnected)
+
+    def visible(of: str) -> bool:
+        return principal.may_run(of) and (run is None or of == run)
+
+    return await ctx.staging.wait(after, instance, wait_s, visible, request.is_disconnected)
 
 
 @router.get(
     "/{upload_id}",
-    summary="A staged upload's bytes as they arrive (relay token); complete only once its version is committed.",
+    summary="A staged upload's bytes as they arrive (relay or generator token); complete only once committed.",
     description="The body ends short (the connection closes mid-body) when the publish fails: drop what was read.",
     response_class=StreamingResponse,
     responses={
@@ -51,7 +57,7 @@ async def staged_uploads(
 )
 async def staged_bytes(
     ctx: CtxDep,
-    principal: RelayRole,
+    principal: StagingReader,
     upload_id: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="A staged upload's `upload_id`.")],
 ) -> StreamingResponse:
     staged = ctx.staging.get(upload_id) if ctx.staging is not None else None

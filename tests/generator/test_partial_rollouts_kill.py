@@ -73,7 +73,9 @@ def test_a_generator_killed_mid_continuation_loses_nothing_and_trains_nothing_tw
         sim_decode_step_s=DECODE_STEP_S,
         **SIM,
     )
-    other = None
+    # Beside it from the start: it would take any of the victim's prompts whose lease ran out.
+    other = start_generator(proxy, RUN, olog, worker_id=OTHER, prompts_per_request=2, sim_decode_step_s=0.02, **SIM)
+    t0 = time.monotonic()
     with Consumer(trainer) as consumer:
         try:
             wait_until(lambda: held_by(r, RUN, VICTIM) or victim.poll() is not None, 90, "the victim's first call")
@@ -81,6 +83,7 @@ def test_a_generator_killed_mid_continuation_loses_nothing_and_trains_nothing_tw
             trainer.publish_adapter(2, adapter_tar(2))
             m = wait_until(lambda: CONTINUING.search(vlog.read_text()), 20, "the v1 call going on under v2")
             continuing = set(m.group(1).split(", "))
+            print(f"[kill] {time.monotonic() - t0:.1f}s: {m.group(0)}")
             assert m.group(2) == "2" and len(continuing) == 2, m.group(0)
             # Renewed while it runs: every lease of the continuation stays live past twice its TTL.
             until = time.monotonic() + 2 * TTL_S
@@ -90,22 +93,20 @@ def test_a_generator_killed_mid_continuation_loses_nothing_and_trains_nothing_tw
             assert counter(r, "prompts_expired_total") == 0
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)
+            print(f"[kill] {time.monotonic() - t0:.1f}s: SIGKILL")
             time.sleep(0.3)  # a request the victim sent just before its death has landed by now
             held = held_by(r, RUN, VICTIM)  # the call's prompts and those leased for its next call
             # Killed mid-continuation: nothing of the call was submitted (that would have ended these leases).
             assert continuing <= held, f"the call ended before the kill:\n{vlog.read_text()[-3000:]}"
             assert not any(d.worker_id == VICTIM for d in consumer.deliveries)
-            other = start_generator(
-                proxy, RUN, olog, worker_id=OTHER, prompts_per_request=2, sim_decode_step_s=0.02, **SIM
-            )
             trained = lambda ds: held <= {g.prompt_id for d in ds for g in d.groups}  # noqa: E731
             consumer.wait_for(lambda ds: trained(ds) or other.poll() is not None, 90)
+            print(f"[kill] {time.monotonic() - t0:.1f}s: the {len(held)} prompts it held trained")
             assert other.poll() is None, olog.read_text()[-3000:]
         finally:
-            for proc in (victim, other):
-                if proc is not None and proc.poll() is None:
-                    proc.send_signal(signal.SIGINT)
-            rc = other.wait(30) if other is not None else None
+            if other.poll() is None:
+                other.send_signal(signal.SIGINT)
+            rc = other.wait(30)
             victim.kill()
             victim.wait()
         time.sleep(1.0)  # the consumer's last claim

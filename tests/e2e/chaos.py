@@ -322,7 +322,7 @@ class Chaos:
         self.continuations_killed.append((continued, landed))
         print(
             f"[chaos] {service} killed as it continued {sorted(continued)} under v{match.group(2)}: "
-            f"{'mid-continuation' if landed else 'after the call was submitted'}"
+            f"{'mid-continuation' if landed else 'its prompts no longer leased to it (the call submitted?)'}"
         )
         return landed
 

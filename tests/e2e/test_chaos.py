@@ -47,7 +47,7 @@ STEPS = 100
 CHECKPOINT_EVERY = 5
 OUTAGE_S = 20.0
 # The partial rollouts run (issue 35): its faults are kills, each recovered in seconds.
-PARTIAL_STEPS = 24
+PARTIAL_STEPS = 28
 PARTIAL_MAX_NEW_TOKENS = 32
 
 

@@ -4,10 +4,10 @@ stand-in that claims and acks).
 
 The victim's first call, under v1, is overtaken by v2 a few decode steps in and goes on under it; its log names the
 prompts the continuation carries on. The continuation lasts more than twice the prompt lease TTL: the keeper renews
-those leases all along (none expires, each stays live). The victim is SIGKILLed while it still continues, detected
-from that log line, with nothing of the call submitted (it still owns the prompts after the kill). Its leases then
-run out and the prompts go out again, first in line, to a second generator: each is trained exactly once, none is
-lost (the proxy's lifetime counters balance; every prompt not trained waits to be issued again), and no prompt or
+those leases all along (none expires, each stays live, though a second generator leasing beside it would take any
+that ran out). The victim is SIGKILLed while it still continues, watched for from that log line, with nothing of the
+call submitted (it still owns the prompts after the kill). Its leases then run out and the prompts go out again,
+first in line, to the second generator: each is trained exactly once, none is lost (the proxy's lifetime counters balance; every prompt not trained waits to be issued again), and no prompt or
 version lease is left behind.
 """
 

@@ -7,8 +7,8 @@ prompts the continuation carries on. The continuation lasts more than twice the 
 those leases all along (none expires, each stays live, though a second generator leasing beside it would take any
 that ran out). The victim is SIGKILLed while it still continues, watched for from that log line, with nothing of the
 call submitted (it still owns the prompts after the kill). Its leases then run out and the prompts go out again,
-first in line, to the second generator: each is trained exactly once, none is lost (the proxy's lifetime counters balance; every prompt not trained waits to be issued again), and no prompt or
-version lease is left behind.
+first in line, to the second generator: each is trained exactly once, none is lost (the proxy's lifetime counters
+balance; every prompt not trained waits to be issued again), and no prompt or version lease is left behind.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ window by the time it trains them. Multi-turn episodes and completion jobs stay 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from bucketrl.generator.submit import HeldVersions
     from bucketrl.rollout.engine import Engine, FinishReason
     from bucketrl.wire import RunSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,10 +84,12 @@ def sample_partial(
     ids: list[list[int]],
     spec: RunSpec,
     hook: Callable[[VersionSlot], None],
+    *,
+    names: Sequence[str] = (),
 ) -> PartialResult:
     """Sample ``spec.group_size`` completions per prompt, continuing them under newer versions as they come.
     ``hook(slot)`` is the engine's ``while_running`` for a call under ``slot``: it raises ``StopAtStep`` when
-    the call should go on under a newer version."""
+    the call should go on under a newer version. ``names``: the prompts' ids, for the log line of each cut."""
     g = spec.group_size
     grid = [[Growing(list(p)) for _ in range(g)] for p in ids]
     slot = held.newest
@@ -95,9 +100,23 @@ def sample_partial(
     continuations = 0
     while todo := [c for row in grid for c in row if not c.done]:
         newest = book.current()
-        assert newest is not None
+        if newest is None:  # the held versions are never retired: only a broken book gets here
+            raise RuntimeError(
+                f"partial rollouts: {len(todo)} completion(s) of a v{slot.version} call were stopped to go on under a "
+                "newer version, but no adapter version is loaded to go on with"
+            )
+        cut_under = slot.version
         if newest.version > slot.version:
             slot = held.hold(newest.version)
+        # A line per cut: when a continuation runs, and which prompts' leases it keeps (what the kill tests watch).
+        log.info(
+            "partial rollouts: continuing %d of %d completion(s) of prompts [%s] under v%d (cut under v%d)",
+            len(todo),
+            g * len(grid),
+            ", ".join(names),
+            slot.version,
+            cut_under,
+        )
         # Completions cut at the same step have the same budget left: one call each (usually one in all).
         by_left: dict[int, list[Growing]] = {}
         for c in todo:

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from bucketrl.generator.admission import Ewma
@@ -169,10 +169,17 @@ class StalenessGuard:
         return spec.partial_rollouts and self.continues
 
     def rollout(
-        self, engine: Engine, held: HeldVersions, ids: list[list[int]], spec: RunSpec, hook: Callable[[], None]
+        self,
+        engine: Engine,
+        held: HeldVersions,
+        ids: list[list[int]],
+        spec: RunSpec,
+        hook: Callable[[], None],
+        *,
+        names: Sequence[str] = (),
     ) -> PartialResult:
         """A training call: :meth:`generate` under the batch's version, or, with partial rollouts, sampled across
-        the versions that come meanwhile (``held`` then holds each)."""
+        the versions that come meanwhile (``held`` then holds each; ``names``, the prompt ids, are logged at a cut)."""
         if not self.partial(spec):
             return PartialResult(self.generate(engine, held.newest, ids, spec, hook), None, 0)
         t0 = self.clock()
@@ -183,7 +190,7 @@ class StalenessGuard:
             if overtaken(self.book, slot.version, self.heard(), spec, self.switch_lag):
                 raise StopAtStep(f"v{slot.version} overtaken by v{self.heard()}: going on under the newest")
 
-        out = sample_partial(engine, held, self.book, ids, spec, while_running)
+        out = sample_partial(engine, held, self.book, ids, spec, while_running, names=names)
         with self._lock:
             self._call.add(self.clock() - t0)
         self.metrics.add("rollout/continuations_total", out.continuations)

@@ -459,13 +459,13 @@ class GeneratorWorker:
     def sample_and_hand_over(self, slot: VersionSlot, prompts: list[PromptLeaseItem]) -> None:
         assert self.spec is not None and self.engine is not None and self.submitter is not None
         spec = self.spec
-        if not self.notice.take([p.prompt_id for p in prompts], self.ledger.ids()):
+        names = [p.prompt_id for p in prompts]
+        if not self.notice.take(names, self.ledger.ids()):
             held = set(self.ledger.ids())  # a notice came: these go back now, unsampled
             self.submitter.release_prompts([p.prompt_id for p in prompts if p.prompt_id in held])
             return
         ids = [self.prompt_ids(p.index) for p in prompts]
-        versions = HeldVersions(self.book)
-        versions.hold(slot.version)
+        (versions := HeldVersions(self.book)).hold(slot.version)
         batch = GeneratedBatch(
             held=versions,
             prompts=prompts,
@@ -475,7 +475,7 @@ class GeneratorWorker:
             sampling=spec.sampling,
         )
         try:
-            out = self.guard.rollout(self.engine, versions, ids, spec, self._while_sampling)
+            out = self.guard.rollout(self.engine, versions, ids, spec, self._while_sampling, names=names)
             batch.samples, batch.spans = out.samples, out.spans
         except (NoticeExpired, StaleCall) as exc:
             self.submitter.release(batch, str(exc))

@@ -42,6 +42,8 @@ _RUNNER = (
     "sys.exit(run_up(cfg, console=Console(width=160), live=False))\n"
 )
 STEP_LINE = re.compile(r"step (\d+)/\d+ loss \S+ reward (\S+)")
+# A generator's line as a call goes on under a newer version (partial rollouts: bucketrl/generator/partial_rollouts.py).
+CONTINUING = re.compile(r"continuing \d+ of \d+ completion\(s\) of prompts \[([^\]]*)\] under v(\d+)")
 # How soon a wait sees what it waits for (a recovery, a step): the trainer keeps stepping while the test reacts, so
 # a slower poll spends more of the run's steps between faults.
 POLL_S = 0.2
@@ -157,6 +159,9 @@ class Chaos:
     faults: list[Fault] = field(default_factory=list)
     pending: list[Fault] = field(default_factory=list)
     leased_checks: int = 0
+    # Per kill_mid_continuation: the prompts the killed call was continuing, and whether the kill came before its
+    # batch was submitted.
+    continuations_killed: list[tuple[set[str], bool]] = field(default_factory=list)
     _store: Any = None
 
     def __post_init__(self) -> None:
@@ -276,6 +281,50 @@ class Chaos:
 
         with self.fault(f"SIGKILL {service}", back=back, block=not service.startswith("gen-")):
             os.kill(pid, signal.SIGKILL)
+
+    def kill_mid_continuation(self, service: str, timeout_s: float = 120.0) -> bool:
+        """SIGKILL generator ``service`` the moment its log says a call goes on under a newer version. True when it
+        died mid-continuation: the call's prompts were still leased to it after the kill (a batch submitted ends
+        its leases), so nothing of the call reached the proxy. Its prompts come back once their leases run out."""
+        import redis
+
+        log = self.up.logs / f"{service}.log"
+        self.live_pid(service)
+        deadline = time.monotonic() + timeout_s
+        with log.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)  # only a continuation that starts from now on
+            seen, match = "", None
+            while match is None:
+                assert time.monotonic() < deadline, f"{service} continued no call within {timeout_s:.0f}s"
+                chunk = fh.read()
+                if not chunk:
+                    time.sleep(0.005)  # tight: a continuation of the tiny model lasts a fraction of a second
+                    continue
+                seen = (seen + chunk.decode(errors="replace"))[-20_000:]
+                match = CONTINUING.search(seen)
+        pid = self.up.pid(service)
+
+        def back() -> bool:
+            again = self.up.pid(service)
+            return again != pid and alive(again)
+
+        with self.fault(f"SIGKILL {service} mid-continuation", back=back, block=False):
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.3)  # a request it sent just before its death has landed by now
+        r = redis.Redis(port=self.up.redis_port())
+        try:
+            owner = r.hgetall(f"brl:{self.up.cfg.run}:prompts:owner")
+        finally:
+            r.close()
+        held = {k.decode() for k, v in owner.items() if v.decode() == service}
+        continued = set(match.group(1).split(", "))
+        landed = continued <= held
+        self.continuations_killed.append((continued, landed))
+        print(
+            f"[chaos] {service} killed as it continued {sorted(continued)} under v{match.group(2)}: "
+            f"{'mid-continuation' if landed else 'its prompts no longer leased to it (the call submitted?)'}"
+        )
+        return landed
 
     def kill_trainer(self) -> None:
         s = self.wait("a trainer that has registered and stepped", self._trainer_stepping, 300)

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bucketrl.generator.adapters import VersionBook
 from bucketrl.generator.metrics import GeneratorMetrics
+from bucketrl.generator.partial_rollouts import sample_partial
 from bucketrl.generator.settings import GeneratorSettings
 from bucketrl.generator.staleness_guard import StalenessGuard
 from bucketrl.generator.submit import HeldVersions
+from bucketrl.rollout.engine import StopAtStep
 from bucketrl.sim.engine import SimEngine
 from bucketrl.sim.gpu import SimGpu
 from bucketrl.wire import Completion, RolloutBatch, RolloutGroup, SamplingSpec
@@ -102,3 +106,26 @@ def test_an_overtaken_call_goes_on_under_the_newer_version(tmp_path: Path) -> No
     RolloutBatch(worker_id="w", lease_id="L2", version=2, groups=groups)
     assert held.give_back() and not held.give_back()
     assert book.retire(max_staleness=0, capacity=1) and book.versions() == {2}  # v1 free to go once settled
+
+
+def test_a_cut_with_no_version_loaded_to_go_on_under_is_a_clear_error(tmp_path: Path) -> None:
+    """A book with nothing loaded at a cut (the held versions are never retired: a bug) says so, not ``assert``."""
+    spec = run_spec(tmp_path, group_size=2, sampling=SamplingSpec(max_new_tokens=300)).model_copy(
+        update={"partial_rollouts": True}
+    )
+    clock = Clock()
+    engine, book = _engine(tmp_path, spec, clock), VersionBook("r")
+    book.add(1, "L1", tmp_path, 0.0)
+    engine.load_adapter(book.name(1), 1, tmp_path)
+    book.mark_loaded(1)
+    held = HeldVersions(book)
+    held.hold(1)
+
+    def hook(slot: object) -> None:
+        book.drop(1)
+        raise StopAtStep("cut")
+
+    with pytest.raises(
+        RuntimeError, match=r"4 completion\(s\) of a v1 call were stopped .* no adapter version is loaded"
+    ):
+        sample_partial(engine, held, book, PROMPTS, spec, hook)

@@ -232,6 +232,8 @@ class VLLMEngine:
                         raise CallInterrupted([[g.sample() for g in got[rid]] for rid in ids], exc) from None
                     raise
                 due = time.monotonic() + POLL_S
+            if not engine.has_unfinished_requests():  # step() would wait for outputs that will never come
+                raise errors.BucketRLError(f"vLLM holds no request of this call but {sorted(unfinished)} never ended")
             for out in engine.step():
                 rows = got.get(out.request_id)
                 if rows is None or not isinstance(out, RequestOutput):

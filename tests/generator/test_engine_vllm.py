@@ -18,7 +18,7 @@ from bucketrl.rollout.detokenize import complete_text
 from bucketrl.tarball import pack_dir
 from bucketrl.tasks import tiny_tokenizer
 from bucketrl.wire import SamplingSpec
-from tests.generator.engine_suite import PROMPTS, EngineBehaviour, G, check_well_formed, max_logprob_gap
+from tests.generator.engine_suite import EOS_IDS, PROMPTS, EngineBehaviour, G, check_well_formed, max_logprob_gap
 from tests.generator.helpers import make_adapter, run_spec, teacher_forced_logprobs
 from tests.generator.worker_support import Consumer, create_run, running_worker, wait_until, worker_settings
 from tests.proxy.harness import running
@@ -162,3 +162,69 @@ def test_vllm_gives_the_generators_text_for_the_same_ids(engine: Any, model_dir:
         assert not c.text.endswith("\ufffd")
         cut_inside += tok.decode(ids, skip_special_tokens=True) != c.text
     assert cut_inside > 0  # some completions did end inside a character (the old decode disagreed with vLLM there)
+
+
+def test_a_call_stopped_at_a_step_goes_on_under_the_next_version_with_the_budget_left(
+    engine: Any, adapters: dict[int, Path], model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Partial rollouts on vLLM (issue 35): a hook's StopAtStep stops the call at that step (not at its end) with
+    every completion's tokens so far; each unfinished one goes on under t-v2 as a new request from the prompt ids plus
+    those tokens, with the max_new_tokens it has left, and every token's logprob is its own version's."""
+    from bucketrl.generator import partial_rollouts
+    from bucketrl.generator.adapters import VersionBook
+    from bucketrl.generator.engines import vllm_engine
+    from bucketrl.generator.submit import HeldVersions
+    from bucketrl.rollout.engine import CallInterrupted, StopAtStep
+
+    monkeypatch.setattr(vllm_engine, "POLL_S", 0.0)  # the hook before the first step and after each
+    sampling = SamplingSpec(temperature=1.0, max_new_tokens=24)
+    calls = [0]
+
+    def stop_after_two_steps() -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise StopAtStep("cut")
+
+    with pytest.raises(CallInterrupted) as cut:
+        engine.generate(PROMPTS, adapter="t-v1", n=G, sampling=sampling, while_running=stop_after_two_steps)
+    kept = [s for g in cut.value.partial for s in g]
+    assert len(kept) == len(PROMPTS) * G and sum(len(s.token_ids) for s in kept) > 0
+    # At most two steps' tokens each (fewer for a request the engine core took in a step late: they reach it one by
+    # one), or its EOS, not 24.
+    for s in kept:
+        assert len(s.token_ids) <= 2 and len(s.logprobs) == len(s.token_ids)
+        assert s.finish_reason == "abort" or (s.finish_reason == "stop" and s.token_ids[-1] in EOS_IDS)
+    assert not engine._llm.llm_engine.has_unfinished_requests()  # the rest aborted, not sampled to the end
+
+    spec = run_spec(model_dir, max_staleness=1, group_size=G, sampling=sampling)
+    book = VersionBook("t")  # t-v1 and t-v2 resident: v2 becomes the newest 3 steps into the call
+    book.add(1, "L1", adapters[1], 0.0)
+    book.mark_loaded(1)
+    held = HeldVersions(book)
+    held.hold(1)
+    calls[0] = 0
+
+    def v2_after_three_steps(slot: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 4:
+            book.add(2, "L2", adapters[2], 0.0)
+            book.mark_loaded(2)
+        if partial_rollouts.overtaken(book, slot.version, 2, spec, 1):
+            raise StopAtStep("v2")
+
+    out = partial_rollouts.sample_partial(engine, held, book, PROMPTS, spec, v2_after_three_steps)
+    assert out.spans is not None and out.continuations >= 1 and held.versions() == [1, 2]
+    mixed = 0
+    for prompt, group, spans in zip(PROMPTS, out.samples, out.spans, strict=True):
+        for s, sp in zip(group, spans, strict=True):
+            # Cut within 3 tokens and continued under v2, or ended (EOS) within them under v1.
+            assert [x.version for x in sp] in ([1, 2], [2]) or (len(sp), s.finish_reason) == (1, "stop")
+            assert sp[0].version == 2 or sp[0].end <= 3
+            assert s.finish_reason in ("stop", "length") and len(s.token_ids) <= sampling.max_new_tokens
+            assert s.finish_reason == "stop" or len(s.token_ids) == sampling.max_new_tokens  # the budget left
+            mixed += len(sp) == 2
+            for x in sp:
+                context, tokens = prompt + s.token_ids[: x.start], s.token_ids[x.start : x.end]
+                ref = teacher_forced_logprobs(model_dir, adapters[x.version], context, tokens, sampling)
+                assert max(abs(a - b) for a, b in zip(ref, s.logprobs[x.start : x.end], strict=True)) < 1e-3
+    assert mixed > 0

@@ -11,6 +11,13 @@
 - ``generation_config="vllm"``: the model's generation_config.json may carry a repetition penalty or
   other processors the trainer does not apply; ignore it, the run spec is the only sampling source.
 
+Requests are added to the ``LLMEngine`` and stepped here, their outputs as per-step deltas, so a call's
+``while_running`` hook runs between steps and a hook that raises :class:`~bucketrl.rollout.engine.StopAtStep` stops
+the call at that step with every completion's tokens and behaviour logprobs so far
+(:class:`~bucketrl.rollout.engine.CallInterrupted`; its unfinished requests are aborted). Partial rollouts continue
+such a completion as a new request under a newer adapter whose prompt is the prompt ids plus the tokens so far: the
+prefix cache is keyed by adapter, so that request prefills them all again (docs/faults.md measures it).
+
 vLLM starts its engine core in a child process (fork by default), so build this engine before the
 worker starts any thread, and keep the program's entry point under ``if __name__ == "__main__"``
 (spawn re-imports it). The first generate call is slow (kernel warm-up): the constructor pays it once.
@@ -18,16 +25,18 @@ worker starts any thread, and keep the program's entry point under ``if __name__
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bucketrl import errors
 from bucketrl.generator.engines.base import vllm_lora_rank
-from bucketrl.rollout.engine import BASE_ADAPTER, FinishReason, SampledCompletion
+from bucketrl.rollout.engine import BASE_ADAPTER, CallInterrupted, FinishReason, SampledCompletion, StopAtStep
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
@@ -50,26 +59,29 @@ def _model_max_len(model_path: str) -> int | None:
         return None
 
 
-def _in_request_order(ids: list[str], outs: list[Any], prompts: list[list[int]]) -> list[Any]:
-    """The outputs in the order of the prompts. The engine finishes requests in any order, and vLLM 0.32's
-    ``enqueue`` returns ids with a random suffix (``'3-8a2ac12c'``) that its outputs do not carry (``'3'``): matched
-    on either form, and every output's prompt is checked, because a completion handed to another prompt's group
-    would be trained against the wrong context (this fallback once returned the completion order)."""
-    by_id = {o.request_id: o for o in outs}
-    ordered = []
-    for rid in ids:
-        out = by_id.get(rid) or by_id.get(rid.split("-", 1)[0])
-        if out is None:
-            raise errors.BucketRLError(f"vLLM returned no output for request {rid!r} (got {sorted(by_id)})")
-        ordered.append(out)
-    for out, prompt in zip(ordered, prompts, strict=True):
-        if list(out.prompt_token_ids) != prompt:
-            raise errors.BucketRLError(f"vLLM output {out.request_id!r} is not for the prompt it was matched to")
-    return ordered
+@dataclass
+class _Growing:
+    """One completion of a call, from vLLM's per-step deltas."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: FinishReason = "abort"  # until vLLM says it finished
+    checked: bool = False  # its request's prompt was checked (kept on the first completion of a request)
+
+    def add(self, c: Any) -> None:
+        new = list(c.token_ids)
+        self.token_ids += new
+        self.logprobs += [float(step[tok].logprob) for tok, step in zip(new, c.logprobs, strict=True)]
+        if c.finish_reason is not None:
+            self.reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+
+    def sample(self) -> SampledCompletion:
+        return SampledCompletion(self.token_ids, self.logprobs, self.reason)
 
 
 class VLLMEngine:
     name = "vllm"
+    continues_calls = True  # a StopAtStep hook keeps the tokens so far (partial rollouts)
 
     def __init__(self, model_path: str, *, settings: GeneratorSettings, spec: RunSpec) -> None:
         from vllm import LLM, SamplingParams
@@ -107,6 +119,7 @@ class VLLMEngine:
         model_dtype = getattr(getattr(self._llm.llm_engine, "model_config", None), "dtype", None)
         self.adapter_dtype: str | None = str(model_dtype).removeprefix("torch.") if model_dtype is not None else None
         self._requests: dict[str, Any] = {}  # name -> LoRARequest
+        self._request_ids = itertools.count()
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -150,6 +163,9 @@ class VLLMEngine:
         sampling: SamplingSpec,
         while_running: Callable[[], None] | None = None,
     ) -> list[list[SampledCompletion]]:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
         req = self._requests.get(adapter)  # None for BASE_ADAPTER: the base model
         if req is None and adapter != BASE_ADAPTER:
             raise errors.NotFound(f"adapter {adapter!r} is not loaded (loaded: {sorted(self._requests)})")
@@ -168,43 +184,71 @@ class VLLMEngine:
             top_k=sampling.top_k,
             max_tokens=max_tokens,
             logprobs=0,  # only the sampled token's logprob
+            # Each step's new tokens, so a call stopped at a step keeps what it sampled (LLM.enqueue would force
+            # FINAL_ONLY: an aborted request's tokens would be lost).
+            output_kind=RequestOutputKind.DELTA,
+            # Ids only: the generator makes text of a completion's whole ids (rollout.detokenize), so a cut inside a
+            # character never splits one. (Stop strings would need vLLM's text; runs have none, only EOS.)
+            detokenize=False,
         )
-        # enqueue + step instead of generate(): the engine core samples in its own process while
+        # add_request + step instead of generate(): the engine core samples in its own process while
         # ``while_running`` (e.g. loading the next adapter) runs here, once queued and then between steps.
-        queued: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
-        ids = self._llm.enqueue(queued, params, lora_request=req, use_tqdm=False)
-        outs = self._drain(while_running)
-        ordered = _in_request_order(ids, outs, prompts)
-        return [[self._sample(c) for c in out.outputs] for out in ordered]
-
-    def _drain(self, hook: Callable[[], None] | None) -> list[Any]:
-        """Step the engine until the queued requests finish (what ``LLM.wait_for_completion`` does), calling
-        ``hook`` first and then at most every POLL_S between steps. A hook that raises stops being called;
-        the requests are still finished (the engine must be left empty), then the error propagates."""
         engine = self._llm.llm_engine
-        outs: list[Any] = []
-        error: BaseException | None = None
+        # Our id -> vLLM's internal one (ours plus "-<random>"; for n > 1 the parent of the n requests), which
+        # outputs do not carry but an abort needs: by our id vLLM would keep the parent of a half-finished group.
+        ids: dict[str, str] = {}
+        try:
+            for p in prompts:
+                rid = f"brl{next(self._request_ids)}"
+                ids[rid] = engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params, lora_request=req)
+        except BaseException:
+            if ids:
+                engine.abort_request(list(ids.values()), internal=True)
+            raise
+        return self._drain(ids, prompts, n, while_running)
+
+    def _drain(
+        self, ids: dict[str, str], prompts: list[list[int]], n: int, hook: Callable[[], None] | None
+    ) -> list[list[SampledCompletion]]:
+        """Step the engine until the call's requests finish, calling ``hook`` first and then at most every POLL_S
+        between steps. A hook that raises aborts the call's unfinished requests at once (the engine is left empty;
+        tokens the engine core sampled past the cut are dropped with them): :class:`StopAtStep` ends the call with
+        what each completion sampled so far (:class:`CallInterrupted`, unfinished ones ``abort``), anything else
+        propagates."""
+        from vllm.outputs import RequestOutput
+
+        engine = self._llm.llm_engine
+        got = {rid: [_Growing() for _ in range(n)] for rid in ids}
+        prompt_of = dict(zip(ids, prompts, strict=True))
+        unfinished = set(ids)
         due = time.monotonic()
-        while True:
-            if hook is not None and error is None and time.monotonic() >= due:
+        while unfinished:
+            if hook is not None and time.monotonic() >= due:
                 try:
                     hook()
-                except BaseException as exc:  # re-raised once the engine is drained
-                    error = exc
+                except BaseException as exc:
+                    engine.abort_request([ids[rid] for rid in sorted(unfinished)], internal=True)
+                    if isinstance(exc, StopAtStep):
+                        raise CallInterrupted([[g.sample() for g in got[rid]] for rid in ids], exc) from None
+                    raise
                 due = time.monotonic() + POLL_S
-            if not engine.has_unfinished_requests():
-                break
-            outs.extend(o for o in engine.step() if o.finished)
-        if error is not None:
-            raise error
-        return outs
-
-    @staticmethod
-    def _sample(c: Any) -> SampledCompletion:
-        token_ids = list(c.token_ids)
-        logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, c.logprobs, strict=True)]
-        reason: FinishReason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-        return SampledCompletion(token_ids, logprobs, reason)
+            if not engine.has_unfinished_requests():  # step() would wait for outputs that will never come
+                raise errors.BucketRLError(f"vLLM holds no request of this call but {sorted(unfinished)} never ended")
+            for out in engine.step():
+                rows = got.get(out.request_id)
+                if rows is None or not isinstance(out, RequestOutput):
+                    continue  # not this call's (an output of a request aborted earlier, still in flight)
+                if not rows[0].checked:
+                    # A completion handed to another prompt's group would be trained against the wrong context.
+                    if list(out.prompt_token_ids or []) != prompt_of[out.request_id]:
+                        engine.abort_request(list(ids.values()), internal=True)
+                        raise errors.BucketRLError(f"vLLM output {out.request_id!r} is not for its prompt")
+                    rows[0].checked = True
+                for c in out.outputs:
+                    rows[c.index].add(c)
+                if out.finished:
+                    unfinished.discard(out.request_id)
+        return [[g.sample() for g in got[rid]] for rid in ids]
 
     def close(self) -> None:
         # None once closed (nothing calls the engine after close()); mypy knows the attribute as the live LLM.

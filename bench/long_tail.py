@@ -52,6 +52,10 @@ from tests.proxy.harness import ProxyHarness, adapter_tar, running
 from tests.support.services import RedisServer
 
 GROUP, STALENESS = 4, 4
+# Masked tokens by their completion: ``continued`` (sampled by several versions: the early part of a long one),
+# ``group_mate`` (one version, in a group with a continued one: it ended early and waited for its group's longest),
+# ``whole_group`` (one version, in a group with no continued completion: it waited for its batch or in the queue).
+MASKED_KINDS = ("continued", "group_mate", "whole_group")
 
 
 class Trainer(threading.Thread):
@@ -65,6 +69,11 @@ class Trainer(threading.Thread):
         self.groups_per_step, self.step_s, self.window = groups_per_step, step_s, window
         self.stop, self.version, self.steps = threading.Event(), 1, 0
         self.trained_tokens = self.masked_tokens = self.mixed_tokens = 0
+        # Masked tokens by where they were in their group (see ``masked_by``) and by when they left the window:
+        # already as of the batch's own version (stale before it was submitted) or only by the time it was trained.
+        self.masked_by = dict.fromkeys(MASKED_KINDS, 0)
+        self.masked_before_submit = 0
+        self.claim_lag: list[int] = []  # per group trained: the trainer's version - the batch's (queue time)
         self.staleness: list[np.ndarray] = []  # per trained token: latest - its version (measured window only)
         self.prompts: list[str] = []
         self.idle_s = 0.0
@@ -91,14 +100,20 @@ class Trainer(threading.Thread):
             self.client.ack(ids)
             for g, version in got:
                 self.prompts.append(g.prompt_id)
+                self.claim_lag.append(self.version - version)
+                group_mixed = any(c.version_spans is not None and len(c.version_spans) > 1 for c in g.completions)
                 for c in g.completions:
                     tv = np.asarray(c.token_versions(version))
                     keep = tv >= self.version - self.window
                     n = int(keep.sum())
                     self.trained_tokens += n
                     self.masked_tokens += len(tv) - n
-                    if c.version_spans is not None and len(c.version_spans) > 1:
+                    mixed = c.version_spans is not None and len(c.version_spans) > 1
+                    if mixed:
                         self.mixed_tokens += n
+                    kind = "continued" if mixed else "group_mate" if group_mixed else "whole_group"
+                    self.masked_by[kind] += len(tv) - n
+                    self.masked_before_submit += int((tv < version - self.window).sum())
                     if self.measuring:
                         self.window_tokens += n
                         self.staleness.append(self.version - tv[keep])
@@ -175,6 +190,10 @@ def figures(
     decoded = fleet.tokens_decoded()
     stale = np.concatenate(trainer.staleness) if trainer.staleness else np.zeros(0)
     metric = lambda name: sum(m.get(name, 0.0) for m in fleet.metrics.values())  # noqa: E731
+    # The longest call that ran to its end (with the guard, calls past the window were abandoned: a lower bound)
+    # against the staleness window's length in time (STALENESS versions at the mode's pace).
+    longest = max((m.get("rollout/call_s_max", 0.0) for m in fleet.metrics.values()), default=0.0)
+    version_s = window_s / max(1, steps)
     return {
         "mode": mode,
         "max_staleness": max_staleness,
@@ -184,6 +203,14 @@ def figures(
         "tokens_trained": trainer.trained_tokens,
         "tokens_wasted_stale": int(max(0.0, decoded - trainer.trained_tokens)),
         "tokens_masked": trainer.masked_tokens,
+        "tokens_masked_by": trainer.masked_by,
+        "tokens_masked_before_submit": trainer.masked_before_submit,
+        # Decoded and never seen by the trainer: abandoned calls, groups dropped stale, calls cut at shutdown.
+        "tokens_wasted_untrained": int(max(0.0, decoded - trainer.trained_tokens - trainer.masked_tokens)),
+        "claim_lag_versions_mean": round(float(np.mean(trainer.claim_lag)), 2) if trainer.claim_lag else None,
+        "longest_call_s": round(longest, 2),
+        "version_interval_s": round(version_s, 3),
+        "longest_call_over_window": round(longest / (STALENESS * version_s), 2),
         "mixed_version_share": round(trainer.mixed_tokens / max(1, trainer.trained_tokens), 3),
         "token_staleness_p50": float(np.percentile(stale, 50)) if stale.size else None,
         "token_staleness_max": int(stale.max()) if stale.size else None,
@@ -233,6 +260,15 @@ def main() -> None:
         r["wall_s"] = round(time.monotonic() - t0, 1)
         print(json.dumps(r), flush=True)
         by_mode[mode] = r
+    for mode, r in by_mode.items():
+        print(
+            f"{mode}: longest call {r['longest_call_s']:.1f} s = {r['longest_call_over_window']:.2f}x the window "
+            f"({STALENESS} versions x {r['version_interval_s']:.2f} s); masked {r['tokens_masked']:,} "
+            f"({r['tokens_masked_before_submit']:,} already stale at submit; by completion {r['tokens_masked_by']}), "
+            f"never trained {r['tokens_wasted_untrained']:,} (abandoned {r['stale_abandoned_groups']:.0f} groups, "
+            f"dropped stale at claim {r['stale_at_claim']})",
+            flush=True,
+        )
     if "guard" in by_mode and "partial" in by_mode:
         g, pr = by_mode["guard"], by_mode["partial"]
         speed = pr["trained_tokens_per_s"] / max(g["trained_tokens_per_s"], 1e-9)

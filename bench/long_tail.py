@@ -218,6 +218,7 @@ def figures(
         "stale_abandoned_groups": metric("rollout/stale_abandoned_total"),
         "continuations": metric("rollout/continuations_total"),
         "stale_at_claim": q.dropped_stale_total,
+        "stale_at_submit": int(sum(fleet.stale_at_submit.values())),
         "groups_lost": q.accepted_total - (q.acked_total + q.dropped_stale_total + q.groups + q.pending),
         "groups_trained_twice": len(trainer.prompts) - len(set(trainer.prompts)),
         "window_s": round(window_s, 1),
@@ -266,7 +267,7 @@ def main() -> None:
             f"({STALENESS} versions x {r['version_interval_s']:.2f} s); masked {r['tokens_masked']:,} "
             f"({r['tokens_masked_before_submit']:,} already stale at submit; by completion {r['tokens_masked_by']}), "
             f"never trained {r['tokens_wasted_untrained']:,} (abandoned {r['stale_abandoned_groups']:.0f} groups, "
-            f"dropped stale at claim {r['stale_at_claim']})",
+            f"refused stale at submit {r['stale_at_submit']}, dropped stale at claim {r['stale_at_claim']})",
             flush=True,
         )
     if "guard" in by_mode and "partial" in by_mode:

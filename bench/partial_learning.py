@@ -1,15 +1,16 @@
 """Does a run with partial rollouts learn as well as one without (issue 35)? The demo run twice, same seed:
 ``partial_rollouts`` off, then on.
 
-    .venv/bin/python bench/partial_learning.py                                   # 60 steps per run
+    .venv/bin/python bench/partial_learning.py                                   # the demo's 100 steps per run
     .venv/bin/python bench/partial_learning.py --plot docs/img/partial-learning.png --json /tmp/partial.json
     .venv/bin/python bench/partial_learning.py -- --max-new-tokens 16            # extra `bucketrl up` options
 
 Each run is ``bucketrl up --no-live`` (proxy, Redis, trainer, 2 generators on the transformers engine, the built-in
-tiny model on toy:digits, the demo's settings) with ``--max-steps`` steps and ``--seed``; the only difference is the
-run spec's ``partial_rollouts``. With it a generator's call that sees a new version loaded mid-call stops at the next
-decode step and goes on under it (``BUCKETRL_PARTIAL_SWITCH_LAG`` 1), so the comparison only means something when
-continuations happen: the bench prints the share of trained tokens from mixed-version completions (the summary's
+tiny model on toy:digits, the demo's settings and lr; 16 prompts per engine call, the demo's 8 made too few calls see
+a version come mid-call) with ``--max-steps`` steps and ``--seed``; the only difference
+is the run spec's ``partial_rollouts``. With it a generator's call that sees a new version loaded mid-call stops at
+the next decode step and goes on under it (``BUCKETRL_PARTIAL_SWITCH_LAG`` 1), so the comparison only means something
+when continuations happen: the bench prints the share of trained tokens from mixed-version completions (the summary's
 ``mixed_version_token_frac``, a mean over steps) and the generators' continuations.
 
 Per run it prints the reward's mean over the first and last 20 steps, the mixed-version share, continuations, tokens
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -32,6 +34,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bucketrl.tasks.toy import DEMO_LR, DEMO_MAX_STEPS  # noqa: E402
+
 ROLLING = 10
 
 
@@ -55,11 +61,17 @@ def run_once(name: str, partial: bool, args: argparse.Namespace, root: Path) -> 
         str(args.max_steps),
         "--seed",
         str(args.seed),
+        # A run spec file makes it not the demo, whose lr would otherwise fall back to 1e-5: the demo's, given.
+        "--lr",
+        repr(args.lr),
         *args.up_args,
     ]
     print("$", " ".join(cmd), flush=True)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, check=False, cwd=REPO, stdout=subprocess.DEVNULL)
+    # Longer calls than the demo's 8 prompts (the generators inherit this environment): more of them see a version
+    # come mid-call, so continuations carry a sizeable share of the trained tokens.
+    env = os.environ | {"BUCKETRL_PROMPTS_PER_REQUEST": str(args.prompts_per_request)}
+    proc = subprocess.run(cmd, check=False, cwd=REPO, stdout=subprocess.DEVNULL, env=env)
     wall = time.monotonic() - t0
     summary_path = run_dir / "summary.json"
     if proc.returncode != 0 or not summary_path.exists():
@@ -121,8 +133,12 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--max-steps", type=int, default=60)
+    p.add_argument("--max-steps", type=int, default=DEMO_MAX_STEPS)
+    p.add_argument("--lr", type=float, default=DEMO_LR)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prompts-per-request", type=int, default=16, help="BUCKETRL_PROMPTS_PER_REQUEST of the generators (demo: 8)"
+    )
     p.add_argument("--min-mixed", type=float, default=0.3, help="the partial run's mixed-version share must reach it")
     p.add_argument("--tolerance", type=float, default=0.1, help="partial's last-20 reward at least off's minus this")
     p.add_argument("--plot", type=Path, default=None)

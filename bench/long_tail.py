@@ -1,6 +1,6 @@
 """Long, heavy-tailed completions under a fast trainer: today's guard vs. finishing old vs. partial rollouts (issue 35).
 
-    .venv/bin/python bench/long_tail.py                                  # 4 generators, 45 s per mode
+    .venv/bin/python bench/long_tail.py                                  # 4 generators, 40 s per mode
     .venv/bin/python bench/long_tail.py --duration-s 90 --modes guard,partial --json /tmp/long_tail.json
 
 Built from ``bench/preemption.py``'s pieces (fleet of real ``bucketrl generator`` processes on the simulated engine,
@@ -8,8 +8,11 @@ the proxy on a thread of this process, ``redis-server``), with its own trainer s
 lognormal (median ``--length-median``, shape ``--length-sigma``, half of the log-variance the prompt's own:
 a hard prompt is long again when it is sampled again) capped at ``--max-new-tokens`` (3,000), so a call
 (2 prompts x G=4) ends when the longest of 8 ends; the trainer's step (``--step-s``) is far shorter than the longest
-call, so versions come while long calls run. With the defaults versions come about once a second here, so a
-3,000-token call (12 s) lasts about three times the staleness window (4 versions). Modes (one proxy, bucket and
+call, so versions come while long calls run. The version pace is set by the groups the fleet delivers, so the
+window's length in time goes as ``--groups-per-step`` / ``--generators``: with the defaults (4 generators, 5 groups a
+step) the longest call (a 3,000-token completion, ~12 s) lasts about twice the staleness window (4 versions); each
+mode prints its own measured ratio (``longest_call_over_window``: the longest call that ran to its end, from the
+generators' ``rollout/call_s_max``, over 4 x the mode's seconds per version). Modes (one proxy, bucket and
 fleet each, run one after the other):
 
 - ``guard``: ``max_staleness`` 4, the staleness guard on (today): a call whose version leaves the window is
@@ -24,9 +27,14 @@ groups at claim), trains every token whose version (``Completion.token_versions`
 the window and masks the rest (counted as wasted), sleeps ``--step-s``, acks and publishes the next version.
 
 Per mode it prints: trained tokens/s over the measured window, tokens decoded (the engines' count, cut calls
-included) and wasted to staleness (decoded and never trained: abandoned calls, stale drops, masked tokens), the
-trained tokens' staleness (latest version at training - the token's version; p50 and max), the trainer's idle
-share (waiting for groups), continuations, and groups lost or trained twice (both must be 0).
+included, step by step) and wasted to staleness (decoded and never trained), the trained tokens' staleness (latest
+version at training - the token's version; p50 and max), the trainer's idle share (waiting for groups),
+continuations, and groups lost or trained twice (both must be 0). Where the waste goes: tokens the trainer masked
+(``tokens_masked_by``: in continued completions, in their finished group mates, in groups with no continued
+completion; ``tokens_masked_before_submit``: already out of the window at the batch's own version, the rest aged out
+between the batch's last version and its training, ``claim_lag_versions_mean`` versions on average) and tokens never
+trained (``tokens_wasted_untrained``: abandoned calls, batches refused stale at submit or dropped at claim, calls cut
+at shutdown).
 """
 
 from __future__ import annotations
@@ -228,10 +236,10 @@ def figures(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--generators", type=int, default=4)
-    p.add_argument("--duration-s", type=float, default=45.0, help="measured window per mode (after the warm-up)")
+    p.add_argument("--duration-s", type=float, default=40.0, help="measured window per mode (after the warm-up)")
     p.add_argument("--modes", default="guard,finish,partial")
-    p.add_argument("--groups-per-step", type=int, default=2)
-    p.add_argument("--step-s", type=float, default=0.2, help="the stand-in trainer's time per step")
+    p.add_argument("--groups-per-step", type=int, default=5)
+    p.add_argument("--step-s", type=float, default=0.5, help="the stand-in trainer's time per step")
     p.add_argument("--max-new-tokens", type=int, default=3000)
     p.add_argument("--length-median", type=float, default=150.0)
     p.add_argument("--length-sigma", type=float, default=1.2)

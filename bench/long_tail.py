@@ -1,6 +1,6 @@
 """Long, heavy-tailed completions under a fast trainer: today's guard vs. finishing old vs. partial rollouts (issue 35).
 
-    .venv/bin/python bench/long_tail.py                                  # 4 generators, 45 s per mode
+    .venv/bin/python bench/long_tail.py                                  # 4 generators, 40 s per mode
     .venv/bin/python bench/long_tail.py --duration-s 90 --modes guard,partial --json /tmp/long_tail.json
 
 Built from ``bench/preemption.py``'s pieces (fleet of real ``bucketrl generator`` processes on the simulated engine,
@@ -8,8 +8,11 @@ the proxy on a thread of this process, ``redis-server``), with its own trainer s
 lognormal (median ``--length-median``, shape ``--length-sigma``, half of the log-variance the prompt's own:
 a hard prompt is long again when it is sampled again) capped at ``--max-new-tokens`` (3,000), so a call
 (2 prompts x G=4) ends when the longest of 8 ends; the trainer's step (``--step-s``) is far shorter than the longest
-call, so versions come while long calls run. With the defaults versions come about once a second here, so a
-3,000-token call (12 s) lasts about three times the staleness window (4 versions). Modes (one proxy, bucket and
+call, so versions come while long calls run. The version pace is set by the groups the fleet delivers, so the
+window's length in time goes as ``--groups-per-step`` / ``--generators``: with the defaults (4 generators, 5 groups a
+step) the longest call (a 3,000-token completion, ~12 s) lasts about twice the staleness window (4 versions); each
+mode prints its own measured ratio (``longest_call_over_window``: the longest call that ran to its end, from the
+generators' ``rollout/call_s_max``, over 4 x the mode's seconds per version). Modes (one proxy, bucket and
 fleet each, run one after the other):
 
 - ``guard``: ``max_staleness`` 4, the staleness guard on (today): a call whose version leaves the window is
@@ -24,9 +27,14 @@ groups at claim), trains every token whose version (``Completion.token_versions`
 the window and masks the rest (counted as wasted), sleeps ``--step-s``, acks and publishes the next version.
 
 Per mode it prints: trained tokens/s over the measured window, tokens decoded (the engines' count, cut calls
-included) and wasted to staleness (decoded and never trained: abandoned calls, stale drops, masked tokens), the
-trained tokens' staleness (latest version at training - the token's version; p50 and max), the trainer's idle
-share (waiting for groups), continuations, and groups lost or trained twice (both must be 0).
+included, step by step) and wasted to staleness (decoded and never trained), the trained tokens' staleness (latest
+version at training - the token's version; p50 and max), the trainer's idle share (waiting for groups),
+continuations, and groups lost or trained twice (both must be 0). Where the waste goes: tokens the trainer masked
+(``tokens_masked_by``: in continued completions, in their finished group mates, in groups with no continued
+completion; ``tokens_masked_before_submit``: already out of the window at the batch's own version, the rest aged out
+between the batch's last version and its training, ``claim_lag_versions_mean`` versions on average) and tokens never
+trained (``tokens_wasted_untrained``: abandoned calls, batches refused stale at submit or dropped at claim, calls cut
+at shutdown).
 """
 
 from __future__ import annotations
@@ -52,6 +60,10 @@ from tests.proxy.harness import ProxyHarness, adapter_tar, running
 from tests.support.services import RedisServer
 
 GROUP, STALENESS = 4, 4
+# Masked tokens by their completion: ``continued`` (sampled by several versions: the early part of a long one),
+# ``group_mate`` (one version, in a group with a continued one: it ended early and waited for its group's longest),
+# ``whole_group`` (one version, in a group with no continued completion: it waited for its batch or in the queue).
+MASKED_KINDS = ("continued", "group_mate", "whole_group")
 
 
 class Trainer(threading.Thread):
@@ -65,6 +77,11 @@ class Trainer(threading.Thread):
         self.groups_per_step, self.step_s, self.window = groups_per_step, step_s, window
         self.stop, self.version, self.steps = threading.Event(), 1, 0
         self.trained_tokens = self.masked_tokens = self.mixed_tokens = 0
+        # Masked tokens by where they were in their group (see ``masked_by``) and by when they left the window:
+        # already as of the batch's own version (stale before it was submitted) or only by the time it was trained.
+        self.masked_by = dict.fromkeys(MASKED_KINDS, 0)
+        self.masked_before_submit = 0
+        self.claim_lag: list[int] = []  # per group trained: the trainer's version - the batch's (queue time)
         self.staleness: list[np.ndarray] = []  # per trained token: latest - its version (measured window only)
         self.prompts: list[str] = []
         self.idle_s = 0.0
@@ -91,14 +108,20 @@ class Trainer(threading.Thread):
             self.client.ack(ids)
             for g, version in got:
                 self.prompts.append(g.prompt_id)
+                self.claim_lag.append(self.version - version)
+                group_mixed = any(c.version_spans is not None and len(c.version_spans) > 1 for c in g.completions)
                 for c in g.completions:
                     tv = np.asarray(c.token_versions(version))
                     keep = tv >= self.version - self.window
                     n = int(keep.sum())
                     self.trained_tokens += n
                     self.masked_tokens += len(tv) - n
-                    if c.version_spans is not None and len(c.version_spans) > 1:
+                    mixed = c.version_spans is not None and len(c.version_spans) > 1
+                    if mixed:
                         self.mixed_tokens += n
+                    kind = "continued" if mixed else "group_mate" if group_mixed else "whole_group"
+                    self.masked_by[kind] += len(tv) - n
+                    self.masked_before_submit += int((tv < version - self.window).sum())
                     if self.measuring:
                         self.window_tokens += n
                         self.staleness.append(self.version - tv[keep])
@@ -175,6 +198,10 @@ def figures(
     decoded = fleet.tokens_decoded()
     stale = np.concatenate(trainer.staleness) if trainer.staleness else np.zeros(0)
     metric = lambda name: sum(m.get(name, 0.0) for m in fleet.metrics.values())  # noqa: E731
+    # The longest call that ran to its end (with the guard, calls past the window were abandoned: a lower bound)
+    # against the staleness window's length in time (STALENESS versions at the mode's pace).
+    longest = max((m.get("rollout/call_s_max", 0.0) for m in fleet.metrics.values()), default=0.0)
+    version_s = window_s / max(1, steps)
     return {
         "mode": mode,
         "max_staleness": max_staleness,
@@ -184,6 +211,14 @@ def figures(
         "tokens_trained": trainer.trained_tokens,
         "tokens_wasted_stale": int(max(0.0, decoded - trainer.trained_tokens)),
         "tokens_masked": trainer.masked_tokens,
+        "tokens_masked_by": trainer.masked_by,
+        "tokens_masked_before_submit": trainer.masked_before_submit,
+        # Decoded and never seen by the trainer: abandoned calls, groups dropped stale, calls cut at shutdown.
+        "tokens_wasted_untrained": int(max(0.0, decoded - trainer.trained_tokens - trainer.masked_tokens)),
+        "claim_lag_versions_mean": round(float(np.mean(trainer.claim_lag)), 2) if trainer.claim_lag else None,
+        "longest_call_s": round(longest, 2),
+        "version_interval_s": round(version_s, 3),
+        "longest_call_over_window": round(longest / (STALENESS * version_s), 2),
         "mixed_version_share": round(trainer.mixed_tokens / max(1, trainer.trained_tokens), 3),
         "token_staleness_p50": float(np.percentile(stale, 50)) if stale.size else None,
         "token_staleness_max": int(stale.max()) if stale.size else None,
@@ -191,6 +226,7 @@ def figures(
         "stale_abandoned_groups": metric("rollout/stale_abandoned_total"),
         "continuations": metric("rollout/continuations_total"),
         "stale_at_claim": q.dropped_stale_total,
+        "stale_at_submit": int(sum(fleet.stale_at_submit.values())),
         "groups_lost": q.accepted_total - (q.acked_total + q.dropped_stale_total + q.groups + q.pending),
         "groups_trained_twice": len(trainer.prompts) - len(set(trainer.prompts)),
         "window_s": round(window_s, 1),
@@ -200,10 +236,10 @@ def figures(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--generators", type=int, default=4)
-    p.add_argument("--duration-s", type=float, default=45.0, help="measured window per mode (after the warm-up)")
+    p.add_argument("--duration-s", type=float, default=40.0, help="measured window per mode (after the warm-up)")
     p.add_argument("--modes", default="guard,finish,partial")
-    p.add_argument("--groups-per-step", type=int, default=2)
-    p.add_argument("--step-s", type=float, default=0.2, help="the stand-in trainer's time per step")
+    p.add_argument("--groups-per-step", type=int, default=5)
+    p.add_argument("--step-s", type=float, default=0.5, help="the stand-in trainer's time per step")
     p.add_argument("--max-new-tokens", type=int, default=3000)
     p.add_argument("--length-median", type=float, default=150.0)
     p.add_argument("--length-sigma", type=float, default=1.2)
@@ -233,6 +269,15 @@ def main() -> None:
         r["wall_s"] = round(time.monotonic() - t0, 1)
         print(json.dumps(r), flush=True)
         by_mode[mode] = r
+    for mode, r in by_mode.items():
+        print(
+            f"{mode}: longest call {r['longest_call_s']:.1f} s = {r['longest_call_over_window']:.2f}x the window "
+            f"({STALENESS} versions x {r['version_interval_s']:.2f} s); masked {r['tokens_masked']:,} "
+            f"({r['tokens_masked_before_submit']:,} already stale at submit; by completion {r['tokens_masked_by']}), "
+            f"never trained {r['tokens_wasted_untrained']:,} (abandoned {r['stale_abandoned_groups']:.0f} groups, "
+            f"refused stale at submit {r['stale_at_submit']}, dropped stale at claim {r['stale_at_claim']})",
+            flush=True,
+        )
     if "guard" in by_mode and "partial" in by_mode:
         g, pr = by_mode["guard"], by_mode["partial"]
         speed = pr["trained_tokens_per_s"] / max(g["trained_tokens_per_s"], 1e-9)

@@ -17,8 +17,8 @@ Names follow TRL's AsyncGRPOTrainer where one exists (TEAM.md):
     rollout/released_prompts_total, rollout/truncated_prompts_total, rollout/tokens_total,
     sync/adapter_failures_total (versions that could not be fetched or loaded and were skipped) (cumulative)
     sync/staged_fetches_total    versions taken from their staged upload, pulled before the commit (not downloaded)
-    rollout/stale_abandoned_total, rollout/stale_held_prompt_s_total (cumulative), rollout/stale_guard_declining
-                                 the staleness guard's (bucketrl/generator/staleness_guard.py)
+    rollout/stale_abandoned_total, rollout/stale_held_prompt_s_total (cumulative), rollout/stale_guard_declining,
+    rollout/call_s_max           the staleness guard's (bucketrl/generator/staleness_guard.py)
 
 Multi-turn runs (run spec ``env``), per episode closed (bucketrl.envs):
 

@@ -24,7 +24,8 @@ abandons: its calls go on under newer versions instead (:mod:`bucketrl.generator
 ``BUCKETRL_STALENESS_GUARD=false`` turns both off (the worker then only measures: the metrics below still count).
 Metrics (cumulative): ``rollout/stale_abandoned_total`` (groups whose call was abandoned),
 ``rollout/stale_held_prompt_s_total`` (prompt-seconds a call held prompts after their version left the window,
-to the call's end or abandon); gauge ``rollout/stale_guard_declining`` (1 while leasing nothing).
+to the call's end or abandon); gauges ``rollout/stale_guard_declining`` (1 while leasing nothing) and
+``rollout/call_s_max`` (the longest training call that ran to its end, continuations included, in seconds).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class StalenessGuard:
         self._seen = 0
         self._closed: deque[tuple[float, int]] = deque(maxlen=64)  # the same, kept longer: when windows closed
         self.declining = False
+        self._longest_s = 0.0
 
     @property
     def call_s(self) -> float | None:
@@ -191,8 +193,10 @@ class StalenessGuard:
                 raise StopAtStep(f"v{slot.version} overtaken by v{self.heard()}: going on under the newest")
 
         out = sample_partial(engine, held, self.book, ids, spec, while_running, names=names)
+        took = self.clock() - t0
         with self._lock:
-            self._call.add(self.clock() - t0)
+            self._call.add(took)
+        self._longest(took)
         self.metrics.add("rollout/continuations_total", out.continuations)
         return out
 
@@ -224,6 +228,13 @@ class StalenessGuard:
         self._ended(slot.version, staleness, len(ids), t0, abandoned=False)
         return out
 
+    def _longest(self, took: float) -> None:
+        """The longest training call that ran to its end (continuations included): what the window must hold."""
+        with self._lock:
+            self._longest_s = max(self._longest_s, took)
+            longest = self._longest_s
+        self.metrics.set("rollout/call_s_max", longest)
+
     def _ended(self, version: int, staleness: int, n: int, t0: float, *, abandoned: bool) -> None:
         now = self.clock()
         took = now - t0
@@ -234,6 +245,8 @@ class StalenessGuard:
                 self._call.value = max(self._call.value or 0.0, ABANDONED_FACTOR * took)
             else:
                 self._call.add(took)
+        if not abandoned:
+            self._longest(took)
         closed = self._window_closed_at(version, staleness)
         if closed is not None:
             self.metrics.add("rollout/stale_held_prompt_s_total", n * max(0.0, now - max(closed, t0)))

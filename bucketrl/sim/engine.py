@@ -15,8 +15,9 @@ Loading an adapter checks the directory the worker unpacked (``adapter_config.js
 ``load_adapter_s``. ``clock`` and ``sleep`` are injectable so tests can check the timing model exactly.
 
 With ``BUCKETRL_SIM_TOKENS_FILE`` set, the engine keeps in that file the tokens it has decoded so far (a call's
-tokens accrue linearly over its decode time), calls cut off by a kill or a notice included: what a benchmark needs
-to count work lost with a SIGKILLed process, whose own counters die with it (``bench/preemption.py``).
+tokens accrue step by step over its decode time: its short completions first), calls cut off by a kill or a notice
+included: what a benchmark needs to count work lost with a SIGKILLed process, whose own counters die with it
+(``bench/preemption.py``).
 
 The generator knows it only once :func:`register` ran (the ``bucketrl`` command calls it; so do the tests that
 run a generator on it): production code never imports the simulation.
@@ -122,12 +123,19 @@ class SimEngine:
             prompts=prompts,
         )
         samples = [[SampledCompletion(s.token_ids, s.logprobs, s.finish_reason) for s in g] for g in call.samples]  # type: ignore[arg-type]
+        lengths = [[len(s.token_ids) for s in g] for g in samples]
+
+        def decoded(elapsed_s: float) -> float:
+            # Step by step, not pro rata: the short completions of a batch are done early, so a call abandoned
+            # half-way has decoded most of their tokens (a linear count would understate what it wasted).
+            k = self.gpu.steps_done(prompt_lens, lengths, elapsed_s)
+            return float(sum(min(n, k) for g in lengths for n in g))
+
         start, base = self._clock(), self.tokens_decoded
         try:
-            self._wait(call.seconds, while_running, tokens=sum(len(s.token_ids) for g in samples for s in g))
+            self._wait(call.seconds, while_running, tokens=sum(n for g in lengths for n in g), decoded=decoded)
         except StopAtStep as stop:
             self.busy_s -= max(0.0, call.seconds - (self._clock() - start))  # the GPU time it did not take
-            lengths = [[len(s.token_ids) for s in g] for g in samples]
             k = self.gpu.steps_done(prompt_lens, lengths, self._clock() - start)
             kept = [[self._cut(p, s, k) for s in g] for p, g in zip(prompts, samples, strict=True)]
             self._decoded(base + sum(len(s.token_ids) for g in kept for s in g))  # what the steps decoded, exactly
@@ -142,15 +150,23 @@ class SimEngine:
         self._rest[tuple(prompt + ids)] = len(s.token_ids) - steps
         return SampledCompletion(ids, s.logprobs[:steps], "abort")
 
-    def _wait(self, seconds: float, hook: Callable[[], None] | None, tokens: int = 0) -> None:
+    def _wait(
+        self,
+        seconds: float,
+        hook: Callable[[], None] | None,
+        tokens: int = 0,
+        decoded: Callable[[float], float] | None = None,
+    ) -> None:
         """Spend ``seconds`` as the GPU would, calling ``hook`` every POLL_S meanwhile (between 'steps'); ``tokens``
-        accrue to ``tokens_decoded`` as the time passes (before each hook call: a notice's abandon keeps them)."""
+        accrue to ``tokens_decoded`` as the time passes (``decoded(elapsed)`` of them, else pro rata), before each
+        hook call: a notice's abandon keeps them."""
         self.busy_s += seconds
         start, base = self._clock(), self.tokens_decoded
         end = start + seconds
         while (left := end - self._clock()) > 0:
             self._sleep(min(POLL_S, left))
-            self._decoded(base + tokens * min(1.0, (self._clock() - start) / seconds))
+            elapsed = self._clock() - start
+            self._decoded(base + (decoded(elapsed) if decoded else tokens * min(1.0, elapsed / seconds)))
             if hook is not None and self._clock() < end:
                 hook()
         self._decoded(base + tokens)

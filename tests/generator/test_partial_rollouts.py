@@ -62,7 +62,7 @@ def test_an_overtaken_call_goes_on_under_the_newer_version(tmp_path: Path) -> No
     book.add(1, "L1", tmp_path, 0.0)
     engine.load_adapter(book.name(1), 1, tmp_path)
     book.mark_loaded(1)
-    guard = StalenessGuard(book, lambda: spec, metrics)
+    guard = StalenessGuard(book, lambda: spec, metrics, clock=clock)
     guard.continues = True
     held = HeldVersions(book)
     held.hold(1)
@@ -78,6 +78,8 @@ def test_an_overtaken_call_goes_on_under_the_newer_version(tmp_path: Path) -> No
     assert [[len(s.token_ids) for s in g] for g in out.samples] == [[len(s.token_ids) for s in g] for g in uncut]
     assert [[s.finish_reason for s in g] for g in out.samples] == [[s.finish_reason for s in g] for g in uncut]
     assert out.spans is not None and out.continuations >= 1 and metrics.snapshot()["rollout/continuations_total"] >= 1
+    # The whole call, continuations included: what bench/long_tail.py sets against the staleness window.
+    assert metrics.snapshot()["rollout/call_s_max"] == pytest.approx(clock() - t0)
     spans = [sp for g in out.spans for sp in g]
     cut_at = {sp[0].end for sp in spans if len(sp) == 2}
     assert len(cut_at) == 1  # every continued completion was cut at the same step

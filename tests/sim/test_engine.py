@@ -216,3 +216,41 @@ def test_the_sim_engine_exists_only_once_the_simulation_registered_it() -> None:
     assert "BUCKETRL_ENGINE=sim is not registered" in bare and "bucketrl.sim.engine.register()" in bare
     cli = subprocess.run([*run, "cli", spec], cwd=root, capture_output=True, text=True, check=True, timeout=60).stdout
     assert cli.strip() == "SimEngine"
+
+
+class _Abandon(Exception):
+    pass
+
+
+def test_a_call_abandoned_mid_way_counts_what_its_decode_steps_decoded(tmp_path: Path) -> None:
+    """A batch's short completions end early, so a call abandoned half-way (the staleness guard's StaleCall) has
+    decoded all of theirs: ``tokens_decoded`` counts them step by step, not pro rata of the call's time (which would
+    understate what an abandoned call wasted; bench/long_tail.py compares that waste with partial rollouts')."""
+    gpu = SimGpu(decode_step_s=0.01, decode_step_per_seq_s=0.0, length_median=20.0, length_sigma=1.0)
+    prompt = [[1] * 10]
+
+    def call(abandon_at_s: float | None) -> tuple[SimEngine, list[int], float]:
+        clock = FakeClock()
+        eng = _engine(clock, gpu, max_new_tokens=400)
+        eng.load_adapter("run-v1", 1, _adapter_dir(tmp_path / str(abandon_at_s)))
+        start = clock.now
+
+        def hook() -> None:
+            if abandon_at_s is not None and clock.now - start >= abandon_at_s:
+                raise _Abandon
+
+        try:
+            out = eng.generate(prompt, adapter="run-v1", n=8, sampling=_spec(400).sampling, while_running=hook)
+        except _Abandon:
+            return eng, [], clock.now - start
+        return eng, [len(s.token_ids) for s in out[0]], clock.now - start
+
+    (tmp_path / "None").mkdir()
+    _, lengths, whole_s = call(None)  # the same seed samples the same lengths: what the abandoned call was decoding
+    assert min(lengths) < max(lengths) / 4
+    for at in (0.25 * whole_s, 0.5 * whole_s):
+        (tmp_path / str(at)).mkdir()
+        eng, _, t = call(at)
+        k = gpu.steps_done([10], [lengths], t)
+        assert eng.tokens_decoded == sum(min(n, k) for n in lengths)
+        assert eng.tokens_decoded > sum(lengths) * t / whole_s  # more than a pro-rata share

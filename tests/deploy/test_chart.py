@@ -147,7 +147,7 @@ class Refs:
         # What an existing tokens Secret holds under the configured key names: a consistent stand-in, so the
         # proxy's auth can check that each worker reads its own role's key.
         keys = secrets["tokens"]["keys"]
-        roles = ("admin", "trainer", "generator", "viewer")
+        roles = ("admin", "trainer", "generator", "viewer", "relay")
         self.existing_tokens = {keys.get(r, r): f"existing-{r}-token" for r in roles}
         self.existing_tokens[keys["file"]] = "\n".join(f"{r}:existing-{r}-token" for r in roles)
         self.tokens_secret = secrets["tokens"]["existingSecret"]
@@ -330,6 +330,11 @@ def test_proxy_probes_ports_and_settings_agree(combo, monkeypatch: pytest.Monkey
         "Secret", tokens_vol["secret"]["secretName"], merged_values(values)["secrets"]["tokens"]["keys"]["viewer"]
     )
     assert auth.authenticate(f"Bearer {viewer}").role == "viewer"
+    # The relays' staging token (relay.staging, in this or a regional release) is the relay role's, and only that.
+    relay = refs(
+        "Secret", tokens_vol["secret"]["secretName"], merged_values(values)["secrets"]["tokens"]["keys"]["relay"]
+    )
+    assert auth.authenticate(f"Bearer {relay}").role == "relay"
 
 
 def test_redis_is_bundled_with_persistence_or_external(combo) -> None:
@@ -523,6 +528,30 @@ def test_relay_settings_ports_cache_and_ca_agree(monkeypatch: pytest.MonkeyPatch
     (gc,) = pod_spec(one(docs, "Deployment", "generator"))["containers"]
     assert expand_k8s_env(gc, Refs(docs, merged))["BUCKETRL_CA_FILE"] == env["BUCKETRL_CA_FILE"]
     assert any(m["name"] == "ca" for m in gc["volumeMounts"])
+
+
+def test_relay_staging_reads_the_relay_token_of_the_tokens_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """relay.staging: the relay's staging token is the tokens Secret's `relay` key, which the home release's proxy
+    file lists as a relay (the proxy test above); off by default, so a regional Secret without it still works."""
+    from bucketrl.relay.settings import RelaySettings
+
+    plain = expand_k8s_env(
+        pod_spec(one(manifests(render_chart(COMBOS["regional-relay"])), "Deployment", "relay"))["containers"][0],
+        Refs(manifests(render_chart(COMBOS["regional-relay"])), merged_values(COMBOS["regional-relay"])),
+    )
+    assert "BUCKETRL_RELAY_STAGING_TOKEN" not in plain
+    values = {**COMBOS["regional-relay"]}
+    values["relay"] = {**values["relay"], "staging": True}
+    docs = manifests(render_chart(values))
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBE_VERSIONS[-1], strict=True)
+    (c,) = pod_spec(one(docs, "Deployment", "relay"))["containers"]
+    env = expand_k8s_env(c, Refs(docs, merged_values(values)))
+    assert env["BUCKETRL_RELAY_STAGING_TOKEN"] == "existing-relay-token"
+    settings = build_settings(
+        RelaySettings, {k: v for k, v in env.items() if k.startswith("BUCKETRL_RELAY_")}, monkeypatch
+    )
+    assert settings.staging_token == "existing-relay-token"
 
 
 def test_relay_tls_serves_https_to_the_generators_and_presigned_reaches_its_settings(

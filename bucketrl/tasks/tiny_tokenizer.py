@@ -30,7 +30,12 @@ TOKENIZER_JSON = HERE / "tokenizer.json"
 # Ids 0-2 as the character-level tokenizer had them (pad, end-of-text, im_start); im_end as Qwen2.5 adds it.
 PAD, EOS, IM_START, IM_END = "<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIALS = [PAD, EOS, IM_START, IM_END]
-VOCAB_SIZE = 320  # 256 bytes + 4 specials + 60 merges
+VOCAB_SIZE = 320  # 256 bytes + 4 specials + 60 merges (10 of them the digits of SINGLE_TOKEN_DIGITS)
+# Eastern Arabic digits (U+0660-0669) are two bytes each, and the corpus alone merges only the frequent ones ("٤" was
+# one token, "٣" two): each is a merge of its own, so an Arabic number is one token a digit as an ASCII one is, and
+# the Arabic toy task's answer is one choice among ten tokens. Persian digits (U+06F0-06F9) stay two bytes: ten
+# more merges would push out "ve", and "even:", the English demo's prompt, would tokenise differently.
+SINGLE_TOKEN_DIGITS = "٠١٢٣٤٥٦٧٨٩"
 # Qwen2's pre-tokenizer split (transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX).
 QWEN_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -60,7 +65,37 @@ def _qwen_pipeline(tok: Any) -> None:
 
 
 def train(lines: list[str], vocab_size: int = VOCAB_SIZE) -> Any:
-    """A byte-level BPE learnt from ``lines`` (same lines, same tokenizer), with Qwen2's pipeline."""
+    """A byte-level BPE of ``vocab_size`` tokens learnt from ``lines`` (same lines, same tokenizer), with Qwen2's
+    pipeline and every digit of :data:`SINGLE_TOKEN_DIGITS` one token: the trainer learns as many merges as leave
+    room for the digit merges it did not learn itself, which come last."""
+    from tokenizers import Tokenizer
+
+    for learnt in range(vocab_size, vocab_size - len(SINGLE_TOKEN_DIGITS) - 1, -1):
+        # Each further learnt merge is either a digit's (one fewer to add) or another: the total grows by 0 or 1.
+        data = json.loads(_train_bpe(lines, learnt).to_str())
+        missing = [d for d in SINGLE_TOKEN_DIGITS if _byte_level(d) not in data["model"]["vocab"]]
+        if learnt + len(missing) == vocab_size:
+            break
+    else:  # pragma: no cover - the loop above always meets vocab_size
+        raise AssertionError("no merge count gives the vocabulary size")
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]
+    for digit in missing:
+        first, second = _byte_level(digit)  # two bytes, two characters
+        merges.append([first, second])
+        vocab[first + second] = len(vocab)  # the specials are in it: ids stay 0..n-1
+    tok = Tokenizer.from_str(json.dumps(data))
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    return tok
+
+
+def _byte_level(text: str) -> str:
+    """``text``'s UTF-8 bytes as ByteLevel's printable characters (how the vocabulary spells a token)."""
+    from tokenizers import pre_tokenizers
+
+    return "".join(piece for piece, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(text))
+
+
+def _train_bpe(lines: list[str], vocab_size: int) -> Any:
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

@@ -69,7 +69,8 @@ PREFILL: dict[str, str] = {"arabic-math": "\\boxed{"}
 # Chat-format toy tasks (through the chat template): the rest are plain prompts the model continues as written.
 CHAT_TASKS = frozenset(PREFILL)
 EASTERN_DIGITS = "٠١٢٣٤٥٦٧٨٩"
-# Tokens a max_new_tokens budget of the Arabic task must hold: a digit may be two byte tokens, then "}" and an end.
+# Tokens a max_new_tokens budget of the Arabic task must hold: a digit (one token for an Eastern digit, two bytes for a
+# Persian one), "}" and an end, with room for a second digit.
 ARABIC_MAX_NEW_TOKENS = 6
 ARABIC_DEMO_MAX_STEPS = 300
 # The format (an Eastern digit, then "}") is learnt at the demo's lr; the sums need a faster one to show in minutes.

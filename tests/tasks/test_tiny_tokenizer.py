@@ -22,7 +22,7 @@ from bucketrl.tasks.tiny_model import (
     vocab,
 )
 from bucketrl.tasks.tiny_tokenizer import IM_END, IM_START, encode
-from bucketrl.tasks.toy import CHAT_TASKS, TASKS, toy_examples
+from bucketrl.tasks.toy import CHAT_TASKS, EASTERN_DIGITS, TASKS, toy_examples
 
 BPE_VOCAB_SIZE = tiny_tokenizer.VOCAB_SIZE
 # Not in the corpus: a held-back Arabic text, with Persian digits, diacritics, a tatweel and bidi marks.
@@ -50,6 +50,12 @@ def test_merges_cross_utf8_character_boundaries_and_join_no_symbol() -> None:
         assert len(encode(c)) == 1, c
     text = "12+34=?(5*6)-7/8:9,0.[]<>|#!_;%"
     assert len(encode(text)) == len(text)
+
+
+def test_every_eastern_arabic_digit_is_one_token() -> None:
+    # As in a Qwen2.5 vocabulary: the Arabic toy task's operands and its answer are one token a digit.
+    assert [len(encode(d)) for d in EASTERN_DIGITS] == [1] * 10
+    assert len(encode("١٢٣٤٥٦٧٨٩٠")) == 10 and len({encode(d)[0] for d in EASTERN_DIGITS}) == 10
 
 
 def test_toy_prompts_keep_their_digits_and_symbols_apart() -> None:

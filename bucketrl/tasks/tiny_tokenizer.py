@@ -80,7 +80,10 @@ def train(lines: list[str], vocab_size: int = VOCAB_SIZE) -> Any:
         raise AssertionError("no merge count gives the vocabulary size")
     vocab, merges = data["model"]["vocab"], data["model"]["merges"]
     for digit in missing:
-        first, second = _byte_level(digit)  # two bytes, two characters
+        spelt = _byte_level(digit)
+        if len(spelt) != 2:  # an Eastern Arabic digit is two UTF-8 bytes, so two ByteLevel characters
+            raise ValueError(f"{digit!r} is not two bytes")
+        first, second = spelt[0], spelt[1]
         merges.append([first, second])
         vocab[first + second] = len(vocab)  # the specials are in it: ids stay 0..n-1
     tok = Tokenizer.from_str(json.dumps(data))

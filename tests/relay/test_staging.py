@@ -244,6 +244,7 @@ def direct(home: ProxyHarness, tiny_model_dir: Path, tmp_path: Path) -> Iterator
         d.stop()
 
 
+@pytest.mark.slow  # a real generator process for ~16 s: make test, not make test-fast
 def test_a_direct_generator_pulls_a_version_before_its_commit_and_loads_it_without_downloading_it(
     direct: Direct,
 ) -> None:
@@ -257,6 +258,7 @@ def test_a_direct_generator_pulls_a_version_before_its_commit_and_loads_it_witho
     assert "staged v2: its" in direct.log.read_text() and not direct.staged(2)
 
 
+@pytest.mark.slow  # a real generator process for ~16 s: make test, not make test-fast
 def test_a_direct_generator_never_loads_a_failed_or_fenced_publish_and_drops_its_bytes(direct: Direct) -> None:
     """v2 held half sent loses its commit to another upload of v2 (409); v3 held half sent is fenced by a new
     trainer (409). The generator loads the committed v2 and the new trainer's v3, and keeps nothing of the two."""

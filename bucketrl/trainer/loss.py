@@ -93,6 +93,16 @@ class LossOutput:
     tokens: float = 0.0
 
 
+def _trained_entropy(entropy: torch.Tensor | None, lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The entropy bonus's per-token entropy: with grad when the loss has grad, 0 where the mask is."""
+    if entropy is None or (lp.requires_grad and not entropy.requires_grad):
+        raise ValueError(
+            "entropy_coef > 0 needs the policy's per-token entropy with grad (forward_logprobs' entropy_grad)"
+        )
+    # Masked positions may hold garbage (nan): zeroed here so neither the value nor the gradient sees them.
+    return torch.where(mask > 0, entropy.to(lp.dtype), torch.zeros_like(lp))
+
+
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> float:
     # where(), not x * mask: a masked position may hold inf or nan, and inf * 0 is nan.
     return float(torch.where(mask > 0, x.detach(), torch.zeros_like(x)).sum())
@@ -161,13 +171,7 @@ def grpo_loss(
         per_token = per_token + spec.kl_coef * kl
 
     if spec.entropy_coef > 0.0:
-        if batch.entropy is None or (lp.requires_grad and not batch.entropy.requires_grad):
-            raise ValueError(
-                "entropy_coef > 0 needs the policy's per-token entropy with grad (forward_logprobs' entropy_grad)"
-            )
-        # Masked positions may hold garbage (nan): zeroed here so neither the value nor the gradient sees them.
-        ent = torch.where(mask > 0, batch.entropy.to(lp.dtype), torch.zeros_like(lp))
-        per_token = per_token - spec.entropy_coef * ent
+        per_token = per_token - spec.entropy_coef * _trained_entropy(batch.entropy, lp, mask)
 
     n_tokens = float(mask.sum())
     masked = torch.where(mask > 0, per_token, torch.zeros_like(per_token))

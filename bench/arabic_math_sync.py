@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.2)
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--kl", type=float, default=0.0, help="loss.kl_coef")
+    p.add_argument("--entropy-coef", type=float, default=None, help="loss.entropy_coef (default: the task's)")
     p.add_argument("--scale-rewards", choices=("group", "none"), default="group")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50)
@@ -63,7 +64,14 @@ def main() -> None:
             "groups_per_step": a.groups_per_step,
             "sampling": spec.sampling.model_copy(update={"temperature": a.temperature}),
             "lora": spec.lora.model_copy(update={"r": a.lora_r, "alpha": 2.0 * a.lora_r}),
-            "loss": spec.loss.model_copy(update={"scale_rewards": a.scale_rewards, "kl_coef": a.kl}),
+            "loss": spec.loss.model_validate(
+                {
+                    **spec.loss.model_dump(),
+                    "scale_rewards": a.scale_rewards,
+                    "kl_coef": a.kl,
+                    **({} if a.entropy_coef is None else {"entropy_coef": a.entropy_coef}),
+                }
+            ),
         }
     )
     learner = Learner(spec, TrainerSettings(device="cpu", lr=a.lr, seed=a.seed, max_steps=a.steps))

@@ -275,7 +275,9 @@ class Learner:
         total_loss = 0.0
         for mb in micro:
             mb.to(self.policy.device)
-            fwd = self.policy.forward_logprobs(mb, with_entropy=True, with_kl=spec.kl_coef > 0)
+            fwd = self.policy.forward_logprobs(
+                mb, with_entropy=True, with_kl=spec.kl_coef > 0, entropy_grad=spec.entropy_coef > 0
+            )
             lp, entropy = fwd.logprobs, fwd.entropy
             ref = self.policy.reference_logprobs(mb) if spec.kl_coef > 0 else None
             batch = LossBatch(

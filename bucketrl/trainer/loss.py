@@ -38,6 +38,11 @@ Aggregation (``LossSpec.aggregation``):
   penalties for long wrong ones) nor on the other sequences' lengths (``token``). Dr.GRPO also drops the std
   from the advantages: ``scale_rewards="none"`` (advantages.py).
 
+Optional entropy bonus (``entropy_coef > 0``, verl's ``entropy_coeff``): ``- entropy_coef * H_t`` added per
+token, ``H_t`` the entropy of the policy's whole next-token distribution at that position (under the sampling
+settings the group used, as the ratio's logprobs), with grad; aggregated like the rest, so a ``token`` loss
+subtracts the coefficient times the mean entropy of the trained tokens.
+
 Gradient accumulation: a step is split into micro-batches; pass the step's totals as
 ``token_normalizer`` / ``sequence_normalizer`` so the summed micro-batch losses equal the loss of the
 whole step computed at once (and so do the gradients).
@@ -75,7 +80,8 @@ class LossBatch:
     # Temperature-only logprobs of the current policy, with grad, for the KL term (None: ``logprobs``, right
     # when sampling applies no top-k/top-p). [B, T]
     kl_logprobs: torch.Tensor | None = None
-    # Per-token entropy of the current policy (stats only). [B, T]
+    # Per-token entropy of the current policy's processed next-token distribution: a stat, and with
+    # ``entropy_coef > 0`` a term of the loss (then it must carry grad). [B, T]
     entropy: torch.Tensor | None = None
 
 
@@ -85,6 +91,16 @@ class LossOutput:
     # Sums (not means) so micro-batches add up; divide by ``tokens`` for the step's means.
     sums: dict[str, float] = field(default_factory=dict)
     tokens: float = 0.0
+
+
+def _trained_entropy(entropy: torch.Tensor | None, lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The entropy bonus's per-token entropy: with grad when the loss has grad, 0 where the mask is."""
+    if entropy is None or (lp.requires_grad and not entropy.requires_grad):
+        raise ValueError(
+            "entropy_coef > 0 needs the policy's per-token entropy with grad (forward_logprobs' entropy_grad)"
+        )
+    # Masked positions may hold garbage (nan): zeroed here so neither the value nor the gradient sees them.
+    return torch.where(mask > 0, entropy.to(lp.dtype), torch.zeros_like(lp))
 
 
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -153,6 +169,9 @@ def grpo_loss(
         delta = torch.where(mask > 0, batch.ref_logprobs.to(lp.dtype) - kl_lp, torch.zeros_like(lp))
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + spec.kl_coef * kl
+
+    if spec.entropy_coef > 0.0:
+        per_token = per_token - spec.entropy_coef * _trained_entropy(batch.entropy, lp, mask)
 
     n_tokens = float(mask.sum())
     masked = torch.where(mask > 0, per_token, torch.zeros_like(per_token))

@@ -231,8 +231,11 @@ class PolicyModel:
         out = self.forward_logprobs(mb, with_entropy=with_entropy)
         return out.logprobs, out.entropy
 
-    def forward_logprobs(self, mb: MicroBatch, *, with_entropy: bool = False, with_kl: bool = False) -> TokenLogprobs:
-        """log pi_theta of each completion token (with grad) and, optionally, the per-token entropy.
+    def forward_logprobs(
+        self, mb: MicroBatch, *, with_entropy: bool = False, with_kl: bool = False, entropy_grad: bool = False
+    ) -> TokenLogprobs:
+        """log pi_theta of each completion token (with grad) and, optionally, the per-token entropy (with grad
+        when ``entropy_grad``: the loss's entropy bonus, ``loss.entropy_coef``; a detached stat otherwise).
 
         Each row is processed with the sampling settings it was generated with (``mb.samplings``; None: the
         run's), so a group sampled before the run's settings changed keeps its own temperature / top-k / top-p.
@@ -246,7 +249,9 @@ class PolicyModel:
         completion = mb.completion_ids.to(self.device)
         mask = mb.mask.to(self.device)
         rows = self._rows_by_sampling(mb)
-        lp, entropy = self._per_setting(logits, completion, rows, with_entropy, processed=True)
+        lp, entropy = self._per_setting(
+            logits, completion, rows, with_entropy or entropy_grad, processed=True, entropy_grad=entropy_grad
+        )
         lp = lp.clamp(min=LOGPROB_FLOOR)
         lp = torch.where(mask > 0, lp, torch.zeros_like(lp))
         if not with_kl:
@@ -266,6 +271,7 @@ class PolicyModel:
         with_entropy: bool,
         *,
         processed: bool,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs (and entropy) of each row under its own setting; ``processed=False`` drops top-k/top-p."""
 
@@ -274,7 +280,7 @@ class PolicyModel:
         ) -> tuple[torch.Tensor, torch.Tensor | None]:
             temperature, top_k, top_p = setting
             s = (temperature, top_k, top_p) if processed else (temperature, -1, 1.0)
-            return _logprobs_and_entropy(lg, comp, s, with_entropy)
+            return _logprobs_and_entropy(lg, comp, s, with_entropy, entropy_grad=entropy_grad)
 
         if len(rows) == 1:
             ((setting, _),) = rows.items()
@@ -286,7 +292,7 @@ class PolicyModel:
             part, part_entropy = one(setting, logits[index], completion[index])
             lp = lp.index_put((index,), part)
             if entropy is not None and part_entropy is not None:
-                entropy[index] = part_entropy
+                entropy = entropy.index_put((index,), part_entropy)  # out of place: autograd keeps both parts
         return lp, entropy
 
     def _rows_by_sampling(self, mb: MicroBatch) -> dict[tuple[float, int, float], list[int]]:
@@ -363,16 +369,29 @@ class PolicyModel:
 
 
 def _logprobs_and_entropy(
-    logits: torch.Tensor, completion: torch.Tensor, setting: tuple[float, int, float], with_entropy: bool
+    logits: torch.Tensor,
+    completion: torch.Tensor,
+    setting: tuple[float, int, float],
+    with_entropy: bool,
+    *,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs of the sampled tokens (with grad) under one sampling setting, and the entropy (no grad)."""
+    """Logprobs of the sampled tokens (with grad) under one sampling setting, and the entropy (with grad only
+    when ``entropy_grad``)."""
 
     temperature, top_k, top_p = setting
     lp = sampled_token_logprobs(logits, completion, temperature, top_k, top_p)
     if not with_entropy:
         return lp, None
+    if entropy_grad:
+        return lp, _entropy(logits, setting)
     with torch.no_grad():
-        logp = torch.log_softmax(process_logits(logits.detach(), temperature, top_k, top_p), dim=-1)
-        p = logp.exp()
-        entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
-    return lp, entropy
+        return lp, _entropy(logits.detach(), setting)
+
+
+def _entropy(logits: torch.Tensor, setting: tuple[float, int, float]) -> torch.Tensor:
+    """-sum p log p of the processed distribution. A token top-k/top-p removed has p = 0 and log p = -inf: its
+    log p is replaced by 0 before the product, not after, or the backward pass would multiply 0 by inf (nan)."""
+    logp = torch.log_softmax(process_logits(logits, *setting), dim=-1)
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)

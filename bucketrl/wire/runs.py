@@ -97,6 +97,10 @@ class LossSpec(StrictWireModel):
     scale_rewards: Literal["group", "none"] = "group"
     filter_zero_variance: bool = False
     kl_coef: float = Field(0.0, ge=0.0)
+    # verl's entropy_coeff: minus this times the policy's entropy (its whole next-token distribution under the
+    # sampling settings) per trained token, aggregated like the policy loss. Keeps a policy from settling on one
+    # answer before the reward can tell answers apart; 0 computes nothing extra.
+    entropy_coef: float = Field(0.0, ge=0.0, le=1.0)
     # TRL's name (DAPO's overlong filtering): completions cut by max_new_tokens (finish_reason "length") still
     # enter their group's advantage statistics but are not trained on. Aborted completions never are.
     mask_truncated_completions: bool = False

@@ -252,8 +252,9 @@ def test_nonsense_combinations_are_refused(loss: dict, needle: str) -> None:
     [
         ({"aggregation": "token", "constant_normalizer": 512}, "constant_normalizer is only used by aggregation"),
         ({"objective": "decoupled", "loss_type": "dr_grpo"}, "write aggregation 'constant' for TRL's 'dr_grpo'"),
+        ({"entropy_coef": -0.01}, "field loss.entropy_coef: Input should be greater than or equal to 0"),
     ],
-    ids=["constant without constant aggregation", "TRL's loss_type"],
+    ids=["constant without constant aggregation", "TRL's loss_type", "a negative entropy bonus"],
 )
 def test_bucketrl_up_refuses_a_wrong_loss_with_one_line_and_starts_nothing(
     tmp_path: Path, loss: dict, needle: str
@@ -284,5 +285,5 @@ def test_bucketrl_up_refuses_a_wrong_loss_with_one_line_and_starts_nothing(
     stderr = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2, out.stdout + out.stderr
     assert len(stderr) == 1 and "Traceback" not in out.stdout + out.stderr, out.stderr
-    assert stderr[0].startswith("bucketrl up: run spec field loss:") and needle in stderr[0], stderr[0]
+    assert stderr[0].startswith("bucketrl up: run spec field loss") and needle in stderr[0], stderr[0]
     assert not (run_dir / "services.json").exists()

@@ -462,7 +462,7 @@ class GeneratorWorker:
         names = [p.prompt_id for p in prompts]
         if not self.notice.take(names, self.ledger.ids()):
             held = set(self.ledger.ids())  # a notice came: these go back now, unsampled
-            self.submitter.release_prompts([p.prompt_id for p in prompts if p.prompt_id in held])
+            self.submitter.release_prompts([n for n in names if n in held])
             return
         ids = [self.prompt_ids(p.index) for p in prompts]
         (versions := HeldVersions(self.book)).hold(slot.version)

@@ -25,11 +25,14 @@ from typing import Any
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", type=Path, help="a tokenizer.json to build the model with (default: the shipped)")
+    p.add_argument("--model-dir", type=Path, help="a built model to start from (default: build the tiny one)")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--groups-per-step", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.2)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--kl", type=float, default=0.0, help="loss.kl_coef")
     p.add_argument("--entropy-coef", type=float, default=None, help="loss.entropy_coef (default: the task's)")
@@ -56,13 +59,19 @@ def main() -> None:
     if a.tokenizer:
         tiny_tokenizer.TOKENIZER_JSON = a.tokenizer.resolve()
     work = Path(tempfile.mkdtemp(prefix="arabic-math-sync-"))
-    model_dir = build_tiny_model(work / "model")
+    model_dir = a.model_dir or build_tiny_model(work / "model")
     spec = default_run_spec(model_dir, task="arabic-math")
     spec = spec.model_copy(
         update={
             "group_size": a.group_size,
             "groups_per_step": a.groups_per_step,
-            "sampling": spec.sampling.model_copy(update={"temperature": a.temperature}),
+            "sampling": spec.sampling.model_copy(
+                update={
+                    "temperature": a.temperature,
+                    "top_k": a.top_k,
+                    "max_new_tokens": a.max_new_tokens or spec.sampling.max_new_tokens,
+                }
+            ),
             "lora": spec.lora.model_copy(update={"r": a.lora_r, "alpha": 2.0 * a.lora_r}),
             "loss": spec.loss.model_validate(
                 {

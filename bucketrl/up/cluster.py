@@ -286,6 +286,8 @@ class LocalCluster:
         names = preflight.UP_NAMES
         if cfg.builtin_model:  # "--model has none" would puzzle a user who gave no --model
             names = {**names, "model": "the built-in model (--model chooses another)"}
+        elif cfg.model is None:  # the --run-spec file's
+            names = {**names, "model": f"base_model (--run-spec {cfg.run_spec})"}
         return preflight.check_run(
             probe,
             names=names,

@@ -196,7 +196,8 @@ class UpConfig(BaseModel):
 
     @property
     def builtin_model(self) -> bool:
-        return self.model is None
+        """Neither ``--model`` nor the ``--run-spec`` file names a base model: ``up`` builds the tiny one."""
+        return self.model is None and "base_model" not in self._file_spec()
 
     def _file_spec(self) -> dict[str, Any]:
         """The ``--run-spec`` file's settings ({} without one; a file that cannot be read is reported by
@@ -222,7 +223,7 @@ class UpConfig(BaseModel):
     def is_demo(self) -> bool:
         """The built-in tiny model on a toy task, whether or not a ``--run-spec`` file tunes it (a loss option, say):
         the task's own lr and steps apply (the generic ones barely move the tiny model)."""
-        return self.builtin_model and "base_model" not in self._file_spec() and self.dataset_uri.startswith("toy:")
+        return self.builtin_model and self.dataset_uri.startswith("toy:")
 
     @property
     def upload_path(self) -> Path | None:

@@ -226,3 +226,20 @@ def test_a_run_spec_file_keeps_the_toy_tasks_lr_and_steps_unless_given(tmp_path:
     real = spec_file("real.json", {"base_model": "Qwen/Qwen2.5-0.5B-Instruct"})
     assert trainer_settings(UpConfig(dir=tmp_path / "f", run_spec=real)) == (1e-5, 200)
     assert trainer_settings(UpConfig(dir=tmp_path / "g", run_spec=loss, dataset="/data/train.jsonl")) == (1e-5, 200)
+
+
+def test_a_run_spec_files_base_model_is_what_the_generators_load(tmp_path: Path) -> None:
+    """No --model and a --run-spec file naming one: ``up`` used to build the tiny model anyway and hand it to every
+    generator (BUCKETRL_MODEL_PATH), while the trainer trained the file's model."""
+    from bucketrl.up.cluster import LocalCluster
+
+    (tmp_path / "spec.json").write_text(json.dumps({"base_model": str(tmp_path / "other"), "vocab_size": 320}))
+    cfg = UpConfig(dir=tmp_path / "run", run_spec=tmp_path / "spec.json", preflight=False)
+    assert not cfg.builtin_model and not cfg.is_demo
+    cluster = LocalCluster(cfg)
+    try:
+        cluster.prepare()
+    finally:
+        cluster.release()
+    assert cluster.model_dir is None and not (tmp_path / "run" / "model").exists()
+    assert json.loads((tmp_path / "run" / "run_spec.json").read_text())["base_model"] == str(tmp_path / "other")

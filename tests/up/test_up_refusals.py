@@ -59,3 +59,13 @@ def test_a_preflight_refusal_leaves_no_built_in_model_behind(tmp_path: Path) -> 
     out = _up(tmp_path, "--dir", str(run_dir), "--max-new-tokens", "600")
     _one_line_refusal(out, "lower --max-new-tokens to at most")
     assert not run_dir.exists(), _tree(run_dir)
+
+
+def test_a_run_spec_files_base_model_is_checked_and_named_as_the_files(tmp_path: Path) -> None:
+    """With no --model, the --run-spec file's base_model is the run's model: the preflight checks it and names the
+    file (the built-in tiny model used to be built and given to the generators as BUCKETRL_MODEL_PATH instead)."""
+    (tmp_path / "spec.json").write_text('{"base_model": "/nonexistent/model"}')
+    run_dir = tmp_path / "run"
+    out = _up(tmp_path, "--dir", str(run_dir), "--run-spec", "spec.json")
+    _one_line_refusal(out, "base_model (--run-spec spec.json) /nonexistent/model: no such directory")
+    assert not run_dir.exists(), _tree(run_dir)

@@ -61,7 +61,7 @@ def run_once(name: str, partial: bool, args: argparse.Namespace, root: Path) -> 
         str(args.max_steps),
         "--seed",
         str(args.seed),
-        # A run spec file makes it not the demo, whose lr would otherwise fall back to 1e-5: the demo's, given.
+        # Always given: the bench varies it (a --run-spec file on a toy task keeps the demo's lr by default).
         "--lr",
         repr(args.lr),
         *args.up_args,

@@ -28,6 +28,7 @@ import fcntl
 import json
 import os
 import secrets
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -62,6 +63,27 @@ ROLES = ("admin", "trainer", "generator", "viewer")
 
 class RunDirBusy(RuntimeError):
     pass
+
+
+def _remove_new(run_dir: Path, made: list[Path], before: set[str]) -> None:
+    """Undo a refused ``prepare``. ``made``: the directories it created, the run directory first, then those above
+    it (each removed only while empty: another `up` may have put its own run there meanwhile); else the entries of
+    ``run_dir`` not in ``before``."""
+    if made:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for parent in made[1:]:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        return
+    for path in run_dir.iterdir():
+        if path.name in before:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 class LocalCluster:
@@ -123,24 +145,47 @@ class LocalCluster:
     # -- preparation -----------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Lock the run directory, create or reuse tokens, build the tiny model, write the run spec."""
+        """Lock the run directory, check every run's spec (the preflight; the tiny model built), then create or reuse
+        tokens and write the specs. A refusal leaves the directory as it was (house rule: bad input changes nothing):
+        what the checks made in it, or the directory itself when it is new, is removed again."""
         if self.cfg.gateway_port:
             external.check_port_free(self.cfg.gateway_port, "--gateway-port")
         if self.cfg.openai_port:  # the agent router binds it
             external.check_port_free(self.cfg.openai_port, "--openai-port")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        missing = [p for p in (self.dir, *self.dir.parents) if not p.exists()]
+        before = set() if missing else {p.name for p in self.dir.iterdir()}
+        self._lock_dir()
+        try:
+            specs = self._checked_specs()
+        except BaseException:
+            self.release()
+            _remove_new(self.dir, missing, before)
+            raise
         self.logs.mkdir(exist_ok=True)
+        self.tokens = self._load_or_create_tokens()
+        for run, spec in specs.items():
+            self.spec_path(run).parent.mkdir(parents=True, exist_ok=True)
+            self.spec_path(run).write_text(json.dumps(spec, indent=2) + "\n")
+        save_options(self.cfg)
+
+    def _lock_dir(self) -> None:
+        """Create the run directory and hold its lock for the cluster's lifetime (RunDirBusy: another `up` has it)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
         lock = open(self.dir / "up.lock", "w")  # noqa: SIM115 - held for the cluster's lifetime
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             lock.close()
+            # Nothing is removed: the lock file and the directory are the other `up`'s.
             raise RunDirBusy(f"{self.dir} is in use by another `bucketrl up`; stop it or pass --dir") from exc
         lock.write(str(os.getpid()))
         lock.flush()
         self._lock = lock
-        self.tokens = self._load_or_create_tokens()
+
+    def _checked_specs(self) -> dict[str, dict[str, Any]]:
+        """Each run's spec, checked (ValueError, ConfigError, ValidationError) and not yet written."""
         specs: dict[Path | None, dict[str, Any]] = {}  # by run-spec file: `--runs N` copies check one spec
+        out: dict[str, dict[str, Any]] = {}
         for run, cfg in self.run_cfgs.items():
             if cfg.run_spec not in specs:
                 specs[cfg.run_spec] = self._prepare_spec(cfg, named=self.cfg.runs is not None)
@@ -148,11 +193,10 @@ class LocalCluster:
             entry = next((e for e in self.cfg.runs or [] if e.run == run), None)
             if entry is not None and entry.share is not None:
                 spec["share"] = entry.share
-            self.spec_path(run).parent.mkdir(parents=True, exist_ok=True)
-            self.spec_path(run).write_text(json.dumps(spec, indent=2) + "\n")
+            out[run] = spec
         if self.cfg.runs is not None:
-            check_pool_specs({run: json.loads(self.spec_path(run).read_text()) for run in self.run_cfgs})
-        save_options(self.cfg)
+            check_pool_specs(out)
+        return out
 
     def _prepare_spec(self, cfg: UpConfig, *, named: bool = False) -> dict[str, Any]:
         """One run's spec, checked before any process starts (the preflight), with the tiny model built; ``named``:
@@ -242,6 +286,8 @@ class LocalCluster:
         names = preflight.UP_NAMES
         if cfg.builtin_model:  # "--model has none" would puzzle a user who gave no --model
             names = {**names, "model": "the built-in model (--model chooses another)"}
+        elif cfg.model is None:  # the --run-spec file's
+            names = {**names, "model": f"base_model (--run-spec {cfg.run_spec})"}
         return preflight.check_run(
             probe,
             names=names,

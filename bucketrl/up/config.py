@@ -196,29 +196,40 @@ class UpConfig(BaseModel):
 
     @property
     def builtin_model(self) -> bool:
-        return self.model is None
+        """Neither ``--model`` nor the ``--run-spec`` file names a base model: ``up`` builds the tiny one."""
+        return self.model is None and "base_model" not in self._file_spec()
+
+    def _file_spec(self) -> dict[str, Any]:
+        """The ``--run-spec`` file's settings ({} without one; a file that cannot be read is reported by
+        build_run_spec)."""
+        if self.run_spec is None:
+            return {}
+        try:
+            return _read_run_spec(self.run_spec)
+        except ValueError:
+            return {}
+
+    def _file_dataset_uri(self) -> str | None:
+        given = self._file_spec().get("dataset")
+        uri = given.get("uri") if isinstance(given, dict) else None
+        return uri if isinstance(uri, str) and uri else None
 
     @property
     def dataset_uri(self) -> str:
-
-        return self.dataset or f"toy:{DEFAULT_TASK}"
+        """The run's dataset: ``--dataset``, else the ``--run-spec`` file's, else toy:<DEFAULT_TASK>."""
+        return self.dataset or self._file_dataset_uri() or f"toy:{DEFAULT_TASK}"
 
     @property
     def is_demo(self) -> bool:
-        """The measured default: tiny model on a toy task."""
-        return self.builtin_model and self.run_spec is None and self.dataset_uri.startswith("toy:")
+        """The built-in tiny model on a toy task, whether or not a ``--run-spec`` file tunes it (a loss option, say):
+        the task's own lr and steps apply (the generic ones barely move the tiny model)."""
+        return self.builtin_model and self.dataset_uri.startswith("toy:")
 
     @property
     def upload_path(self) -> Path | None:
         """A local JSONL dataset (``--dataset``, or the ``--run-spec`` file's): ``up`` uploads it to the run's bucket
         (generators elsewhere read it there)."""
-        uri = self.dataset
-        if uri is None and self.run_spec is not None:
-            try:
-                given = _read_run_spec(self.run_spec).get("dataset")
-                uri = given.get("uri") if isinstance(given, dict) else None
-            except ValueError:  # reported by build_run_spec
-                uri = None
+        uri = self.dataset or self._file_dataset_uri()
         if uri is None or uri.startswith(("toy:", "bucket:")):
             return None
         path = Path(uri.removeprefix("file://")).expanduser()

@@ -187,3 +187,59 @@ def test_a_toy_task_with_a_run_spec_file_keeps_its_own_max_new_tokens(tmp_path: 
     jsonl = tmp_path / "data.jsonl"
     jsonl.write_text('{"prompt": "1+1", "answer": "2"}\n')
     assert not max_new_tokens_given(UpConfig(dir=tmp_path / "real", dataset=str(jsonl), run_spec=spec_file))
+
+
+def test_a_run_spec_file_keeps_the_toy_tasks_lr_and_steps_unless_given(tmp_path: Path) -> None:
+    """``--run-spec {"loss": ...}`` on the demo used to drop the task's lr and steps for the trainer's generic 1e-5
+    and 200 (the tiny model barely moves at 1e-5); what the trainer process is given, as ``up`` starts it."""
+    from bucketrl.tasks.toy import ARABIC_DEMO_LR, ARABIC_DEMO_MAX_STEPS
+    from bucketrl.up.cluster import LocalCluster
+    from bucketrl.up.runs import parse_runs
+
+    def trainer_settings(cfg: UpConfig, run: str | None = None) -> tuple[float, int]:
+        cluster = LocalCluster(cfg)
+        cluster.tokens = {"trainer": "t", **{f"trainer@{r}": "t" for r in cluster.runs}}
+        env = cluster.trainer_env(run)
+        return float(env["BUCKETRL_LR"]), int(env["BUCKETRL_MAX_STEPS"])
+
+    def spec_file(name: str, data: dict) -> Path:
+        (tmp_path / name).write_text(json.dumps(data))
+        return tmp_path / name
+
+    loss = spec_file("loss.json", {"loss": {"entropy_coef": 0.01}})
+    assert trainer_settings(UpConfig(dir=tmp_path / "a", run_spec=loss)) == (DEMO_LR, DEMO_MAX_STEPS)
+    arabic = spec_file("arabic.json", {"dataset": {"uri": "toy:arabic-math"}, "loss": {"entropy_coef": 0.1}})
+    assert trainer_settings(UpConfig(dir=tmp_path / "b", run_spec=arabic)) == (ARABIC_DEMO_LR, ARABIC_DEMO_MAX_STEPS)
+    # --dataset over the file's, and --lr / --max-steps over the task's.
+    cfg = UpConfig(dir=tmp_path / "c", run_spec=arabic, dataset="toy:parity", lr=0.01, max_steps=7)
+    assert trainer_settings(cfg) == (0.01, 7)
+    assert trainer_settings(UpConfig(dir=tmp_path / "d", run_spec=arabic, dataset="toy:parity")) == (
+        DEMO_LR,
+        DEMO_MAX_STEPS,
+    )
+    # Several runs, one file each: each run's trainer gets its own task's.
+    runs = parse_runs([f"x={loss}", f"y={arabic}"], None, None, "demo")
+    cfg = UpConfig(dir=tmp_path / "e", runs=runs)
+    assert trainer_settings(cfg, "x") == (DEMO_LR, DEMO_MAX_STEPS)
+    assert trainer_settings(cfg, "y") == (ARABIC_DEMO_LR, ARABIC_DEMO_MAX_STEPS)
+    # Not the built-in model (the file's base_model) or not a toy task: the generic defaults, as without a file.
+    real = spec_file("real.json", {"base_model": "Qwen/Qwen2.5-0.5B-Instruct"})
+    assert trainer_settings(UpConfig(dir=tmp_path / "f", run_spec=real)) == (1e-5, 200)
+    assert trainer_settings(UpConfig(dir=tmp_path / "g", run_spec=loss, dataset="/data/train.jsonl")) == (1e-5, 200)
+
+
+def test_a_run_spec_files_base_model_is_what_the_generators_load(tmp_path: Path) -> None:
+    """No --model and a --run-spec file naming one: ``up`` used to build the tiny model anyway and hand it to every
+    generator (BUCKETRL_MODEL_PATH), while the trainer trained the file's model."""
+    from bucketrl.up.cluster import LocalCluster
+
+    (tmp_path / "spec.json").write_text(json.dumps({"base_model": str(tmp_path / "other"), "vocab_size": 320}))
+    cfg = UpConfig(dir=tmp_path / "run", run_spec=tmp_path / "spec.json", preflight=False)
+    assert not cfg.builtin_model and not cfg.is_demo
+    cluster = LocalCluster(cfg)
+    try:
+        cluster.prepare()
+    finally:
+        cluster.release()
+    assert cluster.model_dir is None and not (tmp_path / "run" / "model").exists()
+    assert json.loads((tmp_path / "run" / "run_spec.json").read_text())["base_model"] == str(tmp_path / "other")

@@ -169,6 +169,8 @@ def test_each_mistake_stops_at_once_with_one_line(tmp_path: Path, tiny_model_dir
         run_dir = work / "runs" / name.replace(" ", "-")
         if (run_dir / "services.json").exists():
             problems.append(f"{name}: started services: {(run_dir / 'services.json').read_text()}")
+        elif run_dir.exists():  # bad input changes nothing: no tokens, logs or built-in model left behind
+            problems.append(f"{name}: left {sorted(p.name for p in run_dir.iterdir())} in {run_dir}")
     print("seconds to stop: " + ", ".join(f"{r[0]} {r[4]:.1f}" for r in results))
     leftovers = _processes_under(work / "runs")
     assert not leftovers, f"processes left behind: {leftovers}"

@@ -6,7 +6,8 @@
     ├── NotFound          404     unknown run, version, checkpoint or lease
     ├── Conflict          409     version not latest+1, immutable spec field changed, ...
     │   ├── Fenced        409     a trainer write carried an epoch older than the current one
-    │   └── Stale         409     a rollout batch is older than latest - max_staleness
+    │   ├── Stale         409     a rollout batch is older than latest - max_staleness
+    │   └── Repeated      409     a rollout batch's prompt was already completed by another accepted batch
     ├── Gone              410     an adapter was garbage-collected, a lease expired
     ├── PayloadTooLarge   413     body over the route's limit (refused before it is read whole)
     ├── UnsupportedMedia  415     a Content-Type the route does not read
@@ -70,6 +71,12 @@ class Stale(Conflict):
     code = "stale"
 
 
+class Repeated(Conflict):
+    """A submit of prompts another accepted batch already completed: refused whole, so none is trained twice."""
+
+    code = "repeated"
+
+
 class Gone(BucketRLError):
     status = 410
     code = "gone"
@@ -111,6 +118,7 @@ _BY_CODE: dict[str, type[BucketRLError]] = {
         Conflict,
         Fenced,
         Stale,
+        Repeated,
         Gone,
         PayloadTooLarge,
         UnsupportedMedia,

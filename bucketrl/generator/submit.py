@@ -441,6 +441,10 @@ class Submitter:
                 log.info("batch of v%d is stale (%s): dropped", batch.version, exc.message)
                 self.metrics.add("rollout/dropped_stale_total", n)
                 return "stale", None
+            except errors.Repeated as exc:  # another batch completed these prompts (leases lost): work wasted
+                log.info("batch of v%d repeats completed prompts (%s): dropped", batch.version, exc.message)
+                self.metrics.add("rollout/dropped_repeated_total", n)
+                return "repeated", None
             except errors.Unavailable as exc:
                 log.warning("proxy unavailable while submitting (%s); retrying with the same key", exc.message)
                 self.abandon.wait(backoff)

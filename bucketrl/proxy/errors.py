@@ -139,7 +139,7 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         401: "Missing or unknown bearer token.",
         403: "The token's role may not call this route.",
         404: "Unknown run (or the named object does not exist).",
-        409: "Conflict (see the error code: conflict, fenced, stale).",
+        409: "Conflict (see the error code: conflict, fenced, stale, repeated).",
         410: "Gone: garbage-collected version or expired lease.",
         413: "Body larger than the route's limit (refused before it was read whole).",
         415: "A Content-Type the route does not read.",

@@ -118,6 +118,7 @@ def test_a_generator_killed_mid_continuation_loses_nothing_and_trains_nothing_tw
     assert {p for _, p, w in groups if p in held} == held and {w for _, p, w in groups if p in held} == {OTHER}
     # They came back by expiring (exactly the victim's), and no submit repeated a prompt already complete.
     assert counter(r, "prompts_expired_total") == len(held) and counter(r, "prompts_repeated_total") == 0
+    assert counter(r, "prompts_refused_repeated_total") == 0
     status = viewer.status()
     q = status.queue
     assert q.lost_total == 0 and q.accepted_total == q.acked_total + q.dropped_stale_total + q.groups + q.pending, q

@@ -5,11 +5,13 @@ race a wipe answered 503 (retry) instead of a non-retryable 409."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from bucketrl import errors
 from bucketrl.proxy import keys, rebuild
@@ -18,7 +20,7 @@ from bucketrl.proxy.state import prompt_lease, prompts, queue, restore, snapshot
 from bucketrl.proxy.state import submit as submit_stage
 from bucketrl.proxy.state.locks import WriteLock
 from tests.proxy.harness import TOKENS, ProxyHarness, adapter_tar, running
-from tests.proxy.test_queue_state import run
+from tests.proxy.test_queue_state import make_batch, run
 from tests.proxy.test_rollouts_routes import Setup
 from tests.support.services import RedisServer
 
@@ -267,8 +269,6 @@ def test_a_claim_whose_bucket_read_failed_hands_the_groups_out_again_to_the_same
 
 def _flushall(proxy: ProxyHarness, url: str) -> None:
     """FLUSHALL on the running redis-server (as the chaos test does), then the proxy's rebuild from the bucket."""
-    import redis
-
     r = redis.Redis.from_url(url)
     try:
         r.flushall()
@@ -375,3 +375,59 @@ def test_a_claim_or_ack_reaching_a_wiped_redis_is_retryable_not_fenced(
     raw.hset(state, "trainer_epoch", 7)  # a real epoch mismatch is still fenced
     with pytest.raises(errors.Fenced):
         s.t.claim("trainer-0", max_groups=1)
+
+
+def test_prompts_leased_after_the_snapshot_are_accepted_once_across_a_wipe(
+    proxy_file: ProxyHarness, redis_server: RedisServer
+) -> None:
+    """docs/faults.md, FLUSHALL with long calls: prompts leased after the last snapshot come back unleased on the
+    reissue list, so gen-a (still generating them) and gen-b (handed them again) both submit. Each prompt is
+    accepted once, whichever submits first; the other batch is refused 409 ``repeated`` (never queued, its object
+    gone), and the prompts neither submitted (gen-a's older leases, and the one gen-b leaves) are issued again."""
+    s = Setup(proxy_file, groups_per_step=8)
+    ttl = 1.0
+    before = s.g.lease_prompts("gen-a", 2, ttl_s=ttl).prompts  # the first lease writes the snapshot
+    after = s.g.lease_prompts("gen-a", 5, ttl_s=ttl).prompts  # inside the reserved range: no snapshot
+    _flushall(proxy_file, redis_server.url)
+    again = s.g.lease_prompts("gen-b", 5, ttl_s=ttl).prompts
+    assert [p.prompt_id for p in again] == [p.prompt_id for p in after]  # reissued, unleased
+
+    def submit(worker: str, items: list[Any], key: str) -> Any:
+        b = make_batch(s.spec, items, 1, worker=worker).model_copy(update={"lease_id": s.lease_id})
+        return s.g.submit_rollouts(b, key)
+
+    assert submit("gen-a", after[:2], "a1").accepted_groups == 2  # the first holder first
+    with pytest.raises(errors.Repeated, match="already completed"):
+        submit("gen-b", again[:2], "b1")
+    assert submit("gen-b", again[2:4], "b2").accepted_groups == 2  # the second holder first
+    with pytest.raises(errors.Repeated, match=after[2].prompt_id):
+        submit("gen-a", after[2:4], "a2")
+    with pytest.raises(errors.Repeated):  # partly repeated: refused whole (after[4] stays to be issued again)
+        submit("gen-a", [after[1], after[4]], "a3")
+
+    q = proxy_file.client("r1", "viewer").status().queue
+    assert (q.accepted_total, q.groups) == (4, 4)
+    got = s.t.claim("trainer-0", max_groups=16)
+    assert sorted(d.groups[0].prompt_id for d in got.deliveries) == sorted(p.prompt_id for p in after[:4])
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        counters = {k.decode(): int(v) for k, v in r.hgetall("brl:r1:counters").items()}
+    finally:
+        r.close()
+    assert counters.get("prompts_repeated_total", 0) == 0
+    assert (counters["rejected_repeated_total"], counters["prompts_refused_repeated_total"]) == (6, 5)
+    batches = proxy_file.ctx.store.list_keys(queue.batch_key("r1", ""))
+    assert len(batches) == 2  # the refused batches' objects were deleted
+
+    # Nothing lost: gen-a's restored leases and gen-b's last prompt, never submitted, expire and come back.
+    time.sleep(ttl + 0.2)
+    s.g.lease_prompts("gen-c", 1, ttl_s=ttl)  # a lease returns the expired ones to the reissue list
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        waiting = {p.decode() for p in r.lrange("brl:r1:prompts:reissue", 0, -1)}
+        still_open = {p.decode() for p in r.smembers("brl:r1:prompts:open")}
+    finally:
+        r.close()
+    lost_leases = {before[0].prompt_id, before[1].prompt_id, after[4].prompt_id}
+    assert lost_leases <= waiting and lost_leases <= still_open
+    assert not {p.prompt_id for p in after[:4]} & (waiting | still_open)  # completed: never issued again

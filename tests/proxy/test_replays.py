@@ -242,8 +242,11 @@ def test_a_refused_submit_attempt_never_deletes_the_object_its_retry_enqueued(
         epoch = await setup_run(r, spec)
         x = await lease_and_batch(r, store, spec, 2, 1)  # type: ignore[arg-type]
         x = x.model_copy(update={"worker_id": "gen-x"})
-        # Its prompts go back (admission control would otherwise keep the filler below capacity - 2).
-        await prompts.release(r, RUN, "g1", [g.prompt_id for g in x.groups])
+        # Its prompts leave the in-flight count (admission control would otherwise keep the filler below capacity
+        # - 2) but stay open and off the reissue list: the filler must not be handed them (x would then repeat
+        # prompts the filler completed, and be refused 409 repeated).
+        k = prompts.PromptKeys.of(RUN)
+        await r.zrem(k.inflight, *(g.prompt_id for g in x.groups))
         a = asyncio.create_task(submit_stage.submit(r, store, RUN, spec, x, "kx"))  # type: ignore[arg-type]
         await _until(lambda: store.puts_waiting == 1, a)  # A passed its checks and writes
         b = asyncio.create_task(submit_stage.submit(r, store, RUN, spec, x, "kx"))  # type: ignore[arg-type]

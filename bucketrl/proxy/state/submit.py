@@ -313,6 +313,12 @@ async def _write_and_enqueue(
         raise _stale(a.run, batch.version, int(res[1]), spec)
     if status == "full":
         raise _full(a.run, int(res[1]), n, spec)
+    if status == "repeated":
+        done = ", ".join(as_str(p) for p in res[1:])
+        raise errors.Repeated(
+            f"run {a.run!r}: prompt(s) {done} were already completed by another accepted batch (their leases were "
+            "lost: expired, or a Redis wipe); this batch is refused whole so no prompt is trained twice"
+        )
     raise errors.Invalid(f"version: {batch.version} is newer than the latest published version {int(res[1])}")
 
 

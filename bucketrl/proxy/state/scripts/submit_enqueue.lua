@@ -22,6 +22,18 @@ if version < latest - ms then
   redis.call('HINCRBY', KEYS[4], 'rejected_stale_total', n)
   return {'stale', latest}
 end
+-- Exactly once per prompt: a prompt no longer open was completed by another accepted batch (or never issued).
+-- It happens after a Redis wipe (the rebuild reissues prompts leased after the last snapshot while their first
+-- holder still runs) or when a lease expired and was reissued: the batch is refused whole, trained never.
+local done = {}
+for i = 12, #ARGV do
+  if redis.call('SISMEMBER', KEYS[7], ARGV[i]) == 0 then table.insert(done, ARGV[i]) end
+end
+if #done > 0 then
+  redis.call('HINCRBY', KEYS[4], 'rejected_repeated_total', n)
+  redis.call('HINCRBY', KEYS[4], 'prompts_refused_repeated_total', #done)
+  return {'repeated', unpack(done)}
+end
 ensure_group(KEYS[3], group)
 local q = queued_groups(KEYS[3], group)
 if q + n > cap then

@@ -3,7 +3,7 @@
 Two probes beside ``bench/arabic_math_sync.py`` (the reinforcement loop):
 
     PYTHONPATH=. .venv/bin/python bench/arabic_math_probe.py sft --steps 300
-    PYTHONPATH=. .venv/bin/python bench/arabic_math_probe.py build /tmp/warm --pretrain-steps 600 --text both
+    PYTHONPATH=. .venv/bin/python bench/arabic_math_probe.py build /tmp/warm --pretrain-steps 600 --text sums
     PYTHONPATH=. .venv/bin/python bench/arabic_math_sync.py --model-dir /tmp/warm --temperature 1.0
 
 ``sft``: the task's own LoRA (r 16, all linear layers) on the built-in model, trained with labels instead of a
@@ -12,10 +12,10 @@ step, lr 1e-3. Prints the greedy accuracy on every sum the task asks (55: 0-9) e
 can hold the table and what is missing is the reward's signal.
 
 ``build``: a model directory for ``arabic_math_sync.py --model-dir``: the built-in model (or another shape, with
-``--layers`` / ``--hidden-size``), optionally warm-started by next-token training of all its weights on text, as a
-hub model has seen text: the tokenizer's shipped corpus plus the sums ``a + b = s`` for a, b in 0-9 (``--text
-west``: Western digits; ``both``: Eastern digits too; ``questions``: also ``ما ناتج a + b؟ الناتج s.``). None of
-it is in the task's chat form.
+``--layers`` / ``--hidden-size``), optionally warm-started (``bucketrl.tasks.tiny_warm_start``) on a text:
+``task``, what toy:arabic-math's model gets (the tokenizer's shipped corpus and ``a + b = s`` for a, b in 0-9 in
+both digit systems); ``sums``, the sums alone; ``west``, the corpus and the sums in Western digits only;
+``questions``, the task's text and ``ما ناتج a + b؟ الناتج s.``. None of it is in the task's chat form.
 """
 
 from __future__ import annotations
@@ -28,60 +28,34 @@ from typing import Any
 
 LR = 1e-3
 BATCH = 64
-PRETRAIN_LR = 3e-3
-PRETRAIN_BATCH = 32
 
 
 def pretrain_lines(text: str) -> list[str]:
+    """The warm start's text: ``task`` is what toy:arabic-math's model gets (the corpus and the sums in both digit
+    systems); the others are variants measured beside it."""
+    from bucketrl.numerals import eastern
     from bucketrl.tasks import tiny_tokenizer
-    from bucketrl.tasks.toy import eastern
+    from bucketrl.tasks.tiny_warm_start import sums_text, warm_start_text
 
-    lines = tiny_tokenizer.corpus_lines()
-    for a in range(10):
-        for b in range(10):
-            lines.append(f"{a} + {b} = {a + b}")
-            if text in ("both", "questions"):
-                lines.append(f"{eastern(a)} + {eastern(b)} = {eastern(a + b)}")
-            if text == "questions":
-                lines.append(f"ما ناتج {eastern(a)} + {eastern(b)}؟ الناتج {eastern(a + b)}.")
-    return lines
+    if text == "task":
+        return warm_start_text()
+    if text == "sums":
+        return sums_text()
+    if text == "west":
+        return tiny_tokenizer.corpus_lines() + sums_text(both_systems=False)
+    questions = [f"ما ناتج {eastern(a)} + {eastern(b)}؟ الناتج {eastern(a + b)}." for a in range(10) for b in range(10)]
+    return warm_start_text() + questions
 
 
 def build(out: Path, *, pretrain_steps: int, text: str, layers: int, hidden_size: int, seed: int) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from bucketrl.tasks.tiny_model import build_tiny_model
+    from bucketrl.tasks.tiny_warm_start import warm_start
 
-    torch.manual_seed(seed)
     model_dir = build_tiny_model(
         out, seed=seed, layers=layers, hidden_size=hidden_size, intermediate_size=2 * hidden_size
     )
-    if not pretrain_steps:
-        print(model_dir)
-        return
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    encoded = [tok(line)["input_ids"] + [tok.eos_token_id] for line in pretrain_lines(text)]
-    opt = torch.optim.AdamW(model.parameters(), lr=PRETRAIN_LR, weight_decay=0.0)
-    rng = random.Random(seed)
-    t0 = time.monotonic()
-    for step in range(pretrain_steps):
-        batch = [encoded[rng.randrange(len(encoded))] for _ in range(PRETRAIN_BATCH)]
-        width = max(map(len, batch))
-        ids = torch.full((len(batch), width), tok.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
-        for i, row in enumerate(batch):
-            ids[i, : len(row)] = labels[i, : len(row)] = torch.tensor(row)
-        loss = model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        for group in opt.param_groups:  # linear decay: the last steps settle instead of jumping
-            group["lr"] = PRETRAIN_LR * (1 - step / pretrain_steps)
-        if step % 100 == 0 or step == pretrain_steps - 1:
-            print(f"pretrain step {step}: loss {loss.item():.3f} ({time.monotonic() - t0:.0f} s)", flush=True)
-    model.save_pretrained(model_dir, safe_serialization=True)
+    if pretrain_steps:
+        warm_start(model_dir, pretrain_steps, seed=seed, lines=pretrain_lines(text), log=print)
     print(model_dir)
 
 
@@ -140,7 +114,7 @@ def main() -> None:
     b = sub.add_parser("build", help="a model directory for arabic_math_sync.py --model-dir")
     b.add_argument("out", type=Path)
     b.add_argument("--pretrain-steps", type=int, default=0)
-    b.add_argument("--text", choices=("west", "both", "questions"), default="both")
+    b.add_argument("--text", choices=("task", "sums", "west", "questions"), default="task")
     b.add_argument("--layers", type=int, default=2)
     b.add_argument("--hidden-size", type=int, default=128)
     b.add_argument("--seed", type=int, default=0)

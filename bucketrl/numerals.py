@@ -62,3 +62,11 @@ def normalise_numerals(text: str) -> str:
     if text.isascii():
         return text
     return _NON_ASCII_DIGIT.sub(_ascii_digit, text)
+
+
+EASTERN_DIGITS = "٠١٢٣٤٥٦٧٨٩"
+
+
+def eastern(n: int) -> str:
+    """``n`` (>= 0) in Eastern Arabic digits."""
+    return "".join(EASTERN_DIGITS[int(d)] for d in str(n))

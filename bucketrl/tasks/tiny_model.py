@@ -89,6 +89,12 @@ def built_tokenizer(out: Path) -> TokenizerKind:
     return kind
 
 
+def built_warm_start(out: Path) -> int:
+    """The warm start steps of a directory build_tiny_model wrote (0 for one written before they were recorded)."""
+    record = out / RECORD
+    return int(json.loads(record.read_text()).get("warm_start_steps", 0)) if record.exists() else 0
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -100,22 +106,31 @@ def build_tiny_model(
     vocab_size: int | None = None,
     dtype: str = "float32",
     tokenizer: TokenizerKind = DEFAULT_TOKENIZER,
+    warm_start_steps: int = 0,
 ) -> Path:
     """Write a randomly initialised Qwen2 + tokenizer to ``out_dir`` (idempotent) and return it: tiny by default,
     any shape on request (``bench/gpu_check.py`` builds Qwen2-0.5B's). ``tokenizer``: ``"bpe"`` (the default,
     :mod:`bucketrl.tasks.tiny_tokenizer`, :data:`VOCAB_SIZE` tokens) or ``"chars"`` (:data:`CHARS_VOCAB_SIZE`);
-    ``vocab_size`` defaults to the tokenizer's own size. A directory already built with the other tokenizer is
-    refused."""
+    ``vocab_size`` defaults to the tokenizer's own size. ``warm_start_steps``: that many steps of next-token training on
+    text after the random initialisation (:mod:`bucketrl.tasks.tiny_warm_start`: what toy:arabic-math starts from). A
+    directory already built with the other tokenizer, or another warm start, is refused."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
     out = Path(out_dir)
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+    complete = (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    # The record is written last: a warm start cut short has none, and is done again rather than trusted.
+    if complete and (not warm_start_steps or (out / RECORD).exists()):
         if (built := built_tokenizer(out)) != tokenizer:
             raise ValueError(
                 f"{out} holds the tiny model built with tokenizer={built!r}, not {tokenizer!r}: "
+                "build into another directory (or delete this one)"
+            )
+        if (warmed := built_warm_start(out)) != warm_start_steps:
+            raise ValueError(
+                f"{out} holds the tiny model built with warm_start_steps={warmed}, not {warm_start_steps}: "
                 "build into another directory (or delete this one)"
             )
         return out
@@ -155,7 +170,12 @@ def build_tiny_model(
         if was_enabled:
             hf_logging.enable_progress_bar()
     (build_bpe_tokenizer if bpe else build_tokenizer)(out, vocab_size)
-    (out / RECORD).write_text(json.dumps({"seed": seed, "vocab_size": vocab_size, "tokenizer": tokenizer}))
+    if warm_start_steps:
+        from bucketrl.tasks.tiny_warm_start import warm_start
+
+        warm_start(out, warm_start_steps, seed=seed)
+    record = {"seed": seed, "vocab_size": vocab_size, "tokenizer": tokenizer, "warm_start_steps": warm_start_steps}
+    (out / RECORD).write_text(json.dumps(record))
     return out
 
 

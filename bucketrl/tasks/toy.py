@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from bucketrl.wire import RunSpec
 
-from bucketrl.numerals import normalise_numerals
+from bucketrl.numerals import EASTERN_DIGITS, eastern, normalise_numerals
 from bucketrl.tasks.tiny_model import VOCAB_SIZE
 from bucketrl.wire import DatasetSpec, EnvSpec, EpisodeSpec, LoraSpec, RewardSpec, RunSpec, SamplingSpec
 
@@ -68,13 +68,18 @@ TASKS = ("digits", "parity", "copy", "tools", "arabic-math")
 PREFILL: dict[str, str] = {"arabic-math": "\\boxed{"}
 # Chat-format toy tasks (through the chat template): the rest are plain prompts the model continues as written.
 CHAT_TASKS = frozenset(PREFILL)
-EASTERN_DIGITS = "٠١٢٣٤٥٦٧٨٩"
 # Tokens a max_new_tokens budget of the Arabic task must hold: a digit (one token for an Eastern digit, two bytes for a
 # Persian one), "}" and an end, with room for a second digit.
 ARABIC_MAX_NEW_TOKENS = 6
 ARABIC_DEMO_MAX_STEPS = 300
 # The format (an Eastern digit, then "}") is learnt at the demo's lr; the sums need a faster one to show in minutes.
 ARABIC_DEMO_LR = 1e-3
+# Steps of the built-in model's warm start for this task (bucketrl.tasks.tiny_warm_start: a random model does not
+# learn sums from a reward); ~45-75 s on 2 cores, the loss ~0.3 by then (the corpus and the table learnt).
+ARABIC_WARM_START_STEPS = 600
+# The warm-started model is sure of itself: at 0.2 every sample of a group is the same answer and a group has no
+# signal; at 1.0 its samples still differ in the answer digit (docs/arabic.md).
+ARABIC_TEMPERATURE = 1.0
 # Partial credit of arabic_math_reward: an Eastern Arabic digit first, the right number, the box closed after it.
 ARABIC_CREDIT = {"system": 0.3, "value": 0.5, "closed": 0.2}
 # Multi-turn toy tasks: their environment (run spec env.name) and episode limits.
@@ -94,11 +99,6 @@ _EOS = "<|endoftext|>"
 _IM_END = "<|im_end|>"
 _DIGITS = frozenset(string.digits)
 _LETTERS = frozenset(string.ascii_lowercase)
-
-
-def eastern(n: int) -> str:
-    """``n`` (>= 0) in Eastern Arabic digits."""
-    return "".join(EASTERN_DIGITS[int(d)] for d in str(n))
 
 
 def _example(task: str, rng: random.Random) -> dict[str, Any]:
@@ -223,7 +223,10 @@ def default_run_spec(model_dir: str | Path, *, task: str = DEFAULT_TASK, size: i
         group_size=8,
         max_staleness=4,
         sampling=SamplingSpec(
-            temperature=0.2, top_p=1.0, top_k=-1, max_new_tokens=ARABIC_MAX_NEW_TOKENS if arabic else DEFAULT_LENGTH
+            temperature=ARABIC_TEMPERATURE if arabic else 0.2,
+            top_p=1.0,
+            top_k=-1,
+            max_new_tokens=ARABIC_MAX_NEW_TOKENS if arabic else DEFAULT_LENGTH,
         ),
         # toy:tools' environment scores its episodes; the digits reward would score an answer it left unscored.
         reward=RewardSpec(

@@ -226,7 +226,7 @@ class LocalCluster:
                 # only in a generator's log, ~20 s in, after every service had started).
                 preflight.check_env(probe.env)
         if model_dir is not None:
-            self.model_dir = build_tiny_model(model_dir)
+            self.model_dir = build_tiny_model(model_dir, warm_start_steps=cfg.warm_start_steps())
         if cfg.preflight:
             report = self._preflight(probe, examples, cfg)
             report.reward_value = reward_value

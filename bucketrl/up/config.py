@@ -17,6 +17,7 @@ from bucketrl.tasks.tiny_model import VOCAB_SIZE
 from bucketrl.tasks.toy import (
     ARABIC_DEMO_LR,
     ARABIC_DEMO_MAX_STEPS,
+    ARABIC_WARM_START_STEPS,
     DEFAULT_SIZE,
     DEFAULT_TASK,
     DEMO_LR,
@@ -254,6 +255,10 @@ class UpConfig(BaseModel):
                 self.dataset_uri, DEMO_MAX_STEPS
             )
         return 200
+
+    def warm_start_steps(self) -> int:
+        """The built-in model's warm start (toy:arabic-math's: a random model does not learn sums from a reward)."""
+        return ARABIC_WARM_START_STEPS if self.builtin_model and self.dataset_uri == "toy:arabic-math" else 0
 
     def effective_lr(self) -> float:
 

@@ -15,6 +15,8 @@ from bucketrl.tasks.toy import (
     ARABIC_DEMO_LR,
     ARABIC_DEMO_MAX_STEPS,
     ARABIC_MAX_NEW_TOKENS,
+    ARABIC_TEMPERATURE,
+    ARABIC_WARM_START_STEPS,
     EASTERN_DIGITS,
     arabic_math_reward,
     default_run_spec,
@@ -88,3 +90,8 @@ def test_up_and_the_run_spec_wire_the_task(tmp_path: Path) -> None:
     up_spec = build_run_spec(cfg, tmp_path / "model")
     assert up_spec["dataset"]["uri"] == "toy:arabic-math" and up_spec["reward"]["kwargs"] == {"task": "arabic-math"}
     assert cfg.effective_max_steps() == ARABIC_DEMO_MAX_STEPS and cfg.effective_lr() == ARABIC_DEMO_LR
+    # The task starts from the warm-started built-in model and samples at its own temperature; nothing else does.
+    assert up_spec["sampling"]["temperature"] == ARABIC_TEMPERATURE != default_run_spec("m").sampling.temperature
+    assert cfg.warm_start_steps() == ARABIC_WARM_START_STEPS > 0
+    assert UpConfig(dir=tmp_path / "run", dataset="toy:digits").warm_start_steps() == 0
+    assert UpConfig(dir=tmp_path / "run", dataset="toy:arabic-math", model="/some/model").warm_start_steps() == 0

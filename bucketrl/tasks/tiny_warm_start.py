@@ -9,14 +9,15 @@ never a question in the task's form: not the chat template, not ``\\boxed{``, no
 What the run then learns is to answer the chat-form question in the box, in Eastern Arabic digits.
 
 The text: the tokenizer's shipped corpus (:func:`bucketrl.tasks.tiny_tokenizer.corpus_lines`) and ``a + b = s`` for
-a, b in 0-9, in Western and in Eastern Arabic digits. The same model for a seed on one machine.
+a, b in 0-9, in Western and in Eastern Arabic digits. The same model for a seed.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +55,28 @@ def warm_start(
     (default :func:`warm_start_text`), AdamW at :data:`LR` decaying linearly to 0, and save it in place. Returns the
     last step's loss."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if steps < 1:
         raise ValueError(f"warm start steps must be >= 1, got {steps}")
+    threads = torch.get_num_threads()
+    # One thread: as fast for a model this small, never spinning against the other processes of a loaded machine,
+    # and the same sums on any machine (the model is the same for a seed).
+    torch.set_num_threads(1)
+    try:
+        return _train(model_dir, steps, seed, lines or warm_start_text(), log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(model_dir: Path, steps: int, seed: int, lines: list[str], log: Callable[[str], None] | None) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    encoded = [tok(line)["input_ids"] + [tok.eos_token_id] for line in (lines or warm_start_text())]
+    with _quiet():
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    encoded = [tok(line)["input_ids"] + [tok.eos_token_id] for line in lines]
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     rng = random.Random(seed)
     t0 = time.monotonic()
@@ -77,7 +92,8 @@ def warm_start(
             group["lr"] = LR * (1 - step / steps)
         if log and (step % 100 == 0 or step == steps - 1):
             log(f"warm start step {step + 1}/{steps}: loss {loss.item():.3f} ({time.monotonic() - t0:.0f} s)")
-    _save_quietly(model, model_dir)
+    with _quiet():
+        model.save_pretrained(model_dir, safe_serialization=True)
     return float(loss.item())
 
 
@@ -92,13 +108,15 @@ def _batch(rows: list[list[int]], pad: int) -> tuple[Any, Any]:
     return ids, labels
 
 
-def _save_quietly(model: Any, out: Path) -> None:
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """No progress bars: one small shard's are noise in `bucketrl up`'s start-up lines."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(out, safe_serialization=True)
+        yield
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()

@@ -71,7 +71,7 @@ CHAT_TASKS = frozenset(PREFILL)
 # Tokens a max_new_tokens budget of the Arabic task must hold: a digit (one token for an Eastern digit, two bytes for a
 # Persian one), "}" and an end, with room for a second digit.
 ARABIC_MAX_NEW_TOKENS = 6
-ARABIC_DEMO_MAX_STEPS = 300
+ARABIC_DEMO_MAX_STEPS = 800
 # The format (an Eastern digit, then "}") is learnt at the demo's lr; the sums need a faster one to show in minutes.
 ARABIC_DEMO_LR = 1e-3
 # Steps of the built-in model's warm start for this task (bucketrl.tasks.tiny_warm_start: a random model does not

@@ -418,6 +418,7 @@ class LocalCluster:
             "BUCKETRL_RUN_SPEC": str(self.spec_path(run)),
             "BUCKETRL_LR": repr(cfg.effective_lr()),
             "BUCKETRL_MAX_STEPS": str(cfg.effective_max_steps()),
+            **({"BUCKETRL_LR_SCHEDULE": schedule} if (schedule := cfg.demo_lr_schedule()) else {}),
             "BUCKETRL_SYNC_EVERY": str(cfg.sync_every),
             "BUCKETRL_CHECKPOINT_EVERY": str(cfg.checkpoint_every),
             "BUCKETRL_SEED": str(cfg.seed),

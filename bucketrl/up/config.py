@@ -8,6 +8,7 @@ toy ``digits`` task (:mod:`bucketrl.tasks.toy`), lr ``DEMO_LR`` for ``DEMO_MAX_S
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -259,6 +260,12 @@ class UpConfig(BaseModel):
     def warm_start_steps(self) -> int:
         """The built-in model's warm start (toy:arabic-math's: a random model does not learn sums from a reward)."""
         return ARABIC_WARM_START_STEPS if self.builtin_model and self.dataset_uri == "toy:arabic-math" else 0
+
+    def demo_lr_schedule(self) -> str | None:
+        """toy:arabic-math's lr decays linearly to 0 (at a constant lr its policy collapsed onto one digit after
+        ~650 of 800 steps in one of two runs); a BUCKETRL_LR_SCHEDULE of the user's own wins, as for every task."""
+        arabic = self.is_demo and self.dataset_uri == "toy:arabic-math"
+        return "linear" if arabic and "BUCKETRL_LR_SCHEDULE" not in os.environ else None
 
     def effective_lr(self) -> float:
 

@@ -58,9 +58,7 @@ def run_up(cfg: UpConfig, console: Console | None = None, live: bool | None = No
     runs = ", ".join(cluster.runs)
     what = f"run [cyan]{runs}[/]" if cfg.runs is None else f"runs [cyan]{runs}[/] on one generator pool"
     console.print(f"[bold]bucketrl up[/] {what} in {cluster.dir}", soft_wrap=True)
-    warm = (
-        f" (a {cfg.warm_start_steps()}-step warm start of the built-in model, ~1 min)" if cfg.warm_start_steps() else ""
-    )
+    warm = " (its warm start: ~1 min)" if cfg.warm_start_steps() else ""
     console.print(f"  checking   model{warm}, dataset, LoRA targets, context, reward…")
     try:
         cluster.prepare()  # the preflight: a ConfigError here stops before any process starts

@@ -93,5 +93,8 @@ def test_up_and_the_run_spec_wire_the_task(tmp_path: Path) -> None:
     # The task starts from the warm-started built-in model and samples at its own temperature; nothing else does.
     assert up_spec["sampling"]["temperature"] == ARABIC_TEMPERATURE != default_run_spec("m").sampling.temperature
     assert cfg.warm_start_steps() == ARABIC_WARM_START_STEPS > 0
+    assert (
+        cfg.demo_lr_schedule() == "linear" and UpConfig(dir=tmp_path, dataset="toy:digits").demo_lr_schedule() is None
+    )
     assert UpConfig(dir=tmp_path / "run", dataset="toy:digits").warm_start_steps() == 0
     assert UpConfig(dir=tmp_path / "run", dataset="toy:arabic-math", model="/some/model").warm_start_steps() == 0

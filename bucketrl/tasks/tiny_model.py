@@ -159,16 +159,8 @@ def build_tiny_model(
     # With the BPE's ChatML template, end-of-turn also ends a completion (as it does for Qwen2.5).
     model.generation_config.eos_token_id = [ids[EOS], ids[tiny_tokenizer.IM_END]] if bpe else ids[EOS]
     model.generation_config.pad_token_id = ids[PAD]
-    from transformers.utils import logging as hf_logging
-
-    # Quietly: a progress bar for one small shard is noise in `bucketrl up`'s start-up lines.
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
+    with tiny_warm_start.quiet_progress():  # one small shard's progress bar is noise in `bucketrl up`'s lines
         model.save_pretrained(out, safe_serialization=True)
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
     (build_bpe_tokenizer if bpe else build_tokenizer)(out, vocab_size)
     if warm_start_steps:
         tiny_warm_start.warm_start(out, warm_start_steps, seed=seed)

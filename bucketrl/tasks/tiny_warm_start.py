@@ -74,7 +74,7 @@ def _train(model_dir: Path, steps: int, seed: int, lines: list[str], log: Callab
 
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    with _quiet():
+    with quiet_progress():
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     encoded = [tok(line)["input_ids"] + [tok.eos_token_id] for line in lines]
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
@@ -92,7 +92,7 @@ def _train(model_dir: Path, steps: int, seed: int, lines: list[str], log: Callab
             group["lr"] = LR * (1 - step / steps)
         if log and (step % 100 == 0 or step == steps - 1):
             log(f"warm start step {step + 1}/{steps}: loss {loss.item():.3f} ({time.monotonic() - t0:.0f} s)")
-    with _quiet():
+    with quiet_progress():
         model.save_pretrained(model_dir, safe_serialization=True)
     return float(loss.item())
 
@@ -109,7 +109,7 @@ def _batch(rows: list[list[int]], pad: int) -> tuple[Any, Any]:
 
 
 @contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_progress() -> Iterator[None]:
     """No progress bars: one small shard's are noise in `bucketrl up`'s start-up lines."""
     from transformers.utils import logging as hf_logging
 

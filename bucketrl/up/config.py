@@ -257,15 +257,18 @@ class UpConfig(BaseModel):
             )
         return 200
 
+    @property
+    def _arabic_demo(self) -> bool:
+        return self.is_demo and self.dataset_uri == "toy:arabic-math"
+
     def warm_start_steps(self) -> int:
         """The built-in model's warm start (toy:arabic-math's: a random model does not learn sums from a reward)."""
-        return ARABIC_WARM_START_STEPS if self.builtin_model and self.dataset_uri == "toy:arabic-math" else 0
+        return ARABIC_WARM_START_STEPS if self._arabic_demo else 0
 
     def demo_lr_schedule(self) -> str | None:
         """toy:arabic-math's lr decays linearly to 0 (at a constant lr its policy collapsed onto one digit after
         ~650 of 800 steps in one of two runs); a BUCKETRL_LR_SCHEDULE of the user's own wins, as for every task."""
-        arabic = self.is_demo and self.dataset_uri == "toy:arabic-math"
-        return "linear" if arabic and "BUCKETRL_LR_SCHEDULE" not in os.environ else None
+        return "linear" if self._arabic_demo and "BUCKETRL_LR_SCHEDULE" not in os.environ else None
 
     def effective_lr(self) -> float:
 
